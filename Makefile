@@ -1,0 +1,31 @@
+# Two commands: `make bench` (the main job) and `make test` (the whole suite).
+# Both create .venv on first use. torch==2.13.0 is installed first and on its own:
+# a torch range that admits a newer release makes pip download a multi-GB CUDA build.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup bench test docs clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[all]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+bench: $(STAMP)
+	$(BIN)/torch-r3 bench
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+	$(BIN)/mkdocs build --strict --site-dir site
+
+docs: $(STAMP)
+	$(BIN)/mkdocs serve
+
+clean:
+	rm -rf $(VENV) site build src/*.egg-info
