@@ -1,0 +1,57 @@
+"""Routed-expert replay (R3) plumbing for PyTorch and Megatron RL trainers.
+
+``import torch_r3`` stays quick and imports neither Megatron nor aiohttp: the
+client, codec and trace names are resolved on first use, and the Megatron hook
+lives in :mod:`torch_r3.megatron`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from torch_r3.routes import CANONICAL_DTYPES, canonical_dtype_for, compact_routes
+from torch_r3.collate import R3Collator, collate_routes
+
+__version__ = "0.1.0"
+
+# name -> module that defines it; imported lazily (PEP 562) so that the core
+# import never pulls in aiohttp.
+_LAZY = {
+    "encode_routes": "torch_r3.codec",
+    "decode_routes": "torch_r3.codec",
+    "decode_sglang_routes": "torch_r3.codec",
+    "RoutedExpertTrace": "torch_r3.trace",
+    "TokenMetadataTrace": "torch_r3.trace",
+    "RemoteGenerateClient": "torch_r3.client",
+    "RemoteGenerateResult": "torch_r3.client",
+    "RemoteGenerateError": "torch_r3.client",
+}
+
+__all__ = [
+    "CANONICAL_DTYPES",
+    "R3Collator",
+    "canonical_dtype_for",
+    "collate_routes",
+    "compact_routes",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torch_r3' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch_r3.client import RemoteGenerateClient, RemoteGenerateError, RemoteGenerateResult
+    from torch_r3.codec import decode_routes, decode_sglang_routes, encode_routes
+    from torch_r3.trace import RoutedExpertTrace, TokenMetadataTrace

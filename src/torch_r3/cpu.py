@@ -1,0 +1,239 @@
+"""How many CPUs this process may really use, inside a container.
+
+``os.cpu_count()`` reports the host's CPUs. A container is limited twice over:
+by its affinity mask (cpusets) and by its CFS bandwidth quota (``docker run
+--cpus=1.5``), which the kernel only exposes through cgroup files. Sizing a
+thread pool from the host count oversubscribes the quota and the pool gets
+throttled, so every pool in torch_r3 is sized from :func:`usable_cpus`.
+
+Every function takes ``root``, the file-system root to read ``/proc`` and
+``/sys/fs/cgroup`` under, so that tests can build fake trees.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "CgroupQuota",
+    "DEFAULT_POOL_CAP",
+    "ENV_NUM_WORKERS",
+    "affinity_cpus",
+    "cgroup_cpu_limit",
+    "cgroup_quotas",
+    "pool_workers",
+    "usable_cpus",
+]
+
+#: Environment variable that overrides :func:`pool_workers`.
+ENV_NUM_WORKERS = "TORCH_R3_NUM_WORKERS"
+#: Past about 8 threads, first-touch page faults of a fresh output buffer contend
+#: on the kernel's memory-map lock and the pool gets slower, not faster.
+DEFAULT_POOL_CAP = 8
+
+
+@dataclass(frozen=True)
+class CgroupQuota:
+    """One CPU quota found on the path from this process's cgroup to its mount root."""
+
+    path: str  # the cgroup directory, as seen under ``root``
+    version: int  # 1 or 2
+    cpus: float  # quota / period
+
+
+def affinity_cpus() -> int:
+    """CPUs in this process's affinity mask (``os.cpu_count()`` where the OS has none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+_OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
+
+
+def _unescape(field: str) -> str:
+    # mountinfo escapes space, tab, newline and backslash as \ooo.
+    return _OCTAL_ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), field)
+
+
+def _self_cgroups(root: Path) -> tuple[str | None, dict[str, str]]:
+    """(v2 path, {v1 controller: path}) from ``/proc/self/cgroup``."""
+    text = _read(root / "proc/self/cgroup") or ""
+    v2: str | None = None
+    v1: dict[str, str] = {}
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3 or not parts[2].startswith("/"):
+            continue
+        hier, controllers, path = parts
+        if hier == "0" and controllers == "":
+            v2 = path
+        else:
+            for c in controllers.split(","):
+                v1[c] = path
+    return v2, v1
+
+
+def _cgroup_mounts(root: Path) -> list[tuple[str, str, str, set[str]]]:
+    """(fstype, mount root, mount point, super options) of every cgroup mount."""
+    mounts = []
+    for line in (_read(root / "proc/self/mountinfo") or "").splitlines():
+        fields = line.split()
+        try:
+            sep = fields.index("-")
+            mount_root, mount_point = _unescape(fields[3]), _unescape(fields[4])
+            fstype, super_opts = fields[sep + 1], fields[sep + 3]
+        except (ValueError, IndexError):
+            continue
+        if fstype in ("cgroup", "cgroup2"):
+            mounts.append((fstype, mount_root, mount_point, set(super_opts.split(","))))
+    return mounts
+
+
+def _relative(path: str, mount_root: str) -> str | None:
+    """``path`` relative to ``mount_root`` (both absolute cgroup paths), or None if outside."""
+    path, mount_root = path.rstrip("/") or "/", mount_root.rstrip("/") or "/"
+    if mount_root == "/":
+        return path.lstrip("/")
+    if path == mount_root:
+        return ""
+    if path.startswith(mount_root + "/"):
+        return path[len(mount_root) + 1 :]
+    return None
+
+
+def _walk_up(root: Path, mount_point: str, rel: str):
+    """Directories from the process's cgroup up to the mount point, inclusive."""
+    base = root / mount_point.lstrip("/")
+    parts = [p for p in rel.split("/") if p]
+    for n in range(len(parts), -1, -1):
+        yield base.joinpath(*parts[:n])
+
+
+def _v2_quota(directory: Path) -> float | None:
+    text = _read(directory / "cpu.max")
+    if text is None:
+        return None
+    fields = text.split()
+    if len(fields) not in (1, 2) or fields[0] == "max":
+        return None
+    try:
+        quota = int(fields[0])
+        period = int(fields[1]) if len(fields) == 2 else 100_000
+    except ValueError:
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def _v1_quota(directory: Path) -> float | None:
+    quota_text = _read(directory / "cpu.cfs_quota_us")
+    period_text = _read(directory / "cpu.cfs_period_us")
+    if quota_text is None or period_text is None:
+        return None
+    try:
+        quota, period = int(quota_text.strip()), int(period_text.strip())
+    except ValueError:
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def cgroup_quotas(root: str | os.PathLike = "/") -> list[CgroupQuota]:
+    """Every CPU quota on the path from this process's cgroup(s) up to the mount root.
+
+    Reads ``/proc/self/cgroup`` and ``/proc/self/mountinfo`` under ``root`` to
+    find the process's own cgroup directory for cgroup v2 (``cpu.max``) and for
+    v1's ``cpu`` controller (``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``); a
+    hybrid host contributes both. Falls back to ``/sys/fs/cgroup`` when
+    ``mountinfo`` names no cgroup mount. Unreadable or malformed files are
+    skipped, never raised.
+    """
+    root = Path(root)
+    v2_path, v1_paths = _self_cgroups(root)
+    mounts = _cgroup_mounts(root)
+    if not mounts:  # no mountinfo: assume the conventional layout
+        mounts = [("cgroup2", "/", "/sys/fs/cgroup", set())]
+        for name in ("cpu,cpuacct", "cpu"):
+            mounts.append(("cgroup", "/", f"/sys/fs/cgroup/{name}", {"cpu"}))
+    found: list[CgroupQuota] = []
+    seen: set[Path] = set()
+    for fstype, mount_root, mount_point, opts in mounts:
+        if fstype == "cgroup2":
+            version, path, reader = 2, v2_path, _v2_quota
+        elif "cpu" in opts:
+            version, path, reader = 1, v1_paths.get("cpu"), _v1_quota
+        else:
+            continue
+        if path is None:
+            continue
+        rel = _relative(path, mount_root)
+        if rel is None:
+            continue
+        for directory in _walk_up(root, mount_point, rel):
+            if directory in seen:
+                continue
+            seen.add(directory)
+            cpus = reader(directory)
+            if cpus is not None:
+                shown = "/" + str(directory.relative_to(root)) if directory != root else "/"
+                found.append(CgroupQuota(path=shown, version=version, cpus=cpus))
+    return found
+
+
+def cgroup_cpu_limit(root: str | os.PathLike = "/") -> float | None:
+    """The CPU quota that binds this process, e.g. ``1.5``; ``None`` when unlimited or unknown.
+
+    The smallest quota along the path from the process's cgroup up to the
+    mount root (a parent's quota caps its children), over cgroup v2 and v1.
+    """
+    quotas = cgroup_quotas(root)
+    return min(q.cpus for q in quotas) if quotas else None
+
+
+def usable_cpus(root: str | os.PathLike = "/") -> float:
+    """CPUs this process may really use: min(affinity mask, cgroup quota).
+
+    A float, since a quota may be fractional (``--cpus=1.5`` gives ``1.5``).
+    """
+    limit = cgroup_cpu_limit(root)
+    cpus = float(affinity_cpus())
+    return min(cpus, limit) if limit is not None else cpus
+
+
+def pool_workers(
+    cap: int = DEFAULT_POOL_CAP,
+    reserve: int = 0,
+    *,
+    root: str | os.PathLike = "/",
+) -> int:
+    """Threads for a copy pool: ``max(1, min(cap, floor(usable_cpus()) - reserve))``.
+
+    ``TORCH_R3_NUM_WORKERS`` (a positive integer) overrides the computation.
+    One worker means the kernel runs serially on the calling thread.
+    """
+    env = os.environ.get(ENV_NUM_WORKERS)
+    if env is not None and env.strip():
+        try:
+            value = int(env)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise ValueError(f"{ENV_NUM_WORKERS} must be a positive integer, got {env!r}")
+        return value
+    for name, v in (("cap", cap), ("reserve", reserve)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"pool_workers: {name} must be an int, got {type(v).__name__}")
+    if cap < 1 or reserve < 0:
+        raise ValueError(f"pool_workers: need cap >= 1 and reserve >= 0, got cap={cap}, reserve={reserve}")
+    return max(1, min(cap, math.floor(usable_cpus(root)) - reserve))
