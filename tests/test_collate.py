@@ -1,0 +1,486 @@
+"""collate_routes and R3Collator against a plain, obviously-correct reference loop."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch.utils.data import DataLoader
+
+import torch_r3.collate as collate_mod
+from torch_r3 import R3Collator, collate_routes, compact_routes
+
+ORDER = [np.uint8, np.int16, np.int32]
+LIMIT = {np.uint8: 256, np.int16: 2**15, np.int32: 2**31}
+
+
+# ---------------------------------------------------------------------------
+# The reference: one position at a time, straight from DESIGN.md.
+# ---------------------------------------------------------------------------
+
+
+def ref_pad_row(t, L, K, padding, E):
+    if padding == "arange":
+        row = list(range(K))
+    else:
+        row = [(t * K + j) % E for j in range(K)]
+    return np.array([row] * L)
+
+
+def reference(routes, counts, *, layout="padded", pad_to=None, padding="arange", E=None):
+    L, K = routes[0].shape[1:]
+    dtype = ORDER[max(ORDER.index(r.dtype.type) for r in routes)]
+    B = len(routes)
+    if layout == "padded":
+        T = max(counts)
+        if pad_to:
+            while T % pad_to:
+                T += 1
+        out = np.zeros((B, T, L, K), dtype)
+        mask = np.zeros((B, T), bool)
+        att = np.zeros((B, T), np.int64)
+        for i in range(B):
+            s = T - counts[i]
+            r = routes[i].shape[0]
+            for t in range(T):
+                if s <= t < s + r:
+                    out[i, t] = routes[i][t - s]
+                else:
+                    out[i, t] = ref_pad_row(t, L, K, padding, E)
+                    mask[i, t] = True
+                att[i, t] = 1 if t >= s else 0
+        return {"rollout_expert_indices": out, "router_padding_mask": mask, "attention_mask": att}
+    rows_out, mask, cu = [], [], [0]
+    t = 0
+    for i in range(B):
+        for j in range(counts[i]):
+            if j < routes[i].shape[0]:
+                rows_out.append(routes[i][j])
+                mask.append(False)
+            else:
+                rows_out.append(ref_pad_row(t, L, K, padding, E))
+                mask.append(True)
+            t += 1
+        cu.append(cu[-1] + counts[i])
+    return {
+        "rollout_expert_indices": np.array(rows_out, dtype).reshape(-1, L, K),
+        "router_padding_mask": np.array(mask, bool),
+        "cu_seqlens": np.array(cu, np.int32),
+    }
+
+
+def assert_batch_equal(got, want):
+    assert set(got) == set(want)
+    for k, v in want.items():
+        expected = torch.from_numpy(np.ascontiguousarray(v))
+        assert got[k].dtype == expected.dtype, k
+        assert torch.equal(got[k], expected), k
+
+
+def make_routes(rng, rows, L, K, dtype):
+    return rng.integers(0, min(LIMIT[dtype], 300), size=(rows, L, K)).astype(dtype)
+
+
+@pytest.fixture
+def force_pool(monkeypatch):
+    """Send even small batches through the thread pool (its threshold is a size)."""
+    monkeypatch.setattr(collate_mod, "_SERIAL_BELOW_BYTES", 0)
+
+
+# ---------------------------------------------------------------------------
+# collate_routes
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("padding", ["arange", "balanced"])
+@pytest.mark.parametrize("dtypes", [[np.uint8] * 3, [np.int16] * 3, [np.int32] * 3, [np.uint8, np.int16, np.uint8], [np.int32, np.uint8, np.int16]])
+def test_matches_reference_for_every_layout_padding_and_dtype_mix(layout, padding, dtypes):
+    rng = np.random.default_rng(0)
+    counts = [5, 9, 1]
+    rows = [4, 9, 0]  # uncaptured tail, fully captured, nothing captured
+    routes = [make_routes(rng, r, 3, 2, d) for r, d in zip(rows, dtypes)]
+    kw = dict(layout=layout, padding=padding, num_experts=5 if padding == "balanced" else None)
+    got = collate_routes(routes, counts, **kw)
+    assert_batch_equal(got, reference(routes, counts, layout=layout, padding=padding, E=kw["num_experts"]))
+
+
+def test_mixed_batch_promotes_to_widest_dtype_by_dtype_alone():
+    # Small values in an int32 array: the dtype, not the values, decides.
+    a = np.zeros((1, 1, 1), np.uint8)
+    b = np.ones((1, 1, 1), np.int32)
+    assert collate_routes([a, b], [1, 1])["rollout_expert_indices"].dtype == torch.int32
+
+
+@pytest.mark.parametrize("multiple", [1, 4, 16])
+def test_pad_to_multiple_of_rounds_T_up(multiple):
+    rng = np.random.default_rng(1)
+    routes = [make_routes(rng, 3, 2, 2, np.uint8), make_routes(rng, 6, 2, 2, np.uint8)]
+    got = collate_routes(routes, [5, 7], pad_to_multiple_of=multiple)
+    assert_batch_equal(got, reference(routes, [5, 7], pad_to=multiple))
+
+
+def test_read_only_and_non_contiguous_inputs_are_valid():
+    rng = np.random.default_rng(2)
+    base = make_routes(rng, 8, 4, 6, np.int16)
+    view = base[::2, ::2, 1::2]  # strided in every dim
+    ro = make_routes(rng, 3, 2, 3, np.int16)
+    ro.flags.writeable = False
+    assert not view.flags.c_contiguous
+    got = collate_routes([view, ro], [4, 5])
+    assert_batch_equal(got, reference([view, ro], [4, 5]))
+
+
+def test_cpu_tensors_are_accepted_like_arrays():
+    rng = np.random.default_rng(3)
+    a = make_routes(rng, 2, 2, 2, np.uint8)
+    got = collate_routes([torch.from_numpy(a)], [3])
+    assert_batch_equal(got, reference([a], [3]))
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_pool_path_matches_reference(layout, force_pool):
+    rng = np.random.default_rng(4)
+    counts = [int(x) for x in rng.integers(1, 70, size=40)]
+    routes = [make_routes(rng, max(n - 1, 0), 4, 8, np.uint8) for n in counts]
+    got = collate_routes(routes, counts, layout=layout, workers=3)
+    assert 2 in collate_mod._pools  # the caller plus two pool threads really ran
+    assert_batch_equal(got, reference(routes, counts, layout=layout))
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_out_buffer_is_fully_overwritten(layout):
+    rng = np.random.default_rng(5)
+    routes = [make_routes(rng, 2, 2, 3, np.int16), make_routes(rng, 4, 2, 3, np.uint8)]
+    counts = [3, 4]
+    first = collate_routes(routes, counts, layout=layout)
+    # Garbage in every byte of caller-owned buffers: all of it must be replaced.
+    out = {k: torch.full_like(v, 77) if v.dtype != torch.bool else torch.ones_like(v) for k, v in first.items()}
+    out["rollout_expert_indices"].fill_(77)
+    got = collate_routes(routes, counts, layout=layout, out=out)
+    for k in out:
+        assert got[k].data_ptr() == out[k].data_ptr()
+    assert_batch_equal(got, reference(routes, counts, layout=layout))
+    # A bare tensor means the routes buffer.
+    buf = torch.full_like(first["rollout_expert_indices"], 99)
+    got = collate_routes(routes, counts, layout=layout, out=buf)
+    assert got["rollout_expert_indices"].data_ptr() == buf.data_ptr()
+    assert_batch_equal(got, reference(routes, counts, layout=layout))
+
+
+def test_pin_memory_never_raises_without_an_accelerator():
+    routes = [np.zeros((1, 1, 2), np.uint8)]
+    assert not collate_routes(routes, [2])["rollout_expert_indices"].is_pinned()
+    if torch.cuda.is_available():
+        assert collate_routes(routes, [2], pin_memory=True)["rollout_expert_indices"].is_pinned()
+    else:
+        with pytest.warns(UserWarning, match="no accelerator"):
+            got = collate_routes(routes, [2], pin_memory=True)
+        assert not got["rollout_expert_indices"].is_pinned()
+    assert not collate_routes(routes, [2], pin_memory=False)["rollout_expert_indices"].is_pinned()
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_property_random_batches_match_reference(data):
+    B = data.draw(st.integers(1, 5))
+    L = data.draw(st.integers(1, 3))
+    K = data.draw(st.integers(1, 4))
+    layout = data.draw(st.sampled_from(["padded", "packed"]))
+    padding = data.draw(st.sampled_from(["arange", "balanced"]))
+    E = data.draw(st.integers(K, K + 9))
+    pad_to = data.draw(st.sampled_from([None, 1, 3, 8])) if layout == "padded" else None
+    counts, routes = [], []
+    for _ in range(B):
+        n = data.draw(st.integers(1, 12))
+        r = data.draw(st.integers(0, n))
+        dtype = data.draw(st.sampled_from(ORDER))
+        seed = data.draw(st.integers(0, 2**16))
+        counts.append(n)
+        routes.append(make_routes(np.random.default_rng(seed), r, L, K, dtype))
+    got = collate_routes(routes, counts, layout=layout, padding=padding, num_experts=E, pad_to_multiple_of=pad_to)
+    assert_batch_equal(got, reference(routes, counts, layout=layout, pad_to=pad_to, padding=padding, E=E))
+
+
+def test_balanced_padding_uses_every_expert_and_distinct_experts_per_row():
+    got = collate_routes([np.zeros((0, 1, 3), np.uint8)], [8], padding="balanced", num_experts=6)
+    rows = got["rollout_expert_indices"][0, :, 0]
+    assert all(len(set(r.tolist())) == 3 for r in rows)
+    assert set(rows.flatten().tolist()) == set(range(6))
+
+
+# ---------------------------------------------------------------------------
+# Bad input
+# ---------------------------------------------------------------------------
+
+GOOD = np.zeros((2, 3, 2), np.uint8)
+
+
+@pytest.mark.parametrize(
+    "routes, counts, kwargs, exc, match",
+    [
+        ([], [], {}, ValueError, "empty batch"),
+        ([GOOD, [[[1, 2]]]], [2, 2], {}, TypeError, r"routes\[1\]: expected a NumPy array"),
+        ([GOOD, GOOD.astype(np.float32)], [2, 2], {}, ValueError, r"routes\[1\]: expected a canonical dtype.*float32"),
+        ([GOOD.astype(bool)], [2], {}, ValueError, r"routes\[0\].*bool"),
+        ([GOOD, GOOD.astype(np.int64)], [2, 2], {}, ValueError, r"routes\[1\].*int64"),
+        ([GOOD.astype(np.uint16)], [2], {}, ValueError, r"routes\[0\].*uint16"),
+        ([GOOD, GOOD.astype(">i2")], [2, 2], {}, ValueError, r"routes\[1\].*>i2"),
+        ([GOOD, np.zeros((2, 4, 2), np.uint8)], [2, 2], {}, ValueError, r"routes\[1\]: expected \[rows, 3, 2\]"),
+        ([np.zeros((2, 3, 0), np.uint8)], [2], {}, ValueError, "topk must be > 0"),
+        ([GOOD, np.zeros((2, 3), np.uint8)], [2, 2], {}, ValueError, r"routes\[1\]: expected shape \[rows, layers, topk\]"),
+        ([GOOD, GOOD], [2, 1], {}, ValueError, r"routes\[1\]: 2 route rows for 1 tokens"),
+        ([GOOD, GOOD], [2, 0], {}, ValueError, r"token_counts\[1\]: expected a positive"),
+        ([GOOD, GOOD], [2, -3], {}, ValueError, r"token_counts\[1\]: expected a positive"),
+        ([GOOD, GOOD], [2, 2.0], {}, TypeError, r"token_counts\[1\]: expected an int"),
+        ([GOOD, GOOD], [2, True], {}, TypeError, r"token_counts\[1\]: expected an int"),
+        ([GOOD, GOOD], [2], {}, ValueError, "expected 2 counts"),
+        ([GOOD], [2], {"padding": "balanced"}, ValueError, "needs num_experts"),
+        ([GOOD], [2], {"padding": "balanced", "num_experts": 1}, ValueError, "num_experts >= topk"),
+        ([GOOD], [2], {"padding": "zeros"}, ValueError, "padding must be one of"),
+        ([GOOD], [2], {"layout": "ragged"}, ValueError, "layout must be one of"),
+        ([GOOD], [2], {"pad_to_multiple_of": 0}, ValueError, "pad_to_multiple_of must be >= 1"),
+        ([GOOD], [2], {"layout": "packed", "pad_to_multiple_of": 8}, ValueError, "padded' only"),
+        ([GOOD], [2], {"workers": 0}, ValueError, "workers must be >= 1"),
+        ([GOOD], [2], {"out": torch.empty(1, 3, 3, 2, dtype=torch.uint8)}, ValueError, r"out\['rollout_expert_indices'\]: expected shape \[1, 2, 3, 2\]"),
+        ([GOOD], [2], {"out": torch.empty(1, 2, 3, 2, dtype=torch.int16)}, ValueError, "dtype torch.uint8"),
+        ([GOOD], [2], {"out": {"bogus": torch.empty(1)}}, ValueError, "unexpected key 'bogus'"),
+        ([GOOD], [2], {"out": np.empty((1, 2, 3, 2), np.uint8)}, TypeError, "out: expected a tensor"),
+        (GOOD, [2, 2], {}, TypeError, "routes: expected a sequence"),
+    ],
+)
+def test_bad_input_is_rejected_with_a_message_naming_the_sample(routes, counts, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        collate_routes(routes, counts, **kwargs)
+
+
+# ---------------------------------------------------------------------------
+# compact_routes (sender side)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "max_id, dtype", [(0, np.uint8), (255, np.uint8), (256, np.int16), (2**15 - 1, np.int16), (2**15, np.int32), (2**31 - 1, np.int32)]
+)
+@pytest.mark.parametrize("src", [np.int64, np.uint64, np.int32])
+def test_compact_routes_picks_the_narrowest_canonical_dtype(max_id, dtype, src):
+    if max_id > np.iinfo(src).max:
+        pytest.skip("does not fit the source dtype")
+    a = np.array([[[max_id, 0]], [[1, 2]]], dtype=src)
+    got = compact_routes(a)
+    assert got.dtype == dtype and got.flags.c_contiguous and got.flags.writeable
+    assert np.array_equal(got.astype(np.int64), a.astype(np.int64))
+
+
+def test_compact_routes_accepts_tensors_and_copies():
+    t = torch.tensor([[[3, 1]]], dtype=torch.int64, requires_grad=False)
+    got = compact_routes(t)
+    assert got.dtype == np.uint8 and got.tolist() == [[[3, 1]]]
+    src = np.array([[[1, 2]]], np.uint8)
+    out = compact_routes(src)
+    out[0, 0, 0] = 9
+    assert src[0, 0, 0] == 1  # never aliases the caller's buffer
+
+
+@pytest.mark.parametrize(
+    "bad, exc, match",
+    [
+        (np.zeros((1, 1, 1), np.float32), TypeError, "integer dtype"),
+        (np.zeros((1, 1, 1), bool), TypeError, "integer dtype"),
+        (np.zeros((1, 1), np.int64), ValueError, "2-D"),
+        (np.array([[[-1, 2]]]), ValueError, ">= 0, found -1"),
+        (np.array([[[2**31, 2]]]), ValueError, "< 2\\*\\*31"),
+        ([[[1, 2]]], TypeError, "NumPy array or torch.Tensor"),
+        (torch.zeros(1, 1, 1), TypeError, "integer tensor"),
+        (np.zeros((1, 0, 2), np.int64), ValueError, "layers and topk must be > 0"),
+    ],
+)
+def test_compact_routes_rejects_bad_input(bad, exc, match):
+    with pytest.raises(exc, match=match):
+        compact_routes(bad)
+
+
+# ---------------------------------------------------------------------------
+# R3Collator
+# ---------------------------------------------------------------------------
+
+
+def make_samples(seed=0, n_samples=6, L=3, K=2, big=False):
+    rng = np.random.default_rng(seed)
+    samples = []
+    for i in range(n_samples):
+        n = int(rng.integers(1, 400 if big else 12))
+        r = int(rng.integers(0, n + 1))
+        dtype = ORDER[i % 2]  # mix uint8 and int16
+        samples.append(
+            {
+                "input_ids": rng.integers(1, 1000, size=n).tolist() if i % 3 else torch.from_numpy(rng.integers(1, 1000, size=n)),
+                "routes": make_routes(rng, r, L, K, dtype),
+                "loss_mask": rng.integers(0, 2, size=n).astype(np.float32),
+                "reward": float(rng.random()),
+                "uid": i,
+            }
+        )
+    return samples
+
+
+def reference_collator(samples, pad_token_id=0, layout="padded"):
+    routes = [s["routes"] for s in samples]
+    counts = [len(s["input_ids"]) for s in samples]
+    want = reference(routes, counts, layout=layout)
+    ids = [np.asarray(s["input_ids"], np.int64) for s in samples]
+    lm = [np.asarray(s["loss_mask"], np.float32) for s in samples]
+    if layout == "padded":
+        T = max(counts)
+        want["input_ids"] = np.array([[pad_token_id] * (T - len(x)) + list(x) for x in ids], np.int64)
+        want["loss_mask"] = np.array([[0.0] * (T - len(x)) + list(x) for x in lm], np.float32)
+    else:
+        want["input_ids"] = np.concatenate(ids)
+        want["loss_mask"] = np.concatenate(lm)
+    want["reward"] = np.array([s["reward"] for s in samples], np.float64)
+    want["uid"] = np.array([s["uid"] for s in samples], np.int64)
+    return want
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_collator_matches_reference(layout):
+    samples = make_samples()
+    got = R3Collator(pad_token_id=7, pad_keys={"loss_mask": 0.0}, layout=layout)(samples)
+    assert_batch_equal(got, reference_collator(samples, pad_token_id=7, layout=layout))
+
+
+def test_collator_custom_keys():
+    rng = np.random.default_rng(0)
+    samples = [{"tok": [1, 2, 3], "r": make_routes(rng, 2, 1, 1, np.uint8)}, {"tok": [4], "r": make_routes(rng, 0, 1, 1, np.uint8)}]
+    got = R3Collator(routes_key="r", tokens_key="tok", pad_token_id=-1)(samples)
+    assert got["input_ids"].tolist() == [[1, 2, 3], [-1, -1, 4]]
+    assert "tok" not in got and "r" not in got
+
+
+@pytest.mark.parametrize(
+    "mutate, exc, match",
+    [
+        (lambda s: s[1].pop("routes"), ValueError, "sample 1: missing key 'routes'"),
+        (lambda s: s[2].pop("input_ids"), ValueError, "sample 2: missing key 'input_ids'"),
+        (lambda s: s[1].__setitem__("loss_mask", np.zeros(99, np.float32)), ValueError, "sample 1: 'loss_mask' has 99 entries"),
+        (lambda s: s[0].__setitem__("input_ids", [1.5, 2.5]), TypeError, "sample 0: 'input_ids' must hold integer"),
+        (lambda s: s[0].__setitem__("input_ids", []), ValueError, "sample 0: 'input_ids' is empty"),
+        (lambda s: s[3].__setitem__("input_ids", "abc"), TypeError, "sample 3: 'input_ids' must be a list"),
+        (lambda s: s[1].__setitem__("routes", s[1]["routes"].astype(np.int64)), ValueError, r"routes\[1\].*int64.*'routes'"),
+        (lambda s: s[4].__setitem__("extra", 1), ValueError, "sample 4: keys differ"),
+        (lambda s: s.__setitem__(2, [1, 2]), TypeError, "sample 2: expected a mapping"),
+    ],
+)
+def test_collator_bad_input(mutate, exc, match):
+    samples = make_samples()
+    mutate(samples)
+    with pytest.raises(exc, match=match):
+        R3Collator(pad_keys=["loss_mask"])(samples)
+
+
+def test_collator_rejects_more_route_rows_than_tokens():
+    samples = [{"input_ids": [1, 2], "routes": np.zeros((3, 1, 2), np.uint8)}]
+    with pytest.raises(ValueError, match=r"routes\[0\]: 3 route rows for 2 tokens"):
+        R3Collator()(samples)
+
+
+def test_collator_empty_batch():
+    with pytest.raises(ValueError, match="empty batch"):
+        R3Collator()([])
+
+
+def test_collator_is_picklable():
+    import pickle
+
+    c = R3Collator(pad_keys={"loss_mask": 0.0}, padding="balanced", num_experts=8)
+    c2 = pickle.loads(pickle.dumps(c))
+    samples = make_samples()
+    assert_batch_equal(c2(samples), {k: v.numpy() for k, v in c(samples).items()})
+
+
+class RecordingCollator:
+    """Records, inside the worker, whether the routes went to shared memory."""
+
+    def __init__(self):
+        self.inner = R3Collator(pad_keys={"loss_mask": 0.0})
+
+    def __call__(self, samples):
+        batch = self.inner(samples)
+        batch["shared"] = torch.tensor(batch["rollout_expert_indices"].is_shared())
+        return batch
+
+
+@pytest.mark.parametrize(
+    "num_workers, context",
+    [(0, None), (2, "fork"), (2, "spawn")],
+)
+def test_dataloader_batches_equal_direct_calls(num_workers, context, force_pool):
+    samples = make_samples(seed=11, n_samples=12, big=True)
+    # Use the pool in this process first: a forked worker must not inherit a dead pool.
+    collate_routes([s["routes"] for s in samples], [len(s["input_ids"]) for s in samples], workers=2)
+    loader = DataLoader(
+        samples,
+        batch_size=4,
+        collate_fn=RecordingCollator(),
+        num_workers=num_workers,
+        multiprocessing_context=context,
+        persistent_workers=False,
+    )
+    direct = R3Collator(pad_keys={"loss_mask": 0.0})
+    batches = list(loader)
+    assert len(batches) == 3
+    for k, batch in enumerate(batches):
+        assert bool(batch.pop("shared")) == (num_workers > 0)
+        want = direct(samples[4 * k : 4 * k + 4])
+        assert set(batch) == set(want)
+        for key in want:
+            assert torch.equal(batch[key], want[key]), key
+
+
+def _child_collate(q):
+    samples = make_samples(seed=3, n_samples=8, big=True)
+    got = R3Collator(workers=2)([{k: s[k] for k in ("input_ids", "routes")} for s in samples])
+    q.put(got["rollout_expert_indices"].sum().item())
+
+
+def test_pool_survives_fork(force_pool):
+    samples = make_samples(seed=3, n_samples=8, big=True)
+    parent = R3Collator(workers=2)([{k: s[k] for k in ("input_ids", "routes")} for s in samples])
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child_collate, args=(q,))
+    p.start()
+    p.join(timeout=60)
+    if p.exitcode is None:  # hung on a dead pool: fail, don't leak the child
+        p.kill()
+    assert p.exitcode == 0
+    assert q.get(timeout=5) == parent["rollout_expert_indices"].sum().item()
+
+
+def test_four_threads_share_one_collator(force_pool):
+    collator = R3Collator(pad_keys={"loss_mask": 0.0}, workers=2)
+    inputs = [make_samples(seed=s, n_samples=10, L=16, K=8, big=True) for s in range(4)]
+    wants = [reference_collator(s) for s in inputs]
+    results, errors = [None] * 4, []
+    barrier = threading.Barrier(4)
+
+    def work(k):
+        try:
+            barrier.wait()
+            for _ in range(3):
+                results[k] = collator(inputs[k])
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors
+    for got, want in zip(results, wants):
+        assert_batch_equal(got, want)
