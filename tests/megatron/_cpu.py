@@ -1,0 +1,121 @@
+"""CPU redirections for megatron-core's CUDA-only code paths (tests only).
+
+Exactly the spots listed in shared/MEGATRON-NOTES.md, nothing else:
+
+* ``torch.zeros(..., device="cuda")`` inside the pipeline schedules;
+* ``get_default_causal_mask`` hard-coding ``device="cuda"``;
+* ``TopKRouter.gating`` moving its weights to ``torch.cuda.current_device()``;
+* checkpoint recompute reading and setting the CUDA RNG state;
+* the RNG tracker states that ``model_parallel_cuda_manual_seed`` would create on
+  the GPU (attention forks them even with dropout 0): dummy CPU states;
+* ``te_general_gemm`` left undefined in ``moe_utils`` without Transformer Engine.
+
+Used by the in-process fixture (``conftest.py``) and by the spawned PP workers,
+which cannot use fixtures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites ``device="cuda"`` keyword arguments of tensor factories to the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
+
+
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+
+def _cpu_rng_state(*args, **kwargs) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.uint8)
+
+
+def _ignore_rng_state(*args, **kwargs) -> None:
+    return None
+
+
+def _patch_list():
+    from megatron.core import pipeline_parallel
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer import utils as transformer_utils
+    from megatron.core.transformer.moe import moe_utils
+
+    del pipeline_parallel
+    return [
+        (transformer_utils, "get_default_causal_mask", _cpu_causal_mask),
+        (fused_softmax, "get_default_causal_mask", _cpu_causal_mask),
+        (torch.cuda, "current_device", lambda: "cpu"),
+        (tp_random, "_get_cuda_rng_state", _cpu_rng_state),
+        (tp_random, "_set_cuda_rng_state", _ignore_rng_state),
+        (moe_utils, "te_general_gemm", None),
+    ], schedules
+
+
+@contextlib.contextmanager
+def megatron_on_cpu():
+    """Apply the redirections for the duration of the block, then undo them."""
+    patches, schedules = _patch_list()
+    from megatron.core.tensor_parallel import random as tp_random
+
+    saved = [(obj, name, getattr(obj, name, None), hasattr(obj, name)) for obj, name, _ in patches]
+    originals = {}
+    try:
+        for obj, name, value in patches:
+            setattr(obj, name, value)
+        # The schedules allocate their token counter with device="cuda"; run each
+        # schedule function under the factory redirection.
+        tracker = tp_random.get_cuda_rng_tracker()
+        saved_states = tracker.get_states()
+        tracker.set_states(
+            {
+                name: _cpu_rng_state()
+                for name in (
+                    tp_random._MODEL_PARALLEL_RNG_TRACKER_NAME,
+                    tp_random._EXPERT_PARALLEL_RNG_TRACKER_NAME,
+                    tp_random._DATA_PARALLEL_RNG_TRACKER_NAME,
+                )
+            }
+        )
+        originals["tracker"] = (tracker, saved_states)
+        for name in (
+            "forward_backward_no_pipelining",
+            "forward_backward_pipelining_without_interleaving",
+            "forward_backward_pipelining_with_interleaving",
+        ):
+            original = getattr(schedules, name)
+            originals[name] = original
+            setattr(schedules, name, _under_cpu_mode(original))
+        yield
+    finally:
+        tracker, saved_states = originals.pop("tracker", (None, None))
+        if tracker is not None:
+            tracker.set_states(saved_states)
+        for name, original in originals.items():
+            setattr(schedules, name, original)
+        for obj, name, value, existed in saved:
+            if existed:
+                setattr(obj, name, value)
+            else:
+                delattr(obj, name)
+
+
+def _under_cpu_mode(fn):
+    def run(*args, **kwargs):
+        with _CudaToCpu():
+            return fn(*args, **kwargs)
+
+    run.__wrapped__ = fn
+    return run

@@ -1,0 +1,55 @@
+"""Fixtures for the Megatron tests: gloo world of one, CPU redirections, a tiny MoE GPT.
+
+The CUDA-only spots of megatron-core are redirected to the CPU by
+``_cpu.megatron_on_cpu`` (test-only; see that module for the exact list).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+pytest.importorskip("megatron.core.transformer.moe.router_replay")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from _cpu import megatron_on_cpu  # noqa: E402
+from _models import build_model  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def world_of_one():
+    """A gloo process group of size 1 and Megatron's parallel state (TP=PP=CP=1)."""
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(_free_port())
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def cpu_megatron(world_of_one):
+    """Megatron on the CPU for one test (redirections undone afterwards)."""
+    with megatron_on_cpu():
+        yield
+
+
+@pytest.fixture
+def make_model(cpu_megatron):
+    """Factory for a tiny MoE GPTModel (see ``_models.build_model``)."""
+    torch.manual_seed(0)
+    return build_model

@@ -1,0 +1,270 @@
+"""ReplayHook on a tiny MoE GPTModel, one process (gloo, world size 1, CPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from _models import TOPK, EXPERTS, RouteRecorder, expected_map, forward_step, make_batch
+
+from torch_r3.megatron import InterleavedPipelineError, ReplayHook
+
+
+def _schedule():
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()
+
+
+def _run(hook, model, batches, *, forward_only=False):
+    return hook.forward_backward(
+        forward_step_func=forward_step,
+        data_iterator=iter(batches),
+        model=[model],
+        num_microbatches=len(batches),
+        seq_length=batches[0]["input_ids"].shape[1],
+        micro_batch_size=batches[0]["input_ids"].shape[0],
+        forward_only=forward_only,
+    )
+
+
+def _real_rows_match(routing_map, routes, mask):
+    """Per real (captured) token: selected expert set == installed route set."""
+    want = expected_map(routes)
+    real = (~mask).transpose(0, 1).reshape(-1)
+    return bool((routing_map[real] == want[real]).all())
+
+
+def test_routers_select_exactly_the_installed_routes_even_after_perturbing_weights(make_model):
+    model = make_model()
+    hook = ReplayHook(model)
+    batch = make_batch(dtype=torch.uint8)
+    recorder = RouteRecorder(model)
+    _run(hook, model, [batch], forward_only=True)
+    for layer, calls in recorder.calls.items():
+        (action, routing_map), = calls
+        assert _real_rows_match(routing_map, batch["rollout_expert_indices"][:, :, layer], batch["router_padding_mask"])
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("router.weight"):
+                p.add_(torch.randn_like(p) * 5)
+    for calls in recorder.calls.values():
+        calls.clear()
+    _run(hook, model, [batch])
+    for layer, calls in recorder.calls.items():
+        assert calls, "router never ran"
+        for _, routing_map in calls:
+            assert _real_rows_match(routing_map, batch["rollout_expert_indices"][:, :, layer], batch["router_padding_mask"])
+    recorder.close()
+
+
+def test_without_the_hook_the_router_picks_its_own_experts(make_model):
+    model = make_model()
+    batch = make_batch()
+    recorder = RouteRecorder(model)
+    ids = batch["input_ids"]
+    with torch.no_grad():
+        model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)
+    recorder.close()
+    for layer, ((action, routing_map),) in recorder.calls.items():
+        assert action is None
+        assert not _real_rows_match(routing_map, batch["rollout_expert_indices"][:, :, layer], batch["router_padding_mask"])
+
+
+def test_full_recompute_drains_every_fifo_with_the_matching_microbatch(make_model):
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    model = make_model(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    hook = ReplayHook(model)
+    g = torch.Generator().manual_seed(1)
+    batches = [make_batch(generator=g, dtype=torch.int16) for _ in range(3)]
+    recorder = RouteRecorder(model)
+    for _ in range(2):  # two steps: nothing stale carries over
+        for calls in recorder.calls.values():
+            calls.clear()
+        _run(hook, model, batches)
+        for r in hook._routers:
+            assert r.replay.replay_backward_list == []
+            assert r.pushes == 0 and r.replay.router_replay_action is None
+        for layer, calls in recorder.calls.items():
+            recomputed = [m for action, m in calls if action == RouterReplayAction.REPLAY_BACKWARD]
+            assert len(recomputed) == len(batches)
+            for routing_map, batch in zip(recomputed, batches):
+                # padding routes are replayed too: every row matches
+                assert torch.equal(routing_map, expected_map(batch["rollout_expert_indices"][:, :, layer]))
+    recorder.close()
+
+
+def test_a_fifo_that_is_not_drained_exactly_raises(make_model):
+    model = make_model(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    hook = ReplayHook(model)
+    router = hook._routers[0]
+
+    def pushes_one_more(data_iterator, model):
+        out = forward_step(data_iterator, model)
+        router.replay.replay_backward_list.append(router.replay.replay_backward_list[-1])
+        return out
+
+    with pytest.raises(RuntimeError, match=r"layer 0: 2 routes left in the backward FIFO after 2 forwards, expected 0"):
+        hook.forward_backward(
+            forward_step_func=pushes_one_more, data_iterator=iter([make_batch(), make_batch()]),
+            model=[model], num_microbatches=2, seq_length=16, micro_batch_size=2,
+        )
+    assert router.replay.replay_backward_list == []  # cleared even on failure
+
+
+def test_dense_first_layers_map_to_their_global_layer_in_either_routes_layout(make_model):
+    model = make_model(num_layers=3, moe_layer_freq=[0, 1, 1])
+    hook = ReplayHook(model)
+    assert hook.layers == (1, 2)
+    recorder = RouteRecorder(model)
+    for layers, offset in ((3, 0), (2, -1)):  # every layer / MoE layers only
+        batch = make_batch(layers=layers)
+        for calls in recorder.calls.values():
+            calls.clear()
+        _run(hook, model, [batch], forward_only=True)
+        for layer, ((_, routing_map),) in recorder.calls.items():
+            want = batch["rollout_expert_indices"][:, :, layer + offset]
+            assert torch.equal(routing_map, expected_map(want))
+    with pytest.raises(ValueError, match="rollout_expert_indices has 4 layers; expected num_layers = 3 .* or 2"):
+        _run(hook, model, [make_batch(layers=4)], forward_only=True)
+    recorder.close()
+
+
+def test_model_gets_router_padding_mask_and_indices_are_int64(make_model):
+    model = make_model()
+    hook = ReplayHook(model)
+    seen = {}
+
+    def capture(module, args, kwargs):
+        seen["padding_mask"] = kwargs.get("padding_mask")
+        seen["targets"] = [r.replay.target_topk_idx for r in hook._routers]
+
+    handle = model.register_forward_pre_hook(capture, with_kwargs=True)
+    for dtype in (torch.uint8, torch.int16, torch.int32):
+        batch = make_batch(dtype=dtype, padding="arange")
+        _run(hook, model, [batch], forward_only=True)
+        assert torch.equal(seen["padding_mask"], batch["router_padding_mask"])
+        assert all(t.dtype == torch.int64 and t.shape == (32, TOPK) for t in seen["targets"])
+    handle.remove()
+    hook.close()
+
+
+def test_only_this_models_routers_are_touched_not_orphans(make_model):
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    orphan = make_model()
+    model = make_model()
+    assert len(RouterReplay.global_router_replay_instances) >= 4
+    hook = ReplayHook(model)
+    seen = []
+
+    def capture(data_iterator, m):
+        out = forward_step(data_iterator, m)
+        seen.append([len(r.router_replay.replay_backward_list) for r in _routers(orphan)])
+        return out
+
+    hook.forward_backward(forward_step_func=capture, data_iterator=iter([make_batch()]), model=[model],
+                          num_microbatches=1, seq_length=16, micro_batch_size=2, forward_only=True)
+    assert seen == [[0, 0]]
+
+
+def _routers(model):
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [m for m in model.modules() if isinstance(m, TopKRouter)]
+
+
+# ------------------------------------------------------------------- refusals
+
+
+def test_refuses_vpp_from_config(make_model):
+    model = make_model()
+    config = dataclasses.replace(model.config, virtual_pipeline_model_parallel_size=2, pipeline_model_parallel_size=2, num_layers=4)
+    with pytest.raises(InterleavedPipelineError, match=r"virtual_pipeline_model_parallel_size=2: .*FIFO.*virtual_pipeline_model_parallel_size=None or 1"):
+        ReplayHook(model, config)
+
+
+def test_refuses_more_than_one_model_chunk(make_model):
+    with pytest.raises(InterleavedPipelineError, match="got 2 model chunks.*interleaved"):
+        ReplayHook([make_model(), make_model()])
+
+
+def test_accepts_a_list_of_one_chunk_and_vpp_one(make_model):
+    model = make_model()
+    ReplayHook([model], dataclasses.replace(model.config, virtual_pipeline_model_parallel_size=1)).close()
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("moe_enable_routing_replay", False, "config.moe_enable_routing_replay is False"),
+        ("moe_router_fusion", True, "config.moe_router_fusion is True: .*bypasses replay"),
+        ("moe_router_load_balancing_type", "sinkhorn", "moe_router_load_balancing_type is 'sinkhorn'"),
+    ],
+)
+def test_refuses_configs_that_bypass_replay(make_model, field, value, message):
+    model = make_model()
+    config = dataclasses.replace(model.config)
+    object.__setattr__(config, field, value)
+    with pytest.raises(ValueError, match=message):
+        ReplayHook(model, config)
+
+
+def test_refuses_a_model_without_router_replay(make_model):
+    dense = make_model(num_moe_experts=None, moe_enable_routing_replay=False)
+    with pytest.raises(ValueError, match="model: no MoE router with a RouterReplay instance"):
+        ReplayHook(dense, make_model().config)
+
+
+def test_refuses_non_modules():
+    with pytest.raises(TypeError, match=r"model\[0\]: expected a torch.nn.Module, got str"):
+        ReplayHook(["not a model"])
+
+
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        (lambda b: b.pop("rollout_expert_indices"), ValueError, "missing key 'rollout_expert_indices'"),
+        (lambda b: b.update(rollout_expert_indices=b["rollout_expert_indices"].float()), TypeError, "rollout_expert_indices: expected a uint8/int16/int32/int64"),
+        (lambda b: b.update(router_padding_mask=b["router_padding_mask"].long()), TypeError, "router_padding_mask: expected a torch.bool tensor, got torch.int64"),
+        (lambda b: b.update(rollout_expert_indices=b["rollout_expert_indices"][..., :1]), ValueError, r"padded layout expects \[B, T, L, K=2\]"),
+        (lambda b: b.update(router_padding_mask=b["router_padding_mask"][:, 1:]), ValueError, r"router_padding_mask: expected \[B, T\] = \[2, 16\], got \[2, 15\]"),
+    ],
+)
+def test_refuses_bad_microbatches_before_installing(make_model, change, error, message):
+    model = make_model()
+    hook = ReplayHook(model)
+    batch = make_batch()
+    change(batch)
+    with pytest.raises(error, match=message):
+        _run(hook, model, [batch], forward_only=True)
+    assert all(r.replay.replay_backward_list == [] for r in hook._routers)
+
+
+def test_forward_step_outside_a_step_is_refused(make_model):
+    model = make_model()
+    hook = ReplayHook(model)
+    with pytest.raises(RuntimeError, match=r"outside ReplayHook.step\(\)"):
+        hook.wrap_forward_step(forward_step)(iter([make_batch()]), model)
+
+
+def test_packed_layout_replays_in_token_order(make_model):
+    model = make_model()
+    hook = ReplayHook(model)
+    padded = make_batch(batch=1, real=(16,), captured=(12,))
+    batch = {
+        "rollout_expert_indices": padded["rollout_expert_indices"][0],
+        "router_padding_mask": padded["router_padding_mask"][0],
+        "cu_seqlens": torch.tensor([0, 7, 16], dtype=torch.int32),
+        "input_ids": padded["input_ids"],
+        "attention_mask": padded["attention_mask"],
+    }
+    recorder = RouteRecorder(model)
+    _run(hook, model, [batch], forward_only=True)
+    recorder.close()
+    for layer, ((_, routing_map),) in recorder.calls.items():
+        assert torch.equal(routing_map, expected_map(padded["rollout_expert_indices"][:, :, layer]))
