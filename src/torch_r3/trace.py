@@ -1,0 +1,261 @@
+"""Multi-turn capture: routes arrive one turn at a time and leave as one array.
+
+In a multi-turn rollout every turn sends the whole conversation so far as the
+prompt. The inference server evaluates it, so each turn can return the routes of
+the positions it evaluated for the first time; nothing is sent twice when the
+client passes :attr:`RoutedExpertTrace.prompt_start` as
+``routed_experts_prompt_start``. The trace stitches those turns together and
+checks that every row arrived, once, in order.
+
+Captured rows always form a prefix of the trajectory's tokens. The trace never
+pads or invents rows: the tail the engine never evaluated (the last sampled
+token, a synthetic EOS) is left to the collator, which pads it and marks it in
+``router_padding_mask``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from torch_r3.routes import CANONICAL_DTYPES, compact_routes, is_canonical, widest
+
+__all__ = ["RoutedExpertTrace", "TokenMetadataTrace"]
+
+
+def _check_count(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{what} must be >= 0, got {value}")
+    return int(value)
+
+
+class TokenMetadataTrace:
+    """Token-aligned integer rows, appended in chunks and finalized into one array.
+
+    Each chunk is ``[n, *row_shape]`` of a canonical dtype (``uint8``, ``int16``,
+    ``int32``); a chunk of another integer dtype is compacted on arrival, which
+    scans it once. When a later chunk needs a wider dtype than earlier ones, the
+    result is widened losslessly (by dtype alone) at :meth:`finalize`, so a
+    rollout whose expert ids pass 255 in a later turn just works.
+
+    Args:
+        row_shape: The shape of one row (for routes ``(layers, topk)``); taken
+            from the first chunk when ``None``.
+        name: What to call the trace in error messages.
+
+    Example:
+        >>> import numpy as np
+        >>> t = TokenMetadataTrace(row_shape=(1, 2))
+        >>> t.append(np.array([[[1, 2]]], dtype=np.uint8))
+        >>> t.append(np.array([[[300, 4]], [[5, 6]]], dtype=np.int16))
+        >>> out = t.finalize()
+        >>> out.dtype, out.tolist()
+        (dtype('int16'), [[[1, 2]], [[300, 4]], [[5, 6]]])
+    """
+
+    def __init__(self, *, row_shape: tuple[int, ...] | None = None, name: str = "trace") -> None:
+        if row_shape is not None:
+            if not isinstance(row_shape, (tuple, list)):
+                raise TypeError(f"{name}: row_shape must be a tuple of ints, got {type(row_shape).__name__}")
+            row_shape = tuple(_check_count(d, f"{name}: row_shape[{i}]") for i, d in enumerate(row_shape))
+        self._name = name
+        self._row_shape: tuple[int, ...] | None = row_shape
+        self._chunks: list[np.ndarray] = []
+        self._rows = 0
+
+    @property
+    def rows(self) -> int:
+        """Rows appended so far."""
+        return self._rows
+
+    @property
+    def row_shape(self) -> tuple[int, ...] | None:
+        """The shape of one row, or ``None`` before the first chunk when not given."""
+        return self._row_shape
+
+    @property
+    def dtype(self) -> np.dtype | None:
+        """The widest dtype appended so far (the dtype :meth:`finalize` returns)."""
+        return widest(c.dtype for c in self._chunks) if self._chunks else None
+
+    def append(self, chunk: Any, *, expected_rows: int | None = None, label: str | None = None) -> None:
+        """Append ``[n, *row_shape]`` rows.
+
+        The trace keeps a reference to ``chunk`` (no copy) when it already has a
+        canonical dtype; do not modify it afterwards.
+
+        Args:
+            chunk: A NumPy array or ``torch.Tensor`` of an integer dtype.
+            expected_rows: When given, ``chunk`` must hold exactly this many rows.
+            label: What to call this chunk in error messages (default
+                ``"<name>: chunk <i>"``).
+
+        Raises:
+            TypeError: ``chunk`` is not an integer array or tensor.
+            ValueError: wrong row count or row shape, or a negative or too large value.
+        """
+        what = label if label is not None else f"{self._name}: chunk {len(self._chunks)}"
+        if expected_rows is not None:
+            expected_rows = _check_count(expected_rows, f"{what}: expected_rows")
+        array = _as_rows(chunk, what)
+        if array.ndim < 1:
+            raise ValueError(f"{what}: expected an array [rows, ...], got a 0-d array")
+        row_shape = tuple(array.shape[1:])
+        if self._row_shape is not None and row_shape != self._row_shape:
+            raise ValueError(f"{what}: expected rows of shape {self._row_shape}, got {row_shape}")
+        if expected_rows is not None and array.shape[0] != expected_rows:
+            raise ValueError(f"{what}: expected {expected_rows} rows, got {array.shape[0]}")
+        self._row_shape = row_shape
+        self._chunks.append(array)
+        self._rows += array.shape[0]
+
+    def finalize(self) -> np.ndarray:
+        """All rows appended so far as one new C-contiguous array of the widest dtype.
+
+        The trace is left as it is; calling again returns an equal, new array.
+
+        Raises:
+            ValueError: nothing was appended and ``row_shape`` was not given.
+        """
+        if not self._chunks:
+            if self._row_shape is None:
+                raise ValueError(f"{self._name}: no rows appended and row_shape unknown; pass row_shape")
+            return np.empty((0, *self._row_shape), dtype=CANONICAL_DTYPES[0])
+        # casting="safe" makes the widening provably lossless: uint8 -> int16
+        # -> int32 only, chosen by dtype, never by looking at the values.
+        return np.concatenate(self._chunks, axis=0, dtype=self.dtype, casting="safe")
+
+
+def _as_rows(chunk: Any, what: str) -> np.ndarray:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        torch = None
+    if torch is not None and isinstance(chunk, torch.Tensor):
+        if chunk.dtype.is_floating_point or chunk.dtype.is_complex or chunk.dtype == torch.bool:
+            raise TypeError(f"{what}: expected an integer tensor, got dtype {chunk.dtype}")
+        chunk = chunk.detach().to("cpu").numpy()
+    if not isinstance(chunk, np.ndarray):
+        raise TypeError(f"{what}: expected a NumPy array or torch.Tensor, got {type(chunk).__name__}")
+    if chunk.dtype.kind not in "iu":
+        raise TypeError(f"{what}: expected an integer dtype, got {chunk.dtype}")
+    if is_canonical(chunk.dtype):
+        return np.ascontiguousarray(chunk)
+    # Any rank: compaction only looks at values, so a [values, 1, 1] view serves.
+    return compact_routes(chunk.reshape(-1, 1, 1), name=what).reshape(chunk.shape)
+
+class RoutedExpertTrace:
+    """One trajectory's routes over a multi-turn rollout.
+
+    Per turn: send :attr:`prompt_start` as ``routed_experts_prompt_start``, then
+    :meth:`record` what came back. At the end, :meth:`finalize` with the
+    trajectory's token count returns the captured rows.
+
+    A turn with prompt length ``P`` (the whole conversation so far) that
+    generated ``G`` tokens makes the engine evaluate positions ``0 .. P+G-2``
+    (the last sampled token is never run forward), so the server returns rows
+    ``prompt_start .. P+G-2``: exactly ``P - prompt_start + G - 1`` rows.
+
+    Args:
+        num_layers: Expected layers per row; taken from the first turn when ``None``.
+        topk: Expected experts per token; taken from the first turn when ``None``.
+
+    Example:
+        >>> import numpy as np
+        >>> trace = RoutedExpertTrace(num_layers=1, topk=2)
+        >>> trace.record(prompt_len=3, generated_len=2, routes=np.zeros((4, 1, 2), np.uint8))
+        >>> trace.prompt_start  # send as routed_experts_prompt_start next turn
+        4
+        >>> trace.record(prompt_len=7, generated_len=1, routes=np.ones((3, 1, 2), np.uint8))
+        >>> trace.finalize(token_count=9).shape  # 9 tokens: 8 + a synthetic EOS
+        (7, 1, 2)
+    """
+
+    def __init__(self, *, num_layers: int | None = None, topk: int | None = None) -> None:
+        if (num_layers is None) != (topk is None):
+            raise ValueError("RoutedExpertTrace: give both num_layers and topk, or neither")
+        row_shape = None
+        if num_layers is not None:
+            row_shape = (_check_count(num_layers, "num_layers"), _check_count(topk, "topk"))
+            if 0 in row_shape:
+                raise ValueError(f"RoutedExpertTrace: num_layers and topk must be > 0, got {row_shape}")
+        self._rows = TokenMetadataTrace(row_shape=row_shape, name="routes")
+        self._turns = 0
+
+    @property
+    def prompt_start(self) -> int:
+        """Rows captured so far: the value to send as ``routed_experts_prompt_start``."""
+        return self._rows.rows
+
+    @property
+    def turns(self) -> int:
+        """Turns recorded so far."""
+        return self._turns
+
+    def record(self, *, prompt_len: int, generated_len: int, routes: Any) -> None:
+        """Append one turn's routes, checking that exactly the expected rows arrived.
+
+        Args:
+            prompt_len: Tokens in this turn's prompt (the whole conversation so far).
+            generated_len: Tokens generated in this turn.
+            routes: The rows the server returned for positions
+                ``prompt_start .. prompt_len + generated_len - 2``: an integer
+                array or tensor ``[prompt_len - prompt_start + generated_len - 1,
+                layers, topk]``, e.g. ``RemoteGenerateResult.routed_experts``.
+
+        Raises:
+            TypeError: a length is not an ``int``, or ``routes`` is not an integer
+                array or tensor (``None`` included: the turn must carry routes).
+            ValueError: ``prompt_len < prompt_start`` (the prompt must extend the
+                captured prefix), the row count is not the expected one, the row
+                shape differs from earlier turns, or an expert id is out of range.
+        """
+        turn = f"turn {self._turns}"
+        prompt_len = _check_count(prompt_len, f"{turn}: prompt_len")
+        generated_len = _check_count(generated_len, f"{turn}: generated_len")
+        start = self.prompt_start
+        if prompt_len < start:
+            raise ValueError(
+                f"{turn}: prompt_len {prompt_len} is shorter than the {start} rows already captured; "
+                "each turn's prompt must extend the conversation"
+            )
+        expected = prompt_len - start + generated_len - 1
+        if expected < 0:
+            raise ValueError(f"{turn}: prompt_len {prompt_len} with generated_len 0 evaluates no new position")
+        if routes is None:
+            raise TypeError(f"{turn}: routes is None; request with return_routed_experts=True")
+        if not hasattr(routes, "shape") or len(routes.shape) != 3:
+            shape = getattr(routes, "shape", None)
+            if shape is None:
+                raise TypeError(f"{turn}: routes must be an integer array or tensor, got {type(routes).__name__}")
+            raise ValueError(f"{turn}: routes must be [rows, layers, topk], got shape {tuple(shape)}")
+        if routes.shape[0] != expected:
+            raise ValueError(
+                f"{turn}: expected prompt_len - prompt_start + generated_len - 1 = "
+                f"{prompt_len} - {start} + {generated_len} - 1 = {expected} rows, got {routes.shape[0]}"
+            )
+        self._rows.append(routes, expected_rows=expected, label=f"{turn}: routes")
+        self._turns += 1
+
+    def finalize(self, token_count: int) -> np.ndarray:
+        """The captured rows ``[rows, layers, topk]``, never padded.
+
+        Args:
+            token_count: Tokens in the finished trajectory, including any that
+                were never evaluated (the last sampled token, a synthetic EOS).
+
+        Returns:
+            A new C-contiguous array of the widest canonical dtype seen.
+
+        Raises:
+            TypeError: ``token_count`` is not an ``int``.
+            ValueError: more rows were captured than the trajectory has tokens,
+                or no turn was recorded and the row shape is unknown.
+        """
+        token_count = _check_count(token_count, "token_count")
+        if self.prompt_start > token_count:
+            raise ValueError(f"routes: {self.prompt_start} rows captured but the trajectory has only {token_count} tokens")
+        return self._rows.finalize()

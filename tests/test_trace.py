@@ -1,0 +1,127 @@
+"""Multi-turn traces: rows arrive per turn, leave as one array, nothing invented."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from torch_r3.trace import RoutedExpertTrace, TokenMetadataTrace
+
+
+def _rows(n, value=1, dtype=np.uint8, layers=2, topk=2):
+    return np.full((n, layers, topk), value, dtype=dtype)
+
+
+def test_token_metadata_trace_concatenates_chunks_in_order():
+    trace = TokenMetadataTrace()
+    chunks = [np.arange(k * 4, dtype=np.uint8).reshape(k, 2, 2) for k in (3, 0, 2)]
+    for c in chunks:
+        trace.append(c)
+    assert trace.rows == 5 and trace.row_shape == (2, 2)
+    np.testing.assert_array_equal(trace.finalize(), np.concatenate(chunks))
+
+
+def test_token_metadata_trace_widens_losslessly_when_a_later_chunk_needs_it():
+    trace = TokenMetadataTrace()
+    trace.append(np.full((2, 1, 2), 255, dtype=np.uint8))
+    trace.append(np.full((1, 1, 2), 40_000, dtype=np.int32))
+    trace.append(np.full((1, 1, 2), 300, dtype=np.int16))
+    out = trace.finalize()
+    assert out.dtype == np.int32
+    assert out[:, 0, 0].tolist() == [255, 255, 40_000, 300]
+
+
+def test_token_metadata_trace_compacts_non_canonical_integer_chunks():
+    trace = TokenMetadataTrace()
+    trace.append(torch.tensor([[7, 8]], dtype=torch.int64))
+    trace.append(np.array([[9, 10]], dtype=np.uint64))
+    out = trace.finalize()
+    assert out.dtype == np.uint8 and out.tolist() == [[7, 8], [9, 10]]
+
+
+@pytest.mark.parametrize(
+    ("chunk", "kwargs", "error", "words"),
+    [
+        (np.zeros((2, 3, 2), np.uint8), {}, ValueError, "expected rows of shape (2, 2)"),
+        (np.zeros((2, 2, 2), np.uint8), {"expected_rows": 3}, ValueError, "expected 3 rows, got 2"),
+        (np.zeros((2, 2, 2), np.float32), {}, TypeError, "integer dtype"),
+        ([[[0, 1], [0, 1]]], {}, TypeError, "NumPy array or torch.Tensor"),
+        (-np.ones((1, 2, 2), np.int64), {}, ValueError, ">= 0"),
+    ],
+)
+def test_token_metadata_trace_rejects_bad_chunks(chunk, kwargs, error, words):
+    trace = TokenMetadataTrace(row_shape=(2, 2), name="sample 5")
+    with pytest.raises(error) as info:
+        trace.append(chunk, **kwargs)
+    assert "sample 5" in str(info.value) and words in str(info.value)
+    assert trace.rows == 0
+
+
+def test_routed_expert_trace_stitches_turns_into_the_whole_conversation():
+    # Reference: one routes array for the whole conversation; each turn must
+    # deliver exactly rows prompt_start .. P+G-2 of it.
+    rng = np.random.default_rng(0)
+    turns = [(5, 3), (11, 4), (17, 1)]  # (prompt_len, generated_len); observations between turns
+    total = turns[-1][0] + turns[-1][1]
+    reference = rng.integers(0, 8, size=(total - 1, 2, 2)).astype(np.uint8)
+    trace = RoutedExpertTrace(num_layers=2, topk=2)
+    for prompt_len, generated_len in turns:
+        start = trace.prompt_start
+        end = prompt_len + generated_len - 1
+        trace.record(prompt_len=prompt_len, generated_len=generated_len, routes=reference[start:end])
+        assert trace.prompt_start == end
+    np.testing.assert_array_equal(trace.finalize(token_count=total), reference)
+
+
+def test_synthetic_eos_after_generation_is_an_uncaptured_tail_token():
+    trace = RoutedExpertTrace()
+    trace.record(prompt_len=4, generated_len=3, routes=_rows(6))
+    # The trainer appends an EOS (loss weight 1) the engine never saw: 8 tokens, 6 rows.
+    out = trace.finalize(token_count=4 + 3 + 1)
+    assert out.shape == (6, 2, 2)  # never padded, never invented
+
+
+def test_dtype_widens_when_a_later_turn_passes_expert_255():
+    trace = RoutedExpertTrace()
+    trace.record(prompt_len=3, generated_len=2, routes=_rows(4, 200, np.uint8))
+    trace.record(prompt_len=6, generated_len=2, routes=_rows(3, 300, np.int16))
+    out = trace.finalize(token_count=8)
+    assert out.dtype == np.int16 and out[:, 0, 0].tolist() == [200] * 4 + [300] * 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "words"),
+    [
+        ({"prompt_len": 6, "generated_len": 3, "routes": _rows(4)}, ValueError, "6 - 3 + 3 - 1 = 5 rows, got 4"),
+        ({"prompt_len": 6, "generated_len": 3, "routes": _rows(6)}, ValueError, "6 - 3 + 3 - 1 = 5 rows, got 6"),
+        ({"prompt_len": 6, "generated_len": 3, "routes": None}, TypeError, "return_routed_experts=True"),
+        ({"prompt_len": 6, "generated_len": 3, "routes": [[[0, 0]] * 2] * 5}, TypeError, "array or tensor"),
+        ({"prompt_len": 6, "generated_len": 3, "routes": _rows(5, layers=3)}, ValueError, "shape (2, 2), got (3, 2)"),
+        ({"prompt_len": 6, "generated_len": 3, "routes": _rows(5).astype(np.float32)}, TypeError, "integer dtype"),
+        ({"prompt_len": True, "generated_len": 3, "routes": _rows(5)}, TypeError, "prompt_len must be an int"),
+        ({"prompt_len": 6, "generated_len": -1, "routes": _rows(1)}, ValueError, "generated_len must be >= 0"),
+        ({"prompt_len": 2, "generated_len": 3, "routes": _rows(1)}, ValueError, "must extend the conversation"),
+    ],
+)
+def test_record_rejects_the_wrong_rows_and_keeps_the_trace_unchanged(kwargs, error, words):
+    trace = RoutedExpertTrace(num_layers=2, topk=2)
+    trace.record(prompt_len=2, generated_len=2, routes=_rows(3))
+    with pytest.raises(error) as info:
+        trace.record(**kwargs)
+    assert "turn 1" in str(info.value) and words in str(info.value)
+    assert trace.prompt_start == 3 and trace.turns == 1
+
+
+def test_finalize_refuses_more_rows_than_tokens():
+    trace = RoutedExpertTrace()
+    trace.record(prompt_len=4, generated_len=3, routes=_rows(6))
+    with pytest.raises(ValueError, match="6 rows captured but the trajectory has only 5 tokens"):
+        trace.finalize(token_count=5)
+    assert trace.finalize(token_count=6).shape[0] == 6
+
+
+def test_finalize_without_turns_needs_the_row_shape():
+    assert RoutedExpertTrace(num_layers=3, topk=2).finalize(token_count=4).shape == (0, 3, 2)
+    with pytest.raises(ValueError, match="row_shape unknown"):
+        RoutedExpertTrace().finalize(token_count=4)
