@@ -22,10 +22,10 @@ bench: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
-	$(BIN)/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 docs: $(STAMP)
-	$(BIN)/mkdocs serve
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 clean:
 	rm -rf $(VENV) site build src/*.egg-info

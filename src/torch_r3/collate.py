@@ -551,7 +551,8 @@ def collate_routes(
         >>> a = np.array([[[5, 6]], [[7, 8]]], dtype=np.uint8)   # 2 rows, 1 layer, top-2
         >>> b = np.array([[[9, 1]]], dtype=np.uint8)             # 1 row
         >>> batch = collate_routes([a, b], [2, 3])
-        >>> batch["rollout_expert_indices"][:, :, 0].tolist()
+        >>> routes = batch["rollout_expert_indices"]
+        >>> routes[:, :, 0].tolist()
         [[[0, 1], [5, 6], [7, 8]], [[9, 1], [0, 1], [0, 1]]]
         >>> batch["router_padding_mask"].tolist()
         [[True, False, False], [False, True, True]]
