@@ -314,6 +314,7 @@ def _reset_after_fork() -> None:
     global _pool_lock, _pools
     _pool_lock = threading.Lock()
     _pools = {}
+    _machine_workers.cache_clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -328,13 +329,22 @@ def _pool(threads: int) -> ThreadPoolExecutor:
         return pool
 
 
-def _default_workers() -> int:
-    info = torch.utils.data.get_worker_info()
-    if info is None or os.environ.get(ENV_NUM_WORKERS, "").strip():
+@functools.lru_cache(maxsize=None)
+def _machine_workers(dataloader_workers: int) -> int:
+    # Reading the cgroup tree costs ~0.1 ms; the answer does not change while
+    # the process runs, so it is read once per process (and again after fork).
+    if dataloader_workers == 0:
         return pool_workers()
     # Inside a DataLoader worker the CPUs are already shared by num_workers
     # processes: give each its share rather than oversubscribing.
-    return max(1, min(DEFAULT_POOL_CAP, math.floor(usable_cpus() / info.num_workers)))
+    return max(1, min(DEFAULT_POOL_CAP, math.floor(usable_cpus() / dataloader_workers)))
+
+
+def _default_workers() -> int:
+    if os.environ.get(ENV_NUM_WORKERS, "").strip():
+        return pool_workers()  # the override, validated there
+    info = torch.utils.data.get_worker_info()
+    return _machine_workers(0 if info is None else info.num_workers)
 
 
 def _check_workers(workers: Any) -> int:
