@@ -6,7 +6,7 @@ import contextlib
 import functools
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
@@ -88,7 +88,7 @@ class ReplayHook:
         TypeError: When ``model`` is not a module or a list of modules.
     """
 
-    def __init__(self, model, config=None):
+    def __init__(self, model: torch.nn.Module | Sequence[torch.nn.Module], config: Optional[Any] = None):
         chunks = _as_chunks(model)
         if config is None:
             config = getattr(chunks[0], "config", None)
@@ -126,7 +126,7 @@ class ReplayHook:
         """Global layer numbers (0-based) of this model's routers, in model order."""
         return tuple(r.layer for r in self._routers)
 
-    def forward_backward(self, forward_backward_func: Optional[Callable] = None, **kwargs):
+    def forward_backward(self, forward_backward_func: Optional[Callable] = None, **kwargs: Any) -> Any:
         """Run one training (or evaluation) step of Megatron's schedule with replay.
 
         Equivalent to ``with self.step(forward_only=...)`` around

@@ -16,7 +16,7 @@ so they are easy to test against a reference; :class:`ReplayHook` asks
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -203,7 +203,7 @@ def router_indices(local_routes: torch.Tensor, layer: int) -> torch.Tensor:
     return local_routes[:, :, layer, :].transpose(0, 1).reshape(s * b, k)
 
 
-def moe_layer_pattern(config) -> tuple[bool, ...]:
+def moe_layer_pattern(config: Any) -> tuple[bool, ...]:
     """Which global layers are MoE layers, from ``config.moe_layer_freq``.
 
     An int ``f`` makes every ``f``-th layer (``0, f, 2f, ...``) an MoE layer; a
@@ -279,7 +279,7 @@ def route_layer_index(layer: int, routes_layers: int, pattern: Sequence[bool]) -
     )
 
 
-def stage_layer_range(config, *, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None) -> range:
+def stage_layer_range(config: Any, *, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None) -> range:
     """The global layers (0-based) built on a pipeline stage, from Megatron's own helpers.
 
     Uses ``get_transformer_layer_offset`` and ``get_num_layers_to_build``, so
