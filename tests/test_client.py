@@ -1,0 +1,415 @@
+"""RemoteGenerateClient against a real aiohttp server on 127.0.0.1 (nothing mocked).
+
+References are computed in-process by the same seeded model the server serves,
+never by the client under test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import pickle
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from torch_r3.client import RemoteGenerateClient, RemoteGenerateError, RemoteGenerateResult
+from torch_r3.routes import compact_routes
+from torch_r3.testing import LoopbackServer, TinyMoELM
+from torch_r3.trace import RoutedExpertTrace
+
+FAST = {"retries": 4, "backoff": 0.01, "max_backoff": 0.05, "timeout": 20.0}
+REFERENCE = TinyMoELM()  # same seed and shape as the server's default model
+
+
+def _warm(server: LoopbackServer) -> LoopbackServer:
+    server.model.generate([1], {"max_new_tokens": 1})  # first torch call is slow; keep it out of timeouts
+    return server
+
+
+@pytest.fixture(scope="module")
+def server():
+    with LoopbackServer() as srv:
+        yield _warm(srv)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_faults(request):
+    yield
+    if "server" in request.fixturenames:
+        request.getfixturevalue("server").faults.clear()
+
+
+def generate(url, *args, client_kwargs=None, **kwargs) -> RemoteGenerateResult:
+    async def main():
+        async with RemoteGenerateClient(url, **{**FAST, **(client_kwargs or {})}) as client:
+            return await client.generate(*args, **kwargs)
+
+    return asyncio.run(main())
+
+
+def reference(prompt, params):
+    out = REFERENCE.generate(prompt, params)
+    return out.token_ids, out.logprobs, compact_routes(out.routes)
+
+
+# -- the happy path -----------------------------------------------------------
+
+
+def test_generate_returns_the_models_tokens_logprobs_and_routes(server):
+    prompt, params = [3, 14, 15, 9, 2], {"max_new_tokens": 6}
+    result = generate(server.url, prompt, params, return_routed_experts=True)
+    ids, logprobs, routes = reference(prompt, params)
+    assert list(result.response_ids) == ids
+    np.testing.assert_allclose(result.response_logprobs, logprobs)
+    assert result.stop_reason == "length"
+    assert result.routed_experts.shape == (len(prompt) + len(ids) - 1, 2, 2)
+    np.testing.assert_array_equal(result.routed_experts, routes)
+    assert result.raw["choices"][0]["token_ids"] == ids
+
+
+def test_routes_are_absent_unless_requested(server):
+    result = generate(server.url, [1, 2], {"max_new_tokens": 2})
+    assert result.routed_experts is None and result.raw["choices"][0]["routed_experts"] is None
+
+
+@pytest.mark.parametrize("start", [0, 3, 7])
+def test_prompt_start_returns_only_the_rows_from_there_on(server, start):
+    prompt, params = [5, 4, 3, 2, 1, 0, 9], {"max_new_tokens": 3}
+    result = generate(server.url, prompt, params, return_routed_experts=True, routed_experts_prompt_start=start)
+    np.testing.assert_array_equal(result.routed_experts, reference(prompt, params)[2][start:])
+
+
+def test_seeded_sampling_matches_the_reference(server):
+    prompt, params = [7, 7, 7], {"max_new_tokens": 5, "temperature": 1.0, "seed": 42}
+    result = generate(server.url, prompt, params, return_routed_experts=True)
+    assert list(result.response_ids) == reference(prompt, params)[0]
+
+
+def test_200_concurrent_requests_are_all_correct(server):
+    prompts = [[i % 64, (i * 7) % 64, (i // 64) + 1] for i in range(200)]
+    params = {"max_new_tokens": 3}
+
+    async def main():
+        async with RemoteGenerateClient(server.url, **FAST) as client:
+            return await asyncio.gather(
+                *(client.generate(p, params, return_routed_experts=True, session_id=f"c{i}") for i, p in enumerate(prompts))
+            )
+
+    results = asyncio.run(main())
+    for prompt, result in zip(prompts, results):
+        ids, _, routes = reference(prompt, params)
+        assert list(result.response_ids) == ids
+        np.testing.assert_array_equal(result.routed_experts, routes)
+
+
+def test_concurrency_is_bounded_by_the_semaphore(server):
+    server.faults.stall(0.2, n=6)
+    before = server.stats.max_in_flight
+    server.stats.max_in_flight = 0
+
+    async def main():
+        async with RemoteGenerateClient(server.url, **{**FAST, "max_concurrency": 2}) as client:
+            await asyncio.gather(*(client.generate([i + 1], {"max_new_tokens": 1}) for i in range(6)))
+
+    asyncio.run(main())
+    assert server.stats.max_in_flight == 2
+    server.stats.max_in_flight = max(before, 2)
+
+
+# -- multi-turn -----------------------------------------------------------------
+
+
+def test_five_turn_rollout_equals_one_request_and_sends_each_row_once(server):
+    rng = np.random.default_rng(3)
+    conversation = [11, 12, 13, 14]
+    trace = RoutedExpertTrace(num_layers=2, topk=2)
+    rows0, bytes0 = server.stats.route_rows, server.stats.route_bytes
+    expected_bytes = 0
+
+    async def rollout():
+        nonlocal conversation, expected_bytes
+        async with RemoteGenerateClient(server.url, **FAST) as client:
+            for turn in range(5):
+                result = await client.generate(
+                    conversation,
+                    {"max_new_tokens": 3},
+                    return_routed_experts=True,
+                    routed_experts_prompt_start=trace.prompt_start,
+                    session_id="rollout",
+                )
+                trace.record(prompt_len=len(conversation), generated_len=len(result.response_ids), routes=result.routed_experts)
+                expected_bytes += result.routed_experts.nbytes
+                conversation = conversation + list(result.response_ids)
+                if turn < 4:  # an observation (tool output) joins the conversation
+                    conversation = conversation + rng.integers(0, 64, size=2).tolist()
+
+    asyncio.run(rollout())
+    routes = trace.finalize(token_count=len(conversation))
+    assert routes.shape[0] == len(conversation) - 1
+
+    # One request over the whole conversation: the last token is re-generated greedily.
+    whole = generate(server.url, conversation[:-1], {"max_new_tokens": 1}, return_routed_experts=True)
+    assert list(whole.response_ids) == conversation[-1:]
+    np.testing.assert_array_equal(routes, whole.routed_experts)
+    np.testing.assert_array_equal(routes, reference(conversation[:-1], {"max_new_tokens": 1})[2])
+
+    # Server-side count of the rollout's traffic (the single request above excluded).
+    sent_rows = server.stats.route_rows - rows0 - whole.routed_experts.shape[0]
+    sent_bytes = server.stats.route_bytes - bytes0 - whole.routed_experts.nbytes
+    assert sent_rows == routes.shape[0]
+    assert sent_bytes == expected_bytes <= routes.shape[0] * routes[0].size * routes.itemsize
+
+
+# -- argument checks (no request is sent) ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "words"),
+    [
+        ({"routed_experts_prompt_start": True, "return_routed_experts": True}, TypeError, "must be an int"),
+        ({"routed_experts_prompt_start": 1.0, "return_routed_experts": True}, TypeError, "must be an int"),
+        ({"routed_experts_prompt_start": -1, "return_routed_experts": True}, ValueError, "in [0, len(prompt)=3]"),
+        ({"routed_experts_prompt_start": 4, "return_routed_experts": True}, ValueError, "in [0, len(prompt)=3]"),
+        ({"routed_experts_prompt_start": 1}, ValueError, "requires return_routed_experts=True"),
+        ({"sampling_params": {"routed_experts_prompt_start": 1}}, ValueError, "keyword argument"),
+        ({"sampling_params": [("max_new_tokens", 1)]}, TypeError, "sampling_params"),
+        ({"prompt": [1, True, 3]}, TypeError, "prompt_token_ids[1]"),
+        ({"prompt": "abc"}, TypeError, "prompt_token_ids"),
+        ({"return_routed_experts": 1}, TypeError, "return_routed_experts must be a bool"),
+        ({"session_id": 7}, TypeError, "session_id"),
+    ],
+)
+def test_bad_arguments_are_refused_before_sending(kwargs, error, words):
+    kwargs = dict(kwargs)
+    prompt = kwargs.pop("prompt", [1, 2, 3])
+    params = kwargs.pop("sampling_params", {})
+    client = RemoteGenerateClient("http://127.0.0.1:9", retries=0)
+
+    async def main():
+        async with client:
+            await client.generate(prompt, params, **kwargs)
+
+    with pytest.raises(error) as info:
+        asyncio.run(main())
+    assert words in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [({"retries": -1}, ValueError), ({"retries": 1.5}, TypeError), ({"timeout": 0}, ValueError),
+     ({"max_concurrency": 0}, ValueError), ({"backoff": "1"}, TypeError)],
+)
+def test_transport_config_is_validated_up_front(kwargs, error):
+    with pytest.raises(error, match=next(iter(kwargs))):
+        RemoteGenerateClient("http://127.0.0.1:9", **kwargs)
+
+
+def test_base_url_must_be_http():
+    with pytest.raises(ValueError, match="http://"):
+        RemoteGenerateClient("127.0.0.1:9")
+
+
+# -- faults ------------------------------------------------------------------------
+
+
+def test_4xx_with_json_error_is_not_retried_and_names_the_server_message(server):
+    before = server.stats.requests
+    server.faults.status(422, message="token 99 is out of vocabulary")
+    with pytest.raises(RemoteGenerateError) as info:
+        generate(server.url, [1], {})
+    assert info.value.status == 422 and info.value.attempts == 1
+    assert "HTTP 422: token 99 is out of vocabulary" in str(info.value) and server.url in str(info.value)
+    assert server.stats.requests == before + 1
+
+
+def test_4xx_without_json_error_shows_the_body(server):
+    server.faults.status(404, message="no such route", json_error=False)
+    with pytest.raises(RemoteGenerateError, match="HTTP 404: no such route"):
+        generate(server.url, [1], {})
+
+
+def test_the_servers_own_400_is_surfaced(server):
+    with pytest.raises(RemoteGenerateError, match=r"HTTP 400: token_ids\[1\] must be an int in \[0, 64\)"):
+        generate(server.url, [1, 640], {})
+
+
+def test_500_is_not_retried(server):
+    before = server.stats.requests
+    server.faults.status(500)
+    with pytest.raises(RemoteGenerateError, match="HTTP 500"):
+        generate(server.url, [1], {})
+    assert server.stats.requests == before + 1
+
+
+@pytest.mark.parametrize("code", [502, 503, 504])
+def test_gateway_errors_are_retried(server, code):
+    before = server.stats.requests
+    server.faults.status(code, n=2)
+    result = generate(server.url, [4, 2], {"max_new_tokens": 2})
+    assert list(result.response_ids) == reference([4, 2], {"max_new_tokens": 2})[0]
+    assert server.stats.requests == before + 3
+
+
+def test_gateway_errors_past_the_budget_name_the_last_status(server):
+    server.faults.status(503, n=3, message="overloaded")
+    with pytest.raises(RemoteGenerateError) as info:
+        generate(server.url, [1], {}, client_kwargs={"retries": 2})
+    assert info.value.attempts == 3 and info.value.status == 503
+    assert "last cause: HTTP 503: overloaded" in str(info.value)
+
+
+def test_connection_dropped_mid_response_is_retried(server):
+    before = server.stats.generations
+    server.faults.disconnect()
+    result = generate(server.url, [8, 9], {"max_new_tokens": 2}, return_routed_experts=True)
+    np.testing.assert_array_equal(result.routed_experts, reference([8, 9], {"max_new_tokens": 2})[2])
+    assert server.stats.generations == before + 2
+
+
+def test_refused_connections_are_retried(server):
+    refused = server.stats.connections_refused
+    server.faults.refuse_connections(2)
+    result = generate(server.url, [6], {"max_new_tokens": 2})
+    assert list(result.response_ids) == reference([6], {"max_new_tokens": 2})[0]
+    assert server.stats.connections_refused == refused + 2
+
+
+def test_a_stall_past_the_timeout_is_retried(server):
+    before = server.stats.requests
+    server.faults.stall(30.0)
+    result = generate(server.url, [6, 1], {"max_new_tokens": 2}, client_kwargs={"timeout": 1.0})
+    assert list(result.response_ids) == reference([6, 1], {"max_new_tokens": 2})[0]
+    assert server.stats.requests == before + 2
+
+
+def test_truncated_body_is_a_clear_error(server):
+    server.faults.truncate()
+    with pytest.raises(RemoteGenerateError, match="not valid JSON"):
+        generate(server.url, [1], {"max_new_tokens": 2}, return_routed_experts=True)
+
+
+def test_malformed_route_envelope_is_a_clear_error(server):
+    server.faults.malformed()
+    with pytest.raises(RemoteGenerateError, match=r"routed_experts\.data: base64 decodes to \d+ bytes") as info:
+        generate(server.url, [1], {"max_new_tokens": 2}, return_routed_experts=True)
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+@pytest.mark.timeout(30)
+def test_dead_server_fails_after_the_retry_budget_naming_url_and_cause():
+    with LoopbackServer(TinyMoELM(num_layers=1)) as srv:
+        url = srv.url  # a port that was just free and is now closed again
+    with pytest.raises(RemoteGenerateError) as info:
+        generate(url, [1], {}, client_kwargs={"retries": 3})
+    message = str(info.value)
+    assert url + "/v1/generate" in message and "after 4 attempt(s)" in message
+    assert "last cause: ClientConnectorError" in message and info.value.status is None
+
+
+def test_server_restart_during_a_run_loses_and_duplicates_nothing():
+    with LoopbackServer() as srv:
+        _warm(srv)
+        prompts = {f"r{i}": [i % 64, (3 * i) % 64] for i in range(40)}
+        params = {"max_new_tokens": 2}
+
+        def restart_when_busy():
+            while srv.stats.generations < 5:
+                threading.Event().wait(0.005)
+            srv.restart(downtime=0.3)
+
+        restarter = threading.Thread(target=restart_when_busy)
+        restarter.start()
+
+        async def run():
+            kwargs = {**FAST, "retries": 12, "backoff": 0.05, "max_backoff": 0.2, "max_concurrency": 4}
+            async with RemoteGenerateClient(srv.url, **kwargs) as client:
+                return await asyncio.gather(
+                    *(client.generate(p, params, return_routed_experts=True, session_id=k) for k, p in prompts.items())
+                )
+
+        results = asyncio.run(run())
+        restarter.join()
+        counts = collections.Counter(srv.stats.session_ids)
+    assert counts == collections.Counter(list(prompts))  # every request served exactly once
+    for prompt, result in zip(prompts.values(), results):
+        ids, _, routes = reference(prompt, params)
+        assert list(result.response_ids) == ids
+        np.testing.assert_array_equal(result.routed_experts, routes)
+
+
+# -- sessions, loops and pickling -----------------------------------------------------
+
+
+def test_one_session_per_loop_and_never_a_foreign_or_closed_one(server):
+    client = RemoteGenerateClient(server.url, **FAST)
+
+    async def use():
+        await client.generate([1], {"max_new_tokens": 1})
+        session = (await client._state()).session
+        await client.generate([2], {"max_new_tokens": 1})
+        assert (await client._state()).session is session  # reused within its loop
+        return session
+
+    first = asyncio.run(use())  # the loop ends without client.close()
+    assert first.closed  # closed on its own loop as that loop shut down
+    second = asyncio.run(use())
+    assert second is not first  # never a foreign loop's session
+
+    async def after_close():
+        await client.close()
+        assert second.closed
+        await client.generate([3], {"max_new_tokens": 1})  # a closed session is replaced
+        third = (await client._state()).session
+        await client.close()
+        return third
+
+    third = asyncio.run(after_close())
+    assert third is not second and third.closed
+
+
+def test_async_with_closes_the_session(server):
+    async def main():
+        async with RemoteGenerateClient(server.url, **FAST) as client:
+            await client.generate([1], {"max_new_tokens": 1})
+            session = (await client._state()).session
+        return session
+
+    assert asyncio.run(main()).closed
+
+
+def test_pickled_client_works_in_a_new_loop_and_a_new_process(server):
+    client = RemoteGenerateClient(server.url, **FAST, max_concurrency=3)
+
+    async def warm():
+        await client.generate([1], {"max_new_tokens": 1})
+        return pickle.dumps(client)  # with a live session and semaphore
+
+    blob = asyncio.run(warm())
+    clone = pickle.loads(blob)
+    assert clone.transport == client.transport and clone.base_url == client.base_url
+    assert list(generate_with(clone, [2, 3])) == reference([2, 3], {"max_new_tokens": 2})[0]
+
+    code = (
+        "import asyncio, pickle, sys\n"
+        "client = pickle.loads(sys.stdin.buffer.read())\n"
+        "async def main():\n"
+        "    async with client:\n"
+        "        r = await client.generate([2, 3], {'max_new_tokens': 2}, return_routed_experts=True)\n"
+        "    print(list(r.response_ids), r.routed_experts.shape)\n"
+        "asyncio.run(main())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], input=blob, capture_output=True, check=True, timeout=120)
+    ids = reference([2, 3], {"max_new_tokens": 2})[0]
+    assert out.stdout.decode().strip() == f"{ids} (3, 2, 2)"
+
+
+def generate_with(client, prompt):
+    async def main():
+        async with client:
+            return (await client.generate(prompt, {"max_new_tokens": 2})).response_ids
+
+    return asyncio.run(main())
