@@ -413,3 +413,28 @@ def generate_with(client, prompt):
             return (await client.generate(prompt, {"max_new_tokens": 2})).response_ids
 
     return asyncio.run(main())
+
+
+def test_model_info_reports_the_served_models_routing_shape():
+    model = TinyMoELM(num_layers=3, num_experts=6, topk=2, seed=1)
+    with LoopbackServer(model) as srv:
+
+        async def main():
+            async with RemoteGenerateClient(srv.url, retries=0) as client:
+                return await client.model_info()
+
+        info = asyncio.run(main())
+    assert (info["num_layers"], info["num_experts"], info["topk"]) == (3, 6, 2)
+
+
+def test_model_info_of_a_dead_server_names_the_url_after_retries():
+    with LoopbackServer() as srv:
+        url = srv.url
+    # The server is gone: the port refuses connections.
+
+    async def main():
+        async with RemoteGenerateClient(url, retries=1, backoff=0.01, connect_timeout=2) as client:
+            return await client.model_info()
+
+    with pytest.raises(RemoteGenerateError, match=r"GET .*/v1/model_info failed after 2 attempt"):
+        asyncio.run(main())

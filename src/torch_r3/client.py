@@ -31,6 +31,7 @@ from torch_r3.codec import decode_routes
 __all__ = ["RemoteGenerateClient", "RemoteGenerateError", "RemoteGenerateResult", "TransportConfig"]
 
 GENERATE_PATH = "/v1/generate"
+MODEL_INFO_PATH = "/v1/model_info"
 RETRYABLE_STATUSES = frozenset({502, 503, 504})
 # aiohttp.ClientPayloadError: the connection broke while the body was read (it
 # is not a ClientConnectionError subclass, but it is the same failure).
@@ -340,10 +341,36 @@ class RemoteGenerateClient:
         raw = await self._post(body, headers)
         return self._parse(raw, prompt_len=len(prompt), start=start, want_routes=return_routed_experts)
 
+    async def model_info(self) -> dict[str, Any]:
+        """The served model's routing shape: ``GET {base_url}/v1/model_info``.
+
+        Returns:
+            The server's JSON object, with at least ``num_layers`` (MoE layers),
+            ``num_experts`` and ``topk``: what a trainer checks before it
+            replays the server's routes in its own model.
+
+        Raises:
+            RemoteGenerateError: as :meth:`generate` (same retries), or when the
+                answer lacks those integer fields.
+        """
+        raw = await self._request("GET", MODEL_INFO_PATH, None, {})
+        url = self.base_url + MODEL_INFO_PATH
+        if not isinstance(raw, Mapping):
+            raise RemoteGenerateError(f"GET {url}: expected a JSON object, got {type(raw).__name__}", url=url, status=200)
+        for key in ("num_layers", "num_experts", "topk"):
+            value = raw.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise RemoteGenerateError(f"GET {url}: {key!r} must be a positive int, got {value!r}", url=url, status=200)
+        return dict(raw)
+
     async def _post(self, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
-        """POST with retries; returns the parsed JSON of a 2xx answer."""
+        """POST to the generate endpoint with retries; the parsed JSON of a 2xx answer."""
+        return await self._request("POST", GENERATE_PATH, body, headers)
+
+    async def _request(self, method: str, path: str, body: dict[str, Any] | None, headers: dict[str, str]) -> Any:
+        """One request with the transport's retries; returns the parsed JSON of a 2xx answer."""
         state = await self._state()
-        url, t = self.url, self.transport
+        url, t = self.base_url + path, self.transport
         attempts, last_cause, last_status = 0, "none", None
         last_exc: BaseException | None = None
         for attempt in range(t.retries + 1):
@@ -352,7 +379,7 @@ class RemoteGenerateClient:
             attempts += 1
             try:
                 async with state.semaphore:
-                    async with state.session.post(url, json=body, headers=headers) as response:
+                    async with state.session.request(method, url, json=body, headers=headers) as response:
                         status = response.status
                         payload = await response.read()
             except _TRANSIENT as exc:
@@ -364,19 +391,19 @@ class RemoteGenerateClient:
                 continue
             if not 200 <= status < 300:
                 raise RemoteGenerateError(
-                    f"POST {url} failed with HTTP {status}: {_server_message(payload)}",
+                    f"{method} {url} failed with HTTP {status}: {_server_message(payload)}",
                     url=url, status=status, attempts=attempts,
                 )
             try:
                 return json.loads(payload)
             except ValueError as exc:
                 raise RemoteGenerateError(
-                    f"POST {url} answered {status} with a body that is not valid JSON "
+                    f"{method} {url} answered {status} with a body that is not valid JSON "
                     f"({len(payload)} bytes): {exc}",
                     url=url, status=status, attempts=attempts,
                 ) from exc
         raise RemoteGenerateError(
-            f"POST {url} failed after {attempts} attempt(s); last cause: {last_cause}",
+            f"{method} {url} failed after {attempts} attempt(s); last cause: {last_cause}",
             url=url, status=last_status, attempts=attempts,
         ) from last_exc
 

@@ -26,6 +26,7 @@ from torch_r3.testing.model import ServedModel, TinyMoELM
 __all__ = ["Faults", "LoopbackServer", "ServerStats", "make_app"]
 
 GENERATE_PATH = "/v1/generate"
+MODEL_INFO_PATH = "/v1/model_info"
 
 
 class Faults:
@@ -146,6 +147,9 @@ class ServerStats:
 def make_app(model: ServedModel, *, faults: Faults | None = None, stats: ServerStats | None = None) -> web.Application:
     """The ``aiohttp.web`` application serving ``POST /v1/generate`` from ``model``.
 
+    ``GET /v1/model_info`` answers the model's ``num_layers``, ``num_experts``
+    and ``topk``.
+
     Args:
         model: The :class:`~torch_r3.testing.model.ServedModel` to generate with.
         faults: Faults to inject (none when ``None``).
@@ -223,8 +227,15 @@ def make_app(model: ServedModel, *, faults: Faults | None = None, stats: ServerS
             return response
         return web.Response(body=text, content_type="application/json")
 
+    async def model_info(request: web.Request) -> web.Response:
+        # What a trainer checks before replaying these routes in its own model.
+        return web.json_response(
+            {"num_layers": model.num_layers, "num_experts": model.num_experts, "topk": model.topk}
+        )
+
     app = web.Application()
     app.router.add_post(GENERATE_PATH, generate)
+    app.router.add_get(MODEL_INFO_PATH, model_info)
     return app
 
 
