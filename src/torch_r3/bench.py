@@ -1033,7 +1033,8 @@ def format_report(result: BenchResult) -> str:
         f"CPU: usable {t['usable_cpus']:g} (affinity {t['affinity_cpus']}, cgroup limit "
         f"{t['cgroup_cpu_limit'] if t['cgroup_cpu_limit'] is not None else 'none'}), pool workers "
         f"{t['pool_workers']}, torch threads {t['torch_num_threads']}, "
-        f"OMP_NUM_THREADS={t['OMP_NUM_THREADS'] or 'unset'}, load average {t['loadavg_1min']}",
+        f"OMP_NUM_THREADS={t['OMP_NUM_THREADS'] or 'unset'}, load average "
+        f"{'?' if t['loadavg_1min'] is None else format(t['loadavg_1min'], '.2f')}",
         "",
         _describe(result.main),
         format_table(result.main),
