@@ -520,14 +520,18 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument(
         "--server-url", metavar="URL", help="use this inference server instead of starting the loopback one"
     )
-    parser.add_argument("--retries", type=int, default=3, help="HTTP attempts per request (default 3)")
+    parser.add_argument("--retries", type=int, default=3, help="HTTP retries per request after the first attempt (default 3)")
     parser.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes (default 2)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return run_from_args(build_parser().parse_args(argv))
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run with parsed options (``torch-r3 demo`` shares the parser); returns the exit code."""
     for name in ("trajectories", "turns", "retries"):
         if getattr(args, name) < 1:
             print(f"error: --{name} must be >= 1", file=sys.stderr)

@@ -191,3 +191,24 @@ def test_real_machine_is_consistent():
     assert 0 < usable <= (os.cpu_count() or 1)
     limit = cpu.cgroup_cpu_limit()
     assert limit is None or usable <= limit
+
+
+def test_memory_room_v2_takes_the_tightest_cgroup_on_the_path(tmp_path):
+    write(tmp_path, "proc/self/cgroup", "0::/a/b\n")
+    write(tmp_path, "proc/self/mountinfo", V2_MOUNT)
+    write(tmp_path, "sys/fs/cgroup/memory.max", "max\n")
+    write(tmp_path, "sys/fs/cgroup/a/memory.max", str(8 << 30) + "\n")
+    write(tmp_path, "sys/fs/cgroup/a/memory.current", str(7 << 30) + "\n")  # 1 GiB left here
+    write(tmp_path, "sys/fs/cgroup/a/b/memory.max", str(4 << 30) + "\n")
+    write(tmp_path, "sys/fs/cgroup/a/b/memory.current", str(1 << 30) + "\n")  # 3 GiB left
+    assert cpu.cgroup_memory_room(tmp_path) == (1 << 30, "/sys/fs/cgroup/a")
+
+
+def test_memory_room_v1_and_unlimited(tmp_path):
+    write(tmp_path, "proc/self/cgroup", "6:memory:/job\n")
+    write(tmp_path, "proc/self/mountinfo", "35 31 0:32 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n")
+    write(tmp_path, "sys/fs/cgroup/memory/memory.limit_in_bytes", str(2**63 - 4096) + "\n")  # v1 "unlimited"
+    assert cpu.cgroup_memory_room(tmp_path) == (None, None)
+    write(tmp_path, "sys/fs/cgroup/memory/job/memory.limit_in_bytes", str(2 << 30) + "\n")
+    write(tmp_path, "sys/fs/cgroup/memory/job/memory.usage_in_bytes", "garbage\n")  # unknown usage counts as 0
+    assert cpu.cgroup_memory_room(tmp_path) == (2 << 30, "/sys/fs/cgroup/memory/job")

@@ -329,41 +329,6 @@ def estimate_memory(config: BenchConfig) -> int:
     return 2 * inputs + 5 * output + _MEMORY_SLACK
 
 
-def _read_int(path: Path) -> int | None:
-    try:
-        return int(path.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _cgroup_memory_room() -> tuple[int | None, str | None]:
-    """(limit - usage, cgroup dir) of the tightest memory cgroup above this process."""
-    # The cgroup path resolution is torch_r3.cpu's (CPU quotas are found the same way).
-    from torch_r3.cpu import _cgroup_mounts, _relative, _self_cgroups, _walk_up
-
-    root = Path("/")
-    v2_path, v1_paths = _self_cgroups(root)
-    best: tuple[int | None, str | None] = (None, None)
-    for fstype, mount_root, mount_point, opts in _cgroup_mounts(root):
-        if fstype == "cgroup2":
-            path, limit_file, usage_file = v2_path, "memory.max", "memory.current"
-        elif "memory" in opts:
-            path, limit_file, usage_file = v1_paths.get("memory"), "memory.limit_in_bytes", "memory.usage_in_bytes"
-        else:
-            continue
-        rel = None if path is None else _relative(path, mount_root)
-        if rel is None:
-            continue
-        for directory in _walk_up(root, mount_point, rel):
-            limit = _read_int(directory / limit_file)
-            if limit is None or limit >= 1 << 60:  # "max", or v1's "unlimited" 2**63 - page
-                continue
-            room = limit - (_read_int(directory / usage_file) or 0)
-            if best[0] is None or room < best[0]:
-                best = (room, str(directory))
-    return best
-
-
 def available_memory() -> dict[str, Any]:
     """What this process may still allocate: ``MemAvailable`` and the cgroup memory room.
 
@@ -378,7 +343,9 @@ def available_memory() -> dict[str, Any]:
                 mem_available = int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    room, cgroup = _cgroup_memory_room()
+    from torch_r3.cpu import cgroup_memory_room
+
+    room, cgroup = cgroup_memory_room()
     known = [v for v in (mem_available, room) if v is not None]
     return {"mem_available": mem_available, "cgroup_room": room, "cgroup": cgroup,
             "available": min(known) if known else None}

@@ -222,6 +222,51 @@ def _doctor_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
 
 
 # --------------------------------------------------------------------------
+# demo: runs examples/rl_step.py from a source checkout
+# --------------------------------------------------------------------------
+
+
+def _demo_path():
+    from pathlib import Path
+
+    return Path(__file__).resolve().parents[2] / "examples" / "rl_step.py"
+
+
+def _demo_module():
+    """The example as a module, or None outside a source checkout."""
+    import importlib.util
+
+    name = "torch_r3_example_rl_step"
+    if name in sys.modules:
+        return sys.modules[name]
+    path = _demo_path()
+    if not path.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    return module
+
+
+def _demo_arguments(p: argparse.ArgumentParser) -> None:
+    module = _demo_module()
+    if module is not None:
+        module.build_parser(p)
+
+
+def _demo_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    module = _demo_module()
+    if module is None:
+        print(
+            f"error: torch-r3 demo runs examples/rl_step.py from a source checkout; not found at {_demo_path()}",
+            file=sys.stderr,
+        )
+        return 2
+    return module.run_from_args(args)
+
+
+# --------------------------------------------------------------------------
 # Dispatch
 # --------------------------------------------------------------------------
 
@@ -231,10 +276,12 @@ Runner = Callable[[argparse.Namespace, argparse.ArgumentParser], int]
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Runner]] = {
     "bench": ("time route collation strategies on a synthetic batch", _bench_arguments, _bench_run),
     "doctor": ("show the CPU topology, threads and pinned memory the collator sees", _doctor_arguments, _doctor_run),
+    "demo": ("one RL step with R3 end to end: bf16 rollouts, R3Collator, fp32 Megatron step", _demo_arguments, _demo_run),
 }
 
 
-def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+def _parser(wanted: str | None = None) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The parser; only the ``wanted`` subcommand gets its options (``demo`` loads the example for them)."""
     from torch_r3 import __version__
 
     parser = argparse.ArgumentParser(prog="torch-r3", description="Routed-expert replay (R3) tools.")
@@ -243,7 +290,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     subparsers = {}
     for name, (help_text, add_arguments, _run) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        add_arguments(p)
+        if name == wanted:
+            add_arguments(p)
         subparsers[name] = p
     return parser, subparsers
 
@@ -257,7 +305,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         0 on success, 2 on bad usage, 3 when ``bench`` refuses for lack of memory.
     """
-    parser, subparsers = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    wanted = next((a for a in argv if not a.startswith("-")), None)
+    parser, subparsers = _parser(wanted)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

@@ -24,6 +24,7 @@ __all__ = [
     "ENV_NUM_WORKERS",
     "affinity_cpus",
     "cgroup_cpu_limit",
+    "cgroup_memory_room",
     "cgroup_quotas",
     "pool_workers",
     "usable_cpus",
@@ -149,6 +150,40 @@ def _v1_quota(directory: Path) -> float | None:
     return quota / period if quota > 0 and period > 0 else None
 
 
+def _cgroup_dirs(root: Path, controller: str):
+    """(version, directory) of this process's cgroup for ``controller``, leaf first, up to each mount root.
+
+    cgroup v2 contributes its unified hierarchy, v1 the hierarchy that mounts
+    ``controller``; a hybrid host contributes both. Falls back to the
+    conventional ``/sys/fs/cgroup`` layout when ``mountinfo`` names no cgroup mount.
+    """
+    v2_path, v1_paths = _self_cgroups(root)
+    mounts = _cgroup_mounts(root)
+    if not mounts:  # no mountinfo: assume the conventional layout
+        mounts = [("cgroup2", "/", "/sys/fs/cgroup", set())]
+        for name in (f"{controller},cpuacct", controller) if controller == "cpu" else (controller,):
+            mounts.append(("cgroup", "/", f"/sys/fs/cgroup/{name}", {controller}))
+    seen: set[Path] = set()
+    for fstype, mount_root, mount_point, opts in mounts:
+        if fstype == "cgroup2":
+            version, path = 2, v2_path
+        elif controller in opts:
+            version, path = 1, v1_paths.get(controller)
+        else:
+            continue
+        rel = None if path is None else _relative(path, mount_root)
+        if rel is None:
+            continue
+        for directory in _walk_up(root, mount_point, rel):
+            if directory not in seen:
+                seen.add(directory)
+                yield version, directory
+
+
+def _shown(root: Path, directory: Path) -> str:
+    return "/" + str(directory.relative_to(root)) if directory != root else "/"
+
+
 def cgroup_quotas(root: str | os.PathLike = "/") -> list[CgroupQuota]:
     """Every CPU quota on the path from this process's cgroup(s) up to the mount root.
 
@@ -160,35 +195,43 @@ def cgroup_quotas(root: str | os.PathLike = "/") -> list[CgroupQuota]:
     skipped, never raised.
     """
     root = Path(root)
-    v2_path, v1_paths = _self_cgroups(root)
-    mounts = _cgroup_mounts(root)
-    if not mounts:  # no mountinfo: assume the conventional layout
-        mounts = [("cgroup2", "/", "/sys/fs/cgroup", set())]
-        for name in ("cpu,cpuacct", "cpu"):
-            mounts.append(("cgroup", "/", f"/sys/fs/cgroup/{name}", {"cpu"}))
     found: list[CgroupQuota] = []
-    seen: set[Path] = set()
-    for fstype, mount_root, mount_point, opts in mounts:
-        if fstype == "cgroup2":
-            version, path, reader = 2, v2_path, _v2_quota
-        elif "cpu" in opts:
-            version, path, reader = 1, v1_paths.get("cpu"), _v1_quota
-        else:
-            continue
-        if path is None:
-            continue
-        rel = _relative(path, mount_root)
-        if rel is None:
-            continue
-        for directory in _walk_up(root, mount_point, rel):
-            if directory in seen:
-                continue
-            seen.add(directory)
-            cpus = reader(directory)
-            if cpus is not None:
-                shown = "/" + str(directory.relative_to(root)) if directory != root else "/"
-                found.append(CgroupQuota(path=shown, version=version, cpus=cpus))
+    for version, directory in _cgroup_dirs(root, "cpu"):
+        cpus = (_v2_quota if version == 2 else _v1_quota)(directory)
+        if cpus is not None:
+            found.append(CgroupQuota(path=_shown(root, directory), version=version, cpus=cpus))
     return found
+
+
+def _read_int(path: Path) -> int | None:
+    text = _read(path)
+    try:
+        return int(text.strip()) if text is not None else None
+    except ValueError:
+        return None
+
+
+def cgroup_memory_room(root: str | os.PathLike = "/") -> tuple[int | None, str | None]:
+    """Bytes this process's cgroups still allow it to allocate, and the binding cgroup.
+
+    The smallest ``limit - usage`` along the path from the process's memory
+    cgroup up to the mount root, over v2 (``memory.max``/``memory.current``)
+    and v1 (``memory.limit_in_bytes``/``memory.usage_in_bytes``);
+    ``(None, None)`` when no limit is set or readable.
+    """
+    root = Path(root)
+    best: tuple[int | None, str | None] = (None, None)
+    for version, directory in _cgroup_dirs(root, "memory"):
+        limit_file, usage_file = (
+            ("memory.max", "memory.current") if version == 2 else ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        )
+        limit = _read_int(directory / limit_file)
+        if limit is None or limit >= 1 << 60:  # "max", or v1's "unlimited" (2**63 rounded to a page)
+            continue
+        room = limit - (_read_int(directory / usage_file) or 0)
+        if best[0] is None or room < best[0]:
+            best = (room, _shown(root, directory))
+    return best
 
 
 def cgroup_cpu_limit(root: str | os.PathLike = "/") -> float | None:

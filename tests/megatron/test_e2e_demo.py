@@ -50,7 +50,11 @@ def test_replay_makes_training_routes_equal_the_rollouts_and_cuts_the_logprob_ga
 def test_unreachable_server_stops_with_a_clear_message():
     with LoopbackServer() as srv:
         url = srv.url  # a port that refuses connections once the server is gone
-    proc = run_demo("--server-url", url, "--retries", "2", timeout=120)
+    # Through the command line this time: `torch-r3 demo` runs the same example.
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch_r3", "demo", "--quiet", "--server-url", url, "--retries", "2"],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )
     assert proc.returncode == 2
     assert f"the inference server at {url} is unreachable" in proc.stderr
     assert "after 3 attempt(s)" in proc.stderr
