@@ -52,7 +52,8 @@ def widest(dtypes) -> np.dtype:
     return max(dtypes, key=CANONICAL_DTYPES.index)
 
 
-def _as_host_array(array: Any, what: str) -> np.ndarray:
+def as_host_array(array: Any, what: str) -> np.ndarray:
+    """A NumPy array or an integer ``torch.Tensor`` (detached, moved to host) as a NumPy array."""
     # Lazy torch import keeps this module usable from NumPy-only senders.
     try:
         import torch
@@ -64,7 +65,7 @@ def _as_host_array(array: Any, what: str) -> np.ndarray:
         return array.detach().to("cpu").numpy()
     if not isinstance(array, np.ndarray):
         raise TypeError(
-            f"{what}: expected a NumPy array or torch.Tensor [rows, layers, topk], "
+            f"{what}: expected a NumPy array or torch.Tensor, "
             f"got {type(array).__name__}"
         )
     return array
@@ -88,7 +89,7 @@ def compact_routes(array: Any, *, name: str = "routes") -> np.ndarray:
         TypeError: not an array/tensor, or a float, bool or complex dtype.
         ValueError: not 3-D, ``layers`` or ``topk`` zero, a negative id, or an id >= 2**31.
     """
-    a = _as_host_array(array, name)
+    a = as_host_array(array, name)
     if a.dtype.kind not in "iu":
         raise TypeError(f"{name}: expected an integer dtype, got {a.dtype}")
     if a.ndim != 3:

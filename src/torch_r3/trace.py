@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from torch_r3.routes import CANONICAL_DTYPES, compact_routes, is_canonical, widest
+from torch_r3.routes import CANONICAL_DTYPES, as_host_array, compact_routes, is_canonical, widest
 
 __all__ = ["RoutedExpertTrace", "TokenMetadataTrace"]
 
@@ -130,16 +130,7 @@ class TokenMetadataTrace:
 
 
 def _as_rows(chunk: Any, what: str) -> np.ndarray:
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a dependency
-        torch = None
-    if torch is not None and isinstance(chunk, torch.Tensor):
-        if chunk.dtype.is_floating_point or chunk.dtype.is_complex or chunk.dtype == torch.bool:
-            raise TypeError(f"{what}: expected an integer tensor, got dtype {chunk.dtype}")
-        chunk = chunk.detach().to("cpu").numpy()
-    if not isinstance(chunk, np.ndarray):
-        raise TypeError(f"{what}: expected a NumPy array or torch.Tensor, got {type(chunk).__name__}")
+    chunk = as_host_array(chunk, what)
     if chunk.dtype.kind not in "iu":
         raise TypeError(f"{what}: expected an integer dtype, got {chunk.dtype}")
     if is_canonical(chunk.dtype):
