@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import math
 import os
 import socket
 import sys

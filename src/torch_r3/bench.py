@@ -538,7 +538,7 @@ def _memcpy(ctx: _Context) -> None:
 
 def _pad_sequence(ctx: _Context) -> dict[str, torch.Tensor]:
     b = ctx.batch
-    B, T, L, K = len(b.routes), b.T, b.num_layers, b.topk
+    T, L, K = b.T, b.num_layers, b.topk
     tdtype = _TORCH[b.dtype.name]
     pad_row = torch.arange(K, dtype=tdtype).expand(L, K)
     seqs = []

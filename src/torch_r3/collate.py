@@ -429,7 +429,6 @@ def _collate(
     B = len(arrays)
     rows = [a.shape[0] for a in arrays]
     row_shape = (num_layers, topk)
-    row_bytes = num_layers * topk * dtype.itemsize
     tdtype = _NP_TO_TORCH[dtype]
     kind = _memory_kind(pin_memory)
     period = _padding_period(padding, topk, num_experts)

@@ -13,7 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from torch_r3.testing import LoopbackServer, TinyMoELM
 

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from _models import TOPK, EXPERTS, RouteRecorder, expected_map, forward_step, make_batch
+from _models import TOPK, RouteRecorder, expected_map, forward_step, make_batch
 
 from torch_r3.megatron import InterleavedPipelineError, ReplayHook
 
