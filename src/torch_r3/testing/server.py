@@ -289,6 +289,13 @@ class _Refused(asyncio.Protocol):
         _reset(transport)
 
 
+async def _cancel_other_tasks() -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class LoopbackServer:
     """The test server on ``127.0.0.1``, in-process, on a free port.
 
@@ -419,6 +426,9 @@ class LoopbackServer:
             return
         try:
             asyncio.run_coroutine_threadsafe(self._close(), loop).result(timeout=30)
+            # Handlers still stalled past shutdown_timeout (an injected stall) would
+            # be destroyed pending with the loop: cancel them and let them unwind.
+            asyncio.run_coroutine_threadsafe(_cancel_other_tasks(), loop).result(timeout=30)
         finally:
             loop.call_soon_threadsafe(loop.stop)
             thread.join(timeout=30)
