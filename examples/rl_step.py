@@ -399,9 +399,8 @@ def train_step(model, microbatches: list[dict[str, torch.Tensor]], cfg: DemoConf
     )
     try:
         if replay:
-            hook = ReplayHook(model)
-            hook.forward_backward(get_forward_backward_func(), **kwargs)
-            hook.close()
+            with ReplayHook(model) as hook:
+                hook.forward_backward(get_forward_backward_func(), **kwargs)
         else:
             get_forward_backward_func()(**kwargs)
     finally:

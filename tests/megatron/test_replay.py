@@ -153,6 +153,22 @@ def test_model_gets_router_padding_mask_and_indices_are_int64(make_model):
     hook.close()
 
 
+def test_closing_the_hook_stops_handing_the_padding_mask(make_model):
+    model = make_model()
+    seen = []
+    batch = make_batch(padding="arange")
+    with ReplayHook(model) as hook:
+        # Registered after the hook's own pre-hook, so it sees what the model gets.
+        handle = model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw.get("padding_mask")), with_kwargs=True)
+        _run(hook, model, [batch], forward_only=True)
+    assert torch.equal(seen[-1], batch["router_padding_mask"])
+    # Closed: the model runs as if the hook never existed, with no stale targets.
+    model(batch["input_ids"], torch.arange(batch["input_ids"].shape[1]).expand_as(batch["input_ids"]), None)
+    assert seen[-1] is None
+    assert all(r.replay.target_topk_idx is None and not r.replay.replay_backward_list for r in hook._routers)
+    handle.remove()
+
+
 def test_only_this_models_routers_are_touched_not_orphans(make_model):
     from megatron.core.transformer.moe.router_replay import RouterReplay
 

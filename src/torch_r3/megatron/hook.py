@@ -237,8 +237,18 @@ class ReplayHook:
         """
         return self._slice(batch)[1]
 
+    def __enter__(self) -> "ReplayHook":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
-        """Remove the forward pre-hook and clear this model's replay state."""
+        """Remove the forward pre-hook and clear this model's replay state.
+
+        The hook is also a context manager: ``with ReplayHook(model) as hook:``
+        closes it on exit.
+        """
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
