@@ -357,9 +357,9 @@ def _check_workers(workers: Any) -> int:
     return int(workers)
 
 
-def _run(tasks: list[Any], costs: list[int], run_range, workers: int, total_bytes: int) -> None:
-    """Run ``run_range(lo, hi)`` over contiguous chunks of ``tasks``; the caller joins in."""
-    n = len(tasks)
+def _run(costs: list[int], run_range, workers: int, total_bytes: int) -> None:
+    """Run ``run_range(lo, hi)`` over contiguous chunks of the rows ``0 .. len(costs)-1``; the caller joins in."""
+    n = len(costs)
     if workers <= 1 or n <= 1 or total_bytes < _SERIAL_BELOW_BYTES:
         run_range(0, n)
         return
@@ -508,7 +508,7 @@ def _collate(
 
         costs = counts
 
-    _run(list(range(B)), costs, run_range, workers, routes_out.nbytes)
+    _run(costs, run_range, workers, routes_out.nbytes)
     return result
 
 
