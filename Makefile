@@ -28,4 +28,4 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 clean:
-	rm -rf $(VENV) site build src/*.egg-info
+	rm -rf $(VENV) site build *.egg-info

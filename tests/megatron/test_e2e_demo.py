@@ -1,4 +1,4 @@
-"""The whole path, as a user runs it: examples/rl_step.py (also `torch-r3 demo`).
+"""The whole path, as a user runs it: torch_r3.demo (also `torch-r3 demo`).
 
 Rollouts on a bf16 Megatron model behind the loopback server, a DataLoader with
 R3Collator and two worker processes, and an fp32 training step through
@@ -17,12 +17,11 @@ from pathlib import Path
 from torch_r3.testing import LoopbackServer, TinyMoELM
 
 REPO = Path(__file__).resolve().parents[2]
-DEMO = REPO / "examples" / "rl_step.py"
 
 
 def run_demo(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(DEMO), "--quiet", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
+        [sys.executable, "-m", "torch_r3.demo", "--quiet", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
     )
 
 

@@ -221,48 +221,22 @@ def _doctor_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
 
 
 # --------------------------------------------------------------------------
-# demo: runs examples/rl_step.py from a source checkout
+# demo: torch_r3.demo, one RL step end to end
 # --------------------------------------------------------------------------
 
 
-def _demo_path():
-    from pathlib import Path
-
-    return Path(__file__).resolve().parents[2] / "examples" / "rl_step.py"
-
-
 def _demo_module():
-    """The example as a module, or None outside a source checkout."""
-    import importlib.util
+    from torch_r3 import demo
 
-    name = "torch_r3_example_rl_step"
-    if name in sys.modules:
-        return sys.modules[name]
-    path = _demo_path()
-    if not path.is_file():
-        return None
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
+    return demo
 
 
 def _demo_arguments(p: argparse.ArgumentParser) -> None:
-    module = _demo_module()
-    if module is not None:
-        module.build_parser(p)
+    _demo_module().build_parser(p)
 
 
 def _demo_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    module = _demo_module()
-    if module is None:
-        print(
-            f"error: torch-r3 demo runs examples/rl_step.py from a source checkout; not found at {_demo_path()}",
-            file=sys.stderr,
-        )
-        return 2
-    return module.run_from_args(args)
+    return _demo_module().run_from_args(args)
 
 
 # --------------------------------------------------------------------------
