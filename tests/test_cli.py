@@ -1,14 +1,17 @@
-"""The torch-r3 command line: bench options on tiny shapes, doctor, python -m torch_r3."""
+"""The torch-r3 command line: bench options on tiny shapes, doctor, the shared conventions, python -m torch_r3."""
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 
+import torch_r3
 from torch_r3 import bench, cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,34 +74,122 @@ def test_bad_bench_options_exit_2_with_a_clear_message(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_doctor_prints_the_topology_and_warns_on_oversubscription(monkeypatch, capsys):
-    monkeypatch.setenv("TORCH_R3_NUM_WORKERS", "64")
-    assert cli.main(["doctor"]) == 0
-    out = capsys.readouterr().out
-    for line in ("affinity mask", "cgroup", "usable CPUs", "pool workers         64 (from TORCH_R3_NUM_WORKERS=64)",
-                 "torch threads", "OMP_NUM_THREADS", "pinned memory"):
-        assert line in out
-    assert "warning: torch threads" in out and "> usable CPUs" in out
-
-
-def test_doctor_json_is_quiet_when_threads_fit(monkeypatch, capsys):
+def _default_threads() -> int:
+    """What torch picks on a machine with no quota: never more threads than usable CPUs."""
     import torch
 
-    monkeypatch.setenv("TORCH_R3_NUM_WORKERS", "1")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert cli.main(["doctor", "--json"]) == 0
-    finally:
-        torch.set_num_threads(threads)
-    report = json.loads(capsys.readouterr().out)
-    assert report["pool_workers"] == 1 and report["torch_num_threads"] == 1
-    assert not any("oversubscribe" in w for w in report["warnings"])
+    from torch_r3.cpu import usable_cpus
+
+    return min(torch.get_num_threads(), max(1, math.floor(usable_cpus())))
 
 
-def test_no_subcommand_prints_help_and_exits_2(capsys):
-    assert cli.main([]) == 2
-    assert "bench" in capsys.readouterr().out
+@pytest.fixture
+def torch_threads():
+    """Set torch's intra-op thread count for one test, then restore it."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def test_doctor_reports_the_installed_versions(monkeypatch, tmp_path, capsys):
+    import torch
+
+    path = tmp_path / "doctor.json"
+    assert cli.main(["doctor", "--json", str(path)]) == 0
+    versions = json.loads(path.read_text())["versions"]
+    for name in ("torch_r3", "torch", "numpy", "megatron-core", "aiohttp"):
+        try:
+            expected = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            expected = None
+        assert versions[name] == expected, name
+    assert versions["torch"] == torch.__version__ and versions["torch_r3"] == torch_r3.__version__
+    out = capsys.readouterr().out
+    assert f"torch                {torch.__version__}" in out
+    assert f"torch_r3             {torch_r3.__version__}" in out
+
+
+def test_doctor_reports_accelerator_and_pinned_memory(tmp_path, capsys):
+    import torch
+
+    path = tmp_path / "doctor.json"
+    assert cli.main(["doctor", "--json", str(path)]) == 0
+    accelerator = json.loads(path.read_text())["accelerator"]
+    assert accelerator["available"] == torch.accelerator.is_available()
+    assert accelerator["cuda_build"] == torch.version.cuda
+    if not accelerator["available"]:
+        assert accelerator["pinned_memory"] is False
+    out = capsys.readouterr().out
+    for line in ("accelerator", "available", "torch built with", "pinned memory", "affinity mask", "usable CPUs",
+                 "pool workers", "torch threads"):
+        assert line in out, line
+
+
+def test_doctor_gives_no_warning_on_a_default_set_up(monkeypatch, torch_threads, capsys):
+    monkeypatch.delenv("TORCH_R3_NUM_WORKERS", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    torch_threads(_default_threads())
+    report = cli.doctor_report()
+    assert report["warnings"] == []
+    assert cli.main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "warning" not in out and "ok: nothing to fix" in out
+
+
+def test_doctor_warns_when_torch_threads_exceed_the_usable_cpus(monkeypatch, torch_threads):
+    from torch_r3.cpu import usable_cpus
+
+    monkeypatch.delenv("TORCH_R3_NUM_WORKERS", raising=False)
+    fit = max(1, math.floor(usable_cpus()))
+    torch_threads(fit + 1)
+    (warning,) = cli.doctor_report()["warnings"]
+    assert f"{fit + 1} intra-op threads" in warning and f"OMP_NUM_THREADS={fit}" in warning
+
+
+@pytest.mark.parametrize("value", ["too_many", "abc"])
+def test_doctor_warns_about_a_worker_override_it_cannot_honour(monkeypatch, torch_threads, value, capsys):
+    from torch_r3.cpu import usable_cpus
+
+    torch_threads(_default_threads())
+    env = str(math.floor(usable_cpus()) + 1) if value == "too_many" else value
+    monkeypatch.setenv("TORCH_R3_NUM_WORKERS", env)
+    (warning,) = cli.doctor_report()["warnings"]
+    assert "TORCH_R3_NUM_WORKERS" in warning and env in warning
+    assert cli.main(["doctor"]) == 0
+    assert f"(from TORCH_R3_NUM_WORKERS={env})" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", sorted(cli.COMMANDS))
+def test_json_takes_a_path_in_every_subcommand(command):
+    _parser, subparsers = cli._parser(command)
+    (action,) = [a for a in subparsers[command]._actions if "--json" in a.option_strings]
+    assert action.nargs is None and action.metavar == "PATH"  # one value, a path: not a flag
+
+
+def test_doctor_json_goes_to_the_file_report_to_stdout_status_to_stderr(tmp_path, capsys):
+    path = tmp_path / "doctor.json"
+    assert cli.main(["doctor", "--json", str(path)]) == 0
+    captured = capsys.readouterr()
+    assert set(json.loads(path.read_text())) == {"versions", "accelerator", "cpu", "warnings"}
+    assert captured.out.startswith("versions\n") and "{" not in captured.out
+    assert captured.err == f"torch-r3 doctor: wrote {path}\n"
+
+
+def test_bare_torch_r3_prints_the_same_help_as_dash_dash_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    help_text = capsys.readouterr().out
+    assert cli.main([]) == e.value.code == 0
+    assert capsys.readouterr().out == help_text
+    assert all(name in help_text for name in cli.COMMANDS)
+
+
+def test_demo_without_megatron_names_the_extra_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "megatron.core", None)  # import megatron.core now fails
+    assert cli.main(["demo"]) == 2
+    assert "pip install 'torch_r3[megatron,client]'" in capsys.readouterr().err
 
 
 def test_python_dash_m_torch_r3_runs_the_cli():

@@ -1,9 +1,13 @@
-"""The ``torch-r3`` command line (also ``python -m torch_r3``).
+"""The `torch-r3` command line (also `python -m torch_r3`).
 
-Subcommands are registered in :data:`COMMANDS` as ``name -> (help, add_arguments,
-run)``; each ``run`` imports what it needs lazily, so ``torch-r3 doctor`` does not
-pay for matplotlib and a new subcommand is a few lines: two functions and one
-entry.
+Subcommands are registered in `COMMANDS` as `name -> (help, add_arguments, run)`;
+each `run` imports what it needs lazily, so `torch-r3 doctor` does not pay for
+matplotlib and a new subcommand is a few lines: two functions and one entry.
+
+Conventions shared by every subcommand: the report goes to stdout, status lines
+(progress, "wrote PATH", refusals) go to stderr; `--json PATH` also writes the
+full result as JSON to PATH; bare `torch-r3` prints the same help as
+`torch-r3 --help` and exits 0.
 """
 
 from __future__ import annotations
@@ -139,14 +143,42 @@ def _json_default(value: Any) -> Any:
 # doctor
 # --------------------------------------------------------------------------
 
+# The distributions whose versions matter to a bug report, in report order.
+_DISTRIBUTIONS = ("torch_r3", "torch", "numpy", "megatron-core", "aiohttp")
 
-def _pinned_memory() -> tuple[bool, str]:
+
+def _version(distribution: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _accelerator() -> dict[str, Any]:
     import torch
 
+    # TODO(issue 12): import the public accelerator_available() from torch_r3._memory
+    # once the collate branch lands; the private name is imported here until then.
     from torch_r3.collate import _accelerator_available
 
-    if not _accelerator_available():
-        return False, "no accelerator: pinning would not help, collate_routes uses plain memory"
+    available = _accelerator_available()
+    current = torch.accelerator.current_accelerator() if available and hasattr(torch, "accelerator") else None
+    devices: list[str] = []
+    if available and torch.cuda.is_available():
+        devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    pinned, pinned_note = _pinned_memory(available)
+    return {"available": available, "type": None if current is None else current.type, "devices": devices,
+            "cuda_build": torch.version.cuda, "hip_build": torch.version.hip, "pinned_memory": pinned,
+            "pinned_memory_note": pinned_note}
+
+
+def _pinned_memory(accelerator: bool) -> tuple[bool, str]:
+    import torch
+
+    if not accelerator:
+        return False, "no accelerator: collate_routes uses plain memory (pinning would not help)"
     try:
         torch.empty(1, pin_memory=True)
     except RuntimeError as e:
@@ -154,75 +186,124 @@ def _pinned_memory() -> tuple[bool, str]:
     return True, "available: collate_routes pins its outputs in the main process"
 
 
-def doctor_report() -> dict[str, Any]:
-    """What ``torch-r3 doctor`` prints, as a dict (topology, threads, pinned memory, warnings)."""
+def _cpu() -> dict[str, Any]:
+    import dataclasses
+    import os
+
     import torch
 
-    from torch_r3.bench import cpu_topology
+    from torch_r3 import cpu
+
+    try:
+        workers: int | None = cpu.pool_workers()
+        workers_error = None
+    except ValueError as e:  # a malformed TORCH_R3_NUM_WORKERS: report it, do not crash the doctor
+        workers, workers_error = None, str(e)
+    return {
+        "affinity_cpus": cpu.affinity_cpus(),
+        "os_cpu_count": os.cpu_count(),
+        "cgroup_quotas": [dataclasses.asdict(q) for q in cpu.cgroup_quotas()],
+        "usable_cpus": cpu.usable_cpus(),
+        "pool_workers": workers,
+        "pool_workers_error": workers_error,
+        cpu.ENV_NUM_WORKERS: os.environ.get(cpu.ENV_NUM_WORKERS),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+        "torch_num_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+    }
+
+
+def _warnings(accelerator: dict[str, Any], cpus: dict[str, Any]) -> list[str]:
+    """Only what needs fixing: a set-up with no quota and default settings gets none."""
     from torch_r3.cpu import ENV_NUM_WORKERS
 
-    topo = cpu_topology()
-    pinned, pinned_note = _pinned_memory()
-    threads = torch.get_num_threads()
-    warnings = []
-    usable = topo["usable_cpus"]
-    if threads * topo["pool_workers"] > usable:
-        warnings.append(
-            f"torch threads ({threads}) x pool workers ({topo['pool_workers']}) = {threads * topo['pool_workers']} "
-            f"> usable CPUs ({usable:g}): when collation overlaps torch compute (or runs in several "
-            f"DataLoader workers) the threads oversubscribe the CPUs; set OMP_NUM_THREADS / "
-            f"torch.set_num_threads() or {ENV_NUM_WORKERS} so that their product fits"
-        )
-    if topo["affinity_cpus"] > math.floor(usable):
-        warnings.append(
-            f"the cgroup quota ({usable:g} CPUs) is below the affinity mask ({topo['affinity_cpus']} CPUs): "
-            f"libraries that size their pools from os.cpu_count() or the affinity mask will be throttled"
-        )
-    return {**topo, "interop_threads": torch.get_num_interop_threads(), "pinned_memory": pinned,
-            "pinned_memory_note": pinned_note, "warnings": warnings}
+    usable = cpus["usable_cpus"]
+    fit = max(1, math.floor(usable))
+    out = []
+    if cpus["torch_num_threads"] > usable:
+        # torch sizes its pool from the affinity mask; a CFS quota below it throttles every op.
+        out.append(f"torch runs {cpus['torch_num_threads']} intra-op threads on {usable:g} usable CPUs: the "
+                   f"threads are throttled; set OMP_NUM_THREADS={fit} (or torch.set_num_threads({fit}))")
+    if cpus["pool_workers_error"]:
+        out.append(cpus["pool_workers_error"])
+    elif cpus[ENV_NUM_WORKERS] and cpus["pool_workers"] > usable:
+        out.append(f"{ENV_NUM_WORKERS}={cpus[ENV_NUM_WORKERS]} asks for more collation threads than the "
+                   f"{usable:g} usable CPUs: unset it (the default is min(8, {fit})) or lower it")
+    if accelerator["available"] and not accelerator["pinned_memory"]:
+        out.append(accelerator["pinned_memory_note"])
+    return out
+
+
+def doctor_report() -> dict[str, Any]:
+    """What `torch-r3 doctor` reports, as a dict that `json.dumps` accepts.
+
+    Returns:
+        `versions` (distribution -> version, `None` when not installed; plus `python`
+        and `platform`), `accelerator` (availability, devices, CUDA/HIP build, pinned
+        memory), `cpu` (affinity mask, cgroup quotas, usable CPUs, pool workers, thread
+        settings) and `warnings` (what to fix; empty on a set-up that needs nothing).
+    """
+    import platform
+
+    versions: dict[str, str | None] = {"python": platform.python_version(), "platform": platform.platform()}
+    versions.update({name: _version(name) for name in _DISTRIBUTIONS})
+    accelerator = _accelerator()
+    cpus = _cpu()
+    return {"versions": versions, "accelerator": accelerator, "cpu": cpus, "warnings": _warnings(accelerator, cpus)}
 
 
 def _doctor_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
+
+
+def _doctor_text(r: dict[str, Any]) -> str:
+    from torch_r3.cpu import ENV_NUM_WORKERS
+
+    def row(name: str, value: object) -> str:
+        return f"  {name:<20} {value}"
+
+    acc, cpus = r["accelerator"], r["cpu"]
+    lines = ["versions"] + [row(k, v or "not installed") for k, v in r["versions"].items()]
+    build = ", ".join(f"{k} {v}" for k, v in (("CUDA", acc["cuda_build"]), ("HIP", acc["hip_build"])) if v)
+    lines += [
+        "accelerator",
+        row("available", f"yes ({acc['type']}: {', '.join(acc['devices']) or 'no device names'})"
+            if acc["available"] else "no"),
+        row("torch built with", build or "no CUDA or HIP (CPU build)"),
+        row("pinned memory", f"{'yes' if acc['pinned_memory'] else 'no'}: {acc['pinned_memory_note']}"),
+        "CPU (what the collation pool sees)",
+        row("affinity mask", f"{cpus['affinity_cpus']} CPUs (os.cpu_count() = {cpus['os_cpu_count']})"),
+    ]
+    for q in cpus["cgroup_quotas"]:
+        lines.append(row(f"cgroup v{q['version']} quota", f"{q['cpus']:g} CPUs at {q['path']}"))
+    if not cpus["cgroup_quotas"]:
+        lines.append(row("cgroup quota", "none found (no cpu.max / cpu.cfs_quota_us limit on this cgroup path)"))
+    workers = cpus["pool_workers"]
+    source = f"from {ENV_NUM_WORKERS}={cpus[ENV_NUM_WORKERS]}" if cpus[ENV_NUM_WORKERS] else "min(8, floor(usable CPUs))"
+    lines += [
+        row("usable CPUs", f"{cpus['usable_cpus']:g} (min of affinity mask and cgroup quota)"),
+        row("pool workers", f"{workers} ({source})" if workers is not None else f"invalid ({source})"),
+        row("torch threads", f"{cpus['torch_num_threads']} intra-op, {cpus['torch_interop_threads']} inter-op "
+            f"(OMP_NUM_THREADS={cpus['OMP_NUM_THREADS'] or 'unset'})"),
+    ]
+    lines += [f"warning: {w}" for w in r["warnings"]] or ["ok: nothing to fix"]
+    return "\n".join(lines)
 
 
 def _doctor_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from torch_r3.cpu import ENV_NUM_WORKERS
-
-    r = doctor_report()
+    report = doctor_report()
+    print(_doctor_text(report))
     if args.json:
-        print(json.dumps(r, indent=2))
-        return 0
-    quotas = r["cgroup_quotas"]
-    lines = [
-        "torch-r3 doctor: the CPU topology the collation pool sees",
-        f"  affinity mask        {r['affinity_cpus']} CPUs (os.cpu_count() = {r['os_cpu_count']})",
-    ]
-    if quotas:
-        for q in quotas:
-            lines.append(f"  cgroup v{q['version']} quota     {q['cpus']:g} CPUs at {q['path']}")
-    else:
-        lines.append("  cgroup quota         none found (no cpu.max / cpu.cfs_quota_us limit on this cgroup path)")
-    lines += [
-        f"  usable CPUs          {r['usable_cpus']:g} (min of affinity and cgroup quota)",
-        f"  pool workers         {r['pool_workers']}"
-        + (f" (from {ENV_NUM_WORKERS}={r[ENV_NUM_WORKERS]})" if r[ENV_NUM_WORKERS] else
-           " (min(8, floor(usable CPUs)))"),
-        f"  torch threads        {r['torch_num_threads']} intra-op, {r['interop_threads']} inter-op "
-        f"(OMP_NUM_THREADS={r['OMP_NUM_THREADS'] or 'unset'})",
-        f"  pinned memory        {'yes' if r['pinned_memory'] else 'no'}: {r['pinned_memory_note']}",
-    ]
-    for w in r["warnings"]:
-        lines.append(f"warning: {w}")
-    if not r["warnings"]:
-        lines.append("ok: no oversubscription found")
-    print("\n".join(lines))
+        _write_json(args.json, report, "doctor")
     return 0
 
 
 # --------------------------------------------------------------------------
 # demo: torch_r3.demo, one RL step end to end
 # --------------------------------------------------------------------------
+
+# What the demo imports beyond the core, and the extra that installs it.
+_DEMO_NEEDS = (("megatron.core", "megatron"), ("aiohttp", "client"))
 
 
 def _demo_module():
@@ -236,7 +317,30 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _demo_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from torch_r3._extras import MissingExtraError, require
+
+    try:
+        for module, extra in _DEMO_NEEDS:
+            require(module, extra)
+    except MissingExtraError as e:
+        extras = ",".join(extra for _module, extra in _DEMO_NEEDS)
+        print(f"torch-r3 demo: {e.name} is not installed; the demo needs pip install 'torch_r3[{extras}]'",
+              file=sys.stderr)
+        return 2
     return _demo_module().run_from_args(args)
+
+
+# --------------------------------------------------------------------------
+# Shared conventions: reports on stdout, status lines on stderr
+# --------------------------------------------------------------------------
+
+
+def _write_json(path: str, data: Any, command: str) -> None:
+    """`--json PATH` in every subcommand: write `data` to PATH, say so on stderr."""
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, allow_nan=False)
+        f.write("\n")
+    print(f"torch-r3 {command}: wrote {path}", file=sys.stderr)
 
 
 # --------------------------------------------------------------------------
@@ -248,13 +352,14 @@ Runner = Callable[[argparse.Namespace, argparse.ArgumentParser], int]
 #: name -> (one-line help, add_arguments(parser), run(args, parser) -> exit code).
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Runner]] = {
     "bench": ("time route collation strategies on a synthetic batch", _bench_arguments, _bench_run),
-    "doctor": ("show the CPU topology, threads and pinned memory the collator sees", _doctor_arguments, _doctor_run),
+    "doctor": ("show versions, accelerator, pinned memory and the CPUs the collator sees", _doctor_arguments,
+               _doctor_run),
     "demo": ("one RL step with R3 end to end: bf16 rollouts, R3Collator, fp32 Megatron step", _demo_arguments, _demo_run),
 }
 
 
 def _parser(wanted: str | None = None) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    """The parser; only the ``wanted`` subcommand gets its options (``demo`` loads the example for them)."""
+    """The parser; only the `wanted` subcommand gets its options (`demo` imports its module for them)."""
     from torch_r3 import __version__
 
     parser = argparse.ArgumentParser(prog="torch-r3", description="Routed-expert replay (R3) tools.")
@@ -270,21 +375,22 @@ def _parser(wanted: str | None = None) -> tuple[argparse.ArgumentParser, dict[st
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit code (the console script exits with it).
+    """Run the command line; the console script exits with what it returns.
 
     Args:
-        argv: the arguments after the program name (default ``sys.argv[1:]``).
+        argv: the arguments after the program name (default `sys.argv[1:]`).
 
     Returns:
-        0 on success, 2 on bad usage, 3 when ``bench`` refuses for lack of memory.
+        The exit code: 0 on success (bare `torch-r3` included: it prints the help),
+        2 on bad usage or a missing extra, 3 when `bench` refuses for lack of memory.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     wanted = next((a for a in argv if not a.startswith("-")), None)
     parser, subparsers = _parser(wanted)
     args = parser.parse_args(argv)
-    if args.command is None:
+    if args.command is None:  # the same help, stream and status as --help
         parser.print_help()
-        return 2
+        return 0
     _help, _add, run = COMMANDS[args.command]
     return run(args, subparsers[args.command])
 

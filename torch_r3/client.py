@@ -23,7 +23,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
+from torch_r3._extras import require
+
+require("aiohttp", "client")  # without aiohttp: name the extra that installs it
+import aiohttp  # noqa: E402
 import numpy as np
 
 from torch_r3.codec import decode_routes

@@ -20,6 +20,9 @@ Public names:
 
 from __future__ import annotations
 
+from torch_r3._extras import require
+
+require("megatron.core", "megatron")  # without megatron-core: name the extra that installs it
 from torch_r3.megatron.hook import InterleavedPipelineError, ReplayHook
 from torch_r3.megatron.slicing import (
     RankSlice,

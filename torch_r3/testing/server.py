@@ -18,7 +18,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiohttp import web
+from torch_r3._extras import require
+
+require("aiohttp", "testing")  # without aiohttp: name the extra that installs it
+from aiohttp import web  # noqa: E402
 
 from torch_r3.codec import encode_routes
 from torch_r3.testing.model import ServedModel, TinyMoELM
