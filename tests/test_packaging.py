@@ -1,0 +1,99 @@
+"""The package as a user receives it: the wheel's contents and the extras' messages."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from email.parser import Parser
+from pathlib import Path
+
+import pytest
+
+import torch_r3
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> zipfile.ZipFile:
+    """`pip wheel .` of a copy of the sources (the checkout stays clean), offline."""
+    src = tmp_path_factory.mktemp("src")
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, src / name)
+    shutil.copytree(ROOT / "torch_r3", src / "torch_r3", ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path_factory.mktemp("dist")
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation", "-q", "-w", str(out)],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert done.returncode == 0, done.stderr
+    (path,) = out.glob("torch_r3-*.whl")
+    with zipfile.ZipFile(path) as zf:
+        yield zf
+
+
+def _dist_info(wheel: zipfile.ZipFile, name: str) -> str:
+    (path,) = [n for n in wheel.namelist() if n.split("/")[0].endswith(".dist-info") and n.endswith("/" + name)]
+    return wheel.read(path).decode()
+
+
+def test_wheel_carries_py_typed_and_the_license(wheel):
+    names = wheel.namelist()
+    assert "torch_r3/py.typed" in names
+    assert _dist_info(wheel, "LICENSE") == (ROOT / "LICENSE").read_text()
+    assert "Apache License" in (ROOT / "LICENSE").read_text() and "Version 2.0" in (ROOT / "LICENSE").read_text()
+
+
+def test_wheel_carries_every_module_of_the_package_and_nothing_else(wheel):
+    shipped = {n for n in wheel.namelist() if n.endswith(".py")}
+    sources = {p.relative_to(ROOT).as_posix() for p in (ROOT / "torch_r3").rglob("*.py")}
+    assert shipped == sources  # the demo and its CPU redirections included; no tests/, no examples/
+    assert "torch_r3/demo.py" in shipped and "torch_r3/testing/_megatron_cpu.py" in shipped
+
+
+def test_wheel_metadata_names_version_license_extras_and_urls(wheel):
+    meta = Parser().parsestr(_dist_info(wheel, "METADATA"))
+    assert meta["Version"] == torch_r3.__version__
+    assert meta["License-Expression"] == "Apache-2.0"
+    assert {"client", "megatron", "testing"} <= set(meta.get_all("Provides-Extra"))
+    urls = dict(u.split(", ", 1) for u in meta.get_all("Project-URL"))
+    assert {"Documentation", "Repository", "Issues", "Changelog"} <= set(urls)
+    assert "Typing :: Typed" in meta.get_all("Classifier")
+    entry_points = _dist_info(wheel, "entry_points.txt")
+    assert "torch-r3 = torch_r3.cli:main" in entry_points
+
+
+def test_changelog_has_an_entry_for_the_version_users_pin():
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    assert f"## [{torch_r3.__version__}]" in changelog
+    assert f"torch_r3=={torch_r3.__version__}" in (ROOT / "docs" / "index.md").read_text()
+
+
+def _import_without(blocked: list[str], statement: str) -> subprocess.CompletedProcess:
+    """Run `statement` in a fresh interpreter where the `blocked` modules cannot be imported."""
+    code = f"import sys\nfor name in {blocked!r}:\n    sys.modules[name] = None\n{statement}"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_import_torch_r3_needs_neither_megatron_nor_aiohttp():
+    done = _import_without(["megatron", "aiohttp"], "import torch_r3\nprint(torch_r3.collate_routes.__name__)")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "collate_routes"
+
+
+@pytest.mark.parametrize(
+    "blocked, statement, command",
+    [
+        (["megatron"], "import torch_r3.megatron", "pip install 'torch_r3[megatron]'"),
+        (["aiohttp"], "import torch_r3.client", "pip install 'torch_r3[client]'"),
+        (["aiohttp"], "from torch_r3 import RemoteGenerateClient", "pip install 'torch_r3[client]'"),
+        (["aiohttp"], "import torch_r3.testing", "pip install 'torch_r3[testing]'"),
+    ],
+)
+def test_a_missing_extra_names_the_command_that_installs_it(blocked, statement, command):
+    done = _import_without(blocked, statement)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("torch_r3._extras.MissingExtraError: ") and last.endswith(command), last
