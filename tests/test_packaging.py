@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -65,10 +66,12 @@ def test_wheel_metadata_names_version_license_extras_and_urls(wheel):
     assert "torch-r3 = torch_r3.cli:main" in entry_points
 
 
-def test_changelog_has_an_entry_for_the_version_users_pin():
+def test_install_lines_pin_the_version_the_changelog_describes():
     changelog = (ROOT / "CHANGELOG.md").read_text()
     assert f"## [{torch_r3.__version__}]" in changelog
-    assert f"torch_r3=={torch_r3.__version__}" in (ROOT / "docs" / "index.md").read_text()
+    pinned = re.compile(rf"pip install 'torch_r3(\[[a-z,]+\])?=={re.escape(torch_r3.__version__)}'")
+    for page in ("README.md", "docs/index.md", "docs/getting-started.md"):
+        assert pinned.search((ROOT / page).read_text()), f"{page} has no install line pinned to this version"
 
 
 def _import_without(blocked: list[str], statement: str) -> subprocess.CompletedProcess:
