@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup bench test docs clean
+.PHONY: setup bench test docs dist clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,5 +27,9 @@ test: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
+# The wheel users install (LICENSE and py.typed inside; tests/test_packaging.py checks it).
+dist: $(STAMP)
+	$(BIN)/pip wheel . --no-deps --no-build-isolation -w dist
+
 clean:
-	rm -rf $(VENV) site build *.egg-info
+	rm -rf $(VENV) site build dist *.egg-info
