@@ -75,6 +75,7 @@ def test_r3collator_shows_its_signature_and_every_constructor_parameter(site):
 
     names = list(inspect.signature(R3Collator).parameters)
     html = _object_html(site["api/collate/"], "torch_r3.R3Collator")
+    assert "doc-signature" in html, "R3Collator shows no signature"
     signature = html[html.index("doc-signature"):]
     signature = signature[: signature.index("</pre>")]
     assert all(f'<span class="n">{name}</span>' in signature for name in names)

@@ -1,8 +1,9 @@
 """Routed-expert replay (R3) plumbing for PyTorch and Megatron RL trainers.
 
-``import torch_r3`` stays quick and imports neither Megatron nor aiohttp: the
+`import torch_r3` stays quick and imports neither Megatron nor aiohttp: the
 client, codec and trace names are resolved on first use, and the Megatron hook
-lives in :mod:`torch_r3.megatron`.
+lives in `torch_r3.megatron`. A part whose optional dependency is missing says
+which extra installs it (`pip install 'torch_r3[megatron]'`, `'torch_r3[client]'`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``python -m torch_r3``: the ``torch-r3`` command line."""
+"""`python -m torch_r3`: the `torch-r3` command line."""
 
 import sys
 

@@ -362,7 +362,13 @@ def _parser(wanted: str | None = None) -> tuple[argparse.ArgumentParser, dict[st
     """The parser; only the `wanted` subcommand gets its options (`demo` imports its module for them)."""
     from torch_r3 import __version__
 
-    parser = argparse.ArgumentParser(prog="torch-r3", description="Routed-expert replay (R3) tools.")
+    parser = argparse.ArgumentParser(
+        prog="torch-r3",
+        description="Routed-expert replay (R3) tools.",
+        epilog="Every subcommand prints its report on stdout and status lines on stderr; "
+        "--json PATH also writes the full result as JSON to PATH. "
+        "'torch-r3 COMMAND --help' lists a subcommand's options.",
+    )
     parser.add_argument("--version", action="version", version=f"torch_r3 {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers = {}
