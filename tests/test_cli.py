@@ -189,7 +189,8 @@ def test_bare_torch_r3_prints_the_same_help_as_dash_dash_help(capsys):
 def test_demo_without_megatron_names_the_extra_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "megatron.core", None)  # import megatron.core now fails
     assert cli.main(["demo"]) == 2
-    assert "pip install 'torch_r3[megatron,client]'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err == "torch-r3 demo: megatron-core is not installed; the demo needs pip install 'torch_r3[megatron,client]'\n"
 
 
 def test_python_dash_m_torch_r3_runs_the_cli():

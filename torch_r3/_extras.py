@@ -22,7 +22,14 @@ class MissingExtraError(ModuleNotFoundError):
     """An optional dependency is not installed; the message names the extra that installs it.
 
     A subclass of `ModuleNotFoundError`, so `except ImportError` still catches it.
+    `distribution` is what pip installs (e.g. `"megatron-core"`), `extra` the
+    `torch_r3` extra that brings it in (e.g. `"megatron"`).
     """
+
+    def __init__(self, distribution: str, extra: str, *, name: str | None = None) -> None:
+        super().__init__(f"{distribution} is not installed: pip install 'torch_r3[{extra}]'", name=name)
+        self.distribution = distribution
+        self.extra = extra
 
 
 def require(module: str, extra: str) -> ModuleType:
@@ -57,6 +64,4 @@ def require(module: str, extra: str) -> ModuleType:
         parents = {".".join(parts[: i + 1]) for i in range(len(parts))}
         if e.name not in parents:
             raise
-        top = parts[0]
-        what = _DISTRIBUTIONS.get(top, top)
-        raise MissingExtraError(f"{what} is not installed: pip install 'torch_r3[{extra}]'", name=e.name) from e
+        raise MissingExtraError(_DISTRIBUTIONS.get(parts[0], parts[0]), extra, name=e.name) from e

@@ -324,7 +324,7 @@ def _demo_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             require(module, extra)
     except MissingExtraError as e:
         extras = ",".join(extra for _module, extra in _DEMO_NEEDS)
-        print(f"torch-r3 demo: {e.name} is not installed; the demo needs pip install 'torch_r3[{extras}]'",
+        print(f"torch-r3 demo: {e.distribution} is not installed; the demo needs pip install 'torch_r3[{extras}]'",
               file=sys.stderr)
         return 2
     return _demo_module().run_from_args(args)
