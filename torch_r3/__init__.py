@@ -1,8 +1,8 @@
 """Routed-expert replay (R3) plumbing for PyTorch and Megatron RL trainers.
 
-``import torch_r3`` stays quick and imports neither Megatron nor aiohttp: the
+`import torch_r3` stays quick and imports neither Megatron nor aiohttp: the
 client, codec and trace names are resolved on first use, and the Megatron hook
-lives in :mod:`torch_r3.megatron`.
+lives in `torch_r3.megatron`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from torch_r3.routes import CANONICAL_DTYPES, canonical_dtype_for, compact_routes
+from torch_r3.routes import CANONICAL_DTYPES, canonical_dtype_for, check_expert_ids, compact_routes
 from torch_r3.collate import R3Collator, collate_routes
 
 __version__ = "0.1.0"
@@ -21,6 +21,10 @@ _LAZY = {
     "encode_routes": "torch_r3.codec",
     "decode_routes": "torch_r3.codec",
     "decode_sglang_routes": "torch_r3.codec",
+    "decode_vllm_routes": "torch_r3.codec",
+    "decode_npy": "torch_r3.codec",
+    "base64_decoded_length": "torch_r3.codec",
+    "WireFormatError": "torch_r3.codec",
     "RoutedExpertTrace": "torch_r3.trace",
     "TokenMetadataTrace": "torch_r3.trace",
     "RemoteGenerateClient": "torch_r3.client",
@@ -32,6 +36,7 @@ __all__ = [
     "CANONICAL_DTYPES",
     "R3Collator",
     "canonical_dtype_for",
+    "check_expert_ids",
     "collate_routes",
     "compact_routes",
     *_LAZY,
@@ -53,5 +58,13 @@ def __dir__():
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch_r3.client import RemoteGenerateClient, RemoteGenerateError, RemoteGenerateResult
-    from torch_r3.codec import decode_routes, decode_sglang_routes, encode_routes
+    from torch_r3.codec import (
+        WireFormatError,
+        base64_decoded_length,
+        decode_npy,
+        decode_routes,
+        decode_sglang_routes,
+        decode_vllm_routes,
+        encode_routes,
+    )
     from torch_r3.trace import RoutedExpertTrace, TokenMetadataTrace
