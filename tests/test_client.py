@@ -65,7 +65,7 @@ def test_generate_returns_the_models_tokens_logprobs_and_routes(server):
     ids, logprobs, routes = reference(prompt, params)
     assert list(result.response_ids) == ids
     np.testing.assert_allclose(result.response_logprobs, logprobs)
-    assert result.stop_reason == "length"
+    assert result.finish_reason == "length"
     assert result.routed_experts.shape == (len(prompt) + len(ids) - 1, 2, 2)
     np.testing.assert_array_equal(result.routed_experts, routes)
     assert result.raw["choices"][0]["token_ids"] == ids
@@ -349,9 +349,9 @@ def test_one_session_per_loop_and_never_a_foreign_or_closed_one(server):
 
     async def use():
         await client.generate([1], {"max_new_tokens": 1})
-        session = (await client._state()).session
+        session = (await client._transport.state()).session
         await client.generate([2], {"max_new_tokens": 1})
-        assert (await client._state()).session is session  # reused within its loop
+        assert (await client._transport.state()).session is session  # reused within its loop
         return session
 
     first = asyncio.run(use())  # the loop ends without client.close()
@@ -363,7 +363,7 @@ def test_one_session_per_loop_and_never_a_foreign_or_closed_one(server):
         await client.close()
         assert second.closed
         await client.generate([3], {"max_new_tokens": 1})  # a closed session is replaced
-        third = (await client._state()).session
+        third = (await client._transport.state()).session
         await client.close()
         return third
 
@@ -375,7 +375,7 @@ def test_async_with_closes_the_session(server):
     async def main():
         async with RemoteGenerateClient(server.url, **FAST) as client:
             await client.generate([1], {"max_new_tokens": 1})
-            session = (await client._state()).session
+            session = (await client._transport.state()).session
         return session
 
     assert asyncio.run(main()).closed
