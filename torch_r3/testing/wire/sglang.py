@@ -31,15 +31,13 @@ from typing import Any
 
 import numpy as np
 
+from torch_r3.protocols.sglang import FLUSH_CACHE_PATH, GENERATE_PATH
 from torch_r3.testing.engine import GenerateRequest, Generation
 from torch_r3.testing.model import ServedModel
 from torch_r3.testing.wire.base import WireProtocol, check_bool, check_int, check_object, check_token_ids
 
-__all__ = ["FLUSH_CACHE_PATH", "GENERATE_PATH", "SGLangWire"]
+__all__ = ["SGLangWire"]
 
-# TODO(H-server): import these from torch_r3.protocols.sglang once it exists (one home).
-GENERATE_PATH = "/generate"
-FLUSH_CACHE_PATH = "/flush_cache"
 
 _FIELDS = frozenset(
     {"input_ids", "sampling_params", "return_logprob", "return_routed_experts", "routed_experts_start_len", "rid", "extra_key", "stream"}

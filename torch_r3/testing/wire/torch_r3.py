@@ -20,15 +20,13 @@ import numpy as np
 
 from torch_r3.codec import encode_routes
 from torch_r3.routes import compact_routes
+from torch_r3.protocols.torch_r3 import GENERATE_PATH
 from torch_r3.testing.engine import GenerateRequest, Generation
 from torch_r3.testing.model import ServedModel
 from torch_r3.testing.wire.base import WireProtocol, check_bool, check_int, check_object, check_salt, check_token_ids
 
-__all__ = ["GENERATE_PATH", "MODEL_INFO_PATH", "TorchR3Wire"]
+__all__ = ["TorchR3Wire"]
 
-# TODO(H-server): import these from torch_r3.protocols.torch_r3 once it exists (one home).
-GENERATE_PATH = "/v1/generate"
-MODEL_INFO_PATH = "/v1/model_info"
 
 _FIELDS = frozenset({"token_ids", "sampling_params", "return_routed_experts", "model", "cache_salt"})
 

@@ -29,15 +29,13 @@ from typing import Any
 
 import numpy as np
 
+from torch_r3.protocols.vllm import GENERATE_PATH, RESET_PREFIX_CACHE_PATH
 from torch_r3.testing.engine import GenerateRequest, Generation
 from torch_r3.testing.model import ServedModel
 from torch_r3.testing.wire.base import WireProtocol, check_bool, check_int, check_object, check_salt, check_token_ids
 
-__all__ = ["GENERATE_PATH", "RESET_PREFIX_CACHE_PATH", "VLLMWire", "npy_bytes"]
+__all__ = ["VLLMWire", "npy_bytes"]
 
-# TODO(H-server): import these from torch_r3.protocols.vllm once it exists (one home).
-GENERATE_PATH = "/inference/v1/generate"
-RESET_PREFIX_CACHE_PATH = "/reset_prefix_cache"
 
 # vLLM's sampling parameter -> the model's (None: read here, not passed on).
 _SAMPLING = {
