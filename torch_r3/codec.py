@@ -557,14 +557,11 @@ def _check_num_experts(num_experts: Any, name: str) -> None:
 
 
 def _canonical(array: np.ndarray, num_experts: int | None, name: str) -> np.ndarray:
-    """Compact a decoded array to its canonical dtype, range-checking the ids once."""
-    if array.dtype.isnative and array.dtype in CANONICAL_DTYPES:
-        owns = array.base is None or array.base.nbytes == array.nbytes
-        if not (owns and array.flags.writeable and array.flags.c_contiguous):
-            array = np.array(array, order="C", copy=True)
-        return _checked_ids(array, num_experts, name)
+    """Compact a decoded server array to the narrowest canonical dtype, range-checked."""
     try:
-        # compact_routes' one min/max scan refuses negative ids and ids >= 2**31.
+        # The servers do not compact, so the receiver does: compact_routes'
+        # one min/max scan also refuses negative ids and ids >= 2**31, and
+        # writes a fresh array that owns its buffer.
         routes = compact_routes(array, name=name)
     except ValueError as exc:
         raise WireFormatError(str(exc)) from None
