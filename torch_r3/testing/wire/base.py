@@ -17,7 +17,7 @@ import numpy as np
 from torch_r3.testing.engine import GenerateRequest, Generation
 from torch_r3.testing.model import ServedModel
 
-__all__ = ["WireProtocol", "check_bool", "check_int", "check_object", "check_salt", "check_token_ids"]
+__all__ = ["WireProtocol", "check_body", "check_bool", "check_int", "check_known", "check_object", "check_salt", "check_token_ids"]
 
 
 class WireProtocol(abc.ABC):
@@ -75,6 +75,24 @@ class WireProtocol(abc.ABC):
     def first_row(self, request: GenerateRequest) -> int:
         """The first route row put on the wire (the requested start by default)."""
         return request.start
+
+
+def check_body(body: Any, ids_field: str, fields: frozenset[str] | None, *, hint: str = "") -> list[int]:
+    """Check a request body: an object holding the prompt in `ids_field`, and, when
+    `fields` is given, no field outside it. Returns the prompt."""
+    check_object(body, "request body")
+    if ids_field not in body:
+        raise ValueError(f"request body is missing {ids_field!r}{hint}")
+    if fields is not None:
+        check_known(body, fields, "unknown request fields")
+    return check_token_ids(body[ids_field], ids_field)
+
+
+def check_known(mapping: Mapping[str, Any], known: Any, what: str) -> None:
+    """`ValueError` starting with `what` that lists the keys of `mapping` not in `known`."""
+    unknown = sorted(set(mapping) - set(known))
+    if unknown:
+        raise ValueError(f"{what} {unknown}; supported: {sorted(known)}")
 
 
 def check_object(value: Any, name: str) -> Mapping[str, Any]:

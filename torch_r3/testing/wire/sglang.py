@@ -34,7 +34,7 @@ import numpy as np
 from torch_r3.protocols.sglang import FLUSH_CACHE_PATH, GENERATE_PATH
 from torch_r3.testing.engine import GenerateRequest, Generation
 from torch_r3.testing.model import ServedModel
-from torch_r3.testing.wire.base import WireProtocol, check_bool, check_int, check_object, check_token_ids
+from torch_r3.testing.wire.base import WireProtocol, check_body, check_bool, check_int, check_known, check_object
 
 __all__ = ["SGLangWire"]
 
@@ -75,20 +75,11 @@ class SGLangWire(WireProtocol):
         self.routes_dtype = routes_dtype
 
     def parse(self, body: Any, model: ServedModel) -> GenerateRequest:
-        check_object(body, "request body")
-        if "input_ids" not in body:
-            raise ValueError("request body is missing 'input_ids' (this server has no tokenizer for 'text')")
-        unknown = sorted(set(body) - _FIELDS)
-        if unknown:
-            raise ValueError(f"unknown request fields {unknown}")
-        prompt = check_token_ids(body["input_ids"], "input_ids")
+        prompt = check_body(body, "input_ids", _FIELDS, hint=" (this server has no tokenizer for 'text')")
         if body.get("stream", False) is not False:
             raise ValueError("stream must be false: this server does not stream")
         raw = body.get("sampling_params") or {}
-        check_object(raw, "sampling_params")
-        unknown = sorted(set(raw) - set(_SAMPLING))
-        if unknown:
-            raise ValueError(f"unsupported sampling_params {unknown}; supported: {sorted(_SAMPLING)}")
+        check_known(check_object(raw, "sampling_params"), _SAMPLING, "unsupported sampling_params")
         params = {_SAMPLING[k]: v for k, v in raw.items()}
         start = check_int(body.get("routed_experts_start_len", 0), "routed_experts_start_len", 0, len(prompt))
         salt = body.get("extra_key")

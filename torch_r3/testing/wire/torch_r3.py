@@ -23,7 +23,7 @@ from torch_r3.routes import compact_routes
 from torch_r3.protocols.torch_r3 import GENERATE_PATH
 from torch_r3.testing.engine import GenerateRequest, Generation
 from torch_r3.testing.model import ServedModel
-from torch_r3.testing.wire.base import WireProtocol, check_bool, check_int, check_object, check_salt, check_token_ids
+from torch_r3.testing.wire.base import WireProtocol, check_body, check_bool, check_int, check_object, check_salt
 
 __all__ = ["TorchR3Wire"]
 
@@ -38,13 +38,7 @@ class TorchR3Wire(WireProtocol):
     generate_path = GENERATE_PATH
 
     def parse(self, body: Any, model: ServedModel) -> GenerateRequest:
-        check_object(body, "request body")
-        if "token_ids" not in body:
-            raise ValueError("request body is missing 'token_ids'")
-        unknown = sorted(set(body) - _FIELDS)
-        if unknown:
-            raise ValueError(f"unknown request fields {unknown}")
-        prompt = check_token_ids(body["token_ids"], "token_ids")
+        prompt = check_body(body, "token_ids", _FIELDS)
         params = body.get("sampling_params") or {}
         check_object(params, "sampling_params")
         want_routes = check_bool(body.get("return_routed_experts", False), "return_routed_experts")

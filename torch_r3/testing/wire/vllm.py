@@ -32,7 +32,7 @@ import numpy as np
 from torch_r3.protocols.vllm import GENERATE_PATH, RESET_PREFIX_CACHE_PATH
 from torch_r3.testing.engine import GenerateRequest, Generation
 from torch_r3.testing.model import ServedModel
-from torch_r3.testing.wire.base import WireProtocol, check_bool, check_int, check_object, check_salt, check_token_ids
+from torch_r3.testing.wire.base import WireProtocol, check_body, check_bool, check_int, check_known, check_object, check_salt
 
 __all__ = ["VLLMWire", "npy_bytes"]
 
@@ -59,15 +59,9 @@ class VLLMWire(WireProtocol):
     default_block_size = 16
 
     def parse(self, body: Any, model: ServedModel) -> GenerateRequest:
-        check_object(body, "request body")
-        if "token_ids" not in body:
-            raise ValueError("request body is missing 'token_ids'")
-        prompt = check_token_ids(body["token_ids"], "token_ids")
+        prompt = check_body(body, "token_ids", None)  # vLLM ignores unknown top-level fields
         raw = body.get("sampling_params") or {}
-        check_object(raw, "sampling_params")
-        unknown = sorted(set(raw) - set(_SAMPLING))
-        if unknown:
-            raise ValueError(f"unsupported sampling_params {unknown}; supported: {sorted(_SAMPLING)}")
+        check_known(check_object(raw, "sampling_params"), _SAMPLING, "unsupported sampling_params")
         check_int(raw.get("n", 1), "n", 1, 1)
         logprobs = raw.get("logprobs")
         if logprobs is not None:
