@@ -13,15 +13,8 @@ import pytest
 import torch
 
 from torch_r3 import canonical_dtype_for, check_expert_ids
-from torch_r3.codec import (
-    WireFormatError,
-    base64_decoded_length,
-    decode_npy,
-    decode_routes,
-    decode_sglang_routes,
-    decode_vllm_routes,
-    encode_routes,
-)
+from torch_r3.codec import WireFormatError, base64_decoded_length, decode_npy, decode_routes
+from torch_r3.codec import decode_sglang_routes, decode_vllm_routes, encode_routes
 
 
 def _envelope(array: np.ndarray) -> dict:

@@ -3,14 +3,15 @@
 In a multi-turn rollout every turn sends the whole conversation so far as the
 prompt. The inference server evaluates it, so each turn can return the routes of
 the positions it evaluated for the first time; nothing is sent twice when the
-client passes :attr:`RoutedExpertTrace.prompt_start` as
-``routed_experts_prompt_start``. The trace stitches those turns together and
-checks that every row arrived, once, in order.
+client passes `RoutedExpertTrace.prompt_start` as the server's start field
+(the same for our own server, SGLang and vLLM). The trace stitches those turns
+together and checks that every row arrived, once, in order, from one policy
+version, with every expert id in range.
 
 Captured rows always form a prefix of the trajectory's tokens. The trace never
 pads or invents rows: the tail the engine never evaluated (the last sampled
 token, a synthetic EOS) is left to the collator, which pads it and marks it in
-``router_padding_mask``.
+`router_padding_mask`.
 """
 
 from __future__ import annotations
@@ -35,18 +36,18 @@ def _check_count(value: Any, what: str) -> int:
 class TokenMetadataTrace:
     """Token-aligned integer rows, appended in chunks and finalized into one array.
 
-    Each chunk is ``[n, *row_shape]`` of a canonical dtype (``uint8``, ``int16``,
-    ``int32``); a chunk of another integer dtype is compacted on arrival, which
+    Each chunk is `[n, *row_shape]` of a canonical dtype (`uint8`, `int16`,
+    `int32`); a chunk of another integer dtype is compacted on arrival, which
     scans it once. When a later chunk needs a wider dtype than earlier ones, the
-    result is widened losslessly (by dtype alone) at :meth:`finalize`, so a
+    result is widened losslessly (by dtype alone) at `finalize`, so a
     rollout whose expert ids pass 255 in a later turn just works.
 
     Args:
-        row_shape: The shape of one row (for routes ``(layers, topk)``); taken
-            from the first chunk when ``None``.
+        row_shape: The shape of one row (for routes `(layers, topk)`); taken
+            from the first chunk when `None`.
         name: What to call the trace in error messages.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> t = TokenMetadataTrace(row_shape=(1, 2))
         >>> t.append(np.array([[[1, 2]]], dtype=np.uint8))
@@ -73,29 +74,32 @@ class TokenMetadataTrace:
 
     @property
     def row_shape(self) -> tuple[int, ...] | None:
-        """The shape of one row, or ``None`` before the first chunk when not given."""
+        """The shape of one row, or `None` before the first chunk when not given."""
         return self._row_shape
 
     @property
     def dtype(self) -> np.dtype | None:
-        """The widest dtype appended so far (the dtype :meth:`finalize` returns)."""
+        """The widest dtype appended so far (the dtype `finalize` returns)."""
         return widest(c.dtype for c in self._chunks) if self._chunks else None
 
     def append(self, chunk: Any, *, expected_rows: int | None = None, label: str | None = None) -> None:
-        """Append ``[n, *row_shape]`` rows.
+        """Append `[n, *row_shape]` rows.
 
-        The trace keeps a reference to ``chunk`` (no copy) when it already has a
+        The trace keeps a reference to `chunk` (no copy) when it already has a
         canonical dtype; do not modify it afterwards.
 
         Args:
-            chunk: A NumPy array or ``torch.Tensor`` of an integer dtype.
-            expected_rows: When given, ``chunk`` must hold exactly this many rows.
+            chunk: A NumPy array, `torch.Tensor` or tensor-like of an integer dtype.
+            expected_rows: When given, `chunk` must hold exactly this many rows.
             label: What to call this chunk in error messages (default
-                ``"<name>: chunk <i>"``).
+                `"<name>: chunk <i>"`).
 
         Raises:
-            TypeError: ``chunk`` is not an integer array or tensor.
-            ValueError: wrong row count or row shape, or a negative or too large value.
+            TypeError: `chunk` is not an integer array or tensor.
+            ValueError: wrong row count or row shape, or a negative or too large
+                value in a chunk that needs compacting. A chunk with no rows is
+                checked against a known row shape but otherwise ignored: it
+                neither fixes the row shape nor widens the dtype.
         """
         what = label if label is not None else f"{self._name}: chunk {len(self._chunks)}"
         if expected_rows is not None:
@@ -122,7 +126,7 @@ class TokenMetadataTrace:
         The trace is left as it is; calling again returns an equal, new array.
 
         Raises:
-            ValueError: nothing was appended and ``row_shape`` was not given.
+            ValueError: nothing was appended and `row_shape` was not given.
         """
         if not self._chunks:
             if self._row_shape is None:
