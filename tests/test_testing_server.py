@@ -431,11 +431,19 @@ def test_a_server_without_the_routes_flag_sends_no_routes(protocol):
 @pytest.mark.parametrize(
     ("protocol", "body", "words"),
     [
-        ("sglang", {"input_ids": [1, 2], "routed_experts_start_len": 3, "return_routed_experts": True}, "routed_experts_start_len must be an int in [0, 2]"),
+        (
+            "sglang",
+            {"input_ids": [1, 2], "routed_experts_start_len": 3, "return_routed_experts": True},
+            "routed_experts_start_len must be an int in [0, 2]",
+        ),
         ("sglang", {"input_ids": [1], "cache_salt": "v1"}, "unknown request fields ['cache_salt']"),
         ("sglang", {"text": "hi"}, "missing 'input_ids'"),
         ("sglang", {"input_ids": [1], "sampling_params": {"max_tokens": 2}}, "unsupported sampling_params ['max_tokens']"),
-        ("vllm", {"token_ids": [1, 2], "sampling_params": {"routed_experts_prompt_start": 3}}, "routed_experts_prompt_start must be an int in [0, 2]"),
+        (
+            "vllm",
+            {"token_ids": [1, 2], "sampling_params": {"routed_experts_prompt_start": 3}},
+            "routed_experts_prompt_start must be an int in [0, 2]",
+        ),
         ("vllm", {"token_ids": [1], "sampling_params": {"n": 2}}, "n must be an int in [1, 1]"),
         ("vllm", {"token_ids": [1], "sampling_params": {"max_new_tokens": 2}}, "unsupported sampling_params ['max_new_tokens']"),
         ("vllm", {"token_ids": [1], "cache_salt": 5}, "cache_salt must be a string"),
@@ -467,3 +475,16 @@ def test_the_prefix_cache_is_bounded():
     cache = PrefixCache(block_size=1, max_blocks=3)
     cache.store(None, list(range(10)), np.zeros((9, 1, 1), np.int64))
     assert len(cache) == 3
+
+
+def test_a_sglang_prefill_only_request_returns_p_minus_1_rows_and_no_tokens():
+    prompt = [3, 1, 4, 1, 5]
+    ref = TinyMoELM().generate(prompt, {"max_new_tokens": 1})
+    with LoopbackServer(protocol="sglang") as server:
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 0}, "return_routed_experts": True}
+        status, payload = _post(server.url, "/generate", body)
+    assert status == 200 and payload["output_ids"] == []
+    assert payload["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    routes = _routes("sglang", payload, 2, 2)
+    assert routes.shape[0] == len(prompt) - 1  # [0, P + O - 1) with O = 0
+    np.testing.assert_array_equal(routes, ref.routes[: len(prompt) - 1])

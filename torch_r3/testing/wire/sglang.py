@@ -2,7 +2,8 @@
 
 Request: `input_ids` (no tokenizer here, so no `text`), `sampling_params`
 (`max_new_tokens`, `temperature`, `sampling_seed`, `stop_token_ids`,
-`ignore_eos`), `return_logprob`, `return_routed_experts`,
+`ignore_eos`; `max_new_tokens=0` is a prefill-only request, answered with no
+tokens and `P - 1` route rows), `return_logprob`, `return_routed_experts`,
 `routed_experts_start_len` (top level, in `[0, P]`), `rid`, and `extra_key`:
 SGLang's own request field that becomes part of its radix-cache key, so
 requests share cached prefixes only with an equal `extra_key` (SGLang's
@@ -26,6 +27,7 @@ which accepts `routed_experts_start_len` but returns every row from 0;
 from __future__ import annotations
 
 import base64
+import dataclasses
 import uuid
 from typing import Any
 
@@ -40,7 +42,16 @@ __all__ = ["SGLangWire"]
 
 
 _FIELDS = frozenset(
-    {"input_ids", "sampling_params", "return_logprob", "return_routed_experts", "routed_experts_start_len", "rid", "extra_key", "stream"}
+    {
+        "input_ids",
+        "sampling_params",
+        "return_logprob",
+        "return_routed_experts",
+        "routed_experts_start_len",
+        "rid",
+        "extra_key",
+        "stream",
+    }
 )
 # SGLang's sampling parameter -> the model's.
 _SAMPLING = {
@@ -81,6 +92,11 @@ class SGLangWire(WireProtocol):
         raw = body.get("sampling_params") or {}
         check_known(check_object(raw, "sampling_params"), _SAMPLING, "unsupported sampling_params")
         params = {_SAMPLING[k]: v for k, v in raw.items()}
+        # Prefill only: the model generates one token, which the response then drops
+        # (with its route row), leaving the P - 1 rows SGLang returns for it.
+        prefill_only = params.get("max_new_tokens") == 0 and not isinstance(params["max_new_tokens"], bool)
+        if prefill_only:
+            params["max_new_tokens"] = 1
         start = check_int(body.get("routed_experts_start_len", 0), "routed_experts_start_len", 0, len(prompt))
         salt = body.get("extra_key")
         if salt is not None and not isinstance(salt, str):
@@ -99,6 +115,7 @@ class SGLangWire(WireProtocol):
             options={
                 "return_logprob": check_bool(body.get("return_logprob", False), "return_logprob"),
                 "rid": rid or uuid.uuid4().hex,
+                "prefill_only": prefill_only,
             },
         )
 
@@ -108,6 +125,10 @@ class SGLangWire(WireProtocol):
     def render(
         self, request: GenerateRequest, generation: Generation, model: ServedModel, *, malformed: bool = False
     ) -> tuple[dict[str, Any], np.ndarray | None]:
+        if request.options["prefill_only"] and generation.routes is not None:
+            generation = dataclasses.replace(
+                generation, token_ids=[], logprobs=[], routes=generation.routes[:-1], finish_reason="length"
+            )
         out = generation.token_ids
         meta: dict[str, Any] = {
             "id": request.options["rid"],

@@ -96,8 +96,11 @@ class VLLMWire(WireProtocol):
             payload = base64.b64encode(npy_bytes(rows, claim_rows=rows.shape[0] + 1 if malformed else None)).decode("ascii")
         logprobs = None
         if request.options["logprobs"]:
-            content = [{"token_id": t, "logprob": lp, "rank": None, "top_logprobs": []} for t, lp in zip(out, generation.logprobs)]
-            logprobs = {"content": content}
+            logprobs = {
+                "content": [
+                    {"token_id": t, "logprob": lp, "rank": None, "top_logprobs": []} for t, lp in zip(out, generation.logprobs)
+                ]
+            }
         choice = {
             "index": 0,
             "token_ids": out,
@@ -109,7 +112,11 @@ class VLLMWire(WireProtocol):
             "request_id": request.options["request_id"],
             "choices": [choice],
             "prompt_token_ids": request.prompt if request.options["return_token_ids"] else None,
-            "usage": {"prompt_tokens": len(request.prompt), "completion_tokens": len(out), "total_tokens": len(request.prompt) + len(out)},
+            "usage": {
+                "prompt_tokens": len(request.prompt),
+                "completion_tokens": len(out),
+                "total_tokens": len(request.prompt) + len(out),
+            },
         }
         return body, rows
 
