@@ -279,14 +279,7 @@ class RemoteGenerateClient:
             raise RemoteGenerateError(f"POST {url}: response breaks the {self.server} format: {exc}", url=url, status=200) from exc
         if parsed.routed_experts is not None and self.moe_layers:
             _warn_zero_layers(parsed.routed_experts, self.moe_layers, url)
-        return RemoteGenerateResult(
-            response_ids=parsed.response_ids,
-            response_logprobs=parsed.response_logprobs,
-            finish_reason=parsed.finish_reason,
-            routed_experts=parsed.routed_experts,
-            weight_version=parsed.weight_version,
-            raw=raw,
-        )
+        return RemoteGenerateResult(**vars(parsed), raw=raw)
 
     async def model_info(self) -> dict[str, Any]:
         """The served model's routing shape: `GET {base_url}/v1/model_info` (torch_r3 server only).

@@ -23,13 +23,17 @@ import numpy as np
 from torch_r3.codec import WireFormatError
 
 __all__ = [
+    "ChoicesProtocol",
     "FINISH_REASONS",
+    "PROMPT_START_PARAM",
     "GenerateCall",
     "ParsedResponse",
     "RouteLimits",
     "ServerProtocol",
     "expected_rows",
     "finish_reason",
+    "first_choice",
+    "params_with_start",
     "get_field",
     "logprob",
     "slice_to_start",
@@ -37,6 +41,8 @@ __all__ = [
     "weight_version",
 ]
 
+#: The sampling parameter that carries the route start in the torch_r3 and vLLM formats.
+PROMPT_START_PARAM = "routed_experts_prompt_start"
 #: The finish reasons every protocol is normalised to (anything else a server
 #: sends is passed on as its lower-cased string).
 FINISH_REASONS = ("stop", "length", "abort")
@@ -141,6 +147,71 @@ class ServerProtocol(abc.ABC):
         return body
 
 
+class ChoicesProtocol(ServerProtocol):
+    """A format with a top-level `token_ids` request and a `choices[0]` answer.
+
+    The torch_r3 and vLLM formats share it: the request carries `token_ids`,
+    `sampling_params` (the route start inside, as `routed_experts_prompt_start`)
+    and an optional `model`; the answer's `choices[0]` carries `token_ids`, a
+    string `finish_reason`, `logprobs` and `routed_experts`, which is `null` when
+    the request was aborted before any forward pass (no token generated; then
+    reported as `"abort"`). Subclasses say how logprobs and routes are encoded.
+
+    Attributes:
+        start_may_be_ignored: Accept an answer with every row from position 0
+            although the start was past 0 (a server that does not know the field).
+        null_routes_hint: Appended to the error for `null` routes after tokens were generated.
+    """
+
+    start_may_be_ignored: ClassVar[bool] = False
+    null_routes_hint: ClassVar[str] = ""
+
+    @abc.abstractmethod
+    def flags(self, call: GenerateCall) -> dict[str, Any]:
+        """The protocol's own top-level request fields."""
+
+    @abc.abstractmethod
+    def read_logprobs(self, choice: Mapping[str, Any], ids: tuple[int, ...]) -> tuple[float, ...] | None:
+        """The logprobs of `choices[0]`, one per generated token, or `None`."""
+
+    @abc.abstractmethod
+    def decode(self, payload: Any, limits: RouteLimits) -> np.ndarray:
+        """Decode a non-null `choices[0].routed_experts`."""
+
+    def sampling_params(self, call: GenerateCall) -> dict[str, Any]:
+        """The body's `sampling_params`."""
+        return params_with_start(call)
+
+    def request_body(self, call: GenerateCall) -> dict[str, Any]:
+        body: dict[str, Any] = {"token_ids": call.prompt, "sampling_params": self.sampling_params(call), **self.flags(call)}
+        if call.model is not None:
+            body["model"] = call.model
+        return self.salted(body, call)
+
+    def parse_response(self, raw: Any, call: GenerateCall, limits: RouteLimits) -> ParsedResponse:
+        choice = first_choice(raw)
+        ids = token_ids(get_field(choice, "token_ids", "choices[0]", list), "choices[0].token_ids")
+        reason = finish_reason(get_field(choice, "finish_reason", "choices[0]", str, required=False), "choices[0].finish_reason")
+        logprobs = self.read_logprobs(choice, ids)
+        routes = None
+        if call.return_routed_experts:
+            payload = choice.get("routed_experts")
+            if payload is None and not ids:
+                reason = "abort"  # aborted before any forward pass: no row to replay
+            elif payload is None:
+                raise WireFormatError(f"routes were requested but choices[0].routed_experts is null or missing{self.null_routes_hint}")
+            else:
+                routes = slice_to_start(
+                    self.decode(payload, limits), call, len(ids), "choices[0].routed_experts",
+                    start_may_be_ignored=self.start_may_be_ignored,
+                )
+        return ParsedResponse(ids, logprobs, reason, routes, self.read_weight_version(raw))
+
+    def read_weight_version(self, raw: Mapping[str, Any]) -> str | None:
+        """The answer's weight version (`None`: the format has none)."""
+        return None
+
+
 def get_field(container: Any, key: str, where: str, kind: type | tuple[type, ...], *, required: bool = True) -> Any:
     """`container[key]` checked to be of `kind` (`None` when absent and not required).
 
@@ -159,6 +230,34 @@ def get_field(container: Any, key: str, where: str, kind: type | tuple[type, ...
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         raise WireFormatError(f"{where}.{key}: expected {_kind_name(kind)}, got {type(value).__name__}")
     return value
+
+
+def first_choice(raw: Any) -> Mapping[str, Any]:
+    """`raw["choices"][0]`, checked to be an object.
+
+    Raises:
+        WireFormatError: `raw` has no non-empty `choices` list of objects.
+    """
+    choices = get_field(raw, "choices", "response", list)
+    if not choices:
+        raise WireFormatError("response.choices is empty")
+    if not isinstance(choices[0], Mapping):
+        raise WireFormatError(f"choices[0]: expected a JSON object, got {type(choices[0]).__name__}")
+    return choices[0]
+
+
+def params_with_start(call: GenerateCall, field: str = PROMPT_START_PARAM) -> dict[str, Any]:
+    """A copy of `call.sampling_params` carrying the route start as `field` (when routes start past 0).
+
+    Raises:
+        ValueError: The caller put `field` in the sampling parameters themselves.
+    """
+    params = dict(call.sampling_params)
+    if field in params:
+        raise ValueError(f"pass {field} as the keyword argument routed_experts_prompt_start, not inside sampling_params")
+    if call.return_routed_experts and call.start:
+        params[field] = call.start
+    return params
 
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:

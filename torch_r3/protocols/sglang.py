@@ -24,18 +24,8 @@ from __future__ import annotations
 from typing import Any
 
 from torch_r3.codec import WireFormatError, decode_sglang_routes
-from torch_r3.protocols.base import (
-    GenerateCall,
-    ParsedResponse,
-    RouteLimits,
-    ServerProtocol,
-    finish_reason,
-    get_field,
-    logprob,
-    slice_to_start,
-    token_ids,
-    weight_version,
-)
+from torch_r3.protocols import base
+from torch_r3.protocols.base import GenerateCall, ParsedResponse, RouteLimits, ServerProtocol
 
 __all__ = ["FLUSH_CACHE_PATH", "GENERATE_PATH", "PROTOCOL", "SGLangProtocol"]
 
@@ -72,11 +62,11 @@ class SGLangProtocol(ServerProtocol):
     def parse_response(self, raw: Any, call: GenerateCall, limits: RouteLimits) -> ParsedResponse:
         if isinstance(raw, list) and len(raw) == 1:
             raw = raw[0]  # a batch of one
-        ids = token_ids(get_field(raw, "output_ids", "response", list), "response.output_ids")
-        meta = get_field(raw, "meta_info", "response", dict)
-        reason = finish_reason(get_field(meta, "finish_reason", "meta_info", (dict, str), required=False), "meta_info.finish_reason")
+        ids = base.token_ids(base.get_field(raw, "output_ids", "response", list), "response.output_ids")
+        meta = base.get_field(raw, "meta_info", "response", dict)
+        reason = base.finish_reason(base.get_field(meta, "finish_reason", "meta_info", (dict, str), required=False), "meta_info.finish_reason")
         logprobs = None
-        entries = get_field(meta, "output_token_logprobs", "meta_info", list, required=False)
+        entries = base.get_field(meta, "output_token_logprobs", "meta_info", list, required=False)
         if entries is not None:
             if len(entries) != len(ids):
                 raise WireFormatError(f"meta_info.output_token_logprobs has {len(entries)} entries for {len(ids)} tokens")
@@ -87,7 +77,7 @@ class SGLangProtocol(ServerProtocol):
                     raise WireFormatError(f"{where}: expected [logprob, token_id, text], got {entry!r:.80}")
                 if entry[1] != ids[i] or isinstance(entry[1], bool):
                     raise WireFormatError(f"{where}: token id {entry[1]!r} is not output_ids[{i}] = {ids[i]}")
-                values.append(logprob(entry[0], f"{where}[0]"))
+                values.append(base.logprob(entry[0], f"{where}[0]"))
             logprobs = tuple(values)
         routes = None
         if call.return_routed_experts:
@@ -105,8 +95,8 @@ class SGLangProtocol(ServerProtocol):
                     meta, num_layers=limits.num_layers, topk=limits.topk, num_experts=limits.num_experts,
                     max_bytes=limits.max_bytes, name="meta_info.routed_experts",
                 )
-                routes = slice_to_start(routes, call, len(ids), "meta_info.routed_experts", start_may_be_ignored=True)
-        version = weight_version(meta.get("weight_version"), "meta_info.weight_version")
+                routes = base.slice_to_start(routes, call, len(ids), "meta_info.routed_experts", start_may_be_ignored=True)
+        version = base.weight_version(meta.get("weight_version"), "meta_info.weight_version")
         return ParsedResponse(ids, logprobs, reason, routes, version)
 
 
