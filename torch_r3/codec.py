@@ -19,7 +19,9 @@ Three payloads carry routes, and each has one decoder here:
 Every decoder treats its input as hostile: each size is computed from the
 declared shape and the length of the base64 text, and compared with the
 caller's cap (`max_bytes`) and with each other, before a single byte of the
-result is allocated. Anything malformed raises `WireFormatError`, a
+result is allocated. A decoder holds at most the decoded payload (up to
+`max_bytes`) and its canonical result (at most twice that, when `uint16` ids
+above 2**15 widen to `int32`). Anything malformed raises `WireFormatError`, a
 `ValueError`, naming the field. Every decoder returns a canonical
 `[rows, layers, topk]` array (see `torch_r3.compact_routes`) whose ids have been
 range-checked once (`torch_r3.check_expert_ids`): never negative, and below
