@@ -488,3 +488,12 @@ def test_a_sglang_prefill_only_request_returns_p_minus_1_rows_and_no_tokens():
     routes = _routes("sglang", payload, 2, 2)
     assert routes.shape[0] == len(prompt) - 1  # [0, P + O - 1) with O = 0
     np.testing.assert_array_equal(routes, ref.routes[: len(prompt) - 1])
+
+
+def test_unknown_protocols_and_misplaced_options_are_refused_at_construction():
+    with pytest.raises(ValueError, match=r"protocol must be one of \['sglang', 'torch_r3', 'vllm'\], got 'openai'"):
+        LoopbackServer(protocol="openai")
+    with pytest.raises(ValueError, match="apply to protocol='sglang', not 'vllm'"):
+        LoopbackServer(protocol="vllm", sglang_ignores_start=True)
+    with pytest.raises(NotImplementedError, match="CountingModel does not implement update_weights"):
+        LoopbackServer(CountingModel()).update_weights()

@@ -16,7 +16,9 @@ parse requests into a `GenerateRequest` and render a `Generation`.
 from __future__ import annotations
 
 import collections
+import hashlib
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,9 +77,9 @@ class Generation:
 class PrefixCache:
     """Block-granular prefix cache storing each block's routes, LRU-bounded.
 
-    A block of positions `[i * block_size, (i + 1) * block_size)` is keyed by
-    `(salt, tokens[:(i + 1) * block_size])`: two requests share it only when
-    the salt and every token up to the block's end agree. Only full blocks are
+    A block of positions `[i * block_size, (i + 1) * block_size)` is keyed by a
+    digest of the salt and `tokens[:(i + 1) * block_size]`: two requests share
+    it only when the salt and every token up to the block's end agree. Only full blocks are
     stored, and a cached block is never overwritten, so its routes stay those
     of the request that computed it.
 
@@ -102,7 +104,7 @@ class PrefixCache:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         self.block_size = block_size
         self.max_blocks = max_blocks
-        self._blocks: collections.OrderedDict[tuple[Any, ...], np.ndarray] = collections.OrderedDict()
+        self._blocks: collections.OrderedDict[bytes, np.ndarray] = collections.OrderedDict()
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -115,10 +117,8 @@ class PrefixCache:
             `len(prompt) - 1`) and their cached routes `[hit, L, K]` (`None` when
             `hit == 0`).
         """
-        bs = self.block_size
         blocks = []
-        for end in range(bs, len(prompt), bs):  # end <= len(prompt) - 1
-            key = (salt, tuple(prompt[:end]))
+        for key in self._keys(salt, prompt, (len(prompt) - 1) // self.block_size):
             block = self._blocks.get(key)
             if block is None:
                 break
@@ -126,7 +126,7 @@ class PrefixCache:
             blocks.append(block)
         if not blocks:
             return 0, None
-        return len(blocks) * bs, np.concatenate(blocks)
+        return len(blocks) * self.block_size, np.concatenate(blocks)
 
     def store(self, salt: str | None, tokens: list[int], routes: np.ndarray) -> None:
         """Cache every full block of the evaluated positions not cached yet.
@@ -137,14 +137,23 @@ class PrefixCache:
             routes: `[evaluated, L, K]` routes of `tokens[:evaluated]`.
         """
         bs = self.block_size
-        for end in range(bs, routes.shape[0] + 1, bs):
-            key = (salt, tuple(tokens[:end]))
+        for i, key in enumerate(self._keys(salt, tokens, routes.shape[0] // bs)):
             if key in self._blocks:
                 self._blocks.move_to_end(key)
                 continue
-            self._blocks[key] = routes[end - bs : end].copy()
+            self._blocks[key] = routes[i * bs : (i + 1) * bs].copy()
             if len(self._blocks) > self.max_blocks:
                 self._blocks.popitem(last=False)
+
+    def _keys(self, salt: str | None, tokens: list[int], n_blocks: int) -> Iterator[bytes]:
+        # A chain of digests, as vLLM hashes its blocks: block i's key covers the
+        # salt and every token up to its end, at a cost linear in the tokens.
+        digest = hashlib.sha256(repr(salt).encode()).digest()
+        bs = self.block_size
+        for i in range(n_blocks):
+            block = np.asarray(tokens[i * bs : (i + 1) * bs], dtype="<i8")
+            digest = hashlib.sha256(digest + block.tobytes()).digest()
+            yield digest
 
     def clear(self) -> None:
         """Drop every block."""
