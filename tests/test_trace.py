@@ -50,7 +50,7 @@ def test_token_metadata_trace_compacts_non_canonical_integer_chunks():
         (np.zeros((2, 3, 2), np.uint8), {}, ValueError, "expected rows of shape (2, 2)"),
         (np.zeros((2, 2, 2), np.uint8), {"expected_rows": 3}, ValueError, "expected 3 rows, got 2"),
         (np.zeros((2, 2, 2), np.float32), {}, TypeError, "integer dtype"),
-        ([[[0, 1], [0, 1]]], {}, TypeError, "NumPy array, a torch.Tensor"),
+        ([[[0, 1], [0, 1]]], {}, TypeError, "NumPy array or torch.Tensor"),
         (-np.ones((1, 2, 2), np.int64), {}, ValueError, ">= 0"),
     ],
 )
@@ -100,7 +100,7 @@ def test_dtype_widens_when_a_later_turn_passes_expert_255():
         ({"prompt_len": 6, "generated_len": 3, "routes": _rows(4)}, ValueError, "6 - 3 + 3 - 1 = 5 rows, got 4"),
         ({"prompt_len": 6, "generated_len": 3, "routes": _rows(6)}, ValueError, "6 - 3 + 3 - 1 = 5 rows, got 6"),
         ({"prompt_len": 6, "generated_len": 3, "routes": None}, TypeError, "return_routed_experts=True"),
-        ({"prompt_len": 6, "generated_len": 3, "routes": [[[0, 0]] * 2] * 5}, TypeError, "NumPy array, a torch.Tensor"),
+        ({"prompt_len": 6, "generated_len": 3, "routes": [[[0, 0]] * 2] * 5}, TypeError, "NumPy array or torch.Tensor"),
         ({"prompt_len": 6, "generated_len": 3, "routes": _rows(5, layers=3)}, ValueError, "shape (2, 2), got (3, 2)"),
         ({"prompt_len": 6, "generated_len": 3, "routes": _rows(5).astype(np.float32)}, TypeError, "integer dtype"),
         ({"prompt_len": True, "generated_len": 3, "routes": _rows(5)}, TypeError, "prompt_len must be an int"),

@@ -108,8 +108,8 @@ def as_host_array(array: Any, what: str) -> np.ndarray:
             )
         return host
     raise TypeError(
-        f"{what}: expected a NumPy array, a torch.Tensor or a tensor-like object with "
-        f".detach().cpu().numpy(), got {type(array).__name__}"
+        f"{what}: expected a NumPy array or torch.Tensor (or a tensor-like object with "
+        f".detach().cpu().numpy()), got {type(array).__name__}"
     )
 
 
