@@ -26,7 +26,11 @@ import numpy as np
 
 from torch_r3.testing.model import ServedModel
 
-__all__ = ["Engine", "GenerateRequest", "Generation", "PrefixCache"]
+__all__ = ["Engine", "GenerateRequest", "Generation", "ModelOutputError", "PrefixCache"]
+
+
+class ModelOutputError(ValueError):
+    """The served model broke its contract (the server answers `500`, not `400`)."""
 
 
 @dataclass(frozen=True)
@@ -201,8 +205,8 @@ class Engine:
         """Generate for `request`; cached prefix rows replace the fresh ones.
 
         Raises:
-            ValueError: The model rejected the request, or returned a route
-                array of the wrong shape (the message says which).
+            ModelOutputError: The model returned a route array of the wrong shape.
+            ValueError: The model rejected the request (or `TypeError`, as it raises).
         """
         with self._lock:
             out = self.model.generate(request.prompt, request.sampling_params)
@@ -255,7 +259,3 @@ class Engine:
         with self._lock:
             if self.cache is not None:
                 self.cache.clear()
-
-
-class ModelOutputError(ValueError):
-    """The served model broke its contract (the server answers `500`, not `400`)."""

@@ -20,11 +20,11 @@ from typing import Any
 
 from aiohttp import web
 
+from torch_r3.protocols.torch_r3 import MODEL_INFO_PATH
 from torch_r3.testing.engine import Engine, ModelOutputError, PrefixCache
 from torch_r3.testing.faults import Faults
 from torch_r3.testing.model import ServedModel, TinyMoELM
 from torch_r3.testing.wire import WireProtocol, make_protocol
-from torch_r3.protocols.torch_r3 import MODEL_INFO_PATH
 
 __all__ = ["LoopbackServer", "ServerStats", "make_app"]
 
