@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import importlib.util
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -294,3 +296,13 @@ def test_a_rollout_across_a_weight_update_is_refused_by_the_trace_naming_both_ve
     with LoopbackServer(model(), protocol=protocol) as srv:
         with pytest.raises(ValueError, match=r"(?s)(step-8.*'0'|'0'.*step-8)"):
             asyncio.run(main(srv))
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+def test_the_server_rollout_example_builds_a_batch(protocol, capsys):
+    path = Path(__file__).parents[1] / "examples" / "server_rollout.py"
+    spec = importlib.util.spec_from_file_location("server_rollout", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(["--server", protocol, "--trajectories", "2", "--turns", "2"]) == 0
+    assert f"{protocol}: 2 trajectories -> rollout_expert_indices (2, " in capsys.readouterr().out
