@@ -30,6 +30,7 @@ _LAZY = {
     "RemoteGenerateClient": "torch_r3.client",
     "RemoteGenerateResult": "torch_r3.client",
     "RemoteGenerateError": "torch_r3.client",
+    "ZeroRoutesWarning": "torch_r3.client",
 }
 
 __all__ = [
@@ -57,7 +58,7 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from torch_r3.client import RemoteGenerateClient, RemoteGenerateError, RemoteGenerateResult
+    from torch_r3.client import RemoteGenerateClient, RemoteGenerateError, RemoteGenerateResult, ZeroRoutesWarning
     from torch_r3.codec import (
         WireFormatError,
         base64_decoded_length,
