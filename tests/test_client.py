@@ -320,3 +320,12 @@ def test_model_info_is_only_for_the_torch_r3_server(server_name):
 def test_an_unknown_server_is_refused():
     with pytest.raises(ValueError, match=r"server must be one of \['torch_r3', 'sglang', 'vllm'\]"):
         RemoteGenerateClient("http://127.0.0.1:9", server="tgi")
+
+
+@pytest.mark.parametrize("module", ["torch_r3.client", "torch_r3.transport", "torch_r3.protocols.base"])
+def test_docstring_examples_of_the_client_modules_hold(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0 and result.attempted > 0

@@ -2,7 +2,7 @@
 `RemoteGenerateError` naming the URL, bodies are read under a cap, and
 `429`/`503` with `Retry-After` are retried.
 
-Each server here is a real ``aiohttp.web`` application on 127.0.0.1 whose
+Each server here is a real `aiohttp.web` application on 127.0.0.1 whose
 handler misbehaves in one way; nothing is mocked.
 """
 
@@ -31,7 +31,7 @@ def ok_body(token_ids=(5, 6), routes=None, **extra) -> dict:
 
 
 async def serve(handler, path=GENERATE_PATH, method="POST"):
-    """Start ``handler`` on a free port; returns (runner, base_url)."""
+    """Start `handler` on a free port; returns (runner, base_url)."""
     app = web.Application()
     app.router.add_route(method, path, handler)
     runner = web.AppRunner(app, access_log=None)
@@ -43,7 +43,7 @@ async def serve(handler, path=GENERATE_PATH, method="POST"):
 
 
 def run_against(handler, call, *, path=GENERATE_PATH, client_kwargs=None):
-    """Serve ``handler``, build a client for it and await ``call(client)``."""
+    """Serve `handler`, build a client for it and await `call(client)`."""
 
     async def main():
         runner, url = await serve(handler, path)
