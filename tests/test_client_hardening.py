@@ -163,6 +163,20 @@ def test_a_chunked_body_over_the_cap_stops_reading_early():
     assert seen["sent"] < total // 2
 
 
+def test_a_compressed_body_is_capped_by_its_decompressed_size():
+    import gzip
+
+    bomb = gzip.compress(b" " * (64 << 20))  # 64 MiB of JSON whitespace in ~64 KiB
+
+    async def handler(request):
+        await request.read()
+        return web.Response(body=bomb, headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
+
+    assert len(bomb) < 1 << 20
+    with pytest.raises(RemoteGenerateError, match=r"more than max_response_bytes=1048576"):
+        generate_against(handler, client_kwargs={"max_response_bytes": 1 << 20})
+
+
 def test_a_route_envelope_declaring_terabytes_is_a_remote_generate_error():
     envelope = {"data": "AAAA", "shape": [10**6, 1000, 1000], "dtype": "int32"}
 
@@ -269,6 +283,38 @@ def test_a_closed_users_session_is_a_remote_generate_error():
 
     with pytest.raises(RemoteGenerateError, match="session is closed"):
         asyncio.run(main())
+
+
+def test_a_users_session_from_another_event_loop_is_a_remote_generate_error():
+    import threading
+
+    made, other = threading.Event(), {}
+
+    def other_loop():
+        loop = other["loop"] = asyncio.new_event_loop()
+
+        async def make():
+            other["session"] = aiohttp.ClientSession()
+
+        loop.run_until_complete(make())
+        made.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=other_loop, daemon=True)
+    thread.start()
+    made.wait(30)
+
+    async def handler(request):
+        return web.json_response(ok_body())
+
+    try:
+        with pytest.raises(RemoteGenerateError, match="use it on the event loop that created it") as info:
+            generate_against(handler, client_kwargs={"session": other["session"]})
+        assert GENERATE_PATH in str(info.value)
+    finally:
+        asyncio.run_coroutine_threadsafe(other["session"].close(), other["loop"]).result(30)
+        other["loop"].call_soon_threadsafe(other["loop"].stop)
+        thread.join(30)
 
 
 def test_a_client_with_a_users_session_refuses_to_pickle():

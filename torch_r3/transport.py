@@ -344,6 +344,11 @@ class HttpTransport:
                 continue
             except _BodyTooLarge as exc:
                 raise RemoteGenerateError(f"{method} {url}: {exc}", url=url, status=status, attempts=attempts) from None
+            except MemoryError:
+                raise RemoteGenerateError(
+                    f"{method} {url}: out of memory reading the response body (lower max_response_bytes?)",
+                    url=url, status=status, attempts=attempts,
+                ) from None
             except aiohttp.TooManyRedirects as exc:
                 raise RemoteGenerateError(
                     f"{method} {url}: too many redirects ({len(exc.history)} followed, last to {exc.request_info.real_url})",
@@ -351,6 +356,15 @@ class HttpTransport:
                 ) from exc
             except aiohttp.ClientError as exc:  # invalid URL or response, ...: not transient
                 raise RemoteGenerateError(f"{method} {url} failed: {_describe(exc)}", url=url, attempts=attempts) from exc
+            except RuntimeError as exc:
+                if state.owned:
+                    raise
+                # aiohttp's answer to a session used outside the loop that created it.
+                raise RemoteGenerateError(
+                    f"{method} {url}: the given aiohttp session cannot be used here ({exc}); "
+                    "use it on the event loop that created it",
+                    url=url, attempts=attempts,
+                ) from exc
             if status in RETRYABLE_STATUSES:
                 last_cause, last_status, last_exc = f"HTTP {status}: {server_message(payload)}", status, None
                 continue
@@ -361,6 +375,11 @@ class HttpTransport:
                 )
             try:
                 return json.loads(payload)
+            except MemoryError:
+                raise RemoteGenerateError(
+                    f"{method} {url}: out of memory parsing a JSON body of {len(payload)} bytes",
+                    url=url, status=status, attempts=attempts,
+                ) from None
             except RecursionError:
                 raise RemoteGenerateError(
                     f"{method} {url} answered {status} with JSON nested too deeply to parse ({len(payload)} bytes)",
