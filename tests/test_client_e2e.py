@@ -145,15 +145,28 @@ def test_sglang_variants_give_the_same_five_turn_trace(options):
 
 
 def test_a_trace_widens_between_turns_when_ids_pass_255():
-    wide = {**SHAPE, "num_experts": 300, "topk": 4, "seed": 5}
-    ref = TinyMoELM(**wide)
+    # Seeded so that turn 1's ids all fit uint8 and turn 2 brings one past 255.
+    wide = {**SHAPE, "num_experts": 300, "seed": 16}
     for protocol in ("sglang", "vllm"):
+        trace, conversation, dtypes = RoutedExpertTrace(), [11, 12, 13, 14], []
+
+        async def main(srv):
+            nonlocal conversation
+            async with client_for(srv, num_experts=300) as client:
+                for _ in range(3):
+                    result = await client.generate(
+                        conversation, params(protocol, 3), return_routed_experts=True,
+                        routed_experts_prompt_start=trace.prompt_start,
+                    )
+                    dtypes.append(result.routed_experts.dtype.name)
+                    trace.record(prompt_len=len(conversation), generated_len=3, routes=result.routed_experts)
+                    conversation = conversation + list(result.response_ids) + [5, 6]
+
         with LoopbackServer(TinyMoELM(**wide), protocol=protocol) as srv:
-            trace = RoutedExpertTrace()
-            kwargs = {"num_experts": 300, "topk": 4}
-            conversation, routes = rollout(srv, 3, trace=trace, **kwargs)
-        expected = compact_routes(ref.generate(conversation[:-1], {"max_new_tokens": 1}).routes)
-        assert routes.dtype == expected.dtype == np.int16
+            asyncio.run(main(srv))
+        routes = trace.finalize(token_count=len(conversation))
+        expected = compact_routes(TinyMoELM(**wide).generate(conversation[:-3], {"max_new_tokens": 1}).routes)
+        assert dtypes[:2] == ["uint8", "int16"] and routes.dtype == np.int16
         np.testing.assert_array_equal(routes, expected)
 
 
