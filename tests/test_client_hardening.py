@@ -196,6 +196,21 @@ def test_max_response_bytes_is_validated():
         RemoteGenerateClient("http://127.0.0.1:9", max_response_bytes=1.5)
 
 
+@pytest.mark.parametrize(
+    ("params", "error", "words"),
+    [({"max_new_tokens": np.int64(2)}, TypeError, "int64 is not JSON serializable"),
+     ({"temperature": float("nan")}, ValueError, "not JSON compliant")],
+)
+def test_sampling_params_json_cannot_carry_are_refused_before_sending(params, error, words):
+    async def main():
+        async with RemoteGenerateClient("http://127.0.0.1:9", retries=0) as client:
+            await client.generate([1], params)
+
+    with pytest.raises(error, match=words) as info:
+        asyncio.run(main())
+    assert "the request body cannot be sent as JSON" in str(info.value)
+
+
 # -- 429 / 503 and Retry-After ----------------------------------------------------------
 
 

@@ -307,20 +307,30 @@ class HttpTransport:
         Args:
             method: `"GET"` or `"POST"`.
             path: Appended to the base URL.
-            body: Sent as JSON when not `None`.
+            body: Sent as JSON when not `None` (serialised once, before the
+                first attempt).
             headers: Extra headers for this request.
 
         Returns:
             The parsed JSON of the `2xx` answer.
 
         Raises:
-            RemoteGenerateError: Every failure, naming the URL.
+            TypeError: `body` holds something JSON cannot carry (nothing is sent).
+            ValueError: `body` holds a NaN or infinite number (nothing is sent).
+            RemoteGenerateError: Every failure of the request, naming the URL.
         """
         url, c = self.base_url + path, self.config
+        data = None
+        extra = dict(headers or {})
+        if body is not None:
+            try:
+                data = json.dumps(body, allow_nan=False).encode()
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"{method} {url}: the request body cannot be sent as JSON: {exc}") from None
+            extra["Content-Type"] = "application/json"
         state = await self.state()
         if state.session.closed:
             raise RemoteGenerateError(f"{method} {url}: the aiohttp session is closed", url=url, status=None, attempts=0)
-        extra = dict(headers or {})
         if not state.owned:
             extra = {**self.headers, **extra}
         # Per request, so that a user's session gets the same limits.
@@ -334,7 +344,7 @@ class HttpTransport:
             attempts += 1
             try:
                 async with state.semaphore:
-                    async with state.session.request(method, url, json=body, headers=extra, timeout=timeout) as response:
+                    async with state.session.request(method, url, data=data, headers=extra, timeout=timeout) as response:
                         status = response.status
                         retry_after = response.headers.get("Retry-After") if status in RETRYABLE_STATUSES else None
                         ok = 200 <= status < 300
