@@ -60,8 +60,6 @@ class SGLangProtocol(ServerProtocol):
         return self.salted(body, call)
 
     def parse_response(self, raw: Any, call: GenerateCall, limits: RouteLimits) -> ParsedResponse:
-        if isinstance(raw, list) and len(raw) == 1:
-            raw = raw[0]  # a batch of one
         ids = base.token_ids(base.get_field(raw, "output_ids", "response", list), "response.output_ids")
         meta = base.get_field(raw, "meta_info", "response", dict)
         reason = base.finish_reason(base.get_field(meta, "finish_reason", "meta_info", (dict, str), required=False), "meta_info.finish_reason")
@@ -75,7 +73,7 @@ class SGLangProtocol(ServerProtocol):
                 where = f"meta_info.output_token_logprobs[{i}]"
                 if not isinstance(entry, list) or len(entry) < 2:
                     raise WireFormatError(f"{where}: expected [logprob, token_id, text], got {entry!r:.80}")
-                if entry[1] != ids[i] or isinstance(entry[1], bool):
+                if isinstance(entry[1], bool) or not isinstance(entry[1], int) or entry[1] != ids[i]:
                     raise WireFormatError(f"{where}: token id {entry[1]!r} is not output_ids[{i}] = {ids[i]}")
                 values.append(base.logprob(entry[0], f"{where}[0]"))
             logprobs = tuple(values)
