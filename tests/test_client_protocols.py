@@ -241,6 +241,8 @@ def test_the_salt_travels_in_each_servers_own_field_and_only_when_set(server, fi
     assert salted[field] == "v4"
     assert {k: v for k, v in salted.items() if k != field} == plain
     assert "cache_salt" not in plain and "extra_key" not in plain
+    with pytest.raises(ValueError, match="non-empty"):
+        protocol.request_body(GenerateCall([1, 2], {}, True, 1, cache_salt=""))
 
 
 # -- hostile JSON ---------------------------------------------------------------------------

@@ -141,8 +141,14 @@ class ServerProtocol(abc.ABC):
         """
 
     def salted(self, body: dict[str, Any], call: GenerateCall) -> dict[str, Any]:
-        """`body` with the salt field added when `call` has a salt (never an empty one)."""
+        """`body` with the salt field added when `call` has a salt.
+
+        Raises:
+            ValueError: The salt is empty: servers refuse or ignore one, so it is never sent.
+        """
         if call.cache_salt is not None:
+            if not isinstance(call.cache_salt, str) or not call.cache_salt:
+                raise ValueError(f"cache_salt must be a non-empty string, got {call.cache_salt!r}")
             body[self.salt_field] = call.cache_salt
         return body
 
