@@ -94,6 +94,14 @@ def test_routes_are_absent_unless_requested(server):
     assert result.routed_experts is None and list(result.response_ids) == reference([1, 2], 2)[0]
 
 
+def test_an_sglang_prefill_only_request_returns_the_prompts_first_p_minus_1_rows():
+    with LoopbackServer(model(), protocol="sglang") as srv:
+        result = generate(srv, [5, 6, 7, 8], 0, return_routed_experts=True)
+    _, routes = REFERENCE.forward([5, 6, 7, 8])
+    assert result.response_ids == () and result.routed_experts.shape == (3, 3, 2)
+    np.testing.assert_array_equal(result.routed_experts, compact_routes(routes.numpy()[:3]))
+
+
 # -- multi-turn ---------------------------------------------------------------------------
 
 
