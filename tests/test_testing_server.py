@@ -1,16 +1,19 @@
-"""torch_r3.testing: any ServedModel plugs in; the server validates requests; docs run."""
+"""torch_r3.testing: any ServedModel plugs in; each protocol answers as its real server does; the prefix cache keeps routes; faults."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import doctest
 import importlib
+import io
+import json
 
 import numpy as np
 import pytest
 
 from torch_r3.client import RemoteGenerateClient, RemoteGenerateError
-from torch_r3.testing import GenerateOutput, LoopbackServer, ServedModel
+from torch_r3.testing import GenerateOutput, LoopbackServer, PrefixCache, ServedModel, TinyMoELM
 
 FAST = {"retries": 3, "backoff": 0.01, "max_backoff": 0.05, "timeout": 20.0}
 
@@ -53,7 +56,7 @@ def test_a_custom_served_model_plugs_in():
 
 def test_a_model_returning_the_wrong_row_count_is_a_500():
     with LoopbackServer(CountingModel(broken=True)) as server:
-        with pytest.raises(RemoteGenerateError, match="HTTP 500: model returned 3 route rows, expected 4"):
+        with pytest.raises(RemoteGenerateError, match=r"HTTP 500: model returned routes of shape \(3, 3, 2\), expected \(4, 3, 2\)"):
             _call(server.url, [1, 2], {"max_new_tokens": 3}, return_routed_experts=True)
 
 
@@ -102,8 +105,395 @@ def test_async_mode_runs_on_the_current_loop_and_restarts_on_the_same_port():
 
 
 @pytest.mark.parametrize(
-    "module", ["torch_r3.codec", "torch_r3.trace", "torch_r3.client", "torch_r3.testing", "torch_r3.testing.model", "torch_r3.testing.server"]
+    "module",
+    [
+        "torch_r3.codec",
+        "torch_r3.trace",
+        "torch_r3.client",
+        "torch_r3.testing",
+        "torch_r3.testing.model",
+        "torch_r3.testing.server",
+        "torch_r3.testing.engine",
+        "torch_r3.testing.faults",
+        "torch_r3.testing.wire",
+        "torch_r3.testing.wire.vllm",
+    ],
 )
 def test_docstring_examples_run(module):
     result = doctest.testmod(importlib.import_module(module))
     assert result.failed == 0 and result.attempted > 0
+
+
+# -- the three protocols at the raw HTTP level -----------------------------------
+#
+# Each check below is written from the servers' documented response fields and
+# decodes the payloads with base64/NumPy directly, never with torch_r3.codec, and
+# compares with the same seeded model run in-process.
+
+PATHS = {"torch_r3": "/v1/generate", "sglang": "/generate", "vllm": "/inference/v1/generate"}
+
+
+def _post(url, path, body):
+    import aiohttp
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + path, json=body) as response:
+                text = await response.text()
+                return response.status, text
+
+    status, text = asyncio.run(main())
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text
+
+
+def _request(protocol, prompt, max_new, *, start=0, salt=None):
+    """The body each server expects for a routes-returning generate call."""
+    if protocol == "sglang":
+        body = {
+            "input_ids": prompt,
+            "sampling_params": {"max_new_tokens": max_new},
+            "return_logprob": True,
+            "return_routed_experts": True,
+            "routed_experts_start_len": start,
+        }
+        if salt is not None:
+            body["extra_key"] = salt
+        return body
+    if protocol == "vllm":
+        params = {"max_tokens": max_new, "logprobs": 1, "routed_experts_prompt_start": start}
+        body = {"token_ids": prompt, "sampling_params": params, "return_token_ids": True}
+    else:
+        params = {"max_new_tokens": max_new, "routed_experts_prompt_start": start}
+        body = {"token_ids": prompt, "sampling_params": params, "return_routed_experts": True}
+    if salt is not None:
+        body["cache_salt"] = salt
+    return body
+
+
+def _routes(protocol, payload, num_layers, topk):
+    """The route array of a 200 body, decoded by hand from each server's documented encoding."""
+    if protocol == "sglang":
+        raw = base64.b64decode(payload["meta_info"]["routed_experts"])
+        return np.frombuffer(raw, dtype="<i4").reshape(-1, num_layers, topk)
+    routes = payload["choices"][0]["routed_experts"]
+    if protocol == "vllm":
+        return np.load(io.BytesIO(base64.b64decode(routes)), allow_pickle=False)
+    data = np.frombuffer(base64.b64decode(routes["data"]), dtype=np.dtype(routes["dtype"]).newbyteorder("<"))
+    return data.reshape(routes["shape"])
+
+
+def _token_ids(protocol, payload):
+    return payload["output_ids"] if protocol == "sglang" else payload["choices"][0]["token_ids"]
+
+
+def test_sglang_answers_generate_with_its_fields_and_raw_int32_routes_from_the_start():
+    prompt, start = [3, 1, 4, 1, 5, 9], 2
+    ref = TinyMoELM().generate(prompt, {"max_new_tokens": 4})
+    with LoopbackServer(protocol="sglang") as server:
+        status, payload = _post(server.url, "/generate", _request("sglang", prompt, 4, start=start))
+    assert status == 200
+    assert payload["output_ids"] == ref.token_ids and isinstance(payload["text"], str)
+    meta = payload["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 4}
+    assert (meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"]) == (6, 4, 0)
+    assert meta["output_token_logprobs"] == [[lp, t, None] for lp, t in zip(ref.logprobs, ref.token_ids)]
+    assert meta["weight_version"] == "0" and "routed_experts_dtype" not in meta
+    raw = base64.b64decode(meta["routed_experts"], validate=True)
+    assert len(raw) == (6 + 4 - 1 - start) * 2 * 2 * 4  # rows [start, P+O-1), 2 layers, top-2, int32
+    np.testing.assert_array_equal(np.frombuffer(raw, "<i4").reshape(-1, 2, 2), ref.routes[start:])
+
+
+def test_sglang_with_ignored_start_returns_every_row_like_0_5_10_post1():
+    prompt = [3, 1, 4, 1, 5, 9]
+    ref = TinyMoELM().generate(prompt, {"max_new_tokens": 3})
+    with LoopbackServer(protocol="sglang", sglang_ignores_start=True) as server:
+        status, payload = _post(server.url, "/generate", _request("sglang", prompt, 3, start=4))
+    assert status == 200
+    np.testing.assert_array_equal(_routes("sglang", payload, 2, 2), ref.routes)  # rows from 0, not 4
+    assert _routes("sglang", payload, 2, 2).shape[0] == len(prompt) + 3 - 1
+
+
+def test_sglang_narrowed_routes_announce_their_dtype():
+    prompt = [7, 8, 9]
+    ref = TinyMoELM().generate(prompt, {"max_new_tokens": 2})
+    with LoopbackServer(protocol="sglang", sglang_routes_dtype="uint8") as server:
+        _, payload = _post(server.url, "/generate", _request("sglang", prompt, 2, start=1))
+    meta = payload["meta_info"]
+    assert meta["routed_experts_dtype"] == "uint8"
+    np.testing.assert_array_equal(np.frombuffer(base64.b64decode(meta["routed_experts"]), np.uint8).reshape(-1, 2, 2), ref.routes[1:])
+
+
+def test_sglang_stop_finish_reason_names_the_matched_token():
+    prompt = [3, 1, 4]
+    first = TinyMoELM().generate(prompt, {"max_new_tokens": 3}).token_ids
+    with LoopbackServer(protocol="sglang") as server:
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 3, "stop_token_ids": [first[1]]}}
+        _, payload = _post(server.url, "/generate", body)
+    assert payload["output_ids"] == first[:2]
+    assert payload["meta_info"]["finish_reason"] == {"type": "stop", "matched": first[1]}
+    assert "routed_experts" not in payload["meta_info"] and "output_token_logprobs" not in payload["meta_info"]
+
+
+def test_vllm_answers_with_a_npy_per_choice_and_its_fields():
+    prompt, start = [3, 1, 4, 1, 5, 9], 3
+    ref = TinyMoELM().generate(prompt, {"max_new_tokens": 4})
+    with LoopbackServer(protocol="vllm") as server:
+        body = _request("vllm", prompt, 4, start=start)
+        body["return_routed_experts"] = False  # no per-request switch: ignored, as vLLM ignores it
+        status, payload = _post(server.url, "/inference/v1/generate", body)
+    assert status == 200
+    choice = payload["choices"][0]
+    assert choice["token_ids"] == ref.token_ids and choice["finish_reason"] == "length"
+    assert [c["token_id"] for c in choice["logprobs"]["content"]] == ref.token_ids
+    assert [c["logprob"] for c in choice["logprobs"]["content"]] == ref.logprobs
+    assert payload["prompt_token_ids"] == prompt
+    assert payload["usage"] == {"prompt_tokens": 6, "completion_tokens": 4, "total_tokens": 10}
+    raw = base64.b64decode(choice["routed_experts"], validate=True)
+    assert raw[:6] == b"\x93NUMPY"  # a .npy file, header included
+    routes = np.load(io.BytesIO(raw), allow_pickle=False)
+    assert routes.dtype == np.uint8 and routes.shape == (6 + 4 - 1 - start, 2, 2)
+    np.testing.assert_array_equal(routes, ref.routes[start:])
+
+
+def test_vllm_routes_are_uint16_above_256_experts():
+    with LoopbackServer(CountingModel(), protocol="vllm") as server:
+        _, payload = _post(server.url, "/inference/v1/generate", {"token_ids": list(range(299)), "sampling_params": {"max_tokens": 2}})
+    routes = np.load(io.BytesIO(base64.b64decode(payload["choices"][0]["routed_experts"])), allow_pickle=False)
+    assert routes.dtype == np.uint16 and routes.shape == (300, 3, 2)
+    assert routes[:, 0, 1].tolist() == [(j + 1) % 300 for j in range(300)]
+
+
+def test_the_torch_r3_format_reports_its_weight_version_and_vllm_reports_none():
+    with LoopbackServer() as server:
+        _, before = _post(server.url, "/v1/generate", _request("torch_r3", [1, 2, 3], 2))
+        server.update_weights()
+        _, after = _post(server.url, "/v1/generate", _request("torch_r3", [1, 2, 3], 2))
+    assert (before["weight_version"], after["weight_version"]) == ("0", "1")
+    with LoopbackServer(protocol="vllm") as server:
+        _, payload = _post(server.url, "/inference/v1/generate", _request("vllm", [1, 2, 3], 2))
+    assert "weight_version" not in payload and "weight_version" not in payload["choices"][0]
+
+
+@pytest.mark.parametrize("protocol", ["torch_r3", "sglang", "vllm"])
+def test_dense_layers_come_back_as_zero_rows_over_every_hidden_layer(protocol):
+    model = TinyMoELM(num_layers=3, first_k_dense=1, num_experts=8, topk=2)
+    ref = TinyMoELM(num_layers=3, first_k_dense=1, num_experts=8, topk=2).generate([5, 6, 7], {"max_new_tokens": 3})
+    with LoopbackServer(model, protocol=protocol) as server:
+        _, payload = _post(server.url, PATHS[protocol], _request(protocol, [5, 6, 7], 3))
+    routes = _routes(protocol, payload, 3, 2)
+    assert routes.shape == (5, 3, 2)
+    assert not routes[:, 0].any()  # the dense layer
+    assert all(len(set(row)) == 2 for row in routes[:, 1:].reshape(-1, 2).tolist())  # MoE layers: two distinct experts
+    np.testing.assert_array_equal(routes, ref.routes)
+
+
+def test_model_info_names_the_moe_layers():
+    with LoopbackServer(TinyMoELM(num_layers=4, first_k_dense=2)) as server:
+        import aiohttp
+
+        async def main():
+            async with aiohttp.ClientSession() as session:
+                async with session.get(server.url + "/v1/model_info") as response:
+                    return await response.json()
+
+        info = asyncio.run(main())
+    assert info == {"num_layers": 4, "num_experts": 8, "topk": 2, "moe_layers": [2, 3]}
+
+
+# -- the stale-route hazard (issue 13) -------------------------------------------
+
+SALT_FIELD = {"torch_r3": "cache_salt", "vllm": "cache_salt", "sglang": "extra_key"}
+
+
+@pytest.mark.parametrize("protocol", ["torch_r3", "sglang", "vllm"])
+def test_after_a_weight_update_a_cached_prefix_returns_stale_routes_unless_salted_by_version(protocol):
+    prompt = [(7 * i + 3) % 64 for i in range(21)]  # one 16-token vLLM block, plus a tail
+    old = TinyMoELM().generate(prompt, {"max_new_tokens": 2}).routes
+    fresh_model = TinyMoELM()
+    fresh_model.update_weights(1)
+    fresh = fresh_model.generate(prompt, {"max_new_tokens": 2}).routes
+    with LoopbackServer(protocol=protocol) as server:
+        block = server.engine.cache.block_size
+        hit = (len(prompt) - 1) // block * block  # the cache never covers the last prompt token
+        _post(server.url, PATHS[protocol], _request(protocol, prompt, 2))
+        version = server.update_weights(flush_cache=False)
+        _, unsalted = _post(server.url, PATHS[protocol], _request(protocol, prompt, 2))
+        _, salted = _post(server.url, PATHS[protocol], _request(protocol, prompt, 2, salt=f"v{version}"))
+    stale = _routes(protocol, unsalted, 2, 2)
+    assert hit > 0 and (stale[:hit] != fresh[:hit]).any()  # differs from a fresh computation ...
+    np.testing.assert_array_equal(stale[:hit], old[:hit])  # ... because it is the old policy's
+    np.testing.assert_array_equal(stale[hit:], fresh[hit:])
+    np.testing.assert_array_equal(_routes(protocol, salted, 2, 2), fresh)
+
+
+@pytest.mark.parametrize(("protocol", "path"), [("sglang", "/flush_cache"), ("vllm", "/reset_prefix_cache")])
+def test_flushing_the_cache_after_a_weight_update_gives_fresh_routes(protocol, path):
+    prompt = list(range(20))
+    fresh_model = TinyMoELM()
+    fresh_model.update_weights(1)
+    fresh = fresh_model.generate(prompt, {"max_new_tokens": 2}).routes
+    with LoopbackServer(protocol=protocol) as server:
+        _post(server.url, PATHS[protocol], _request(protocol, prompt, 2))
+        server.update_weights(flush_cache=False)
+        status, _ = _post(server.url, path, {})
+        _, payload = _post(server.url, PATHS[protocol], _request(protocol, prompt, 2))
+    assert status == 200
+    np.testing.assert_array_equal(_routes(protocol, payload, 2, 2), fresh)
+
+
+def test_sglang_weight_updates_flush_the_radix_cache_by_default_and_report_the_version():
+    prompt = list(range(10))
+    fresh_model = TinyMoELM()
+    fresh_model.update_weights(1)
+    fresh = fresh_model.generate(prompt, {"max_new_tokens": 2}).routes
+    with LoopbackServer(protocol="sglang") as server:
+        _, first = _post(server.url, "/generate", _request("sglang", prompt, 2))
+        _, cached = _post(server.url, "/generate", _request("sglang", prompt, 2))
+        server.update_weights()
+        _, after = _post(server.url, "/generate", _request("sglang", prompt, 2))
+    assert first["meta_info"]["cached_tokens"] == 0
+    assert cached["meta_info"]["cached_tokens"] == len(prompt) - 1  # token-granular radix match, last token recomputed
+    assert (after["meta_info"]["cached_tokens"], after["meta_info"]["weight_version"]) == (0, "1")
+    np.testing.assert_array_equal(_routes("sglang", after, 2, 2), fresh)
+
+
+@pytest.mark.parametrize("protocol", ["torch_r3", "vllm"])
+def test_an_empty_cache_salt_is_refused_with_400(protocol):
+    with LoopbackServer(protocol=protocol) as server:
+        status, payload = _post(server.url, PATHS[protocol], _request(protocol, [1, 2], 1, salt=""))
+    assert status == 400 and "cache_salt must be a non-empty string" in payload["error"]["message"]
+
+
+# -- faults, per protocol --------------------------------------------------------
+
+
+@pytest.mark.parametrize("protocol", ["torch_r3", "sglang", "vllm"])
+def test_an_aborted_request_has_no_tokens_and_no_routes(protocol):
+    with LoopbackServer(protocol=protocol) as server:
+        server.faults.abort()
+        status, payload = _post(server.url, PATHS[protocol], _request(protocol, [1, 2, 3], 2))
+    assert status == 200 and _token_ids(protocol, payload) == []
+    if protocol == "sglang":
+        assert payload["meta_info"]["finish_reason"]["type"] == "abort" and "routed_experts" not in payload["meta_info"]
+    else:
+        choice = payload["choices"][0]
+        assert choice["finish_reason"] == "abort" and choice["routed_experts"] is None
+
+
+@pytest.mark.parametrize("protocol", ["torch_r3", "sglang", "vllm"])
+def test_a_malformed_route_payload_disagrees_with_its_size(protocol):
+    with LoopbackServer(protocol=protocol) as server:
+        server.faults.malformed()
+        status, payload = _post(server.url, PATHS[protocol], _request(protocol, [1, 2, 3], 2))
+    assert status == 200
+    if protocol == "sglang":
+        assert len(base64.b64decode(payload["meta_info"]["routed_experts"])) % (2 * 2 * 4) != 0
+    elif protocol == "vllm":
+        with pytest.raises(ValueError):
+            np.load(io.BytesIO(base64.b64decode(payload["choices"][0]["routed_experts"])), allow_pickle=False)
+    else:
+        envelope = payload["choices"][0]["routed_experts"]
+        assert len(base64.b64decode(envelope["data"])) != np.prod(envelope["shape"]) * np.dtype(envelope["dtype"]).itemsize
+
+
+@pytest.mark.parametrize("protocol", ["torch_r3", "sglang", "vllm"])
+def test_status_truncate_and_disconnect_faults_apply_to_every_protocol(protocol):
+    import aiohttp
+
+    with LoopbackServer(protocol=protocol) as server:
+        server.faults.status(503, message="overloaded")
+        server.faults.truncate()
+        server.faults.disconnect()
+        status, payload = _post(server.url, PATHS[protocol], _request(protocol, [1, 2], 1))
+        assert status == 503 and payload["error"]["message"] == "overloaded"
+        status, payload = _post(server.url, PATHS[protocol], _request(protocol, [1, 2], 1))
+        assert status == 200 and isinstance(payload, str)  # half a JSON document
+        with pytest.raises(aiohttp.ClientError):
+            _post(server.url, PATHS[protocol], _request(protocol, [1, 2], 1))
+        status, _ = _post(server.url, PATHS[protocol], _request(protocol, [1, 2], 1))
+        assert status == 200 and server.stats.requests == 4 and server.faults.pending == 0
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+def test_a_server_without_the_routes_flag_sends_no_routes(protocol):
+    with LoopbackServer(protocol=protocol, routes_enabled=False) as server:
+        _, payload = _post(server.url, PATHS[protocol], _request(protocol, [1, 2, 3], 2))
+    assert len(_token_ids(protocol, payload)) == 2
+    if protocol == "sglang":
+        assert "routed_experts" not in payload["meta_info"]
+    else:
+        assert payload["choices"][0]["routed_experts"] is None
+
+
+@pytest.mark.parametrize(
+    ("protocol", "body", "words"),
+    [
+        (
+            "sglang",
+            {"input_ids": [1, 2], "routed_experts_start_len": 3, "return_routed_experts": True},
+            "routed_experts_start_len must be an int in [0, 2]",
+        ),
+        ("sglang", {"input_ids": [1], "cache_salt": "v1"}, "unknown request fields ['cache_salt']"),
+        ("sglang", {"text": "hi"}, "missing 'input_ids'"),
+        ("sglang", {"input_ids": [1], "sampling_params": {"max_tokens": 2}}, "unsupported sampling_params ['max_tokens']"),
+        (
+            "vllm",
+            {"token_ids": [1, 2], "sampling_params": {"routed_experts_prompt_start": 3}},
+            "routed_experts_prompt_start must be an int in [0, 2]",
+        ),
+        ("vllm", {"token_ids": [1], "sampling_params": {"n": 2}}, "n must be an int in [1, 1]"),
+        ("vllm", {"token_ids": [1], "sampling_params": {"max_new_tokens": 2}}, "unsupported sampling_params ['max_new_tokens']"),
+        ("vllm", {"token_ids": [1], "cache_salt": 5}, "cache_salt must be a string"),
+    ],
+)
+def test_sglang_and_vllm_answer_bad_requests_with_400_naming_the_field(protocol, body, words):
+    with LoopbackServer(protocol=protocol) as server:
+        status, payload = _post(server.url, PATHS[protocol], body)
+    assert status == 400 and words in payload["error"]["message"]
+
+
+def test_the_prefix_cache_shares_blocks_only_within_one_salt_and_whole_prefix():
+    cache = PrefixCache(block_size=2, max_blocks=100)
+    routes = np.arange(6 * 1 * 1).reshape(6, 1, 1)
+    cache.store("a", [1, 2, 3, 4, 5, 6, 7], routes)
+    # Reference: the longest run of whole blocks of prompt[:-1] equal to the stored prefix, same salt.
+    for salt, prompt in [("a", [1, 2, 3, 4, 5, 6, 7]), ("a", [1, 2, 3, 9, 5, 6]), ("b", [1, 2, 3, 4]), ("a", [1, 2]), ("a", [9, 2, 3])]:
+        same = 0
+        while same < min(len(prompt) - 1, 6) and prompt[same] == [1, 2, 3, 4, 5, 6, 7][same]:
+            same += 1
+        expected = same // 2 * 2 if salt == "a" else 0
+        hit, cached = cache.match(salt, prompt)
+        assert hit == expected
+        if hit:
+            np.testing.assert_array_equal(cached, routes[:hit])
+
+
+def test_the_prefix_cache_is_bounded():
+    cache = PrefixCache(block_size=1, max_blocks=3)
+    cache.store(None, list(range(10)), np.zeros((9, 1, 1), np.int64))
+    assert len(cache) == 3
+
+
+def test_a_sglang_prefill_only_request_returns_p_minus_1_rows_and_no_tokens():
+    prompt = [3, 1, 4, 1, 5]
+    ref = TinyMoELM().generate(prompt, {"max_new_tokens": 1})
+    with LoopbackServer(protocol="sglang") as server:
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 0}, "return_routed_experts": True}
+        status, payload = _post(server.url, "/generate", body)
+    assert status == 200 and payload["output_ids"] == []
+    assert payload["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    routes = _routes("sglang", payload, 2, 2)
+    assert routes.shape[0] == len(prompt) - 1  # [0, P + O - 1) with O = 0
+    np.testing.assert_array_equal(routes, ref.routes[: len(prompt) - 1])
+
+
+def test_unknown_protocols_and_misplaced_options_are_refused_at_construction():
+    with pytest.raises(ValueError, match=r"protocol must be one of \['sglang', 'torch_r3', 'vllm'\], got 'openai'"):
+        LoopbackServer(protocol="openai")
+    with pytest.raises(ValueError, match="apply to protocol='sglang', not 'vllm'"):
+        LoopbackServer(protocol="vllm", sglang_ignores_start=True)
+    with pytest.raises(NotImplementedError, match="CountingModel does not implement update_weights"):
+        LoopbackServer(CountingModel()).update_weights()

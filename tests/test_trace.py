@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import base64
+import io
+
 import numpy as np
 import pytest
 import torch
 
+from torch_r3.codec import decode_routes, decode_sglang_routes, decode_vllm_routes, encode_routes
 from torch_r3.trace import RoutedExpertTrace, TokenMetadataTrace
 
 
@@ -96,7 +100,7 @@ def test_dtype_widens_when_a_later_turn_passes_expert_255():
         ({"prompt_len": 6, "generated_len": 3, "routes": _rows(4)}, ValueError, "6 - 3 + 3 - 1 = 5 rows, got 4"),
         ({"prompt_len": 6, "generated_len": 3, "routes": _rows(6)}, ValueError, "6 - 3 + 3 - 1 = 5 rows, got 6"),
         ({"prompt_len": 6, "generated_len": 3, "routes": None}, TypeError, "return_routed_experts=True"),
-        ({"prompt_len": 6, "generated_len": 3, "routes": [[[0, 0]] * 2] * 5}, TypeError, "array or tensor"),
+        ({"prompt_len": 6, "generated_len": 3, "routes": [[[0, 0]] * 2] * 5}, TypeError, "NumPy array or torch.Tensor"),
         ({"prompt_len": 6, "generated_len": 3, "routes": _rows(5, layers=3)}, ValueError, "shape (2, 2), got (3, 2)"),
         ({"prompt_len": 6, "generated_len": 3, "routes": _rows(5).astype(np.float32)}, TypeError, "integer dtype"),
         ({"prompt_len": True, "generated_len": 3, "routes": _rows(5)}, TypeError, "prompt_len must be an int"),
@@ -125,3 +129,131 @@ def test_finalize_without_turns_needs_the_row_shape():
     assert RoutedExpertTrace(num_layers=3, topk=2).finalize(token_count=4).shape == (0, 3, 2)
     with pytest.raises(ValueError, match="row_shape unknown"):
         RoutedExpertTrace().finalize(token_count=4)
+
+
+# -- Range check where routes enter, zero-row turns, weight versions (issues 10 and 13).
+
+
+@pytest.mark.parametrize("dtype", [np.int16, np.int32])
+def test_record_refuses_negative_ids_in_signed_routes(dtype):
+    trace = RoutedExpertTrace(num_layers=2, topk=2)
+    routes = _rows(3, 1, dtype)
+    routes[1, 0, 1] = -7
+    with pytest.raises(ValueError, match=r"turn 0: routes: .*found -7 at index \(1, 0, 1\)"):
+        trace.record(prompt_len=2, generated_len=2, routes=routes)
+    assert trace.prompt_start == 0 and trace.turns == 0
+
+
+def test_record_refuses_ids_at_or_above_num_experts():
+    trace = RoutedExpertTrace(num_layers=2, topk=2, num_experts=8)
+    trace.record(prompt_len=2, generated_len=1, routes=_rows(2, 7))
+    with pytest.raises(ValueError, match=r"turn 1: routes: .*found 8 at index \(0, 0, 0\) \(num_experts=8\)"):
+        trace.record(prompt_len=3, generated_len=1, routes=_rows(1, 8))
+    assert trace.prompt_start == 2
+
+
+def test_a_zero_row_turn_does_not_fix_the_row_shape_of_an_open_trace():
+    # An empty turn may claim any [L, K]; before, the trace adopted it and the
+    # collator then built a batch of that width.
+    trace = RoutedExpertTrace()
+    trace.record(prompt_len=0, generated_len=1, routes=np.zeros((0, 100_000, 1000), np.int32))
+    trace.record(prompt_len=2, generated_len=2, routes=_rows(3, 5))
+    out = trace.finalize(token_count=4)
+    assert out.shape == (3, 2, 2) and out.dtype == np.uint8  # the empty int32 turn widened nothing
+    assert trace.turns == 2
+
+
+def test_a_zero_row_turn_must_still_match_a_known_row_shape():
+    trace = RoutedExpertTrace(num_layers=2, topk=2)
+    with pytest.raises(ValueError, match=r"expected rows of shape \(2, 2\), got \(1000, 1000\)"):
+        trace.record(prompt_len=0, generated_len=1, routes=np.zeros((0, 1000, 1000), np.uint8))
+
+
+def test_turns_from_two_weight_versions_raise_naming_both_turns_and_versions():
+    trace = RoutedExpertTrace(num_layers=2, topk=2)
+    trace.record(prompt_len=3, generated_len=2, routes=_rows(4), weight_version="v3")
+    trace.record(prompt_len=6, generated_len=1, routes=_rows(2), weight_version="v3")
+    with pytest.raises(ValueError) as info:
+        trace.record(prompt_len=8, generated_len=2, routes=_rows(3), weight_version="v4")
+    message = str(info.value)
+    assert "turn 2" in message and "'v4'" in message and "turn 0" in message and "'v3'" in message
+    assert "allow_mixed_versions=True" in message
+    assert trace.turns == 2 and trace.prompt_start == 6 and trace.weight_versions == ("v3", "v3")
+
+
+def test_mixed_versions_are_accepted_knowingly_and_exposed():
+    trace = RoutedExpertTrace(num_layers=2, topk=2, allow_mixed_versions=True)
+    trace.record(prompt_len=3, generated_len=2, routes=_rows(4), weight_version=3)
+    trace.record(prompt_len=6, generated_len=1, routes=_rows(2), weight_version=None)
+    trace.record(prompt_len=8, generated_len=2, routes=_rows(3), weight_version=4)
+    assert trace.finalize(token_count=10).shape == (9, 2, 2)
+    assert trace.weight_versions == (3, None, 4)
+
+
+def test_a_turn_without_a_version_never_conflicts():
+    trace = RoutedExpertTrace()
+    trace.record(prompt_len=3, generated_len=2, routes=_rows(4), weight_version=None)
+    trace.record(prompt_len=6, generated_len=1, routes=_rows(2), weight_version="default")
+    trace.record(prompt_len=8, generated_len=1, routes=_rows(2))
+    assert trace.weight_versions == (None, "default", None)
+
+
+@pytest.mark.parametrize("version", [True, 1.5, b"v1", ["v1"]])
+def test_a_weight_version_must_be_a_string_or_an_int(version):
+    trace = RoutedExpertTrace()
+    with pytest.raises(TypeError, match="weight_version must be a str, an int or None"):
+        trace.record(prompt_len=3, generated_len=2, routes=_rows(4), weight_version=version)
+    assert trace.turns == 0
+
+
+# -- The same trace across the three wire formats.
+
+
+def _sglang_payload(rows: np.ndarray) -> dict:
+    return {"routed_experts": base64.b64encode(rows.astype("<i4").tobytes()).decode()}
+
+
+def _vllm_payload(rows: np.ndarray) -> str:
+    buf = io.BytesIO()
+    # vLLM picks uint8 up to 256 experts, else uint16, per the model not the turn.
+    np.save(buf, rows.astype(np.uint16), allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+_DECODERS = {
+    "torch_r3": lambda rows: decode_routes(encode_routes(rows), num_layers=3, topk=2, num_experts=512),
+    "sglang": lambda rows: decode_sglang_routes(_sglang_payload(rows), num_layers=3, topk=2, num_experts=512),
+    "vllm": lambda rows: decode_vllm_routes(_vllm_payload(rows), num_layers=3, topk=2, num_experts=512),
+}
+
+
+@pytest.mark.parametrize("protocol", sorted(_DECODERS))
+def test_a_multi_turn_trace_over_each_wire_format_equals_the_whole_conversation(protocol):
+    # Reference: the routes of the whole conversation; turn 2 passes expert 255,
+    # so the decoded turns differ in dtype and the result must widen.
+    rng = np.random.default_rng(7)
+    turns = [(5, 3), (11, 4), (17, 2), (20, 1)]
+    total = turns[-1][0] + turns[-1][1]
+    reference = rng.integers(0, 200, size=(total - 1, 3, 2))
+    reference[12:15] += 300
+    decode = _DECODERS[protocol]
+    trace = RoutedExpertTrace(num_layers=3, topk=2, num_experts=512)
+    dtypes = []
+    for prompt_len, generated_len in turns:
+        start = trace.prompt_start  # what the client sends as the start field
+        rows = decode(reference[start : prompt_len + generated_len - 1])
+        dtypes.append(rows.dtype)
+        trace.record(prompt_len=prompt_len, generated_len=generated_len, routes=rows, weight_version="v1")
+    assert np.dtype(np.int16) in dtypes and np.dtype(np.uint8) in dtypes
+    out = trace.finalize(token_count=total)
+    assert out.dtype == np.int16
+    np.testing.assert_array_equal(out, reference)
+
+
+def test_trace_docstring_examples_run():
+    import doctest
+
+    import torch_r3.trace
+
+    result = doctest.testmod(torch_r3.trace, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0 and result.attempted >= 8

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from torch_r3.routes import CANONICAL_DTYPES, canonical_dtype_for, compact_routes
+from torch_r3.routes import CANONICAL_DTYPES, canonical_dtype_for, check_expert_ids, compact_routes
 from torch_r3.collate import R3Collator, collate_routes
 
 __version__ = "0.1.0"
@@ -22,17 +22,23 @@ _LAZY = {
     "encode_routes": "torch_r3.codec",
     "decode_routes": "torch_r3.codec",
     "decode_sglang_routes": "torch_r3.codec",
+    "decode_vllm_routes": "torch_r3.codec",
+    "decode_npy": "torch_r3.codec",
+    "base64_decoded_length": "torch_r3.codec",
+    "WireFormatError": "torch_r3.codec",
     "RoutedExpertTrace": "torch_r3.trace",
     "TokenMetadataTrace": "torch_r3.trace",
     "RemoteGenerateClient": "torch_r3.client",
     "RemoteGenerateResult": "torch_r3.client",
     "RemoteGenerateError": "torch_r3.client",
+    "ZeroRoutesWarning": "torch_r3.client",
 }
 
 __all__ = [
     "CANONICAL_DTYPES",
     "R3Collator",
     "canonical_dtype_for",
+    "check_expert_ids",
     "collate_routes",
     "compact_routes",
     *_LAZY,
@@ -53,6 +59,14 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from torch_r3.client import RemoteGenerateClient, RemoteGenerateError, RemoteGenerateResult
-    from torch_r3.codec import decode_routes, decode_sglang_routes, encode_routes
+    from torch_r3.client import RemoteGenerateClient, RemoteGenerateError, RemoteGenerateResult, ZeroRoutesWarning
+    from torch_r3.codec import (
+        WireFormatError,
+        base64_decoded_length,
+        decode_npy,
+        decode_routes,
+        decode_sglang_routes,
+        decode_vllm_routes,
+        encode_routes,
+    )
     from torch_r3.trace import RoutedExpertTrace, TokenMetadataTrace

@@ -1,24 +1,18 @@
-"""The HTTP client to the inference server: ``RemoteGenerateClient``.
+"""The HTTP client to the inference server: `RemoteGenerateClient`.
 
-One ``POST {base_url}/v1/generate`` per call, in DESIGN.md's wire format; the
-routes come back decoded by :func:`torch_r3.codec.decode_routes`. Transport
-concerns live in :class:`TransportConfig` (validated once); the request path
-(:meth:`RemoteGenerateClient.generate`) only builds the body and reads the
-answer.
-
-Transient failures are retried with exponential backoff and jitter: every
-``aiohttp.ClientConnectionError`` (refused connection during a restart, server
-disconnect, OS errors), a connection dropped mid-body, a timeout, and the
-statuses 502, 503 and 504. A 4xx is never retried.
+One client for three servers, picked with `server=`: the torch_r3 server format
+(`"torch_r3"`), SGLang's native `/generate` (`"sglang"`) and vLLM's native
+`/inference/v1/generate` (`"vllm"`). Each format lives in its own module of
+`torch_r3.protocols`; every one answers with the same `RemoteGenerateResult`,
+whose routes are the canonical `[rows, layers, topk]` array of positions
+`[start, P + O - 1)`. Transport concerns (sessions, retries, the body cap) live
+in `torch_r3.transport`; the request path here only checks the arguments,
+lets the protocol build the body, and reads the answer.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import random
-import threading
-import weakref
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,146 +22,109 @@ from torch_r3._extras import require
 require("aiohttp", "client")  # without aiohttp: name the extra that installs it
 import aiohttp  # noqa: E402
 import numpy as np
+import yarl
 
-from torch_r3.codec import decode_routes
+from torch_r3.protocols import PROTOCOLS, SERVERS, GenerateCall, RouteLimits
+from torch_r3.protocols.torch_r3 import MODEL_INFO_PATH
+from torch_r3.transport import (
+    DEFAULT_MAX_RESPONSE_BYTES,
+    HttpTransport,
+    RemoteGenerateError,
+    TransportConfig,
+)
 
-__all__ = ["RemoteGenerateClient", "RemoteGenerateError", "RemoteGenerateResult", "TransportConfig"]
+__all__ = [
+    "RemoteGenerateClient",
+    "RemoteGenerateError",
+    "RemoteGenerateResult",
+    "TransportConfig",
+    "ZeroRoutesWarning",
+]
 
-GENERATE_PATH = "/v1/generate"
-MODEL_INFO_PATH = "/v1/model_info"
-RETRYABLE_STATUSES = frozenset({502, 503, 504})
-# aiohttp.ClientPayloadError: the connection broke while the body was read (it
-# is not a ClientConnectionError subclass, but it is the same failure).
-_TRANSIENT = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
 
+class ZeroRoutesWarning(RuntimeWarning):
+    """A MoE layer's routes came back all zero: the server likely failed to capture them.
 
-class RemoteGenerateError(RuntimeError):
-    """A generate call failed for good: a non-retryable answer, or retries exhausted.
-
-    The message names the URL and the last cause; the cause is also chained
-    (``__cause__``) when it was an exception.
-
-    Attributes:
-        url: The URL that was posted to.
-        status: The last HTTP status, or ``None`` when no response arrived.
-        attempts: Attempts made.
+    Zero is a valid expert id, but a layer routing every token of a capture to
+    expert 0 (with `topk > 1`, impossible: a token's experts are distinct) is
+    the signature of a capture buffer that was never written, as happened with
+    some server versions and configurations (prefill/decode disaggregation,
+    pipeline parallelism). Dense layers are all zero by design and never warn.
     """
-
-    def __init__(self, message: str, *, url: str, status: int | None = None, attempts: int = 1) -> None:
-        super().__init__(message)
-        self.url = url
-        self.status = status
-        self.attempts = attempts
 
 
 @dataclass(frozen=True, eq=False)
 class RemoteGenerateResult:
-    """One generate call's answer (the first choice).
+    """One generate call's answer (the first choice), the same for every server.
 
     Attributes:
         response_ids: The generated token ids.
-        response_logprobs: Their logprobs, or ``None`` when the server sent none.
-        stop_reason: The server's ``finish_reason`` (e.g. ``"stop"``, ``"length"``).
-        routed_experts: The routes ``[rows, layers, topk]`` of positions
-            ``routed_experts_prompt_start .. len(prompt) + len(response_ids) - 2``,
-            a canonical NumPy array, or ``None`` when not requested.
+        response_logprobs: Their logprobs, or `None` when the server sent none.
+        finish_reason: `"stop"`, `"length"` or `"abort"` (SGLang's object and
+            vLLM's string normalised), another string a server sent, or `None`.
+        routed_experts: The routes `[rows, layers, topk]` of positions
+            `routed_experts_prompt_start .. len(prompt) + len(response_ids) - 2`,
+            a canonical NumPy array; `None` when not requested, or when the
+            request was aborted before any forward pass (`finish_reason` is
+            then `"abort"`).
+        weight_version: The server's weight version (SGLang's
+            `meta_info.weight_version`, the torch_r3 server's `weight_version`),
+            or `None` when the server reports none (vLLM).
         raw: The parsed JSON response, untouched.
     """
 
     response_ids: tuple[int, ...]
     response_logprobs: tuple[float, ...] | None
-    stop_reason: str | None
+    finish_reason: str | None
     routed_experts: np.ndarray | None
-    raw: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class TransportConfig:
-    """Retries, backoff, timeouts and concurrency of a :class:`RemoteGenerateClient`.
-
-    Attributes:
-        retries: Retries after the first attempt (``0``: try once).
-        backoff: Base delay in seconds; retry ``n`` (from 1) waits
-            ``min(max_backoff, backoff * 2**(n-1))`` scaled by a random factor in
-            ``[0.5, 1.0]`` (jitter, so restarted servers are not hit in lockstep).
-        max_backoff: Cap on one delay, in seconds.
-        timeout: Seconds one attempt may take in total (connect, send, generate,
-            read); ``None`` for no limit. Generation can be slow: keep it generous.
-        connect_timeout: Seconds to establish a connection; ``None`` for no
-            separate limit.
-        max_concurrency: Requests in flight at once per event loop (also the
-            connection pool size).
-    """
-
-    retries: int = 5
-    backoff: float = 0.5
-    max_backoff: float = 10.0
-    timeout: float | None = 600.0
-    connect_timeout: float | None = 30.0
-    max_concurrency: int = 64
-
-    def __post_init__(self) -> None:
-        for name in ("retries", "max_concurrency"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if self.retries < 0:
-            raise ValueError(f"retries must be >= 0, got {self.retries}")
-        if self.max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
-        for name in ("backoff", "max_backoff", "timeout", "connect_timeout"):
-            value = getattr(self, name)
-            if value is None and name in ("timeout", "connect_timeout"):
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
-            if not value >= 0 or (name.endswith("timeout") and value == 0):
-                raise ValueError(f"{name} must be {'> 0' if name.endswith('timeout') else '>= 0'}, got {value}")
-
-    def delay(self, retry: int) -> float:
-        """Seconds to wait before retry number ``retry`` (1-based), jitter included."""
-        base = min(self.max_backoff, self.backoff * 2 ** (retry - 1))
-        return base * random.uniform(0.5, 1.0)
-
-
-class _LoopState:
-    """What belongs to one event loop: its session and its semaphore."""
-
-    def __init__(self, session: aiohttp.ClientSession, semaphore: asyncio.Semaphore) -> None:
-        self.session = session
-        self.semaphore = semaphore
-        self.closer: Any = None
-
-
-async def _close_at_loop_shutdown(session: aiohttp.ClientSession):
-    try:
-        yield
-    finally:
-        if not session.closed:
-            await session.close()
+    weight_version: str | None
+    raw: Any
 
 
 class RemoteGenerateClient:
-    """An ``aiohttp`` client for the inference server's generate endpoint.
+    """An `aiohttp` client for the generate endpoint of an inference server.
 
-    Use it as ``async with RemoteGenerateClient(url) as client:``, or call
-    :meth:`close` yourself. One ``aiohttp.ClientSession`` is created lazily per
-    event loop; a closed session, or one from another loop, is never reused.
-    The client pickles (without sessions or semaphores) and works again in the
-    process and loop where it is unpickled.
+    Use it as `async with RemoteGenerateClient(url) as client:`, or call `close`
+    yourself. Without `session`, one `aiohttp.ClientSession` is created lazily
+    per event loop and closed when that loop shuts down; the client pickles and
+    works again wherever it is unpickled. With `session`, your session is used
+    and never closed.
 
     Args:
-        base_url: The server, e.g. ``"http://127.0.0.1:30000"``; requests go to
-            ``{base_url}/v1/generate``.
-        retries: See :class:`TransportConfig`.
-        backoff: See :class:`TransportConfig`.
-        max_backoff: See :class:`TransportConfig`.
-        timeout: See :class:`TransportConfig`.
-        connect_timeout: See :class:`TransportConfig`.
-        max_concurrency: See :class:`TransportConfig`.
+        base_url: The server, e.g. `"http://127.0.0.1:30000"`, optionally with a
+            path prefix; no query, fragment or credentials (send those as
+            `headers`). Checked here, not at the first call.
+        server: The server's API: `"torch_r3"`, `"sglang"` or `"vllm"`.
+        num_layers: Layers per route row the server sends: for SGLang and vLLM
+            every hidden layer of the model (`num_hidden_layers`). Required for
+            SGLang routes (its payload has no shape); checked when given.
+        topk: Experts per token (`num_experts_per_tok`). Required for SGLang routes.
+        num_experts: Routed experts per layer; when given, every id must be below it.
+        moe_layers: Indices into the routes' layer axis of the MoE layers; when
+            given, a MoE layer whose routes are all zero raises a
+            `ZeroRoutesWarning`.
+        cache_salt: Default prefix-cache salt for every call (see `generate`).
+        max_response_bytes: The most bytes one response body may have (1 GiB by
+            default); route payloads are capped at three quarters of it.
+        retries: See `TransportConfig`.
+        backoff: See `TransportConfig`.
+        max_backoff: See `TransportConfig`.
+        timeout: See `TransportConfig`.
+        connect_timeout: See `TransportConfig`.
+        max_concurrency: See `TransportConfig`.
         headers: Extra headers sent with every request (e.g. authorization).
+        session: Your own `aiohttp.ClientSession`, used on the event loop it
+            belongs to and never closed by the client.
+        ssl: Passed to the `aiohttp.TCPConnector` of the client's own sessions
+            (an `ssl.SSLContext`, or `False` to skip verification).
+        trace_configs: `aiohttp.TraceConfig`s for the client's own sessions.
 
-    Example:
+    Raises:
+        TypeError: An argument of the wrong kind.
+        ValueError: A bad `base_url`, an unknown `server`, an empty
+            `cache_salt`, or `session` together with `ssl`/`trace_configs`.
+
+    Examples:
         >>> import asyncio
         >>> from torch_r3.testing import LoopbackServer
         >>> async def main(url):
@@ -183,6 +140,13 @@ class RemoteGenerateClient:
         self,
         base_url: str,
         *,
+        server: str = "torch_r3",
+        num_layers: int | None = None,
+        topk: int | None = None,
+        num_experts: int | None = None,
+        moe_layers: Sequence[int] | None = None,
+        cache_salt: str | None = None,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         retries: int = 5,
         backoff: float = 0.5,
         max_backoff: float = 10.0,
@@ -190,73 +154,51 @@ class RemoteGenerateClient:
         connect_timeout: float | None = 30.0,
         max_concurrency: int = 64,
         headers: Mapping[str, str] | None = None,
+        session: aiohttp.ClientSession | None = None,
+        ssl: Any = True,
+        trace_configs: Sequence[aiohttp.TraceConfig] | None = None,
     ) -> None:
-        if not isinstance(base_url, str):
-            raise TypeError(f"base_url must be a str, got {type(base_url).__name__}")
-        if not base_url.startswith(("http://", "https://")):
-            raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
-        self.base_url = base_url.rstrip("/")
-        self.transport = TransportConfig(
+        self.base_url = _check_base_url(base_url)
+        if server not in PROTOCOLS:
+            raise ValueError(f"server must be one of {list(SERVERS)}, got {server!r}")
+        self.server = server
+        for name, value in (("num_layers", num_layers), ("topk", topk), ("num_experts", num_experts)):
+            if value is not None:
+                _check_count(value, name)
+        self.moe_layers = _check_moe_layers(moe_layers, num_layers)
+        self.cache_salt = _check_salt(cache_salt)
+        config = TransportConfig(
             retries=retries,
             backoff=backoff,
             max_backoff=max_backoff,
             timeout=timeout,
             connect_timeout=connect_timeout,
             max_concurrency=max_concurrency,
+            max_response_bytes=max_response_bytes,
         )
-        self.headers = dict(headers or {})
-        self._init_loop_state()
+        self.limits = RouteLimits(
+            max_bytes=config.max_route_bytes,
+            num_layers=None if num_layers is None else int(num_layers),
+            topk=None if topk is None else int(topk),
+            num_experts=None if num_experts is None else int(num_experts),
+        )
+        self._transport = HttpTransport(
+            self.base_url, config, headers=headers, session=session, ssl=ssl, trace_configs=trace_configs
+        )
+
+    @property
+    def transport(self) -> TransportConfig:
+        """The retries, timeouts, concurrency and body cap in use."""
+        return self._transport.config
 
     @property
     def url(self) -> str:
-        """The generate endpoint, ``{base_url}/v1/generate``."""
-        return self.base_url + GENERATE_PATH
-
-    # -- sessions, one per event loop -----------------------------------------
-
-    def _init_loop_state(self) -> None:
-        self._lock = threading.Lock()
-        # Keyed weakly by loop: a loop that is gone takes its entry with it.
-        self._states: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopState] = weakref.WeakKeyDictionary()
-
-    async def _state(self) -> _LoopState:
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            state = self._states.get(loop)
-            if state is not None and not state.session.closed:
-                return state
-            self._reap_dead_loops()
-            t = self.transport
-            session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=t.max_concurrency),
-                timeout=aiohttp.ClientTimeout(total=t.timeout, connect=t.connect_timeout),
-                headers=self.headers,
-            )
-            state = self._states[loop] = _LoopState(session, asyncio.Semaphore(t.max_concurrency))
-        # A client may outlive its loop (one asyncio.run per training step):
-        # this suspended async generator is finalized by the loop's
-        # shutdown_asyncgens() (asyncio.run calls it) while the loop still
-        # runs, and closes the session there. No leak, no warning.
-        state.closer = _close_at_loop_shutdown(session)
-        await state.closer.asend(None)
-        return state
-
-    def _reap_dead_loops(self) -> None:
-        # Fallback for loops closed without shutdown_asyncgens(): their sessions
-        # can no longer be closed on their loop; detach so they are never reused.
-        for loop, state in list(self._states.items()):
-            if loop.is_closed():
-                if not state.session.closed:
-                    state.session.detach()
-                del self._states[loop]
+        """The generate endpoint of the chosen server."""
+        return self.base_url + PROTOCOLS[self.server].generate_path
 
     async def close(self) -> None:
-        """Close this event loop's session (other loops' sessions are theirs to close)."""
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            state = self._states.pop(loop, None)
-        if state is not None:
-            await state.session.close()
+        """Close this event loop's own session (other loops' sessions, and yours, stay open)."""
+        await self._transport.close()
 
     async def __aenter__(self) -> RemoteGenerateClient:
         return self
@@ -264,19 +206,8 @@ class RemoteGenerateClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        del state["_lock"], state["_states"]  # loop-bound; rebuilt lazily after unpickling
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._init_loop_state()
-
     def __repr__(self) -> str:
-        return f"RemoteGenerateClient({self.base_url!r}, {self.transport})"
-
-    # -- the request path -------------------------------------------------------
+        return f"RemoteGenerateClient({self.base_url!r}, server={self.server!r}, {self.transport})"
 
     async def generate(
         self,
@@ -287,76 +218,88 @@ class RemoteGenerateClient:
         routed_experts_prompt_start: int | None = None,
         session_id: str | None = None,
         model: str | None = None,
+        cache_salt: str | None = None,
     ) -> RemoteGenerateResult:
-        """Generate a continuation of ``prompt_token_ids``.
+        """Generate a continuation of `prompt_token_ids`.
 
         Args:
             prompt_token_ids: The prompt: a list, tuple, 1-D integer array or tensor.
-            sampling_params: Passed to the server as they are.
+            sampling_params: Passed to the server as they are, in its own names
+                (SGLang: `max_new_tokens`; vLLM: `max_tokens`).
             return_routed_experts: Ask for the routes.
             routed_experts_prompt_start: Return routes only for positions from
-                here on (in a multi-turn rollout, :attr:`RoutedExpertTrace.prompt_start
-                <torch_r3.trace.RoutedExpertTrace.prompt_start>`); an ``int`` in
-                ``[0, len(prompt)]``. Requires ``return_routed_experts=True``.
-                Sent inside ``sampling_params``.
-            session_id: Sent as the ``X-Session-ID`` header (sticky routing).
-            model: Sent as the body's ``model`` field.
+                here on (in a multi-turn rollout, `RoutedExpertTrace.prompt_start`);
+                an `int` in `[0, len(prompt)]`. Requires `return_routed_experts=True`.
+                Sent as the server's own field (SGLang: `routed_experts_start_len`).
+            session_id: Sent as the `X-Session-ID` header (sticky routing).
+            model: Sent as the body's `model` field (not for SGLang).
+            cache_salt: Keeps this request's prefix-cache entries apart from
+                requests with another salt, e.g. `f"v{weight_version}"` so that
+                no prefix computed by older weights is reused with its old
+                routes. Overrides the client's default; a non-empty string.
+                Sent as vLLM's and the torch_r3 server's `cache_salt`, as
+                SGLang's `extra_key`.
 
         Returns:
             The decoded first choice; with routes, their row count is checked
-            against ``len(prompt) + len(response_ids) - 1 - routed_experts_prompt_start``.
+            against `len(prompt) + len(response_ids) - 1 - routed_experts_prompt_start`.
 
         Raises:
-            TypeError: an argument of the wrong kind (a ``bool`` prompt start included).
-            ValueError: ``routed_experts_prompt_start`` out of range, or given
-                without ``return_routed_experts=True`` or inside ``sampling_params``.
-            RemoteGenerateError: a 4xx or other non-retryable answer, a response
-                that breaks the wire format, or retries exhausted.
+            TypeError: An argument of the wrong kind (a `bool` prompt start included).
+            ValueError: `routed_experts_prompt_start` out of range, or given
+                without `return_routed_experts=True` or inside `sampling_params`;
+                an empty `cache_salt`; SGLang routes without `num_layers`/`topk`.
+            RemoteGenerateError: Every failure of the call itself: a
+                non-retryable answer, retries exhausted, a body over the cap, a
+                response that breaks the server's format. It names the URL.
         """
+        protocol = PROTOCOLS[self.server]
         prompt = _token_list(prompt_token_ids)
         params = _sampling_params(sampling_params)
         if not isinstance(return_routed_experts, bool):
             raise TypeError(f"return_routed_experts must be a bool, got {type(return_routed_experts).__name__}")
-        start = 0
-        if routed_experts_prompt_start is not None:
-            start = routed_experts_prompt_start
-            if isinstance(start, bool) or not isinstance(start, (int, np.integer)):
-                raise TypeError(f"routed_experts_prompt_start must be an int, got {type(start).__name__}")
-            if not 0 <= start <= len(prompt):
-                raise ValueError(f"routed_experts_prompt_start must be in [0, len(prompt)={len(prompt)}], got {start}")
-            if not return_routed_experts:
-                raise ValueError("routed_experts_prompt_start requires return_routed_experts=True")
-            params["routed_experts_prompt_start"] = start = int(start)
-        body: dict[str, Any] = {
-            "token_ids": prompt,
-            "sampling_params": params,
-            "return_routed_experts": return_routed_experts,
-        }
-        if model is not None:
-            if not isinstance(model, str):
-                raise TypeError(f"model must be a str, got {type(model).__name__}")
-            body["model"] = model
+        start = _check_start(routed_experts_prompt_start, len(prompt), return_routed_experts)
+        if return_routed_experts and protocol.needs_route_shape and (self.limits.num_layers is None or self.limits.topk is None):
+            raise ValueError(
+                f"server={self.server!r} sends routes without their shape: give the client num_layers= "
+                "(the model's num_hidden_layers) and topk= (num_experts_per_tok)"
+            )
+        if model is not None and not isinstance(model, str):
+            raise TypeError(f"model must be a str, got {type(model).__name__}")
         headers = {}
         if session_id is not None:
             if not isinstance(session_id, str):
                 raise TypeError(f"session_id must be a str, got {type(session_id).__name__}")
             headers["X-Session-ID"] = session_id
-        raw = await self._post(body, headers)
-        return self._parse(raw, prompt_len=len(prompt), start=start, want_routes=return_routed_experts)
+        salt = _check_salt(cache_salt) if cache_salt is not None else self.cache_salt
+        call = GenerateCall(prompt, params, return_routed_experts, start, salt, model)
+        body = protocol.request_body(call)
+        raw = await self._transport.request("POST", protocol.generate_path, body, headers)
+        url = self.url
+        try:
+            parsed = protocol.parse_response(raw, call, self.limits)
+        except (TypeError, ValueError, MemoryError, OverflowError) as exc:
+            raise RemoteGenerateError(f"POST {url}: response breaks the {self.server} format: {exc}", url=url, status=200) from exc
+        if parsed.routed_experts is not None and self.moe_layers:
+            _warn_zero_layers(parsed.routed_experts, self.moe_layers, url)
+        return RemoteGenerateResult(**vars(parsed), raw=raw)
 
     async def model_info(self) -> dict[str, Any]:
-        """The served model's routing shape: ``GET {base_url}/v1/model_info``.
+        """The served model's routing shape: `GET {base_url}/v1/model_info` (torch_r3 server only).
 
         Returns:
-            The server's JSON object, with at least ``num_layers`` (MoE layers),
-            ``num_experts`` and ``topk``: what a trainer checks before it
+            The server's JSON object, with at least `num_layers` (MoE layers),
+            `num_experts` and `topk`: what a trainer checks before it
             replays the server's routes in its own model.
 
         Raises:
-            RemoteGenerateError: as :meth:`generate` (same retries), or when the
+            ValueError: The client is for SGLang or vLLM, which have no such endpoint.
+            RemoteGenerateError: As `generate` (same retries), or when the
                 answer lacks those integer fields.
         """
-        raw = await self._request("GET", MODEL_INFO_PATH, None, {})
+        if self.server != "torch_r3":
+            raise ValueError(f"model_info() is the torch_r3 server's endpoint; for server={self.server!r} read the model's config")
+        raw = await self._transport.request("GET", MODEL_INFO_PATH)
         url = self.base_url + MODEL_INFO_PATH
         if not isinstance(raw, Mapping):
             raise RemoteGenerateError(f"GET {url}: expected a JSON object, got {type(raw).__name__}", url=url, status=200)
@@ -366,109 +309,89 @@ class RemoteGenerateClient:
                 raise RemoteGenerateError(f"GET {url}: {key!r} must be a positive int, got {value!r}", url=url, status=200)
         return dict(raw)
 
-    async def _post(self, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
-        """POST to the generate endpoint with retries; the parsed JSON of a 2xx answer."""
-        return await self._request("POST", GENERATE_PATH, body, headers)
 
-    async def _request(self, method: str, path: str, body: dict[str, Any] | None, headers: dict[str, str]) -> Any:
-        """One request with the transport's retries; returns the parsed JSON of a 2xx answer."""
-        state = await self._state()
-        url, t = self.base_url + path, self.transport
-        attempts, last_cause, last_status = 0, "none", None
-        last_exc: BaseException | None = None
-        for attempt in range(t.retries + 1):
-            if attempt:
-                await asyncio.sleep(t.delay(attempt))
-            attempts += 1
-            try:
-                async with state.semaphore:
-                    async with state.session.request(method, url, json=body, headers=headers) as response:
-                        status = response.status
-                        payload = await response.read()
-            except _TRANSIENT as exc:
-                last_cause, last_status = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__, None
-                last_exc = exc
-                continue
-            if status in RETRYABLE_STATUSES:
-                last_cause, last_status, last_exc = f"HTTP {status}: {_server_message(payload)}", status, None
-                continue
-            if not 200 <= status < 300:
-                raise RemoteGenerateError(
-                    f"{method} {url} failed with HTTP {status}: {_server_message(payload)}",
-                    url=url, status=status, attempts=attempts,
-                )
-            try:
-                return json.loads(payload)
-            except ValueError as exc:
-                raise RemoteGenerateError(
-                    f"{method} {url} answered {status} with a body that is not valid JSON "
-                    f"({len(payload)} bytes): {exc}",
-                    url=url, status=status, attempts=attempts,
-                ) from exc
-        raise RemoteGenerateError(
-            f"{method} {url} failed after {attempts} attempt(s); last cause: {last_cause}",
-            url=url, status=last_status, attempts=attempts,
-        ) from last_exc
+def _check_base_url(base_url: Any) -> str:
+    if not isinstance(base_url, str):
+        raise TypeError(f"base_url must be a str, got {type(base_url).__name__}")
+    try:
+        url = yarl.URL(base_url)
+        port = url.port
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"base_url {base_url!r} is not a valid URL (bad port?): {exc}") from None
+    if url.scheme not in ("http", "https"):
+        raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
+    if not url.host:
+        raise ValueError(f"base_url has no host: {base_url!r}")
+    if url.user is not None or url.password is not None:
+        raise ValueError("base_url must not hold credentials (user:password@); send them with headers= instead")
+    if url.query_string:
+        raise ValueError(f"base_url must not have a query string ({url.query_string!r}): the endpoint path is appended to it")
+    if url.fragment:
+        raise ValueError(f"base_url must not have a fragment ({url.fragment!r})")
+    if port is None:  # pragma: no cover - yarl fills the scheme's default
+        raise ValueError(f"base_url has no port: {base_url!r}")
+    return base_url.rstrip("/")
 
-    def _parse(self, raw: Any, *, prompt_len: int, start: int, want_routes: bool) -> RemoteGenerateResult:
-        url = self.url
-        try:
-            choice = _first_choice(raw)
-            ids = choice.get("token_ids")
-            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise TypeError("choices[0].token_ids must be a list of ints")
-            logprobs = choice.get("logprobs")
-            if logprobs is not None:
-                if not isinstance(logprobs, list) or not all(
-                    isinstance(x, (int, float)) and not isinstance(x, bool) for x in logprobs
-                ):
-                    raise TypeError("choices[0].logprobs must be a list of numbers or null")
-                if len(logprobs) != len(ids):
-                    raise ValueError(f"choices[0].logprobs has {len(logprobs)} entries for {len(ids)} tokens")
-                logprobs = tuple(float(x) for x in logprobs)
-            reason = choice.get("finish_reason")
-            if reason is not None and not isinstance(reason, str):
-                raise TypeError("choices[0].finish_reason must be a string or null")
-            routes = None
-            envelope = choice.get("routed_experts")
-            if want_routes:
-                if envelope is None:
-                    raise ValueError("routes were requested but choices[0].routed_experts is null or missing")
-                routes = decode_routes(envelope, name="choices[0].routed_experts")
-                expected = max(0, prompt_len + len(ids) - 1 - start)
-                if routes.shape[0] != expected:
-                    raise ValueError(
-                        f"choices[0].routed_experts has {routes.shape[0]} rows; positions {start} .. "
-                        f"{prompt_len + len(ids) - 2} need {expected}"
-                    )
-        except (TypeError, ValueError) as exc:
-            raise RemoteGenerateError(f"POST {url}: response breaks the wire format: {exc}", url=url, status=200) from exc
-        return RemoteGenerateResult(
-            response_ids=tuple(ids),
-            response_logprobs=logprobs,
-            stop_reason=reason,
-            routed_experts=routes,
-            raw=raw,
+
+def _check_count(value: Any, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def _check_moe_layers(moe_layers: Any, num_layers: int | None) -> tuple[int, ...]:
+    if moe_layers is None:
+        return ()
+    if isinstance(moe_layers, (str, bytes)) or not isinstance(moe_layers, Sequence):
+        raise TypeError(f"moe_layers must be a sequence of layer indices, got {type(moe_layers).__name__}")
+    out = []
+    for i, layer in enumerate(moe_layers):
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            raise TypeError(f"moe_layers[{i}] must be an int, got {type(layer).__name__}")
+        if layer < 0 or (num_layers is not None and layer >= num_layers):
+            raise ValueError(f"moe_layers[{i}] = {layer} is outside the layers [0, {num_layers})")
+        out.append(int(layer))
+    return tuple(out)
+
+
+def _check_salt(salt: Any) -> str | None:
+    if salt is None:
+        return None
+    if not isinstance(salt, str):
+        raise TypeError(f"cache_salt must be a str, got {type(salt).__name__}")
+    if not salt:
+        raise ValueError("cache_salt must be a non-empty string (servers refuse or ignore an empty salt); pass None for none")
+    return salt
+
+
+def _check_start(start: Any, prompt_len: int, want_routes: bool) -> int:
+    if start is None:
+        return 0
+    if isinstance(start, bool) or not isinstance(start, (int, np.integer)):
+        raise TypeError(f"routed_experts_prompt_start must be an int, got {type(start).__name__}")
+    if not 0 <= start <= prompt_len:
+        raise ValueError(f"routed_experts_prompt_start must be in [0, len(prompt)={prompt_len}], got {start}")
+    if not want_routes:
+        raise ValueError("routed_experts_prompt_start requires return_routed_experts=True")
+    return int(start)
+
+
+def _warn_zero_layers(routes: np.ndarray, moe_layers: tuple[int, ...], url: str) -> None:
+    if routes.shape[0] == 0:
+        return
+    layers = [layer for layer in moe_layers if layer < routes.shape[1] and not routes[:, layer].any()]
+    if layers:
+        warnings.warn(
+            f"POST {url}: MoE layer(s) {layers} have all-zero routes over {routes.shape[0]} rows; "
+            "the server likely did not capture them (check its version and parallel configuration)",
+            ZeroRoutesWarning,
+            stacklevel=3,
         )
 
 
-def _first_choice(raw: Any) -> Mapping[str, Any]:
-    if not isinstance(raw, dict):
-        raise TypeError(f"expected a JSON object, got {type(raw).__name__}")
-    choices = raw.get("choices")
-    if not isinstance(choices, list) or not choices:
-        raise ValueError("expected a non-empty 'choices' list")
-    if not isinstance(choices[0], dict):
-        raise TypeError("choices[0] must be an object")
-    return choices[0]
-
-
 def _token_list(tokens: Any) -> list[int]:
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a dependency
-        torch = None
-    if torch is not None and isinstance(tokens, torch.Tensor):
+    if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):  # a torch.Tensor, without importing torch
         tokens = tokens.detach().cpu().numpy()
     if isinstance(tokens, np.ndarray):
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
@@ -487,22 +410,4 @@ def _sampling_params(params: Any) -> dict[str, Any]:
         return {}
     if not isinstance(params, Mapping):
         raise TypeError(f"sampling_params: expected a mapping, got {type(params).__name__}")
-    if "routed_experts_prompt_start" in params:
-        raise ValueError("pass routed_experts_prompt_start as the keyword argument, not inside sampling_params")
     return dict(params)
-
-
-def _server_message(payload: bytes) -> str:
-    """The server's ``error.message``, else the start of its body."""
-    try:
-        parsed = json.loads(payload)
-    except ValueError:
-        parsed = None
-    if isinstance(parsed, dict):
-        error = parsed.get("error")
-        if isinstance(error, dict) and isinstance(error.get("message"), str):
-            return error["message"]
-        if isinstance(error, str):
-            return error
-    text = payload[:500].decode("utf-8", errors="replace").strip()
-    return text + ("..." if len(payload) > 500 else "") if text else "(empty body)"

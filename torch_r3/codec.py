@@ -1,63 +1,107 @@
-"""The wire codec: route arrays to and from the JSON envelope of the generate call.
+"""The wire codec: route arrays to and from the payloads of the inference servers.
 
-A route array ``[rows, layers, topk]`` travels as::
+Three payloads carry routes, and each has one decoder here:
 
-    {"data": "<base64 of the raw C-order bytes>", "shape": [rows, layers, topk],
-     "dtype": "uint8" | "int16" | "int32"}
+* Our own JSON envelope (`encode_routes` / `decode_routes`), little-endian
+  bytes of a canonical dtype:
 
-The bytes are little-endian. :func:`encode_routes` compacts first (one value
-scan, on the sender); :func:`decode_routes` trusts the dtype and checks only the
-envelope: the base64 is valid, the byte count is ``prod(shape) * itemsize``, the
-dims are non-negative integers and the dtype is canonical. It never rescans the
-values.
+  ```
+  {"data": "<base64 of the raw C-order bytes>", "shape": [rows, layers, topk],
+   "dtype": "uint8" | "int16" | "int32"}
+  ```
 
-:func:`decode_sglang_routes` reads SGLang's own form (``meta_info["routed_experts"]``
-of its ``/generate`` response): base64 of a flat little-endian ``int32`` array of
-logical shape ``[tokens, num_layers, topk]``, where the caller supplies
-``num_layers`` and ``topk``.
+* SGLang's `meta_info["routed_experts"]` (`decode_sglang_routes`): base64 of a
+  flat little-endian `int32` array with no header, or of the narrower dtype the
+  server advertises in `meta_info["routed_experts_dtype"]`.
+* vLLM's `choices[i].routed_experts` (`decode_vllm_routes`): base64 of a whole
+  `.npy` file, read by the small header parser `decode_npy`, never by pickle.
 
-This module needs NumPy only; it never imports aiohttp.
+Every decoder treats its input as hostile: each size is computed from the
+declared shape and the length of the base64 text, and compared with the
+caller's cap (`max_bytes`) and with each other, before a single byte of the
+result is allocated. A decoder holds at most the decoded payload (up to
+`max_bytes`) and its canonical result (at most twice that, when `uint16` ids
+above 2**15 widen to `int32`). Anything malformed raises `WireFormatError`, a
+`ValueError`, naming the field. Every decoder returns a canonical
+`[rows, layers, topk]` array (see `torch_r3.compact_routes`) whose ids have been
+range-checked once (`torch_r3.check_expert_ids`): never negative, and below
+`num_experts` when the caller knows it.
+
+This module needs NumPy only; it never imports aiohttp. It stays a little over
+the usual module size because the three decoders share one set of bounded
+base64 and shape checks, which must not drift apart.
 """
 
 from __future__ import annotations
 
+import ast
 import base64
 import binascii
+import math
+import re
 import sys
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from torch_r3.routes import CANONICAL_DTYPES, compact_routes
+from torch_r3.routes import CANONICAL_DTYPES, check_expert_ids, compact_routes
 
-__all__ = ["decode_routes", "decode_sglang_routes", "encode_routes"]
+__all__ = [
+    "DEFAULT_MAX_ROUTE_BYTES",
+    "WireFormatError",
+    "base64_decoded_length",
+    "decode_npy",
+    "decode_routes",
+    "decode_sglang_routes",
+    "decode_vllm_routes",
+    "encode_routes",
+]
+
+#: Default cap on the decoded route bytes of one payload (1 GiB): 128k tokens of
+#: a 94-layer, top-8 model in `int32` are 0.4 GiB.
+DEFAULT_MAX_ROUTE_BYTES = 1 << 30
 
 _DTYPES_BY_NAME = {dtype.name: dtype for dtype in CANONICAL_DTYPES}
 _REQUIRED_KEYS = ("data", "shape", "dtype")
+# SGLang sends int32 unless it advertises a narrower dtype.
+_SGLANG_DTYPES = {"int32": np.dtype("<i4"), "uint16": np.dtype("<u2"), "uint8": np.dtype("u1")}
 # Base64 text decoded per step: a multiple of 4 characters, so every chunk but
 # the last is whole quanta without padding. 4 MiB of text -> 3 MiB of bytes:
 # the transient chunk stays small next to the result, which is written once.
 _CHUNK_CHARS = 4 << 20
 _STRICT = sys.version_info >= (3, 11)  # binascii strict_mode
+# .npy: magic, version, header length; NumPy itself refuses headers over 10000 bytes.
+_NPY_MAGIC = b"\x93NUMPY"
+_NPY_MAX_HEADER = 10_000
+_NPY_DESCR = re.compile(r"[<>|=]?[iu][1248]")
+
+
+class WireFormatError(ValueError):
+    """Malformed wire data: the one exception every decoder raises for it.
+
+    A `ValueError`, so `except ValueError` keeps working. The message names the
+    field (or sample) and what was expected.
+    """
 
 
 def encode_routes(array: Any) -> dict[str, Any]:
     """Encode one trajectory's routes as the wire envelope, compacting them first.
 
     Args:
-        array: A NumPy array or ``torch.Tensor`` ``[rows, layers, topk]`` of any
-            integer dtype (see :func:`torch_r3.compact_routes`).
+        array: A NumPy array, a `torch.Tensor` on any device, or a tensor-like
+            object with `.detach().cpu().numpy()`, `[rows, layers, topk]` of any
+            integer dtype (see `torch_r3.compact_routes`).
 
     Returns:
-        ``{"data": str, "shape": [rows, layers, topk], "dtype": str}``, ready for
-        ``json.dumps``; ``dtype`` is the narrowest canonical dtype.
+        `{"data": str, "shape": [rows, layers, topk], "dtype": str}`, ready for
+        `json.dumps`; `dtype` is the narrowest canonical dtype.
 
     Raises:
-        TypeError: ``array`` is not an integer array or tensor.
-        ValueError: ``array`` is not 3-D, or holds a negative or too large id.
+        TypeError: `array` is not an integer array, tensor or tensor-like.
+        ValueError: `array` is not 3-D, or holds a negative or too large id.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> encode_routes(np.array([[[3, 1]], [[0, 7]]]))
         {'data': 'AwEABw==', 'shape': [2, 1, 2], 'dtype': 'uint8'}
@@ -72,53 +116,73 @@ def encode_routes(array: Any) -> dict[str, Any]:
     }
 
 
-def decode_routes(envelope: Any, *, name: str = "routed_experts") -> np.ndarray:
-    """Decode a wire envelope into a route array, checking everything but the values.
+def decode_routes(
+    envelope: Any,
+    *,
+    name: str = "routed_experts",
+    max_bytes: int = DEFAULT_MAX_ROUTE_BYTES,
+    num_layers: int | None = None,
+    topk: int | None = None,
+    num_experts: int | None = None,
+) -> np.ndarray:
+    """Decode our own wire envelope into a route array, bounded before allocating.
 
-    The base64 text is decoded straight into the result's own buffer, which is
-    allocated once at its final size after the byte count has been checked
-    against the shape: the payload is written exactly once.
+    The declared shape and dtype give the byte count; it is compared with
+    `max_bytes` and with the length of the base64 text before the result is
+    allocated, once, at its final size, and the text is decoded straight into
+    it. A zero-row envelope must still agree with `num_layers` and `topk` when
+    they are given.
 
     Args:
-        envelope: The ``{"data", "shape", "dtype"}`` mapping as parsed from JSON.
+        envelope: The `{"data", "shape", "dtype"}` mapping as parsed from JSON.
+            Dims may be Python or NumPy integers; `bool` and `float` are refused.
         name: What to call the value in error messages (e.g. a field or sample).
+        max_bytes: Largest decoded payload accepted, in bytes.
+        num_layers: Layers per row the model has, when known.
+        topk: Experts per token the model has, when known.
+        num_experts: Routed experts per layer, when known: every id must be
+            below it. Negative ids are refused in any case.
 
     Returns:
-        A new, writable, C-contiguous array ``[rows, layers, topk]`` of the
+        A new, writable, C-contiguous array `[rows, layers, topk]` of the
         envelope's canonical dtype.
 
     Raises:
-        TypeError: ``envelope`` is not a mapping (a list-form route array
-            included), or a field has the wrong type: ``data`` not a string,
-            ``shape`` not a list, a dim not an ``int`` (``bool`` and ``float``
-            are rejected), ``dtype`` not a string.
-        ValueError: a required key is missing, ``shape`` is not 3 dims, a dim is
-            negative (or ``layers``/``topk`` zero), ``dtype`` is not one of
-            ``uint8``/``int16``/``int32``, the base64 is invalid, or its byte
-            count is not ``prod(shape) * itemsize``.
+        WireFormatError: `envelope` is not such a mapping (list-form routes
+            included), a key is missing, a field has the wrong type or value,
+            the payload is over `max_bytes`, the base64 is invalid or its byte
+            count is not `prod(shape) * itemsize`, the row shape disagrees with
+            `num_layers`/`topk`, or an id is out of range.
 
-    Example:
+    Examples:
         >>> decode_routes({"data": "AwEABw==", "shape": [2, 1, 2], "dtype": "uint8"}).tolist()
         [[[3, 1]], [[0, 7]]]
     """
+    _check_cap(max_bytes, name)
+    _check_num_experts(num_experts, name)
     if not isinstance(envelope, Mapping):
         if isinstance(envelope, (list, tuple)):
-            raise TypeError(
+            raise WireFormatError(
                 f"{name}: list-form routes are not accepted; expected the envelope "
                 '{"data": <base64>, "shape": [rows, layers, topk], "dtype": <str>}'
             )
-        raise TypeError(f"{name}: expected an envelope mapping with keys data/shape/dtype, got {type(envelope).__name__}")
+        raise WireFormatError(f"{name}: expected an envelope mapping with keys data/shape/dtype, got {type(envelope).__name__}")
     missing = [key for key in _REQUIRED_KEYS if key not in envelope]
     if missing:
-        raise ValueError(f"{name}: envelope is missing required key(s) {missing}; expected keys {list(_REQUIRED_KEYS)}")
+        raise WireFormatError(f"{name}: envelope is missing required key(s) {missing}; expected keys {list(_REQUIRED_KEYS)}")
     dtype = _check_dtype(envelope["dtype"], name)
-    shape = _check_shape(envelope["shape"], name)
+    shape = _check_shape(envelope["shape"], f"{name}.shape")
+    _check_row_shape(shape, num_layers, topk, name)
     data = envelope["data"]
     if isinstance(data, (list, tuple)):
-        raise TypeError(f"{name}.data: list-form routes are not accepted; expected a base64 string")
+        raise WireFormatError(f"{name}.data: list-form routes are not accepted; expected a base64 string")
+    nbytes = math.prod(shape) * dtype.itemsize
+    described = f"shape {list(shape)} dtype {dtype.name}"
+    _check_size(nbytes, max_bytes, name, described)
+    _check_b64_length(data, nbytes, f"{name}.data", described)
     out = np.empty(shape, dtype=dtype.newbyteorder("<"))
-    _b64decode_into(data, out, f"{name}.data", f"shape {list(shape)} dtype {dtype.name}")
-    return _to_native(out)
+    _b64decode_into(data, out, f"{name}.data")
+    return _checked_ids(_to_native(out), num_experts, name)
 
 
 def decode_sglang_routes(
@@ -126,133 +190,348 @@ def decode_sglang_routes(
     *,
     num_layers: int,
     topk: int,
+    dtype: str | None = None,
     num_tokens: int | None = None,
+    num_experts: int | None = None,
+    max_bytes: int = DEFAULT_MAX_ROUTE_BYTES,
     name: str = "routed_experts",
 ) -> np.ndarray:
-    """Decode SGLang's ``routed_experts`` and compact it to a canonical route array.
+    """Decode SGLang's `routed_experts` and compact it to a canonical route array.
 
-    SGLang (``--enable-return-routed-experts``, request field
-    ``"return_routed_experts": true``) returns the routes of its ``/generate``
-    call in ``meta_info["routed_experts"]``: base64 of the raw bytes of a
-    C-order little-endian ``int32`` array of logical shape
-    ``[tokens, num_hidden_layers, num_experts_per_tok]``. The layer and top-k
-    counts are not in the payload, so the caller gives them.
+    SGLang (`--enable-return-routed-experts`, request field
+    `"return_routed_experts": true`) returns the routes of its `/generate`
+    call in `meta_info["routed_experts"]`: base64 of the raw bytes of a
+    C-order little-endian array of logical shape
+    `[tokens, num_hidden_layers, num_experts_per_tok]`, `int32` unless
+    `meta_info["routed_experts_dtype"]` advertises `uint8` or `uint16`. The
+    layer and top-k counts are not in the payload, so the caller gives them.
 
     Args:
         value: The base64 string (or bytes), or a mapping holding it: SGLang's
-            ``meta_info``, or a whole ``/generate`` response with ``meta_info``.
-        num_layers: Layers per row (the model's ``num_hidden_layers``).
-        topk: Experts per token (the model's ``num_experts_per_tok``).
+            `meta_info`, or a whole `/generate` response with `meta_info`.
+        num_layers: Layers per row (the model's `num_hidden_layers`).
+        topk: Experts per token (the model's `num_experts_per_tok`).
+        dtype: The advertised element dtype (`"int32"`, `"uint16"`, `"uint8"`);
+            when `None`, read from `routed_experts_dtype` in the mapping, else
+            `int32`.
         num_tokens: When given, the exact row count expected.
+        num_experts: Routed experts per layer, when known: every id must be below it.
+        max_bytes: Largest decoded payload accepted, in bytes.
         name: What to call the value in error messages.
 
     Returns:
-        A new array ``[tokens, num_layers, topk]`` of the narrowest canonical dtype.
+        A new array `[tokens, num_layers, topk]` of the narrowest canonical
+        dtype (wider advertised dtypes are narrowed by value, never wrapped).
 
     Raises:
-        TypeError: ``value`` is neither base64 text nor such a mapping, or a count
-            is not an ``int``.
-        ValueError: the key is missing, the base64 is invalid, the byte count is
-            not a multiple of ``num_layers * topk * 4`` (or does not match
-            ``num_tokens``), or an expert id is negative.
+        TypeError: a count is not an `int`.
+        ValueError: a count is not positive.
+        WireFormatError: the payload is missing or not base64 text, the dtype
+            is not one SGLang sends, the payload is over `max_bytes`, the byte
+            count is not a whole number of rows (or not `num_tokens` rows), or
+            an id is out of range.
 
-    Example:
+    Examples:
         >>> import base64, numpy as np
         >>> raw = base64.b64encode(np.arange(8, dtype="<i4").tobytes()).decode()
         >>> decode_sglang_routes({"meta_info": {"routed_experts": raw}}, num_layers=2, topk=2).shape
         (2, 2, 2)
     """
-    for field, count in (("num_layers", num_layers), ("topk", topk)):
-        if isinstance(count, bool) or not isinstance(count, (int, np.integer)):
-            raise TypeError(f"{name}: {field} must be an int, got {type(count).__name__}")
-        if count <= 0:
-            raise ValueError(f"{name}: {field} must be > 0, got {count}")
+    _check_model_counts(num_layers, topk, name)
+    _check_cap(max_bytes, name)
+    _check_num_experts(num_experts, name)
     if num_tokens is not None:
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
-            raise TypeError(f"{name}: num_tokens must be an int or None, got {type(num_tokens).__name__}")
-        if num_tokens < 0:
-            raise ValueError(f"{name}: num_tokens must be >= 0, got {num_tokens}")
+        _check_int_arg(num_tokens, "num_tokens", name, minimum=0)
     data = value
     if isinstance(data, Mapping):
         if "meta_info" in data:
             data = data["meta_info"]
             if not isinstance(data, Mapping):
-                raise TypeError(f"{name}: expected meta_info to be a mapping, got {type(data).__name__}")
+                raise WireFormatError(f"{name}: expected meta_info to be a mapping, got {type(data).__name__}")
         if "routed_experts" not in data:
-            raise ValueError(f"{name}: no 'routed_experts' key in meta_info (was the request sent with return_routed_experts=True?)")
+            raise WireFormatError(f"{name}: no 'routed_experts' key in meta_info (was the request sent with return_routed_experts=True?)")
+        advertised = data.get("routed_experts_dtype")
+        if dtype is None:
+            dtype = advertised
+        elif advertised is not None and advertised != dtype:
+            raise WireFormatError(f"{name}: meta_info advertises routed_experts_dtype {advertised!r}, but dtype={dtype!r} was given")
         data = data["routed_experts"]
+    if dtype is None:
+        dtype = "int32"
+    wire_dtype = _SGLANG_DTYPES.get(dtype) if isinstance(dtype, str) else None
+    if wire_dtype is None:
+        raise WireFormatError(f"{name}: routed_experts_dtype must be one of {sorted(_SGLANG_DTYPES)}, got {dtype!r}")
     if isinstance(data, (list, tuple)):
-        raise TypeError(f"{name}: list-form routes are not accepted; expected SGLang's base64 string")
-    if not isinstance(data, (str, bytes, bytearray, memoryview)):
-        raise TypeError(f"{name}: expected base64 text, got {type(data).__name__}")
-    row_bytes = int(num_layers) * int(topk) * 4
-    nbytes = _b64_length(data, f"{name}")
+        raise WireFormatError(f"{name}: list-form routes are not accepted; expected SGLang's base64 string")
+    row_bytes = int(num_layers) * int(topk) * wire_dtype.itemsize
+    nbytes = base64_decoded_length(data, name=name)
+    _check_size(nbytes, max_bytes, name, f"{dtype} routes")
     if nbytes % row_bytes:
-        raise ValueError(
-            f"{name}: {nbytes} decoded bytes is not a whole number of int32 rows of "
+        raise WireFormatError(
+            f"{name}: {nbytes} decoded bytes is not a whole number of {dtype} rows of "
             f"[num_layers={num_layers}, topk={topk}] ({row_bytes} bytes each)"
         )
     rows = nbytes // row_bytes
     if num_tokens is not None and rows != num_tokens:
-        raise ValueError(f"{name}: expected {num_tokens} rows of [{num_layers}, {topk}], got {rows}")
-    wide = np.empty((rows, int(num_layers), int(topk)), dtype="<i4")
-    _b64decode_into(data, wide, name, f"{rows} int32 rows")
-    # SGLang sends int32 whatever the expert count; narrowing is the one value
-    # scan the contract allows, done here on the receiving edge because the
-    # sender did not.
-    return compact_routes(_to_native(wide), name=name)
+        raise WireFormatError(f"{name}: expected {num_tokens} rows of [{num_layers}, {topk}], got {rows}")
+    wide = np.empty((rows, int(num_layers), int(topk)), dtype=wire_dtype)
+    _b64decode_into(data, wide, name)
+    # Narrowing int32 / uint16 is the one value scan the contract allows, done
+    # here on the receiving edge because the sender did not.
+    return _canonical(_to_native(wide), num_experts, name)
+
+
+def decode_vllm_routes(
+    value: Any,
+    *,
+    num_layers: int | None = None,
+    topk: int | None = None,
+    num_experts: int | None = None,
+    max_bytes: int = DEFAULT_MAX_ROUTE_BYTES,
+    name: str = "routed_experts",
+) -> np.ndarray:
+    """Decode vLLM's `routed_experts`: base64 of a `.npy` file, read without pickle.
+
+    vLLM (`--enable-return-routed-experts`) puts the routes of each choice of
+    `/inference/v1/generate` in `choices[i].routed_experts` as the base64 text
+    of a `.npy` file holding `[tokens, num_hidden_layers, num_experts_per_tok]`
+    of `uint8` (up to 256 experts) or `uint16` (older servers: `int32`). The
+    file is parsed by `decode_npy`; `uint16` ids are widened to `int16` or
+    `int32` by value, never wrapped.
+
+    Args:
+        value: The base64 text (`str` or bytes).
+        num_layers: Layers per row the model has, when known. With `topk`, a
+            flat 1-D array is reshaped to `[tokens, num_layers, topk]`.
+        topk: Experts per token the model has, when known.
+        num_experts: Routed experts per layer, when known: every id must be below it.
+        max_bytes: Largest array data accepted, in bytes.
+        name: What to call the value in error messages.
+
+    Returns:
+        A new array `[tokens, layers, topk]` of the narrowest canonical dtype.
+
+    Raises:
+        TypeError: a count is not an `int`.
+        ValueError: a count is not positive.
+        WireFormatError: `value` is `null` or not base64 text, the file is not
+            a valid `.npy` of integers, its data is over `max_bytes`, its shape
+            is not `[tokens, layers, topk]` (or disagrees with `num_layers` /
+            `topk`), or an id is out of range.
+
+    Examples:
+        >>> import base64, io, numpy as np
+        >>> buf = io.BytesIO()
+        >>> np.save(buf, np.array([[[3, 1]], [[0, 7]]], np.uint16), allow_pickle=False)
+        >>> decode_vllm_routes(base64.b64encode(buf.getvalue()).decode()).dtype
+        dtype('uint8')
+    """
+    if (num_layers is None) != (topk is None):
+        raise ValueError(f"{name}: give both num_layers and topk, or neither")
+    if num_layers is not None:
+        _check_model_counts(num_layers, topk, name)
+    _check_cap(max_bytes, name)
+    _check_num_experts(num_experts, name)
+    if value is None:
+        raise WireFormatError(f"{name}: is null (server started without --enable-return-routed-experts, or the request was aborted)")
+    nbytes = base64_decoded_length(value, name=name)
+    _check_size(nbytes, max_bytes + 10 + _NPY_MAX_HEADER, name, "a .npy file")
+    raw = np.empty(nbytes, dtype=np.uint8)
+    _b64decode_into(value, raw, name)
+    array = decode_npy(raw, max_bytes=max_bytes, name=name)
+    if array.ndim == 1 and num_layers is not None:
+        row = int(num_layers) * int(topk)
+        if array.shape[0] % row:
+            raise WireFormatError(f"{name}: {array.shape[0]} flat ids are not a whole number of [{num_layers}, {topk}] rows")
+        array = array.reshape(-1, int(num_layers), int(topk))
+    if array.ndim != 3:
+        raise WireFormatError(f"{name}: expected a .npy array [tokens, layers, topk], got shape {array.shape}")
+    _check_row_shape(array.shape, num_layers, topk, name)
+    if 0 in array.shape[1:]:
+        raise WireFormatError(f"{name}: layers and topk must be > 0, got shape {array.shape}")
+    return _canonical(array, num_experts, name)
+
+
+def decode_npy(data: Any, *, max_bytes: int = DEFAULT_MAX_ROUTE_BYTES, name: str = "npy") -> np.ndarray:
+    """Read a `.npy` file of integers from bytes, checking the header before the data.
+
+    The header (format versions 1 to 3) is parsed as a Python literal, never
+    unpickled; only integer dtypes of 1, 2, 4 or 8 bytes are accepted. The
+    array's byte count, computed from the declared shape, is compared with
+    `max_bytes` and with the bytes that follow the header before anything is
+    read; the result is a read-only view of `data` (no copy).
+
+    Args:
+        data: The whole file as `bytes`, `bytearray`, `memoryview` or a `uint8`
+            NumPy array.
+        max_bytes: Largest array data accepted, in bytes.
+        name: What to call the value in error messages.
+
+    Returns:
+        The array with the file's dtype and shape, a view of `data`.
+
+    Raises:
+        WireFormatError: `data` is not a `.npy` file, its header is malformed,
+            its dtype is not an integer, its data is over `max_bytes`, or the
+            byte count after the header is not the declared one.
+
+    Examples:
+        >>> import io, numpy as np
+        >>> buf = io.BytesIO()
+        >>> np.save(buf, np.arange(6, dtype=np.int16).reshape(3, 2), allow_pickle=False)
+        >>> decode_npy(buf.getvalue()).tolist()
+        [[0, 1], [2, 3], [4, 5]]
+    """
+    _check_cap(max_bytes, name)
+    if isinstance(data, np.ndarray):
+        if data.dtype != np.uint8 or data.ndim != 1 or not data.flags.c_contiguous:
+            raise WireFormatError(f"{name}: expected .npy bytes, got an array of {data.dtype} shape {data.shape}")
+        buf = memoryview(data)
+    elif isinstance(data, (bytes, bytearray, memoryview)):
+        buf = memoryview(data).cast("B")
+    else:
+        raise WireFormatError(f"{name}: expected .npy bytes, got {type(data).__name__}")
+    if len(buf) < 10 or bytes(buf[:6]) != _NPY_MAGIC:
+        raise WireFormatError(f"{name}: not a .npy file (missing the \\x93NUMPY magic)")
+    major = buf[6]
+    if major == 1:
+        length, start = int.from_bytes(buf[8:10], "little"), 10
+    elif major in (2, 3) and len(buf) >= 12:
+        length, start = int.from_bytes(buf[8:12], "little"), 12
+    else:
+        raise WireFormatError(f"{name}: unsupported .npy format version {major}.{buf[7]}")
+    if length > _NPY_MAX_HEADER or start + length > len(buf):
+        raise WireFormatError(f"{name}: .npy header of {length} bytes is too long or truncated (file has {len(buf)} bytes)")
+    dtype, fortran, shape = _parse_npy_header(bytes(buf[start : start + length]), major, name)
+    nbytes = math.prod(shape) * dtype.itemsize
+    _check_size(nbytes, max_bytes, name, f".npy data {dtype.str} {list(shape)}")
+    offset = start + length
+    if len(buf) - offset != nbytes:
+        raise WireFormatError(f"{name}: .npy header declares {nbytes} data bytes ({dtype.str} {list(shape)}), but {len(buf) - offset} follow it")
+    array = np.frombuffer(buf, dtype=dtype, count=math.prod(shape), offset=offset)
+    return array.reshape(shape, order="F" if fortran else "C")
+
+
+def base64_decoded_length(text: Any, *, name: str = "data") -> int:
+    """The byte count padded base64 text decodes to, from its length alone.
+
+    Nothing is decoded and nothing is allocated, so a receiver can compare the
+    result with a declared size and a cap first. The characters themselves are
+    checked later, by the decode.
+
+    Args:
+        text: Base64 text as `str` (ASCII) or bytes.
+        name: What to call the value in error messages.
+
+    Returns:
+        The decoded byte count.
+
+    Raises:
+        WireFormatError: `text` is not a string or bytes, is not ASCII, or its
+            length is not a multiple of 4.
+
+    Examples:
+        >>> base64_decoded_length("AwEABw=="), base64_decoded_length(b"AAAA")
+        (4, 3)
+    """
+    if isinstance(text, str):
+        if not text.isascii():
+            raise WireFormatError(f"{name}: invalid base64 (non-ASCII characters)")
+        pad = text[-2:].count("=")
+    elif isinstance(text, (bytes, bytearray, memoryview)):
+        text = memoryview(text).cast("B")
+        pad = bytes(text[-2:]).count(b"=")
+    else:
+        raise WireFormatError(f"{name}: expected a base64 string, got {type(text).__name__}")
+    if len(text) % 4:
+        raise WireFormatError(f"{name}: invalid base64 (length {len(text)} is not a multiple of 4)")
+    return len(text) // 4 * 3 - pad
+
+
+def _check_cap(max_bytes: Any, name: str) -> None:
+    _check_int_arg(max_bytes, "max_bytes", name, minimum=0)
+
+
+def _check_int_arg(value: Any, what: str, name: str, *, minimum: int) -> None:
+    # Caller arguments, not wire data: the plain TypeError/ValueError.
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: {what} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name}: {what} must be >= {minimum}, got {value}")
+
+
+def _check_model_counts(num_layers: Any, topk: Any, name: str) -> None:
+    _check_int_arg(num_layers, "num_layers", name, minimum=1)
+    _check_int_arg(topk, "topk", name, minimum=1)
+
+
+def _check_size(nbytes: int, max_bytes: int, name: str, described: str) -> None:
+    if nbytes > max_bytes:
+        raise WireFormatError(f"{name}: {described} is {nbytes} bytes, over the cap max_bytes={max_bytes}")
 
 
 def _check_dtype(value: Any, name: str) -> np.dtype:
-    if not isinstance(value, str):
-        raise TypeError(f"{name}.dtype: expected a string, one of {sorted(_DTYPES_BY_NAME)}, got {type(value).__name__}")
-    dtype = _DTYPES_BY_NAME.get(value)
+    dtype = _DTYPES_BY_NAME.get(value) if isinstance(value, str) else None
     if dtype is None:
-        raise ValueError(f"{name}.dtype: expected one of the canonical dtypes {sorted(_DTYPES_BY_NAME)}, got {value!r}")
+        raise WireFormatError(f"{name}.dtype: expected one of the canonical dtypes {sorted(_DTYPES_BY_NAME)}, got {value!r}")
     return dtype
 
 
-def _check_shape(value: Any, name: str) -> tuple[int, int, int]:
+def _check_shape(value: Any, what: str) -> tuple[int, int, int]:
     if not isinstance(value, (list, tuple)):
-        raise TypeError(f"{name}.shape: expected a list [rows, layers, topk], got {type(value).__name__}")
+        raise WireFormatError(f"{what}: expected a list [rows, layers, topk], got {type(value).__name__}")
     if len(value) != 3:
-        raise ValueError(f"{name}.shape: expected 3 dims [rows, layers, topk], got {len(value)}: {list(value)}")
+        raise WireFormatError(f"{what}: expected 3 dims [rows, layers, topk], got {len(value)}")
+    dims = []
     for i, dim in enumerate(value):
         # bool is an int subclass; a float dim (even 2.0) means a broken sender.
-        if isinstance(dim, bool) or not isinstance(dim, int):
-            raise TypeError(f"{name}.shape[{i}]: expected an int, got {type(dim).__name__} {dim!r}")
+        if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, (int, np.integer)):
+            raise WireFormatError(f"{what}[{i}]: expected an int, got {type(dim).__name__} {dim!r:.40}")
         if dim < 0:
-            raise ValueError(f"{name}.shape[{i}]: expected a non-negative int, got {dim}")
-    if value[1] == 0 or value[2] == 0:
-        raise ValueError(f"{name}.shape: layers and topk must be > 0, got {list(value)}")
-    return (value[0], value[1], value[2])
+            raise WireFormatError(f"{what}[{i}]: expected a non-negative int, got {dim}")
+        dims.append(int(dim))
+    if dims[1] == 0 or dims[2] == 0:
+        raise WireFormatError(f"{what}: layers and topk must be > 0, got {dims}")
+    return (dims[0], dims[1], dims[2])
 
 
-def _b64_length(data: Any, what: str) -> int:
-    """Decoded length of padded base64 text, from its length alone (no decoding)."""
-    if isinstance(data, str):
-        if not data.isascii():
-            raise ValueError(f"{what}: invalid base64 (non-ASCII characters)")
-        tail = data[-2:]
-        pad = tail.count("=")
-    elif isinstance(data, (bytes, bytearray, memoryview)):
-        data = memoryview(data).cast("B")
-        tail = bytes(data[-2:])
-        pad = tail.count(b"=")
-    else:
-        raise TypeError(f"{what}: expected a base64 string, got {type(data).__name__}")
-    if len(data) % 4:
-        raise ValueError(f"{what}: invalid base64 (length {len(data)} is not a multiple of 4)")
-    return len(data) // 4 * 3 - pad
+def _check_row_shape(shape: tuple[int, ...], num_layers: Any, topk: Any, name: str) -> None:
+    """Rows must be `[num_layers, topk]` when the caller knows them, zero rows included."""
+    for field, known, got in (("num_layers", num_layers, shape[1]), ("topk", topk, shape[2])):
+        if known is not None:
+            _check_int_arg(known, field, name, minimum=1)
+            if got != known:
+                raise WireFormatError(f"{name}: rows of [{shape[1]}, {shape[2]}] (layers, topk), but the model has {field}={known}")
 
 
-def _b64decode_into(data: Any, out: np.ndarray, what: str, expected: str) -> None:
-    """Decode base64 ``data`` into ``out``'s buffer, checking the byte count first."""
-    if not isinstance(data, (str, bytes, bytearray, memoryview)):
-        raise TypeError(f"{what}: expected a base64 string, got {type(data).__name__}")
-    nbytes = _b64_length(data, what)
-    if nbytes != out.nbytes:
-        raise ValueError(f"{what}: base64 decodes to {nbytes} bytes, but {expected} needs {out.nbytes}")
+def _check_b64_length(data: Any, nbytes: int, what: str, described: str) -> None:
+    got = base64_decoded_length(data, name=what)
+    if got != nbytes:
+        raise WireFormatError(f"{what}: base64 decodes to {got} bytes, but {described} needs {nbytes}")
+
+
+def _parse_npy_header(header: bytes, major: int, name: str) -> tuple[np.dtype, bool, tuple[int, ...]]:
+    try:
+        text = header.decode("utf-8" if major == 3 else "latin1")
+        # A Python literal, never code: literal_eval builds only constants and
+        # containers, and the text is at most _NPY_MAX_HEADER characters.
+        meta = ast.literal_eval(text)
+    except (UnicodeDecodeError, SyntaxError, ValueError, TypeError, MemoryError, RecursionError) as exc:
+        raise WireFormatError(f"{name}: .npy header is not a Python literal ({type(exc).__name__})") from None
+    if not isinstance(meta, dict) or set(meta) != {"descr", "fortran_order", "shape"}:
+        raise WireFormatError(f"{name}: .npy header must be a dict with exactly descr, fortran_order and shape")
+    descr, fortran, shape = meta["descr"], meta["fortran_order"], meta["shape"]
+    if not isinstance(descr, str) or not _NPY_DESCR.fullmatch(descr):
+        raise WireFormatError(f"{name}: .npy dtype must be an integer dtype, got {descr!r:.40}")
+    if not isinstance(fortran, bool):
+        raise WireFormatError(f"{name}: .npy fortran_order must be a bool, got {fortran!r:.40}")
+    if not isinstance(shape, tuple) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise WireFormatError(f"{name}: .npy shape must be a tuple of non-negative ints, got {shape!r:.60}")
+    return np.dtype(descr), fortran, shape
+
+
+def _b64decode_into(data: Any, out: np.ndarray, what: str) -> None:
+    """Decode base64 `data` into `out`'s buffer, whose size the caller has checked."""
     target = memoryview(out.reshape(-1).view(np.uint8))
     pos = 0
     try:
@@ -264,16 +543,42 @@ def _b64decode_into(data: Any, out: np.ndarray, what: str, expected: str) -> Non
                 raw = binascii.a2b_base64(chunk, strict_mode=True)
             else:  # pragma: no cover - Python 3.10
                 raw = base64.b64decode(chunk, validate=True)
+            if pos + len(raw) > out.nbytes:
+                raise ValueError("more bytes than its length promises")
             target[pos : pos + len(raw)] = raw
             pos += len(raw)
     except (binascii.Error, ValueError) as exc:
-        raise ValueError(f"{what}: invalid base64 ({exc})") from None
+        raise WireFormatError(f"{what}: invalid base64 ({exc})") from None
     if pos != out.nbytes:  # padding inside the text, e.g. "AA==AAAA"
-        raise ValueError(f"{what}: invalid base64 (decoded {pos} bytes, expected {out.nbytes})")
+        raise WireFormatError(f"{what}: invalid base64 (decoded {pos} bytes, expected {out.nbytes})")
+
+
+def _check_num_experts(num_experts: Any, name: str) -> None:
+    if num_experts is not None:
+        _check_int_arg(num_experts, "num_experts", name, minimum=1)
+
+
+def _canonical(array: np.ndarray, num_experts: int | None, name: str) -> np.ndarray:
+    """Compact a decoded server array to the narrowest canonical dtype, range-checked."""
+    try:
+        # The servers do not compact, so the receiver does: compact_routes'
+        # one min/max scan also refuses negative ids and ids >= 2**31, and
+        # writes a fresh array that owns its buffer.
+        routes = compact_routes(array, name=name)
+    except ValueError as exc:
+        raise WireFormatError(str(exc)) from None
+    return _checked_ids(routes, num_experts, name)
+
+
+def _checked_ids(routes: np.ndarray, num_experts: int | None, name: str) -> np.ndarray:
+    # num_experts was checked on entry, so a ValueError here is about the data.
+    try:
+        return check_expert_ids(routes, num_experts, name=name)
+    except ValueError as exc:
+        raise WireFormatError(str(exc)) from None
 
 
 def _to_native(array: np.ndarray) -> np.ndarray:
     if array.dtype.isnative:
         return array.view(array.dtype.newbyteorder("="))
     return array.byteswap(inplace=True).view(array.dtype.newbyteorder("="))  # pragma: no cover - big-endian hosts
-

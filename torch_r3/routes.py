@@ -1,9 +1,11 @@
-"""Route arrays: the canonical dtypes and the sender-side ``compact_routes``.
+"""Route arrays: the canonical dtypes, the sender-side `compact_routes` and the
+receive-side `check_expert_ids`.
 
-A trajectory's routes are a C-contiguous NumPy array ``[rows, layers, topk]`` of
-one *canonical* dtype: ``uint8`` (expert ids < 2**8), ``int16`` (< 2**15) or
-``int32`` (< 2**31), in native byte order. The sender compacts to the narrowest
-one; receivers trust the dtype and never rescan values.
+A trajectory's routes are a C-contiguous NumPy array `[rows, layers, topk]` of
+one *canonical* dtype: `uint8` (expert ids < 2**8), `int16` (< 2**15) or
+`int32` (< 2**31), in native byte order. The sender compacts to the narrowest
+one; the receiver checks the id range once where routes enter the process, and
+from then on everything trusts the dtype and never rescans values.
 """
 
 from __future__ import annotations
@@ -24,10 +26,21 @@ MAX_EXPERT_ID = 2**31 - 1
 
 
 def canonical_dtype_for(max_id: int) -> np.dtype:
-    """The narrowest canonical dtype that holds expert ids ``0 .. max_id``.
+    """The narrowest canonical dtype that holds expert ids `0 .. max_id`.
 
-    >>> canonical_dtype_for(255), canonical_dtype_for(256), canonical_dtype_for(40000)
-    (dtype('uint8'), dtype('int16'), dtype('int32'))
+    Args:
+        max_id: The largest expert id to hold.
+
+    Returns:
+        `uint8`, `int16` or `int32`.
+
+    Raises:
+        TypeError: `max_id` is not an `int`.
+        ValueError: `max_id` is negative or does not fit `int32`.
+
+    Examples:
+        >>> canonical_dtype_for(255), canonical_dtype_for(256), canonical_dtype_for(40000)
+        (dtype('uint8'), dtype('int16'), dtype('int32'))
     """
     if isinstance(max_id, bool) or not isinstance(max_id, (int, np.integer)):
         raise TypeError(f"max_id must be an int, got {type(max_id).__name__}")
@@ -40,7 +53,7 @@ def canonical_dtype_for(max_id: int) -> np.dtype:
 
 
 def is_canonical(dtype: Any) -> bool:
-    """True when ``dtype`` is one of :data:`CANONICAL_DTYPES` (native byte order)."""
+    """True when `dtype` is one of `CANONICAL_DTYPES` (native byte order)."""
     try:
         return np.dtype(dtype) in CANONICAL_DTYPES
     except TypeError:
@@ -48,12 +61,33 @@ def is_canonical(dtype: Any) -> bool:
 
 
 def widest(dtypes) -> np.dtype:
-    """The widest of some canonical dtypes: promotion by dtype alone, no value scan."""
+    """The widest of some canonical dtypes: promotion by dtype alone, no value scan.
+
+    Examples:
+        >>> widest([np.dtype("uint8"), np.dtype("int16")])
+        dtype('int16')
+    """
     return max(dtypes, key=CANONICAL_DTYPES.index)
 
 
 def as_host_array(array: Any, what: str) -> np.ndarray:
-    """A NumPy array or an integer ``torch.Tensor`` (detached, moved to host) as a NumPy array."""
+    """A host NumPy array from what a sender naturally holds.
+
+    Accepts a NumPy array, a `torch.Tensor` on any device (detached and moved to
+    the host), or any object with the `.detach().cpu().numpy()` methods of a
+    tensor (a duck-typed device array).
+
+    Args:
+        array: The array, tensor or tensor-like object.
+        what: What to call it in error messages.
+
+    Returns:
+        A NumPy array (the input itself when it already is one).
+
+    Raises:
+        TypeError: `array` is none of these, a tensor of a float, complex or
+            bool dtype, or its `.numpy()` did not return a NumPy array.
+    """
     # Lazy torch import keeps this module usable from NumPy-only senders.
     try:
         import torch
@@ -63,31 +97,105 @@ def as_host_array(array: Any, what: str) -> np.ndarray:
         if array.dtype.is_floating_point or array.dtype.is_complex or array.dtype == torch.bool:
             raise TypeError(f"{what}: expected an integer tensor, got dtype {array.dtype}")
         return array.detach().to("cpu").numpy()
-    if not isinstance(array, np.ndarray):
-        raise TypeError(
-            f"{what}: expected a NumPy array or torch.Tensor, "
-            f"got {type(array).__name__}"
+    if isinstance(array, np.ndarray):
+        return array
+    if callable(getattr(array, "detach", None)):
+        host = array.detach().cpu().numpy()
+        if not isinstance(host, np.ndarray):
+            raise TypeError(
+                f"{what}: {type(array).__name__}.detach().cpu().numpy() returned "
+                f"{type(host).__name__}, not a NumPy array"
+            )
+        return host
+    raise TypeError(
+        f"{what}: expected a NumPy array or torch.Tensor (or a tensor-like object with "
+        f".detach().cpu().numpy()), got {type(array).__name__}"
+    )
+
+
+def check_expert_ids(routes: np.ndarray, num_experts: int | None = None, *, name: str = "routes") -> np.ndarray:
+    """Check that every expert id is in `[0, num_experts)`: the receive-side range check.
+
+    Run it once where routes enter the process (the wire decoders do); after it,
+    the collator and the replay hook trust the dtype and never look at the
+    values again. It scans only what the dtype leaves open: a `uint8` array is
+    never negative, and when `num_experts` exceeds what the dtype can hold no
+    upper scan is needed either.
+
+    Args:
+        routes: An integer NumPy array of any shape.
+        num_experts: Routed experts per MoE layer, when known; without it only
+            negative ids are refused.
+        name: What to call the array in error messages.
+
+    Returns:
+        `routes` itself, unchanged.
+
+    Raises:
+        TypeError: `routes` is not an integer NumPy array, or `num_experts` is
+            not an `int`.
+        ValueError: `num_experts` is not positive, or an id is negative or
+            `>= num_experts` (the message gives its index and value).
+
+    Examples:
+        >>> import numpy as np
+        >>> check_expert_ids(np.array([[[0, 7]]], np.int16), 8).tolist()
+        [[[0, 7]]]
+        >>> check_expert_ids(np.array([[[0, -1]]], np.int16))
+        Traceback (most recent call last):
+            ...
+        ValueError: routes: expert ids must be in [0, num_experts), found -1 at index (0, 0, 1)
+    """
+    if not isinstance(routes, np.ndarray) or routes.dtype.kind not in "iu":
+        got = routes.dtype if isinstance(routes, np.ndarray) else type(routes).__name__
+        raise TypeError(f"{name}: expected an integer NumPy array, got {got}")
+    if num_experts is not None:
+        if isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)):
+            raise TypeError(f"{name}: num_experts must be an int or None, got {type(num_experts).__name__}")
+        if num_experts <= 0:
+            raise ValueError(f"{name}: num_experts must be > 0, got {num_experts}")
+    if routes.size == 0:
+        return routes
+    bad = None
+    if routes.dtype.kind == "i" and int(routes.min()) < 0:
+        bad = routes < 0
+    elif num_experts is not None and int(num_experts) <= int(np.iinfo(routes.dtype).max):
+        if int(routes.max()) >= num_experts:
+            bad = routes >= num_experts
+    if bad is not None:
+        index = np.unravel_index(int(np.argmax(bad)), routes.shape)
+        index = tuple(int(i) for i in index)
+        raise ValueError(
+            f"{name}: expert ids must be in [0, num_experts), found {int(routes[index])} at index {index}"
+            + (f" (num_experts={num_experts})" if num_experts is not None else "")
         )
-    return array
+    return routes
 
 
 def compact_routes(array: Any, *, name: str = "routes") -> np.ndarray:
     """Validate one trajectory's routes and compact them to the narrowest canonical dtype.
 
     The sender-side step: it scans the values once (min and max) so that the
-    receiver never has to. Accepts a NumPy array or a CPU/GPU ``torch.Tensor``
-    ``[rows, layers, topk]`` of any integer dtype; returns a new C-contiguous,
-    writable array of ``uint8``, ``int16`` or ``int32``.
+    receiver only has to check the range (`check_expert_ids`).
 
-    >>> import numpy as np
-    >>> compact_routes(np.array([[[3, 1]], [[0, 7]]], dtype=np.int64)).dtype
-    dtype('uint8')
-    >>> compact_routes(np.array([[[300, 1]]])).dtype
-    dtype('int16')
+    Args:
+        array: A NumPy array, a CPU/GPU `torch.Tensor` or a tensor-like object
+            (see `as_host_array`) `[rows, layers, topk]` of any integer dtype.
+        name: What to call the array in error messages.
+
+    Returns:
+        A new C-contiguous, writable array of `uint8`, `int16` or `int32`.
 
     Raises:
         TypeError: not an array/tensor, or a float, bool or complex dtype.
-        ValueError: not 3-D, ``layers`` or ``topk`` zero, a negative id, or an id >= 2**31.
+        ValueError: not 3-D, `layers` or `topk` zero, a negative id, or an id >= 2**31.
+
+    Examples:
+        >>> import numpy as np
+        >>> compact_routes(np.array([[[3, 1]], [[0, 7]]], dtype=np.int64)).dtype
+        dtype('uint8')
+        >>> compact_routes(np.array([[[300, 1]]])).dtype
+        dtype('int16')
     """
     a = as_host_array(array, name)
     if a.dtype.kind not in "iu":

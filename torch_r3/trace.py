@@ -3,14 +3,15 @@
 In a multi-turn rollout every turn sends the whole conversation so far as the
 prompt. The inference server evaluates it, so each turn can return the routes of
 the positions it evaluated for the first time; nothing is sent twice when the
-client passes :attr:`RoutedExpertTrace.prompt_start` as
-``routed_experts_prompt_start``. The trace stitches those turns together and
-checks that every row arrived, once, in order.
+client passes `RoutedExpertTrace.prompt_start` as the server's start field
+(the same for our own server, SGLang and vLLM). The trace stitches those turns
+together and checks that every row arrived, once, in order, from one policy
+version, with every expert id in range.
 
 Captured rows always form a prefix of the trajectory's tokens. The trace never
 pads or invents rows: the tail the engine never evaluated (the last sampled
 token, a synthetic EOS) is left to the collator, which pads it and marks it in
-``router_padding_mask``.
+`router_padding_mask`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from torch_r3.routes import CANONICAL_DTYPES, as_host_array, compact_routes, is_canonical, widest
+from torch_r3.routes import CANONICAL_DTYPES, as_host_array, check_expert_ids, compact_routes, is_canonical, widest
 
 __all__ = ["RoutedExpertTrace", "TokenMetadataTrace"]
 
@@ -35,18 +36,18 @@ def _check_count(value: Any, what: str) -> int:
 class TokenMetadataTrace:
     """Token-aligned integer rows, appended in chunks and finalized into one array.
 
-    Each chunk is ``[n, *row_shape]`` of a canonical dtype (``uint8``, ``int16``,
-    ``int32``); a chunk of another integer dtype is compacted on arrival, which
+    Each chunk is `[n, *row_shape]` of a canonical dtype (`uint8`, `int16`,
+    `int32`); a chunk of another integer dtype is compacted on arrival, which
     scans it once. When a later chunk needs a wider dtype than earlier ones, the
-    result is widened losslessly (by dtype alone) at :meth:`finalize`, so a
+    result is widened losslessly (by dtype alone) at `finalize`, so a
     rollout whose expert ids pass 255 in a later turn just works.
 
     Args:
-        row_shape: The shape of one row (for routes ``(layers, topk)``); taken
-            from the first chunk when ``None``.
+        row_shape: The shape of one row (for routes `(layers, topk)`); taken
+            from the first chunk when `None`.
         name: What to call the trace in error messages.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> t = TokenMetadataTrace(row_shape=(1, 2))
         >>> t.append(np.array([[[1, 2]]], dtype=np.uint8))
@@ -73,29 +74,32 @@ class TokenMetadataTrace:
 
     @property
     def row_shape(self) -> tuple[int, ...] | None:
-        """The shape of one row, or ``None`` before the first chunk when not given."""
+        """The shape of one row, or `None` before the first chunk when not given."""
         return self._row_shape
 
     @property
     def dtype(self) -> np.dtype | None:
-        """The widest dtype appended so far (the dtype :meth:`finalize` returns)."""
+        """The widest dtype appended so far (the dtype `finalize` returns)."""
         return widest(c.dtype for c in self._chunks) if self._chunks else None
 
     def append(self, chunk: Any, *, expected_rows: int | None = None, label: str | None = None) -> None:
-        """Append ``[n, *row_shape]`` rows.
+        """Append `[n, *row_shape]` rows.
 
-        The trace keeps a reference to ``chunk`` (no copy) when it already has a
+        The trace keeps a reference to `chunk` (no copy) when it already has a
         canonical dtype; do not modify it afterwards.
 
         Args:
-            chunk: A NumPy array or ``torch.Tensor`` of an integer dtype.
-            expected_rows: When given, ``chunk`` must hold exactly this many rows.
+            chunk: A NumPy array, `torch.Tensor` or tensor-like of an integer dtype.
+            expected_rows: When given, `chunk` must hold exactly this many rows.
             label: What to call this chunk in error messages (default
-                ``"<name>: chunk <i>"``).
+                `"<name>: chunk <i>"`).
 
         Raises:
-            TypeError: ``chunk`` is not an integer array or tensor.
-            ValueError: wrong row count or row shape, or a negative or too large value.
+            TypeError: `chunk` is not an integer array or tensor.
+            ValueError: wrong row count or row shape, or a negative or too large
+                value in a chunk that needs compacting. A chunk with no rows is
+                checked against a known row shape but otherwise ignored: it
+                neither fixes the row shape nor widens the dtype.
         """
         what = label if label is not None else f"{self._name}: chunk {len(self._chunks)}"
         if expected_rows is not None:
@@ -108,6 +112,10 @@ class TokenMetadataTrace:
             raise ValueError(f"{what}: expected rows of shape {self._row_shape}, got {row_shape}")
         if expected_rows is not None and array.shape[0] != expected_rows:
             raise ValueError(f"{what}: expected {expected_rows} rows, got {array.shape[0]}")
+        if array.shape[0] == 0:
+            # No rows, no evidence: an empty chunk may claim any row shape or
+            # dtype, so it neither fixes the row shape nor widens the result.
+            return
         self._row_shape = row_shape
         self._chunks.append(array)
         self._rows += array.shape[0]
@@ -118,7 +126,7 @@ class TokenMetadataTrace:
         The trace is left as it is; calling again returns an equal, new array.
 
         Raises:
-            ValueError: nothing was appended and ``row_shape`` was not given.
+            ValueError: nothing was appended and `row_shape` was not given.
         """
         if not self._chunks:
             if self._row_shape is None:
@@ -141,31 +149,60 @@ def _as_rows(chunk: Any, what: str) -> np.ndarray:
 class RoutedExpertTrace:
     """One trajectory's routes over a multi-turn rollout.
 
-    Per turn: send :attr:`prompt_start` as ``routed_experts_prompt_start``, then
-    :meth:`record` what came back. At the end, :meth:`finalize` with the
-    trajectory's token count returns the captured rows.
+    Per turn: send `prompt_start` as the server's start field
+    (`routed_experts_start_len` for SGLang, `routed_experts_prompt_start` for
+    vLLM and our own server), then `record` what came back. At the end,
+    `finalize` with the trajectory's token count returns the captured rows.
 
-    A turn with prompt length ``P`` (the whole conversation so far) that
-    generated ``G`` tokens makes the engine evaluate positions ``0 .. P+G-2``
+    A turn with prompt length `P` (the whole conversation so far) that
+    generated `G` tokens makes the engine evaluate positions `0 .. P+G-2`
     (the last sampled token is never run forward), so the server returns rows
-    ``prompt_start .. P+G-2``: exactly ``P - prompt_start + G - 1`` rows.
+    `prompt_start .. P+G-2`: exactly `P - prompt_start + G - 1` rows. Turns
+    may arrive in different dtypes (a later turn passing expert 255); the
+    result is widened by dtype, never wrapped.
+
+    Routes from two policy versions must not be glued into one trajectory
+    silently: replay would force the newer policy through the older one's
+    choices. `record` takes each turn's `weight_version` (e.g.
+    `RemoteGenerateResult.weight_version`) and refuses a turn whose version
+    differs from an earlier turn's, unless the trace was built with
+    `allow_mixed_versions=True`. A turn without a version (`None`) never
+    conflicts.
 
     Args:
-        num_layers: Expected layers per row; taken from the first turn when ``None``.
-        topk: Expected experts per token; taken from the first turn when ``None``.
+        num_layers: Expected layers per row; taken from the first non-empty
+            turn when `None`.
+        topk: Expected experts per token; taken from the first non-empty turn
+            when `None`.
+        num_experts: Routed experts per layer, when known: every id must be
+            below it. Negative ids are refused in any case.
+        allow_mixed_versions: Accept turns from different weight versions
+            (knowingly: the rows then come from more than one policy).
 
-    Example:
+    Raises:
+        TypeError: a count is not an `int`.
+        ValueError: only one of `num_layers` and `topk` is given, or a count
+            is not positive.
+
+    Examples:
         >>> import numpy as np
         >>> trace = RoutedExpertTrace(num_layers=1, topk=2)
         >>> trace.record(prompt_len=3, generated_len=2, routes=np.zeros((4, 1, 2), np.uint8))
-        >>> trace.prompt_start  # send as routed_experts_prompt_start next turn
+        >>> trace.prompt_start  # send as the start field next turn
         4
         >>> trace.record(prompt_len=7, generated_len=1, routes=np.ones((3, 1, 2), np.uint8))
         >>> trace.finalize(token_count=9).shape  # 9 tokens: 8 + a synthetic EOS
         (7, 1, 2)
     """
 
-    def __init__(self, *, num_layers: int | None = None, topk: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        num_layers: int | None = None,
+        topk: int | None = None,
+        num_experts: int | None = None,
+        allow_mixed_versions: bool = False,
+    ) -> None:
         if (num_layers is None) != (topk is None):
             raise ValueError("RoutedExpertTrace: give both num_layers and topk, or neither")
         row_shape = None
@@ -173,40 +210,68 @@ class RoutedExpertTrace:
             row_shape = (_check_count(num_layers, "num_layers"), _check_count(topk, "topk"))
             if 0 in row_shape:
                 raise ValueError(f"RoutedExpertTrace: num_layers and topk must be > 0, got {row_shape}")
+        if num_experts is not None and _check_count(num_experts, "num_experts") == 0:
+            raise ValueError("RoutedExpertTrace: num_experts must be > 0, got 0")
+        if not isinstance(allow_mixed_versions, bool):
+            raise TypeError(f"allow_mixed_versions must be a bool, got {type(allow_mixed_versions).__name__}")
         self._rows = TokenMetadataTrace(row_shape=row_shape, name="routes")
-        self._turns = 0
+        self._num_experts = None if num_experts is None else int(num_experts)
+        self._allow_mixed = allow_mixed_versions
+        self._versions: list[str | int | None] = []
 
     @property
     def prompt_start(self) -> int:
-        """Rows captured so far: the value to send as ``routed_experts_prompt_start``."""
+        """Rows captured so far: the value to send as the server's start field."""
         return self._rows.rows
 
     @property
     def turns(self) -> int:
         """Turns recorded so far."""
-        return self._turns
+        return len(self._versions)
 
-    def record(self, *, prompt_len: int, generated_len: int, routes: Any) -> None:
+    @property
+    def weight_versions(self) -> tuple[str | int | None, ...]:
+        """The weight version of each recorded turn, in order (`None` where none was given).
+
+        Examples:
+            >>> import numpy as np
+            >>> trace = RoutedExpertTrace()
+            >>> trace.record(prompt_len=2, generated_len=1, routes=np.zeros((2, 1, 1), np.uint8), weight_version="v3")
+            >>> trace.weight_versions
+            ('v3',)
+        """
+        return tuple(self._versions)
+
+    def record(self, *, prompt_len: int, generated_len: int, routes: Any, weight_version: str | int | None = None) -> None:
         """Append one turn's routes, checking that exactly the expected rows arrived.
+
+        On any error the trace is left as it was.
 
         Args:
             prompt_len: Tokens in this turn's prompt (the whole conversation so far).
             generated_len: Tokens generated in this turn.
             routes: The rows the server returned for positions
-                ``prompt_start .. prompt_len + generated_len - 2``: an integer
-                array or tensor ``[prompt_len - prompt_start + generated_len - 1,
-                layers, topk]``, e.g. ``RemoteGenerateResult.routed_experts``.
+                `prompt_start .. prompt_len + generated_len - 2`: an integer
+                array, tensor or tensor-like `[prompt_len - prompt_start +
+                generated_len - 1, layers, topk]`, e.g.
+                `RemoteGenerateResult.routed_experts`.
+            weight_version: The policy version that routed this turn, when the
+                server reports one (`str` or `int`).
 
         Raises:
-            TypeError: a length is not an ``int``, or ``routes`` is not an integer
-                array or tensor (``None`` included: the turn must carry routes).
-            ValueError: ``prompt_len < prompt_start`` (the prompt must extend the
+            TypeError: a length is not an `int`, `weight_version` is not a
+                `str`, `int` or `None`, or `routes` is not an integer array or
+                tensor (`None` included: the turn must carry routes).
+            ValueError: `prompt_len < prompt_start` (the prompt must extend the
                 captured prefix), the row count is not the expected one, the row
-                shape differs from earlier turns, or an expert id is out of range.
+                shape differs from earlier turns, an expert id is negative or
+                `>= num_experts`, or `weight_version` differs from an earlier
+                turn's (unless `allow_mixed_versions`).
         """
-        turn = f"turn {self._turns}"
+        turn = f"turn {self.turns}"
         prompt_len = _check_count(prompt_len, f"{turn}: prompt_len")
         generated_len = _check_count(generated_len, f"{turn}: generated_len")
+        self._check_version(weight_version, turn)
         start = self.prompt_start
         if prompt_len < start:
             raise ValueError(
@@ -218,21 +283,41 @@ class RoutedExpertTrace:
             raise ValueError(f"{turn}: prompt_len {prompt_len} with generated_len 0 evaluates no new position")
         if routes is None:
             raise TypeError(f"{turn}: routes is None; request with return_routed_experts=True")
-        if not hasattr(routes, "shape") or len(routes.shape) != 3:
-            shape = getattr(routes, "shape", None)
-            if shape is None:
-                raise TypeError(f"{turn}: routes must be an integer array or tensor, got {type(routes).__name__}")
-            raise ValueError(f"{turn}: routes must be [rows, layers, topk], got shape {tuple(shape)}")
-        if routes.shape[0] != expected:
+        label = f"{turn}: routes"
+        array = as_host_array(routes, label)
+        if array.dtype.kind not in "iu":
+            raise TypeError(f"{label}: expected an integer dtype, got {array.dtype}")
+        if array.ndim != 3:
+            raise ValueError(f"{label}: routes must be [rows, layers, topk], got shape {array.shape}")
+        if array.shape[0] != expected:
             raise ValueError(
                 f"{turn}: expected prompt_len - prompt_start + generated_len - 1 = "
-                f"{prompt_len} - {start} + {generated_len} - 1 = {expected} rows, got {routes.shape[0]}"
+                f"{prompt_len} - {start} + {generated_len} - 1 = {expected} rows, got {array.shape[0]}"
             )
-        self._rows.append(routes, expected_rows=expected, label=f"{turn}: routes")
-        self._turns += 1
+        # The trace is where routes from the caller enter: one range scan here
+        # (only what the dtype leaves open) lets the collator trust the dtype.
+        check_expert_ids(array, self._num_experts, name=label)
+        self._rows.append(array, expected_rows=expected, label=label)
+        self._versions.append(weight_version)
+
+    def _check_version(self, version: Any, turn: str) -> None:
+        if version is not None and (isinstance(version, bool) or not isinstance(version, (str, int))):
+            raise TypeError(f"{turn}: weight_version must be a str, an int or None, got {type(version).__name__}")
+        if version is None or self._allow_mixed:
+            return
+        for i, earlier in enumerate(self._versions):
+            if earlier is not None and earlier != version:
+                raise ValueError(
+                    f"{turn} was routed by weight version {version!r}, but turn {i} by {earlier!r}: "
+                    "a trajectory's routes must come from one policy; start a new trace after a "
+                    "weight update, or pass RoutedExpertTrace(allow_mixed_versions=True) to accept it"
+                )
 
     def finalize(self, token_count: int) -> np.ndarray:
-        """The captured rows ``[rows, layers, topk]``, never padded.
+        """The captured rows `[rows, layers, topk]`, never padded.
+
+        The versions these rows were routed by are in `weight_versions` (one
+        entry per turn); the trace is left as it is.
 
         Args:
             token_count: Tokens in the finished trajectory, including any that
@@ -242,9 +327,9 @@ class RoutedExpertTrace:
             A new C-contiguous array of the widest canonical dtype seen.
 
         Raises:
-            TypeError: ``token_count`` is not an ``int``.
+            TypeError: `token_count` is not an `int`.
             ValueError: more rows were captured than the trajectory has tokens,
-                or no turn was recorded and the row shape is unknown.
+                or no rows were recorded and the row shape is unknown.
         """
         token_count = _check_count(token_count, "token_count")
         if self.prompt_start > token_count:

@@ -1,11 +1,14 @@
 """A real inference server on loopback, for tests and examples.
 
-``torch_r3.testing`` serves ``POST /v1/generate`` (DESIGN.md's wire format) from
-a tiny mixture-of-experts language model in pure PyTorch, with genuine routes
-captured from its routers, and injects faults on demand. Any model that
-implements :class:`ServedModel` can be served the same way.
+`torch_r3.testing` serves a tiny mixture-of-experts language model in pure
+PyTorch over HTTP, in the format of our own `POST /v1/generate`, SGLang's
+`POST /generate` or vLLM's `POST /inference/v1/generate`, with genuine routes
+captured from its routers over every hidden layer (zero rows for dense
+layers), a prefix cache that keeps routes with its blocks, weight updates that
+bump a weight version, and faults injected on demand. Any model that
+implements `ServedModel` can be served the same way.
 
-Example:
+Examples:
     >>> import asyncio
     >>> from torch_r3.client import RemoteGenerateClient
     >>> from torch_r3.testing import LoopbackServer
@@ -17,10 +20,27 @@ Example:
     >>> len(result.response_ids), result.routed_experts.shape
     (3, (5, 2, 2))
 
-This package imports aiohttp; ``import torch_r3`` does not.
+This package imports aiohttp; `import torch_r3` does not.
 """
 
+from torch_r3.testing.engine import Engine, GenerateRequest, Generation, PrefixCache
+from torch_r3.testing.faults import Faults
 from torch_r3.testing.model import GenerateOutput, ServedModel, TinyMoELM
-from torch_r3.testing.server import Faults, LoopbackServer, ServerStats, make_app
+from torch_r3.testing.server import LoopbackServer, ServerStats, make_app
+from torch_r3.testing.wire import PROTOCOLS, WireProtocol
 
-__all__ = ["Faults", "GenerateOutput", "LoopbackServer", "ServedModel", "ServerStats", "TinyMoELM", "make_app"]
+__all__ = [
+    "PROTOCOLS",
+    "Engine",
+    "Faults",
+    "GenerateOutput",
+    "GenerateRequest",
+    "Generation",
+    "LoopbackServer",
+    "PrefixCache",
+    "ServedModel",
+    "ServerStats",
+    "TinyMoELM",
+    "WireProtocol",
+    "make_app",
+]

@@ -1,20 +1,20 @@
-"""An ``aiohttp.web`` inference server on loopback, with fault injection.
+"""An `aiohttp.web` inference server on loopback, with fault injection.
 
-It serves ``POST /v1/generate`` in DESIGN.md's wire format from a
-:class:`~torch_r3.testing.model.ServedModel`, returning the genuine routes of
-every position the model evaluated from ``routed_experts_prompt_start`` on.
-Tests run it in-process on ``127.0.0.1``: nothing is mocked at the HTTP layer.
+It serves one protocol (our own `POST /v1/generate`, SGLang's `POST /generate`
+or vLLM's `POST /inference/v1/generate`; see `torch_r3.testing.wire`) from a
+`ServedModel`, returning the genuine routes of every position the model
+evaluated from the requested start on, through a prefix cache that keeps routes
+with its blocks as the real servers do. Tests run it in-process on
+`127.0.0.1`: nothing is mocked at the HTTP layer.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import socket
 import struct
 import threading
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,102 +23,13 @@ from torch_r3._extras import require
 require("aiohttp", "testing")  # without aiohttp: name the extra that installs it
 from aiohttp import web  # noqa: E402
 
-from torch_r3.codec import encode_routes
+from torch_r3.protocols.torch_r3 import MODEL_INFO_PATH
+from torch_r3.testing.engine import Engine, ModelOutputError, PrefixCache
+from torch_r3.testing.faults import Faults
 from torch_r3.testing.model import ServedModel, TinyMoELM
+from torch_r3.testing.wire import WireProtocol, make_protocol
 
-__all__ = ["Faults", "LoopbackServer", "ServerStats", "make_app"]
-
-GENERATE_PATH = "/v1/generate"
-MODEL_INFO_PATH = "/v1/model_info"
-
-
-class Faults:
-    """Faults to inject, consumed in order by the next requests (thread-safe).
-
-    Connection refusals apply to new TCP connections; every other fault applies
-    to the next request that reaches the handler, one fault per request, in the
-    order they were queued.
-
-    Example:
-        >>> faults = Faults()
-        >>> faults.status(503, n=2)
-        >>> faults.stall(5.0)
-        >>> faults.pending
-        3
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._queue: collections.deque[tuple[str, dict[str, Any]]] = collections.deque()
-        self._refuse = 0
-
-    def refuse_connections(self, n: int = 1) -> None:
-        """Reset the next ``n`` TCP connections as soon as they are accepted.
-
-        The client sees a connection-level error (``ClientOSError`` /
-        ``ServerDisconnectedError``) before any byte of a response, as it would
-        for a server that is not up yet. (For a genuinely closed port, see
-        :meth:`LoopbackServer.restart`.)
-        """
-        with self._lock:
-            self._refuse += _count(n)
-
-    def disconnect(self, n: int = 1) -> None:
-        """Send the status line, headers and half the body, then drop the connection."""
-        self._push("disconnect", n)
-
-    def status(self, code: int, n: int = 1, *, message: str | None = None, json_error: bool = True) -> None:
-        """Answer with HTTP ``code``: a ``{"error": {"message"}}`` body, or plain text when ``json_error=False``."""
-        if isinstance(code, bool) or not isinstance(code, int) or not 100 <= code <= 599:
-            raise ValueError(f"code must be an HTTP status int, got {code!r}")
-        self._push("status", n, code=code, message=message or f"injected {code}", json_error=json_error)
-
-    def truncate(self, n: int = 1) -> None:
-        """Answer ``200`` with a complete HTTP body holding only the first half of the JSON."""
-        self._push("truncate", n)
-
-    def malformed(self, n: int = 1) -> None:
-        """Answer ``200`` with valid JSON whose route envelope claims one row more than its data holds."""
-        self._push("malformed", n)
-
-    def stall(self, seconds: float, n: int = 1) -> None:
-        """Wait ``seconds`` before handling the request (to outlast a client timeout)."""
-        if not seconds >= 0:
-            raise ValueError(f"seconds must be >= 0, got {seconds!r}")
-        self._push("stall", n, seconds=float(seconds))
-
-    def clear(self) -> None:
-        """Drop every pending fault."""
-        with self._lock:
-            self._queue.clear()
-            self._refuse = 0
-
-    @property
-    def pending(self) -> int:
-        """Faults not yet consumed (connection refusals included)."""
-        with self._lock:
-            return len(self._queue) + self._refuse
-
-    def _push(self, kind: str, n: int, **args: Any) -> None:
-        with self._lock:
-            self._queue.extend((kind, args) for _ in range(_count(n)))
-
-    def _next(self) -> tuple[str, dict[str, Any]] | None:
-        with self._lock:
-            return self._queue.popleft() if self._queue else None
-
-    def _take_refusal(self) -> bool:
-        with self._lock:
-            if self._refuse:
-                self._refuse -= 1
-                return True
-            return False
-
-
-def _count(n: Any) -> int:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"n must be an int >= 0, got {n!r}")
-    return n
+__all__ = ["LoopbackServer", "ServerStats", "make_app"]
 
 
 @dataclass
@@ -126,13 +37,14 @@ class ServerStats:
     """What the server saw, counted server-side (read it after the requests finish).
 
     Attributes:
-        connections_refused: TCP connections reset by :meth:`Faults.refuse_connections`.
+        connections_refused: TCP connections reset by `Faults.refuse_connections`.
         requests: Requests that reached the generate handler (faulted ones included).
-        generations: Requests the model generated for (answered ``200``,
-            including the ``disconnect``/``truncate``/``malformed`` faults).
+        generations: Requests answered `200` with a generation (including the
+            `disconnect`/`truncate`/`malformed`/`abort` faults).
         route_rows: Route rows put on the wire, over all generations.
         route_bytes: Decoded route bytes put on the wire (rows * layers * topk * itemsize).
-        session_ids: The ``X-Session-ID`` of every generation, in order (``None`` when absent).
+        cached_tokens: Prompt positions served from the prefix cache, over all generations.
+        session_ids: The `X-Session-ID` of every generation, in order (`None` when absent).
         in_flight: Requests inside the handler right now.
         max_in_flight: The most requests that were inside the handler at once.
     """
@@ -142,30 +54,50 @@ class ServerStats:
     generations: int = 0
     route_rows: int = 0
     route_bytes: int = 0
+    cached_tokens: int = 0
     session_ids: list[str | None] = field(default_factory=list)
     in_flight: int = 0
     max_in_flight: int = 0
 
 
-def make_app(model: ServedModel, *, faults: Faults | None = None, stats: ServerStats | None = None) -> web.Application:
-    """The ``aiohttp.web`` application serving ``POST /v1/generate`` from ``model``.
+def make_app(
+    model: ServedModel | Engine,
+    *,
+    protocol: str | WireProtocol = "torch_r3",
+    faults: Faults | None = None,
+    stats: ServerStats | None = None,
+) -> web.Application:
+    """The `aiohttp.web` application serving `protocol` from `model`.
 
-    ``GET /v1/model_info`` answers the model's ``num_layers``, ``num_experts``
-    and ``topk``.
+    Our own protocol also answers `GET /v1/model_info` with the model's
+    `num_layers`, `num_experts`, `topk` and `moe_layers` (the ids of its MoE
+    layers); SGLang's answers `POST /flush_cache` and vLLM's
+    `POST /reset_prefix_cache`, which drop the prefix cache.
 
     Args:
-        model: The :class:`~torch_r3.testing.model.ServedModel` to generate with.
-        faults: Faults to inject (none when ``None``).
-        stats: Counters to update (a private one when ``None``).
+        model: The `ServedModel` to generate with (behind a prefix cache with
+            the protocol's block size), or an `Engine` to use as it is.
+        protocol: `"torch_r3"`, `"sglang"`, `"vllm"` or a `WireProtocol`.
+        faults: Faults to inject (none when `None`).
+        stats: Counters to update (a private one when `None`).
 
     Returns:
-        An application to run with ``aiohttp.web.AppRunner`` (or use
-        :class:`LoopbackServer`, which does it for you).
+        An application to run with `aiohttp.web.AppRunner` (or use
+        `LoopbackServer`, which does it for you).
     """
-    if not isinstance(model, ServedModel):
+    wire = make_protocol(protocol)
+    if isinstance(model, Engine):
+        engine = model
+    elif isinstance(model, ServedModel):
+        engine = Engine(model, PrefixCache(wire.default_block_size))
+    else:
         raise TypeError(f"model must implement torch_r3.testing.ServedModel, got {type(model).__name__}")
+    served = engine.model
     faults = faults if faults is not None else Faults()
     stats = stats if stats is not None else ServerStats()
+
+    def error(status: int, message: str) -> web.Response:
+        return web.json_response(wire.error(status, message), status=status)
 
     async def generate(request: web.Request) -> web.StreamResponse:
         stats.requests += 1
@@ -177,48 +109,33 @@ def make_app(model: ServedModel, *, faults: Faults | None = None, stats: ServerS
             stats.in_flight -= 1
 
     async def _generate(request: web.Request) -> web.StreamResponse:
-        fault = faults._next()
+        fault = faults.next_fault()
         kind, args = fault if fault else (None, {})
         if kind == "stall":
             await asyncio.sleep(args["seconds"])
         elif kind == "status":
             if args["json_error"]:
-                return web.json_response({"error": {"message": args["message"]}}, status=args["code"])
+                return error(args["code"], args["message"])
             return web.Response(text=args["message"], status=args["code"], content_type="text/plain")
         try:
             body = await request.json()
         except ValueError as exc:
-            return _error(400, f"request body is not JSON: {exc}")
+            return error(400, f"request body is not JSON: {exc}")
         try:
-            prompt, params, want_routes, start = _parse_request(body, model)
-            out = model.generate(prompt, params)
+            parsed = wire.parse(body, served)
+            generation = engine.aborted() if kind == "abort" else engine.generate(parsed)
+        except ModelOutputError as exc:  # a broken ServedModel, not a client error
+            return error(500, str(exc))
         except (TypeError, ValueError) as exc:
-            return _error(400, str(exc))
-        envelope = None
-        if want_routes:
-            expected = len(prompt) + len(out.token_ids) - 1
-            if out.routes.shape[0] != expected:  # a broken ServedModel, not a client error
-                return _error(500, f"model returned {out.routes.shape[0]} route rows, expected {expected}")
-            rows = out.routes[start:]
-            envelope = encode_routes(rows)
-            if kind == "malformed":
-                envelope["shape"][0] += 1
-        payload = {
-            "choices": [
-                {
-                    "token_ids": out.token_ids,
-                    "finish_reason": out.finish_reason,
-                    "logprobs": out.logprobs,
-                    "routed_experts": envelope,
-                }
-            ]
-        }
+            return error(400, str(exc))
+        payload, rows = wire.render(parsed, generation, served, malformed=kind == "malformed")
         text = json.dumps(payload).encode()
         stats.generations += 1
+        stats.cached_tokens += generation.cached_tokens
         stats.session_ids.append(request.headers.get("X-Session-ID"))
-        if envelope is not None:
+        if rows is not None:
             stats.route_rows += rows.shape[0]
-            stats.route_bytes += len(envelope["data"]) // 4 * 3 - envelope["data"][-2:].count("=")
+            stats.route_bytes += rows.nbytes
         if kind == "truncate":
             return web.Response(body=text[: len(text) // 2], content_type="application/json")
         if kind == "disconnect":
@@ -232,46 +149,21 @@ def make_app(model: ServedModel, *, faults: Faults | None = None, stats: ServerS
 
     async def model_info(request: web.Request) -> web.Response:
         # What a trainer checks before replaying these routes in its own model.
-        return web.json_response(
-            {"num_layers": model.num_layers, "num_experts": model.num_experts, "topk": model.topk}
-        )
+        moe_layers = [i for i, moe in enumerate(served.moe_layer_pattern) if moe]
+        info = {"num_layers": served.num_layers, "num_experts": served.num_experts, "topk": served.topk}
+        return web.json_response({**info, "moe_layers": moe_layers})
+
+    async def flush_cache(request: web.Request) -> web.Response:
+        engine.flush_cache()
+        return web.Response(text="Cache flushed.")
 
     app = web.Application()
-    app.router.add_post(GENERATE_PATH, generate)
-    app.router.add_get(MODEL_INFO_PATH, model_info)
+    app.router.add_post(wire.generate_path, generate)
+    if wire.name == "torch_r3":
+        app.router.add_get(MODEL_INFO_PATH, model_info)
+    if wire.flush_cache_path:
+        app.router.add_post(wire.flush_cache_path, flush_cache)
     return app
-
-
-def _parse_request(body: Any, model: ServedModel) -> tuple[list[int], dict[str, Any], bool, int]:
-    if not isinstance(body, Mapping):
-        raise TypeError(f"request body must be a JSON object, got {type(body).__name__}")
-    for key in ("token_ids",):
-        if key not in body:
-            raise ValueError(f"request body is missing {key!r}")
-    unknown = sorted(set(body) - {"token_ids", "sampling_params", "return_routed_experts", "model"})
-    if unknown:
-        raise ValueError(f"unknown request fields {unknown}")
-    prompt = body["token_ids"]
-    if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        raise TypeError("token_ids must be a list of ints")
-    params = body.get("sampling_params") or {}
-    if not isinstance(params, dict):
-        raise TypeError(f"sampling_params must be an object, got {type(params).__name__}")
-    want_routes = body.get("return_routed_experts", False)
-    if not isinstance(want_routes, bool):
-        raise TypeError("return_routed_experts must be a bool")
-    if "model" in body and not isinstance(body["model"], str):
-        raise TypeError("model must be a string")
-    start = params.get("routed_experts_prompt_start", 0)
-    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= len(prompt):
-        raise ValueError(f"routed_experts_prompt_start must be an int in [0, {len(prompt)}], got {start!r}")
-    if "routed_experts_prompt_start" in params and not want_routes:
-        raise ValueError("routed_experts_prompt_start requires return_routed_experts=true")
-    return prompt, params, want_routes, start
-
-
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message}}, status=status)
 
 
 def _reset(transport: asyncio.BaseTransport | None) -> None:
@@ -300,20 +192,39 @@ async def _cancel_other_tasks() -> None:
 
 
 class LoopbackServer:
-    """The test server on ``127.0.0.1``, in-process, on a free port.
+    """The test server on `127.0.0.1`, in-process, on a free port.
 
-    Use ``with`` from synchronous code (the server runs its own event loop in a
-    background thread) or ``async with`` from a coroutine (it runs on the
+    Use `with` from synchronous code (the server runs its own event loop in a
+    background thread) or `async with` from a coroutine (it runs on the
     current loop).
 
-    Args:
-        model: The model to serve; a seeded :class:`~torch_r3.testing.model.TinyMoELM` by default.
-        faults: Faults to inject; a fresh :class:`Faults` by default (see :attr:`faults`).
-        host: Address to bind.
-        port: Port to bind; ``0`` picks a free one (see :attr:`port`).
-        shutdown_timeout: Seconds in-flight requests get to finish on stop or restart.
+    Requests run through a prefix cache that stores routes with its blocks, as
+    vLLM's and SGLang's captures do: a request whose prompt starts with cached
+    blocks gets, for those positions, the routes recorded when the blocks were
+    computed. After `update_weights` those routes are stale unless the cache is
+    flushed or the request carries a salt that keys the cache apart (our
+    format and vLLM: `cache_salt`; SGLang: `extra_key`).
 
-    Example:
+    Args:
+        model: The model to serve; a seeded `TinyMoELM` by default.
+        protocol: `"torch_r3"` (our own format), `"sglang"` or `"vllm"`; see
+            `torch_r3.testing.wire` for each one's fields.
+        faults: Faults to inject; a fresh `Faults` by default (see `faults`).
+        host: Address to bind.
+        port: Port to bind; `0` picks a free one (see `port`).
+        shutdown_timeout: Seconds in-flight requests get to finish on stop or restart.
+        routes_enabled: `False` answers like a server launched without its
+            routed-experts flag (vLLM: `null` routes; SGLang: no routes key).
+        sglang_ignores_start: SGLang only: return every route row from 0 whatever
+            `routed_experts_start_len` asked, as sglang 0.5.10.post1 does.
+        sglang_routes_dtype: SGLang only: `"uint8"`/`"uint16"` to narrow the
+            routes and announce it in `meta_info.routed_experts_dtype`.
+        prefix_cache: Keep a prefix cache (`False`: every route is fresh).
+        block_size: Tokens per cache block; the real server's by default
+            (vLLM 16, SGLang 1 (its radix tree matches any length), ours 16).
+        cache_blocks: Blocks the cache keeps (least recently used evicted first).
+
+    Examples:
         >>> import asyncio
         >>> from torch_r3.client import RemoteGenerateClient
         >>> with LoopbackServer() as server:
@@ -329,14 +240,29 @@ class LoopbackServer:
         self,
         model: ServedModel | None = None,
         *,
+        protocol: str = "torch_r3",
         faults: Faults | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
         shutdown_timeout: float = 1.0,
+        routes_enabled: bool = True,
+        sglang_ignores_start: bool = False,
+        sglang_routes_dtype: str | None = None,
+        prefix_cache: bool = True,
+        block_size: int | None = None,
+        cache_blocks: int = 4096,
     ) -> None:
         self.model = model if model is not None else TinyMoELM()
         if not isinstance(self.model, ServedModel):
             raise TypeError(f"model must implement torch_r3.testing.ServedModel, got {type(self.model).__name__}")
+        options: dict[str, Any] = {"routes_enabled": routes_enabled}
+        if protocol == "sglang":
+            options.update(ignores_start=sglang_ignores_start, routes_dtype=sglang_routes_dtype)
+        elif sglang_ignores_start or sglang_routes_dtype is not None:
+            raise ValueError(f"sglang_ignores_start and sglang_routes_dtype apply to protocol='sglang', not {protocol!r}")
+        self.wire = make_protocol(protocol, **options)
+        cache = PrefixCache(block_size or self.wire.default_block_size, cache_blocks) if prefix_cache else None
+        self.engine = Engine(self.model, cache)
         self.faults = faults if faults is not None else Faults()
         self.stats = ServerStats()
         self.host = host
@@ -349,15 +275,55 @@ class LoopbackServer:
 
     @property
     def url(self) -> str:
-        """``http://host:port``, the client's ``base_url``."""
+        """`http://host:port`, the client's `base_url`."""
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def protocol(self) -> str:
+        """The protocol served: `"torch_r3"`, `"sglang"` or `"vllm"`."""
+        return self.wire.name
+
+    @property
+    def weight_version(self) -> str:
+        """The weight version requests run with now (`"0"` until the first `update_weights`)."""
+        return self.engine.weight_version
+
+    def update_weights(self, *, weight_version: str | None = None, flush_cache: bool | None = None) -> str:
+        """Load new weights into the model (`ServedModel.update_weights`) and bump the weight version.
+
+        Safe to call from any thread while the server runs: requests already
+        generating finish with the old weights, later ones use the new.
+
+        Args:
+            weight_version: The new version's name; the number of updates so
+                far (`"1"`, `"2"`, ...) by default.
+            flush_cache: Drop the prefix cache too. By default `True` for
+                SGLang (its weight-update endpoints flush the radix cache unless
+                told not to) and `False` for vLLM and our format (vLLM keeps its
+                prefix cache until `/reset_prefix_cache`).
+
+        Returns:
+            The new weight version.
+
+        Examples:
+            >>> server = LoopbackServer(protocol="vllm")
+            >>> server.update_weights(), server.weight_version
+            ('1', '1')
+        """
+        if flush_cache is None:
+            flush_cache = self.wire.name == "sglang"
+        return self.engine.update_weights(weight_version=weight_version, flush_cache=flush_cache)
+
+    def flush_cache(self) -> None:
+        """Drop the prefix cache (what SGLang's `/flush_cache` and vLLM's `/reset_prefix_cache` do)."""
+        self.engine.flush_cache()
 
     # -- listening, on the server's loop -------------------------------------
 
     async def _listen(self) -> None:
         loop = asyncio.get_running_loop()
         runner = web.AppRunner(
-            make_app(self.model, faults=self.faults, stats=self.stats),
+            make_app(self.engine, protocol=self.wire, faults=self.faults, stats=self.stats),
             handle_signals=False,
             access_log=None,
             shutdown_timeout=self._shutdown_timeout,
@@ -366,7 +332,7 @@ class LoopbackServer:
         handler_factory = runner.server
 
         def protocol() -> asyncio.Protocol:
-            if self.faults._take_refusal():
+            if self.faults.take_refusal():
                 self.stats.connections_refused += 1
                 return _Refused()
             return handler_factory()
@@ -386,11 +352,14 @@ class LoopbackServer:
             await server.wait_closed()
 
     async def arestart(self, downtime: float = 0.0) -> None:
-        """Async mode: stop listening, stay down ``downtime`` seconds, listen again on the same port.
+        """Async mode: stop listening, stay down `downtime` seconds, listen again on the same port.
 
-        While down, connections are refused by the OS (``ECONNREFUSED``).
+        While down, connections are refused by the OS (`ECONNREFUSED`). The
+        prefix cache starts empty again, as a restarted server's does; the
+        weights and their version stay.
         """
         await self._close()
+        self.engine.flush_cache()
         await asyncio.sleep(downtime)
         await self._listen()
 
@@ -439,7 +408,7 @@ class LoopbackServer:
             self._loop = self._thread = None
 
     def restart(self, downtime: float = 0.0) -> None:
-        """Thread mode: like :meth:`arestart`, blocking the caller until the server is back."""
+        """Thread mode: like `arestart`, blocking the caller until the server is back."""
         if self._loop is None:
             raise RuntimeError("restart() is for thread mode (with LoopbackServer()); use await arestart() in async mode")
         asyncio.run_coroutine_threadsafe(self.arestart(downtime), self._loop).result(timeout=60 + downtime)

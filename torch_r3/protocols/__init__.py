@@ -1,0 +1,23 @@
+"""The generate APIs of the inference servers, one small module per server.
+
+- `torch_r3.protocols.torch_r3`: the torch_r3 server format (`POST /v1/generate`).
+- `torch_r3.protocols.sglang`: SGLang's native `POST /generate`.
+- `torch_r3.protocols.vllm`: vLLM's native `POST /inference/v1/generate`.
+
+Each module holds its server's endpoint paths (their one home) and a stateless
+`ServerProtocol` object, `PROTOCOL`, that builds request bodies and reads
+answers into the same canonical `ParsedResponse`. `RemoteGenerateClient` picks
+one by name from `PROTOCOLS`. Nothing here imports aiohttp.
+"""
+
+from __future__ import annotations
+
+from torch_r3.protocols import sglang, torch_r3, vllm
+from torch_r3.protocols.base import GenerateCall, ParsedResponse, RouteLimits, ServerProtocol
+
+__all__ = ["PROTOCOLS", "SERVERS", "GenerateCall", "ParsedResponse", "RouteLimits", "ServerProtocol"]
+
+#: Protocol by `server=` name.
+PROTOCOLS: dict[str, ServerProtocol] = {p.name: p for p in (torch_r3.PROTOCOL, sglang.PROTOCOL, vllm.PROTOCOL)}
+#: The `server=` names, in a stable order.
+SERVERS = tuple(PROTOCOLS)

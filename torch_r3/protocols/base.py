@@ -1,0 +1,371 @@
+"""What every server protocol provides, and the response checks they share.
+
+A protocol is stateless: `ServerProtocol.request_body` turns a `GenerateCall`
+into the JSON body its server expects, and `ServerProtocol.parse_response`
+turns the server's parsed JSON into a `ParsedResponse` with routes in the
+canonical layout `[rows, layers, topk]` for positions `[start, P + O - 1)`
+(`P` prompt tokens, `O` generated tokens; the last sampled token never ran
+forward, so it has no row). Malformed answers raise `WireFormatError`.
+
+This module needs NumPy only; it never imports aiohttp.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from torch_r3.codec import WireFormatError
+
+__all__ = [
+    "ChoicesProtocol",
+    "FINISH_REASONS",
+    "PROMPT_START_PARAM",
+    "GenerateCall",
+    "ParsedResponse",
+    "RouteLimits",
+    "ServerProtocol",
+    "expected_rows",
+    "finish_reason",
+    "first_choice",
+    "params_with_start",
+    "get_field",
+    "logprob",
+    "slice_to_start",
+    "token_ids",
+    "weight_version",
+]
+
+#: The sampling parameter that carries the route start in the torch_r3 and vLLM formats.
+PROMPT_START_PARAM = "routed_experts_prompt_start"
+#: The finish reasons every protocol is normalised to (anything else a server
+#: sends is passed on as its lower-cased string).
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    """One generate call as the client checked it, before any protocol shapes it.
+
+    Attributes:
+        prompt: The prompt token ids.
+        sampling_params: The caller's sampling parameters, passed on as they are.
+        return_routed_experts: Whether routes were asked for.
+        start: First position whose route is wanted (`0`: the whole prompt).
+        cache_salt: The prefix-cache salt, a non-empty string, or `None`.
+        model: The body's `model` field, or `None`.
+    """
+
+    prompt: list[int]
+    sampling_params: dict[str, Any]
+    return_routed_experts: bool
+    start: int = 0
+    cache_salt: str | None = None
+    model: str | None = None
+
+
+@dataclass(frozen=True)
+class RouteLimits:
+    """What the client knows about the routes it may receive.
+
+    Attributes:
+        max_bytes: The cap on one decoded route payload.
+        num_layers: Layers per row the server sends (every hidden layer for
+            SGLang and vLLM), or `None` when unknown.
+        topk: Experts per token, or `None` when unknown.
+        num_experts: Routed experts per layer (ids must be below it), or `None`.
+    """
+
+    max_bytes: int
+    num_layers: int | None = None
+    topk: int | None = None
+    num_experts: int | None = None
+
+
+@dataclass(frozen=True)
+class ParsedResponse:
+    """A server's answer, protocol-neutral.
+
+    Attributes:
+        response_ids: The generated token ids.
+        response_logprobs: Their logprobs, or `None` when the server sent none.
+        finish_reason: `"stop"`, `"length"`, `"abort"`, another server string, or `None`.
+        routed_experts: Canonical routes of positions `[start, P + O - 1)`, or
+            `None` when not asked for or the request was aborted before any row.
+        weight_version: The server's weight version, or `None` when it reports none.
+    """
+
+    response_ids: tuple[int, ...]
+    response_logprobs: tuple[float, ...] | None
+    finish_reason: str | None
+    routed_experts: np.ndarray | None
+    weight_version: str | None
+
+
+class ServerProtocol(abc.ABC):
+    """One inference server's generate API.
+
+    Attributes:
+        name: The `server=` name of `RemoteGenerateClient`.
+        generate_path: The generate endpoint, appended to the base URL.
+        salt_field: The top-level body field that carries `cache_salt`.
+        needs_route_shape: Whether the route payload lacks its shape, so that
+            the client must know `num_layers` and `topk` to read it.
+    """
+
+    name: ClassVar[str]
+    generate_path: ClassVar[str]
+    salt_field: ClassVar[str]
+    needs_route_shape: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    def request_body(self, call: GenerateCall) -> dict[str, Any]:
+        """The JSON body for `call`.
+
+        Raises:
+            ValueError: `call.sampling_params` holds a key the protocol sets itself.
+        """
+
+    @abc.abstractmethod
+    def parse_response(self, raw: Any, call: GenerateCall, limits: RouteLimits) -> ParsedResponse:
+        """Read the server's parsed JSON answer to `call`.
+
+        Raises:
+            WireFormatError: The answer breaks the server's format, or its
+                routes do not cover positions `[call.start, P + O - 1)`.
+        """
+
+    def salted(self, body: dict[str, Any], call: GenerateCall) -> dict[str, Any]:
+        """`body` with the salt field added when `call` has a salt.
+
+        Raises:
+            ValueError: The salt is empty: servers refuse or ignore one, so it is never sent.
+        """
+        if call.cache_salt is not None:
+            if not isinstance(call.cache_salt, str) or not call.cache_salt:
+                raise ValueError(f"cache_salt must be a non-empty string, got {call.cache_salt!r}")
+            body[self.salt_field] = call.cache_salt
+        return body
+
+
+class ChoicesProtocol(ServerProtocol):
+    """A format with a top-level `token_ids` request and a `choices[0]` answer.
+
+    The torch_r3 and vLLM formats share it: the request carries `token_ids`,
+    `sampling_params` (the route start inside, as `routed_experts_prompt_start`)
+    and an optional `model`; the answer's `choices[0]` carries `token_ids`, a
+    string `finish_reason`, `logprobs` and `routed_experts`, which is `null` when
+    the request was aborted before any forward pass (no token generated; then
+    reported as `"abort"`). Subclasses say how logprobs and routes are encoded.
+
+    Attributes:
+        start_may_be_ignored: Accept an answer with every row from position 0
+            although the start was past 0 (a server that does not know the field).
+        null_routes_hint: Appended to the error for `null` routes after tokens were generated.
+    """
+
+    start_may_be_ignored: ClassVar[bool] = False
+    null_routes_hint: ClassVar[str] = ""
+
+    @abc.abstractmethod
+    def flags(self, call: GenerateCall) -> dict[str, Any]:
+        """The protocol's own top-level request fields."""
+
+    @abc.abstractmethod
+    def read_logprobs(self, choice: Mapping[str, Any], ids: tuple[int, ...]) -> tuple[float, ...] | None:
+        """The logprobs of `choices[0]`, one per generated token, or `None`."""
+
+    @abc.abstractmethod
+    def decode(self, payload: Any, limits: RouteLimits) -> np.ndarray:
+        """Decode a non-null `choices[0].routed_experts`."""
+
+    def sampling_params(self, call: GenerateCall) -> dict[str, Any]:
+        """The body's `sampling_params`."""
+        return params_with_start(call)
+
+    def request_body(self, call: GenerateCall) -> dict[str, Any]:
+        body: dict[str, Any] = {"token_ids": call.prompt, "sampling_params": self.sampling_params(call), **self.flags(call)}
+        if call.model is not None:
+            body["model"] = call.model
+        return self.salted(body, call)
+
+    def parse_response(self, raw: Any, call: GenerateCall, limits: RouteLimits) -> ParsedResponse:
+        choice = first_choice(raw)
+        ids = token_ids(get_field(choice, "token_ids", "choices[0]", list), "choices[0].token_ids")
+        reason = finish_reason(get_field(choice, "finish_reason", "choices[0]", str, required=False), "choices[0].finish_reason")
+        logprobs = self.read_logprobs(choice, ids)
+        routes = None
+        if call.return_routed_experts:
+            payload = choice.get("routed_experts")
+            if payload is None and not ids:
+                reason = "abort"  # aborted before any forward pass: no row to replay
+            elif payload is None:
+                raise WireFormatError(f"routes were requested but choices[0].routed_experts is null or missing{self.null_routes_hint}")
+            else:
+                routes = slice_to_start(
+                    self.decode(payload, limits), call, len(ids), "choices[0].routed_experts",
+                    start_may_be_ignored=self.start_may_be_ignored,
+                )
+        return ParsedResponse(ids, logprobs, reason, routes, self.read_weight_version(raw))
+
+    def read_weight_version(self, raw: Mapping[str, Any]) -> str | None:
+        """The answer's weight version (`None`: the format has none)."""
+        return None
+
+
+def get_field(container: Any, key: str, where: str, kind: type | tuple[type, ...], *, required: bool = True) -> Any:
+    """`container[key]` checked to be of `kind` (`None` when absent and not required).
+
+    Raises:
+        WireFormatError: `container` is not an object, or the field is missing
+            (when required) or of another type.
+    """
+    if not isinstance(container, Mapping):
+        raise WireFormatError(f"{where}: expected a JSON object, got {type(container).__name__}")
+    if key not in container or container[key] is None:
+        if required:
+            raise WireFormatError(f"{where}.{key} is missing")
+        return None
+    value = container[key]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise WireFormatError(f"{where}.{key}: expected {_kind_name(kind)}, got {type(value).__name__}")
+    return value
+
+
+def first_choice(raw: Any) -> Mapping[str, Any]:
+    """`raw["choices"][0]`, checked to be an object.
+
+    Raises:
+        WireFormatError: `raw` has no non-empty `choices` list of objects.
+    """
+    choices = get_field(raw, "choices", "response", list)
+    if not choices:
+        raise WireFormatError("response.choices is empty")
+    if not isinstance(choices[0], Mapping):
+        raise WireFormatError(f"choices[0]: expected a JSON object, got {type(choices[0]).__name__}")
+    return choices[0]
+
+
+def params_with_start(call: GenerateCall, field: str = PROMPT_START_PARAM) -> dict[str, Any]:
+    """A copy of `call.sampling_params` carrying the route start as `field` (when routes start past 0).
+
+    Raises:
+        ValueError: The caller put `field` in the sampling parameters themselves.
+    """
+    params = dict(call.sampling_params)
+    if field in params:
+        raise ValueError(f"pass {field} as the keyword argument routed_experts_prompt_start, not inside sampling_params")
+    if call.return_routed_experts and call.start:
+        params[field] = call.start
+    return params
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join({dict: "an object", list: "a list", str: "a string"}.get(k, k.__name__) for k in kinds)
+
+
+def token_ids(value: Any, where: str) -> tuple[int, ...]:
+    """A list of non-negative ints (not bools) as a tuple.
+
+    Raises:
+        WireFormatError: `value` is not such a list.
+    """
+    if not isinstance(value, list):
+        raise WireFormatError(f"{where}: expected a list of token ids, got {type(value).__name__}")
+    for i, t in enumerate(value):
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise WireFormatError(f"{where}[{i}]: expected a non-negative int token id, got {t!r}")
+    return tuple(value)
+
+
+def logprob(value: Any, where: str) -> float:
+    """A logprob (a number, not NaN) as a float.
+
+    Raises:
+        WireFormatError: `value` is not a number, or is NaN.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise WireFormatError(f"{where}: expected a logprob (a number), got {value!r}")
+    return float(value)
+
+
+def finish_reason(value: Any, where: str) -> str | None:
+    """A finish reason normalised to a lower-case string (`None` stays `None`).
+
+    SGLang sends an object `{"type": "stop" | "length" | "abort", ...}`; vLLM
+    and the torch_r3 server send the string.
+
+    Raises:
+        WireFormatError: `value` is neither a string, an object with a string
+            `type`, nor `null`.
+    """
+    if isinstance(value, Mapping):
+        value = value.get("type")
+        where = f"{where}.type"
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise WireFormatError(f"{where}: expected a finish reason string, got {value!r}")
+    return value.lower()
+
+
+def weight_version(value: Any, where: str) -> str | None:
+    """A weight version string, or `None` when the server sent none.
+
+    Raises:
+        WireFormatError: `value` is present but not a string.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise WireFormatError(f"{where}: expected a string, got {type(value).__name__} {value!r}")
+    return value
+
+
+def expected_rows(prompt_len: int, generated: int, start: int) -> int:
+    """Route rows that cover positions `[start, prompt_len + generated - 1)`.
+
+    Examples:
+        >>> expected_rows(5, 3, 0), expected_rows(5, 3, 2), expected_rows(4, 0, 4)
+        (7, 5, 0)
+    """
+    return max(0, prompt_len + generated - 1 - start)
+
+
+def slice_to_start(routes: np.ndarray, call: GenerateCall, generated: int, where: str, *, start_may_be_ignored: bool) -> np.ndarray:
+    """Check the row count of `routes` against the positions asked for.
+
+    Args:
+        routes: The decoded routes.
+        call: The call they answer.
+        generated: Tokens generated.
+        where: The field, for messages.
+        start_may_be_ignored: Accept an answer that covers every position from
+            `0` although `call.start > 0` (a server that ignored the start
+            field, e.g. sglang 0.5.10.post1), and drop the rows before the start.
+
+    Returns:
+        The routes of positions `[call.start, P + O - 1)`; a copy when sliced,
+        so the rows before the start are freed.
+
+    Raises:
+        WireFormatError: The row count fits neither.
+    """
+    rows = routes.shape[0]
+    want = expected_rows(len(call.prompt), generated, call.start)
+    if rows == want:
+        return routes
+    full = expected_rows(len(call.prompt), generated, 0)
+    if start_may_be_ignored and call.start > 0 and rows == full:
+        return routes[call.start :].copy()
+    raise WireFormatError(
+        f"{where} has {rows} rows; positions {call.start} .. {len(call.prompt) + generated - 2} "
+        f"({len(call.prompt)} prompt + {generated} generated tokens) need {want}"
+    )

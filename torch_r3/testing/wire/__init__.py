@@ -1,0 +1,35 @@
+"""The loopback server's protocols, one module each: `torch_r3` (our own), `sglang`, `vllm`.
+
+Each module holds a `WireProtocol` subclass that parses its server's request
+body and renders the response body that server sends, field for field.
+`make_protocol` builds one by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch_r3.testing.wire.base import WireProtocol
+from torch_r3.testing.wire.sglang import SGLangWire
+from torch_r3.testing.wire.torch_r3 import TorchR3Wire
+from torch_r3.testing.wire.vllm import VLLMWire
+
+__all__ = ["PROTOCOLS", "SGLangWire", "TorchR3Wire", "VLLMWire", "WireProtocol", "make_protocol"]
+
+PROTOCOLS: dict[str, type[WireProtocol]] = {cls.name: cls for cls in (TorchR3Wire, SGLangWire, VLLMWire)}
+
+
+def make_protocol(protocol: str | WireProtocol, **options: Any) -> WireProtocol:
+    """`protocol` itself if it is a `WireProtocol`, else the named one built with `options`.
+
+    Examples:
+        >>> make_protocol("vllm").generate_path
+        '/inference/v1/generate'
+    """
+    if isinstance(protocol, WireProtocol):
+        if options:
+            raise ValueError(f"options {sorted(options)} apply to a protocol name, not to a WireProtocol instance")
+        return protocol
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {sorted(PROTOCOLS)}, got {protocol!r}")
+    return PROTOCOLS[protocol](**options)

@@ -1,0 +1,134 @@
+"""What every protocol of the loopback server implements, and the checks they share.
+
+A protocol turns a JSON request body into a `GenerateRequest` (raising
+`ValueError`/`TypeError`, answered `400`) and a `Generation` into the JSON body
+its real server would send. Request checks are strict: a field of the wrong
+type or out of range is refused with a message naming it, never cast.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import numpy as np
+
+from torch_r3.testing.engine import GenerateRequest, Generation
+from torch_r3.testing.model import ServedModel
+
+__all__ = ["WireProtocol", "check_body", "check_bool", "check_int", "check_known", "check_object", "check_salt", "check_token_ids"]
+
+
+class WireProtocol(abc.ABC):
+    """One server's request and response format.
+
+    Attributes:
+        name: The protocol's name (`LoopbackServer(protocol=name)`).
+        generate_path: The generate endpoint (`POST`).
+        flush_cache_path: The endpoint that drops the prefix cache (`POST`), if any.
+        default_block_size: Tokens per prefix-cache block of the real server.
+
+    Args:
+        routes_enabled: `False` answers like a server launched without its
+            routed-experts flag.
+    """
+
+    name: ClassVar[str]
+    generate_path: ClassVar[str]
+    flush_cache_path: ClassVar[str | None] = None
+    default_block_size: ClassVar[int] = 16
+
+    def __init__(self, *, routes_enabled: bool = True) -> None:
+        self.routes_enabled = check_bool(routes_enabled, "routes_enabled")
+
+    @abc.abstractmethod
+    def parse(self, body: Any, model: ServedModel) -> GenerateRequest:
+        """Check a request body and turn it into a `GenerateRequest`.
+
+        Raises:
+            TypeError: A field has the wrong type.
+            ValueError: A field is missing, unknown or out of range.
+        """
+
+    @abc.abstractmethod
+    def render(
+        self, request: GenerateRequest, generation: Generation, model: ServedModel, *, malformed: bool = False
+    ) -> tuple[dict[str, Any], np.ndarray | None]:
+        """The `200` response body, and the route array it carries (for the stats).
+
+        Args:
+            request: The parsed request.
+            generation: What the engine produced.
+            model: The served model (its shape).
+            malformed: Corrupt the route payload so its size disagrees with its shape.
+
+        Returns:
+            `(body, routes)`: the JSON-ready body and the routes in the dtype put
+            on the wire (`None` when the body carries none).
+        """
+
+    def error(self, status: int, message: str) -> dict[str, Any]:
+        """The JSON body of an error response."""
+        return {"error": {"message": message}}
+
+    def first_row(self, request: GenerateRequest) -> int:
+        """The first route row put on the wire (the requested start by default)."""
+        return request.start
+
+
+def check_body(body: Any, ids_field: str, fields: frozenset[str] | None, *, hint: str = "") -> list[int]:
+    """Check a request body: an object holding the prompt in `ids_field`, and, when
+    `fields` is given, no field outside it. Returns the prompt."""
+    check_object(body, "request body")
+    if ids_field not in body:
+        raise ValueError(f"request body is missing {ids_field!r}{hint}")
+    if fields is not None:
+        check_known(body, fields, "unknown request fields")
+    return check_token_ids(body[ids_field], ids_field)
+
+
+def check_known(mapping: Mapping[str, Any], known: Any, what: str) -> None:
+    """`ValueError` starting with `what` that lists the keys of `mapping` not in `known`."""
+    unknown = sorted(set(mapping) - set(known))
+    if unknown:
+        raise ValueError(f"{what} {unknown}; supported: {sorted(known)}")
+
+
+def check_object(value: Any, name: str) -> Mapping[str, Any]:
+    """`value` if it is a JSON object, else `TypeError` naming `name`."""
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{name} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def check_bool(value: Any, name: str) -> bool:
+    """`value` if it is a bool, else `TypeError` naming `name`."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def check_int(value: Any, name: str, low: int, high: int) -> int:
+    """`value` if it is an int (not a bool) in `[low, high]`, else `ValueError` naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be an int in [{low}, {high}], got {value!r}")
+    return value
+
+
+def check_token_ids(value: Any, name: str) -> list[int]:
+    """`value` if it is a list of ints, else `TypeError` naming `name`."""
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise TypeError(f"{name} must be a list of ints")
+    return value
+
+
+def check_salt(value: Any, name: str) -> str | None:
+    """A cache salt: absent (`None`) or a non-empty string."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a string, got {type(value).__name__}")
+    if not value:
+        raise ValueError(f"{name} must be a non-empty string when given")
+    return value

@@ -1,0 +1,458 @@
+"""The HTTP transport under `RemoteGenerateClient`: sessions, retries, caps.
+
+One job: send a request to the inference server and hand back the parsed JSON
+of a `2xx` answer, or raise `RemoteGenerateError` naming the URL. The protocol
+(what the body holds, how the answer is read) lives in `torch_r3.protocols`.
+
+What is retried, with exponential backoff and jitter:
+
+- a connection that could not be established (the server never saw the
+  request, so re-sending is always safe);
+- a connection that broke after the request was sent (server disconnect, reset,
+  a body cut off mid-transfer) and a timeout: the server may already be running
+  the generation, or have finished it, so a retry can make it run twice;
+- `429 Too Many Requests` (the server refused the request; safe to re-send) and
+  `502`, `503`, `504` (a gateway or an overloaded server; behind a gateway the
+  upstream may have started). A `Retry-After` header on these statuses sets the
+  delay, capped at `max_backoff`.
+
+Never retried: any other status, a body over `max_response_bytes`, a redirect
+loop, or a body that is not JSON. The JSON is parsed here with a nesting guard,
+and the body is read in chunks under the cap, so a hostile server can neither
+exhaust memory nor raise anything but `RemoteGenerateError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import json
+import random
+import threading
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+__all__ = [
+    "DEFAULT_MAX_RESPONSE_BYTES",
+    "RETRYABLE_STATUSES",
+    "HttpTransport",
+    "RemoteGenerateError",
+    "TransportConfig",
+]
+
+# 1 GiB: a 128k-token SGLang capture of a 61-layer top-8 model is 256 MiB of
+# int32, 341 MiB as base64; four times that still fits.
+DEFAULT_MAX_RESPONSE_BYTES = 1 << 30
+RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
+# An error body is read only this far: enough for the server's message.
+ERROR_BODY_BYTES = 64 << 10
+READ_CHUNK_BYTES = 1 << 20
+# aiohttp.ClientPayloadError: the connection broke while the body was read (it
+# is not a ClientConnectionError subclass, but it is the same failure).
+_TRANSIENT = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
+
+
+class RemoteGenerateError(RuntimeError):
+    """A generate call failed for good: a non-retryable answer, or retries exhausted.
+
+    The message names the URL and the last cause; the cause is also chained
+    (`__cause__`) when it was an exception.
+
+    Attributes:
+        url: The URL that was requested.
+        status: The last HTTP status, or `None` when no response arrived.
+        attempts: Attempts made.
+    """
+
+    def __init__(self, message: str, *, url: str, status: int | None = None, attempts: int = 1) -> None:
+        super().__init__(message)
+        self.url = url
+        self.status = status
+        self.attempts = attempts
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """Retries, backoff, timeouts, concurrency and the body cap of a client.
+
+    Attributes:
+        retries: Retries after the first attempt (`0`: try once).
+        backoff: Base delay in seconds; retry `n` (from 1) waits
+            `min(max_backoff, backoff * 2**(n-1))` scaled by a random factor in
+            `[0.5, 1.0]` (jitter, so restarted servers are not hit in lockstep).
+        max_backoff: Cap on one delay, in seconds, a `Retry-After` included.
+        timeout: Seconds one attempt may take in total (connect, send, generate,
+            read); `None` for no limit. Generation can be slow: keep it generous.
+        connect_timeout: Seconds to establish a connection; `None` for no
+            separate limit.
+        max_concurrency: Requests in flight at once per event loop (also the
+            connection pool size of the client's own sessions).
+        max_response_bytes: The most bytes one response body may have; a larger
+            body is refused while it is read (from its `Content-Length` when
+            declared). Route payloads are capped at three quarters of it (what
+            base64 text of that size can decode to).
+    """
+
+    retries: int = 5
+    backoff: float = 0.5
+    max_backoff: float = 10.0
+    timeout: float | None = 600.0
+    connect_timeout: float | None = 30.0
+    max_concurrency: int = 64
+    max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
+
+    def __post_init__(self) -> None:
+        for name in ("retries", "max_concurrency", "max_response_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if self.retries < 0:
+            raise ValueError(f"retries must be >= 0, got {self.retries}")
+        for name in ("max_concurrency", "max_response_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("backoff", "max_backoff", "timeout", "connect_timeout"):
+            value = getattr(self, name)
+            if value is None and name in ("timeout", "connect_timeout"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
+            if not value >= 0 or (name.endswith("timeout") and value == 0):
+                raise ValueError(f"{name} must be {'> 0' if name.endswith('timeout') else '>= 0'}, got {value}")
+
+    @property
+    def max_route_bytes(self) -> int:
+        """The cap on one decoded route payload: what a body of `max_response_bytes` base64 can hold."""
+        return self.max_response_bytes // 4 * 3
+
+    def delay(self, retry: int, retry_after: str | None = None) -> float:
+        """Seconds to wait before retry number `retry` (1-based).
+
+        Args:
+            retry: The retry about to be made, from 1.
+            retry_after: The server's `Retry-After` header: whole seconds or an
+                HTTP date. When usable it sets the delay (capped at
+                `max_backoff`, no jitter); otherwise the jittered backoff applies.
+
+        Returns:
+            The delay in seconds.
+        """
+        seconds = parse_retry_after(retry_after)
+        if seconds is not None:
+            return min(self.max_backoff, seconds)
+        base = min(self.max_backoff, self.backoff * 2 ** (retry - 1))
+        return base * random.uniform(0.5, 1.0)
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """Seconds from now that a `Retry-After` header asks for, or `None` when unusable.
+
+    Args:
+        value: The header: a non-negative whole number of seconds, or an HTTP
+            date (a date in the past means `0`).
+
+    Returns:
+        The seconds, or `None` for a missing or malformed header.
+
+    Examples:
+        >>> parse_retry_after("3"), parse_retry_after("-1"), parse_retry_after(None)
+        (3.0, None, None)
+    """
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when is None or when.tzinfo is None:
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+class _LoopState:
+    """What belongs to one event loop: its session and its semaphore."""
+
+    def __init__(self, session: aiohttp.ClientSession, semaphore: asyncio.Semaphore, owned: bool) -> None:
+        self.session = session
+        self.semaphore = semaphore
+        self.owned = owned
+        self.closer: Any = None
+
+
+async def _close_at_loop_shutdown(session: aiohttp.ClientSession):
+    try:
+        yield
+    finally:
+        if not session.closed:
+            await session.close()
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class HttpTransport:
+    """Requests to one server with retries, under a body cap, one session per loop.
+
+    Without `session`, one `aiohttp.ClientSession` is created lazily per event
+    loop and closed when that loop shuts down (or by `close`); a closed session,
+    or one from another loop, is never reused. With `session`, that session is
+    used as it is and never closed. The transport pickles (without sessions) and
+    works again wherever it is unpickled, unless it holds a user's session.
+
+    Args:
+        base_url: The validated server URL, without a trailing slash.
+        config: Retries, timeouts, concurrency and the body cap.
+        headers: Headers sent with every request.
+        session: A user's session to use instead of the transport's own.
+        ssl: Passed to the `aiohttp.TCPConnector` of the transport's own sessions.
+        trace_configs: Passed to the transport's own sessions.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        config: TransportConfig,
+        *,
+        headers: Mapping[str, str] | None = None,
+        session: aiohttp.ClientSession | None = None,
+        ssl: Any = True,
+        trace_configs: Sequence[aiohttp.TraceConfig] | None = None,
+    ) -> None:
+        if session is not None:
+            if not isinstance(session, aiohttp.ClientSession):
+                raise TypeError(f"session must be an aiohttp.ClientSession, got {type(session).__name__}")
+            if ssl is not True or trace_configs is not None:
+                raise ValueError("ssl and trace_configs configure the client's own sessions; set them on your session instead")
+        self.base_url = base_url
+        self.config = config
+        self.headers = dict(headers or {})
+        self.ssl = ssl
+        self.trace_configs = list(trace_configs) if trace_configs is not None else None
+        self._user_session = session
+        self._init_loop_state()
+
+    def _init_loop_state(self) -> None:
+        self._lock = threading.Lock()
+        # Keyed weakly by loop: a loop that is gone takes its entry with it.
+        self._states: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopState] = weakref.WeakKeyDictionary()
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._user_session is not None:
+            raise TypeError("a client built with session= cannot be pickled: the session belongs to its event loop")
+        state = self.__dict__.copy()
+        del state["_lock"], state["_states"]  # loop-bound; rebuilt lazily after unpickling
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_loop_state()
+
+    async def state(self) -> _LoopState:
+        """This event loop's session and semaphore, created on first use."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            state = self._states.get(loop)
+            if state is not None and (not state.session.closed or not state.owned):
+                return state
+            self._reap_dead_loops()
+            c = self.config
+            semaphore = asyncio.Semaphore(c.max_concurrency)
+            if self._user_session is not None:
+                state = self._states[loop] = _LoopState(self._user_session, semaphore, owned=False)
+                return state
+            session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=c.max_concurrency, ssl=self.ssl),
+                timeout=aiohttp.ClientTimeout(total=c.timeout, connect=c.connect_timeout),
+                headers=self.headers,
+                trace_configs=self.trace_configs,
+            )
+            state = self._states[loop] = _LoopState(session, semaphore, owned=True)
+        # A client may outlive its loop (one asyncio.run per training step):
+        # this suspended async generator is finalized by the loop's
+        # shutdown_asyncgens() (asyncio.run calls it) while the loop still
+        # runs, and closes the session there. No leak, no warning.
+        state.closer = _close_at_loop_shutdown(session)
+        await state.closer.asend(None)
+        return state
+
+    def _reap_dead_loops(self) -> None:
+        # Fallback for loops closed without shutdown_asyncgens(): their sessions
+        # can no longer be closed on their loop; detach so they are never reused.
+        for loop, state in list(self._states.items()):
+            if loop.is_closed():
+                if state.owned and not state.session.closed:
+                    state.session.detach()
+                del self._states[loop]
+
+    async def close(self) -> None:
+        """Close this event loop's own session (a user's session is left open)."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            state = self._states.pop(loop, None)
+        if state is not None and state.owned:
+            await state.session.close()
+
+    async def request(self, method: str, path: str, body: Any = None, headers: Mapping[str, str] | None = None) -> Any:
+        """Send one request with the configured retries.
+
+        Args:
+            method: `"GET"` or `"POST"`.
+            path: Appended to the base URL.
+            body: Sent as JSON when not `None` (serialised once, before the
+                first attempt).
+            headers: Extra headers for this request.
+
+        Returns:
+            The parsed JSON of the `2xx` answer.
+
+        Raises:
+            TypeError: `body` holds something JSON cannot carry (nothing is sent).
+            ValueError: `body` holds a NaN or infinite number (nothing is sent).
+            RemoteGenerateError: Every failure of the request, naming the URL.
+        """
+        url, c = self.base_url + path, self.config
+        data = None
+        extra = dict(headers or {})
+        if body is not None:
+            try:
+                data = json.dumps(body, allow_nan=False).encode()
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"{method} {url}: the request body cannot be sent as JSON: {exc}") from None
+            extra["Content-Type"] = "application/json"
+        state = await self.state()
+        if state.session.closed:
+            raise RemoteGenerateError(f"{method} {url}: the aiohttp session is closed", url=url, status=None, attempts=0)
+        if not state.owned:
+            extra = {**self.headers, **extra}
+        # Per request, so that a user's session gets the same limits.
+        timeout = aiohttp.ClientTimeout(total=c.timeout, connect=c.connect_timeout)
+        attempts, last_cause, last_status = 0, "none", None
+        last_exc: BaseException | None = None
+        retry_after: str | None = None
+        for attempt in range(c.retries + 1):
+            if attempt:
+                await asyncio.sleep(c.delay(attempt, retry_after))
+            attempts += 1
+            try:
+                async with state.semaphore:
+                    async with state.session.request(method, url, data=data, headers=extra, timeout=timeout) as response:
+                        status = response.status
+                        retry_after = response.headers.get("Retry-After") if status in RETRYABLE_STATUSES else None
+                        ok = 200 <= status < 300
+                        payload = await _read_capped(response, c.max_response_bytes if ok else ERROR_BODY_BYTES, ok)
+            except _TRANSIENT as exc:
+                last_cause, last_status, last_exc, retry_after = _describe(exc), None, exc, None
+                continue
+            except _BodyTooLarge as exc:
+                raise RemoteGenerateError(f"{method} {url}: {exc}", url=url, status=status, attempts=attempts) from None
+            except MemoryError:
+                raise RemoteGenerateError(
+                    f"{method} {url}: out of memory reading the response body (lower max_response_bytes?)",
+                    url=url, status=status, attempts=attempts,
+                ) from None
+            except aiohttp.TooManyRedirects as exc:
+                raise RemoteGenerateError(
+                    f"{method} {url}: too many redirects ({len(exc.history)} followed, last to {exc.request_info.real_url})",
+                    url=url, status=exc.status, attempts=attempts,
+                ) from exc
+            except aiohttp.ClientError as exc:  # invalid URL or response, ...: not transient
+                raise RemoteGenerateError(f"{method} {url} failed: {_describe(exc)}", url=url, attempts=attempts) from exc
+            except RuntimeError as exc:
+                if state.owned:
+                    raise
+                # aiohttp's answer to a session used outside the loop that created it.
+                raise RemoteGenerateError(
+                    f"{method} {url}: the given aiohttp session cannot be used here ({exc}); "
+                    "use it on the event loop that created it",
+                    url=url, attempts=attempts,
+                ) from exc
+            if status in RETRYABLE_STATUSES:
+                last_cause, last_status, last_exc = f"HTTP {status}: {server_message(payload)}", status, None
+                continue
+            if not ok:
+                raise RemoteGenerateError(
+                    f"{method} {url} failed with HTTP {status}: {server_message(payload)}",
+                    url=url, status=status, attempts=attempts,
+                )
+            try:
+                return json.loads(payload)
+            except MemoryError:
+                raise RemoteGenerateError(
+                    f"{method} {url}: out of memory parsing a JSON body of {len(payload)} bytes",
+                    url=url, status=status, attempts=attempts,
+                ) from None
+            except RecursionError:
+                raise RemoteGenerateError(
+                    f"{method} {url} answered {status} with JSON nested too deeply to parse ({len(payload)} bytes)",
+                    url=url, status=status, attempts=attempts,
+                ) from None
+            except ValueError as exc:
+                raise RemoteGenerateError(
+                    f"{method} {url} answered {status} with a body that is not valid JSON ({len(payload)} bytes): {exc}",
+                    url=url, status=status, attempts=attempts,
+                ) from exc
+        raise RemoteGenerateError(
+            f"{method} {url} failed after {attempts} attempt(s); last cause: {last_cause}",
+            url=url, status=last_status, attempts=attempts,
+        ) from last_exc
+
+
+async def _read_capped(response: aiohttp.ClientResponse, cap: int, strict: bool) -> bytearray:
+    """The body, read in chunks; over `cap` bytes: `_BodyTooLarge` when `strict`, else the first `cap`."""
+    declared = response.content_length
+    if strict and declared is not None and declared > cap:
+        raise _BodyTooLarge(f"response body of Content-Length {declared} exceeds max_response_bytes={cap}")
+    # With a declared length the buffer is allocated once at its final size.
+    buffer = bytearray(declared) if declared is not None and declared <= cap else bytearray()
+    size = 0
+    async for chunk in response.content.iter_chunked(READ_CHUNK_BYTES):
+        if size + len(chunk) > cap:
+            if strict:
+                raise _BodyTooLarge(f"response body has more than max_response_bytes={cap} bytes")
+            return buffer[:size] + chunk[: cap - size]
+        buffer[size : size + len(chunk)] = chunk
+        size += len(chunk)
+    if len(buffer) != size:
+        del buffer[size:]  # fewer bytes than declared: aiohttp reports that as a payload error first
+    return buffer  # not copied to bytes: json.loads reads a bytearray as it is
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def server_message(payload: bytes) -> str:
+    """The server's `error.message` (or `error`, `detail`), else the start of its body.
+
+    Args:
+        payload: The (possibly truncated) body of an error answer.
+
+    Returns:
+        A one-line message for `RemoteGenerateError`.
+
+    Examples:
+        >>> server_message(b'{"error": {"message": "bad token"}}')
+        'bad token'
+    """
+    try:
+        parsed = json.loads(payload)
+    except (ValueError, RecursionError):
+        parsed = None
+    if isinstance(parsed, dict):
+        error = parsed.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return error["message"]
+        for key in ("error", "detail", "message"):
+            if isinstance(parsed.get(key), str):
+                return parsed[key]
+    text = payload[:500].decode("utf-8", errors="replace").strip()
+    return text + ("..." if len(payload) > 500 else "") if text else "(empty body)"
