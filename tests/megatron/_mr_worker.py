@@ -272,6 +272,7 @@ def run_step(scenario: Scenario, model, loader, device, *, reference: bool = Fal
             micro_batch_size=MBS,
         )
         layers = list(hook.layers)
+        stats = hook.last_stats
     recorder.close()
     forward, recompute = {}, {}
     for layer, calls in recorder.calls.items():
@@ -286,6 +287,7 @@ def run_step(scenario: Scenario, model, loader, device, *, reference: bool = Fal
         "loss_keys": log.loss_keys,
         "losses": log.losses,
         "grads": _local_grads(model) if reference else _full_grads(model),
+        "tokens": tuple(stats.tokens),
     }
 
 

@@ -187,6 +187,15 @@ def _check(results, name: str, *, layers_per_stage) -> None:
                 grad.float() / scale, want / scale, **tolerance, msg=lambda m: f"{param}: {m}"
             )
 
+    # hook.last_stats counts this rank's token positions: per pipeline stage, the
+    # ranks together counted every captured position once and routed the rest live.
+    for stage in range(len(layers_per_stage)):
+        counts = [r["tokens"] for r in ranks if r["ranks"]["pp"] == stage]
+        captured_total = sum(c[0] for c in counts)
+        live_total = sum(c[1] for c in counts)
+        assert captured_total == len(captured)
+        assert live_total == sum(len(_sample_positions(s, scenario.packed)) for s in samples) - len(captured)
+
     # Every position of every sample, once per layer, on exactly one rank.
     positions = {(s["sample_id"], t) for s in samples for t in _sample_positions(s, scenario.packed)}
     assert set(routed) == {(layer, *p) for layer in ref["layers"] for p in positions}
