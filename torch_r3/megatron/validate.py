@@ -118,15 +118,10 @@ def check_route_values(
         routes, checked = routes.unsqueeze(0), checked.unsqueeze(0)
     index = [i for _, i in layers]
     view = routes if index == list(range(routes.shape[2])) else routes[:, :, index]
-    bad = view >= num_experts
-    if view.dtype.is_signed:  # uint8 routes cannot be negative
-        bad |= view < 0
-    bad_row = bad.any(-1)
-    if view.shape[-1] > 1:
-        ordered = view.sort(-1).values
-        bad_row |= (ordered[..., 1:] == ordered[..., :-1]).any(-1)
-    bad_row &= checked.to(bad_row.device).unsqueeze(-1)
-    if not bool(bad_row.any()):  # the one host sync per microbatch
+    if not _any_bad(view, num_experts):  # the one host sync per microbatch
+        return
+    bad_row = _bad_rows(view, num_experts) & checked.to(view.device).unsqueeze(-1)
+    if not bool(bad_row.any()):  # only filler rows that are never replayed were bad
         return
     b, t, j = (int(x) for x in bad_row.nonzero()[0])
     route = view[b, t, j].tolist()
@@ -138,11 +133,42 @@ def check_route_values(
             prefix + f"expert id {out_of_range[0]} outside [0, {num_experts}) in route {route} "
             f"(the model has num_moe_experts={num_experts})"
         )
-    twice = next(e for e in route if route.count(e) > 1)
+    twice = [e for e in route if route.count(e) > 1][0]
     raise ValueError(
         prefix + f"expert id {twice} twice in one route {route}; the K={len(route)} experts of a "
         "token must be distinct"
     )
+
+
+def _fits(view: torch.Tensor, num_experts: int) -> bool:
+    # Compare with scalars the dtype can hold: `uint8 >= 256` would wrap 256 to 0.
+    return num_experts <= torch.iinfo(view.dtype).max
+
+
+def _any_bad(view: torch.Tensor, num_experts: int) -> bool:
+    """Fast path over the whole tensor: any id out of range or repeated in a route, anywhere?
+
+    Whole-tensor reductions, no per-row masks (reducing over a short last
+    dimension is several times slower); K - 1 shifted comparisons find a repeated
+    id without sorting.
+    """
+    flags = [view.max() >= num_experts] if _fits(view, num_experts) else []
+    if view.dtype.is_signed:  # uint8 routes cannot be negative
+        flags.append(view.min() < 0)
+    flags += [(view[..., shift:] == view[..., :-shift]).any() for shift in range(1, view.shape[-1])]
+    return bool(torch.stack(flags).any()) if flags else False
+
+
+def _bad_rows(view: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Per route `[B, T, L]`: out of range or repeated (only run when `_any_bad` found something)."""
+    bad = torch.zeros(view.shape[:-1], dtype=torch.bool, device=view.device)
+    if _fits(view, num_experts):
+        bad |= (view >= num_experts).any(-1)
+    if view.dtype.is_signed:
+        bad |= (view < 0).any(-1)
+    for shift in range(1, view.shape[-1]):
+        bad |= (view[..., shift:] == view[..., :-shift]).any(-1)
+    return bad
 
 
 def _position(b: int, t: int, cu_seqlens: Optional[torch.Tensor]) -> str:
