@@ -266,3 +266,13 @@ def test_packed_layout_replays_in_token_order(make_model):
     recorder.close()
     for layer, ((_, routing_map),) in recorder.calls.items():
         assert torch.equal(routing_map, expected_map(padded["rollout_expert_indices"][:, :, layer]))
+
+
+def test_a_second_hook_on_the_same_model_is_refused_until_the_first_closes(make_model):
+    model = make_model()
+    first = ReplayHook(model)
+    with pytest.raises(ValueError, match="already belongs to an open ReplayHook"):
+        ReplayHook(model)
+    run_step(first, model, [make_batch()], forward_only=True)  # the first is unharmed
+    first.close()
+    ReplayHook(model).close()

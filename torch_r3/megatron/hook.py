@@ -111,6 +111,7 @@ class ReplayHook:
                 "have MoE layers (num_moe_experts) built with moe_enable_routing_replay=True"
             )
         for r in self._routers:
+            r.check_free()
             if r.layer not in stage:
                 raise ValueError(
                     f"model: decoder layer {r.layer - stage.start} of this stage holds a router, but "

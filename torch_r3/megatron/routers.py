@@ -79,6 +79,14 @@ class ReplayedRouter:
         if measure_drops:
             self._handle = self.module.register_forward_hook(self._count_drops)
 
+    def check_free(self) -> None:
+        """Raise `ValueError` when another open `ReplayHook` already holds this router."""
+        if "get_replay_topk" in vars(self.replay):
+            raise ValueError(
+                f"model: the router of layer {self.layer} already belongs to an open ReplayHook; "
+                "close that hook first (one hook per model)"
+            )
+
     def detach(self) -> None:
         """Remove the replacements; the instances route as Megatron's classes say again."""
         vars(self.replay).pop("get_replay_topk", None)
