@@ -554,11 +554,12 @@ def _report(results: dict[str, dict[str, Any]], cfg: DemoConfig) -> str:
         _row("mean |dlogp|, uncaptured tokens", [r["uncaptured_logprob_abs_diff"] for r in runs], ".3e"),
     ]
     first = runs[0]
-    lines.append(
-        f"({first['tokens']} real tokens with captured routes, {first['loss_tokens']} loss-active sampled "
-        f"tokens, {first['uncaptured_tokens']} loss-active tokens predicted from an uncaptured position; "
-        f"|dlogp| against the rollout's log-probs, for uncaptured tokens against the bf16 model's own routing)"
-    )
+    lines += [
+        f"({first['tokens']} real tokens with captured routes; {first['loss_tokens']} loss-active sampled tokens, "
+        f"|dlogp| against the rollout's log-probs;",
+        f" {first['uncaptured_tokens']} loss-active tokens predicted from an uncaptured position, "
+        f"|dlogp| against the bf16 model's own routing)",
+    ]
     for name, mode in RUNS.items():
         stats = results[name]["stats"]
         if stats is None:
