@@ -18,8 +18,12 @@ the same weights in a single process with no parallelism (the reference; see
   equal the reference's up to float rounding: batch composition and all-reduce
   order change the summation order, nothing else.
 
-On the CPU the processes use gloo. Context parallelism and the packed (THD)
-layout need Transformer Engine's attention and run only on GPUs (NCCL); see
+On the CPU the processes use gloo, which has every collective these layouts
+call. Tensor parallelism with sequence parallelism builds its norms with a plain
+LayerNorm tagged for sequence parallelism (``_mr_worker.SequenceParallelLayerNorm``):
+without Apex or Transformer Engine, Megatron's ``WrappedTorchNorm`` asserts
+``sequence_parallel`` is off. Context parallelism and the packed (THD) layout
+need Transformer Engine's attention and run only on GPUs (NCCL); see
 ``tests/gpu/multirank_nccl.sh``.
 """
 
