@@ -202,8 +202,15 @@ class MegatronServedModel(ServedModel):
 
     @torch.no_grad()
     def forward(self, ids: Sequence[int], *, record: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits `[S, V]` over `ids`, each router choosing its own experts; with
-        `record`, also the routes `[S, L, K]`."""
+        """One forward over `ids`, every router choosing its own experts.
+
+        Args:
+            ids: Token ids of one sequence.
+            record: Also read back the experts each position was routed to.
+
+        Returns:
+            `(logits [S, V] in float32, routes [S, L, K] or None)`.
+        """
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         tokens = torch.tensor([list(ids)], dtype=torch.long)
@@ -225,6 +232,7 @@ class MegatronServedModel(ServedModel):
         return logits, routes
 
     def generate(self, token_ids, sampling_params):
+        """Sample `max_new_tokens` tokens, then score them and record their routes."""
         unknown = set(sampling_params) - {"max_new_tokens", "temperature", "seed", "routed_experts_prompt_start"}
         if unknown:
             raise ValueError(f"unsupported sampling_params {sorted(unknown)}")
@@ -359,6 +367,7 @@ class ForwardStep:
         self.logp: list[torch.Tensor] = []
 
     def __call__(self, data_iterator, model):
+        """Megatron's signature: `(output, loss_func)` for the next microbatch."""
         batch = next(data_iterator)
         ids = batch["input_ids"]
         att = batch["attention_mask"]
@@ -372,6 +381,7 @@ class ForwardStep:
         return logits, functools.partial(self.loss, batch)
 
     def loss(self, batch, output):
+        """The `loss_func` Megatron calls with the model's output `[B, S, V]`."""
         ids = batch["input_ids"]
         logp = torch.log_softmax(output.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
         self.logp.append(logp.detach())
@@ -398,7 +408,7 @@ class RouterSpy:
             h.remove()
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepOutputs:
     """What one forward/backward leaves behind for the measurements."""
 
