@@ -29,6 +29,7 @@ need Transformer Engine's attention and run only on GPUs (NCCL); see
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 from collections import defaultdict
@@ -54,11 +55,7 @@ _CP_ON_CPU = (
 def _gpu_ready(world_size: int) -> bool:
     if BACKEND != "nccl" or torch.cuda.device_count() < world_size:
         return False
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("transformer_engine") is not None
 
 
 def _spawn(out_dir, world_size: int, names: list[str]) -> dict:
