@@ -1,22 +1,29 @@
 """One RL step with routed-expert replay (R3), end to end, on one machine.
 
-1. A loopback inference server (``torch_r3.testing``) serves a tiny Megatron MoE
-   ``GPTModel`` in **bfloat16**; Megatron's ``RouterReplay`` in ``RECORD`` mode
+1. A loopback inference server (`torch_r3.testing`) serves a tiny Megatron MoE
+   `GPTModel` in **bfloat16**; Megatron's `RouterReplay` in `RECORD` mode
    captures the routes of every position it evaluates.
-2. Multi-turn rollouts go through ``RemoteGenerateClient``; ``RoutedExpertTrace``
-   asks only for the rows not captured yet (``routed_experts_prompt_start``).
-3. A ``DataLoader`` with ``R3Collator`` and two worker processes builds the
+2. Multi-turn rollouts go through `RemoteGenerateClient`; `RoutedExpertTrace`
+   asks only for the rows not captured yet (`routed_experts_prompt_start`).
+3. A `DataLoader` with `R3Collator` and two worker processes builds the
    left-padded batches.
 4. The **same weights in float32** run a training forward/backward through
-   Megatron's schedule, once with ``ReplayHook`` and once without.
+   Megatron's schedule three times: with `ReplayHook` (tokens without a
+   captured route routed live, the default), with `ReplayHook(...,
+   uncaptured="replay")` (filler routes there) and without replay.
 5. The figures R3 exists to improve are printed side by side: the share of real
-   tokens whose training-side experts equal the rollout's, and the
-   train-inference log-prob mismatch.
+   tokens whose training-side experts equal the rollout's, the train-inference
+   log-prob mismatch on sampled tokens and on tokens predicted from an
+   uncaptured position, and `hook.last_stats` (route drift per layer, live
+   fraction, token counts).
 
-Run it with ``torch-r3 demo`` or ``python examples/rl_step.py [--json PATH]``.
+Run it with `torch-r3 demo` or `python examples/rl_step.py [--json PATH]`.
 On a machine without CUDA, Megatron's few CUDA-only calls are redirected to the
-CPU with the test suite's redirections (``torch_r3.testing._megatron_cpu``); with a GPU
-nothing is redirected.
+CPU (`torch_r3.testing._megatron_cpu`); with a GPU nothing is redirected.
+
+The module is longer than most in the package on purpose: it is the tutorial's
+single file, read from top to bottom (set-up, inference side, rollouts,
+training side, report).
 """
 
 from __future__ import annotations
@@ -24,11 +31,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import socket
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -36,6 +45,7 @@ import numpy as np
 import torch
 
 from torch_r3 import R3Collator, RoutedExpertTrace, compact_routes
+from torch_r3.testing.model import GenerateOutput, ServedModel
 
 
 
@@ -64,8 +74,8 @@ class DemoConfig:
     eos_token_id: int = 1
     # Trajectories that get a synthetic EOS (loss weight 1) after generation: the
     # EOS is predicted from the last sampled token, which the engine never ran
-    # forward, so that prediction is replayed with a padding route.
-    synthetic_eos: tuple[int, ...] = (0,)
+    # forward, so that position has no captured route (routed live by default).
+    synthetic_eos: tuple[int, ...] = (0, 2, 4, 6)
 
     @property
     def max_seq_len(self) -> int:
@@ -173,73 +183,86 @@ def own_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
 # ---------------------------------------------------------------------------
 
 
-def megatron_served_model(model: torch.nn.Module, cfg: DemoConfig):
-    """Wrap a bf16 Megatron GPTModel as a ``torch_r3.testing.ServedModel``."""
-    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+class MegatronServedModel(ServedModel):
+    """A bf16 Megatron `GPTModel` served by `torch_r3.testing.LoopbackServer`.
 
-    from torch_r3.testing import GenerateOutput, ServedModel
+    Generation samples one token per forward (no KV cache: the model is tiny);
+    a final scoring forward over every evaluated position records the routes
+    (Megatron's `RouterReplay` in `RECORD` mode) and the sampled tokens'
+    log-probs, as an inference engine returns them.
+    """
 
-    class MegatronServedModel(ServedModel):
-        num_layers = cfg.num_layers
-        num_experts = cfg.num_experts
-        topk = cfg.topk
+    def __init__(self, model: torch.nn.Module, cfg: DemoConfig) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.num_layers = cfg.num_layers
+        self.num_experts = cfg.num_experts
+        self.topk = cfg.topk
+        self.replays = [r.router_replay for r in own_routers(model)]
 
-        def __init__(self) -> None:
-            self.replays = [r.router_replay for r in own_routers(model)]
+    @torch.no_grad()
+    def forward(self, ids: Sequence[int], *, record: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward over `ids`, every router choosing its own experts.
 
-        @torch.no_grad()
-        def _forward(self, ids: Sequence[int], *, record: bool):
-            tokens = torch.tensor([list(ids)], dtype=torch.long)
-            positions = torch.arange(tokens.shape[1])[None]
+        Args:
+            ids: Token ids of one sequence.
+            record: Also read back the experts each position was routed to.
+
+        Returns:
+            `(logits [S, V] in float32, routes [S, L, K] or None)`.
+        """
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        tokens = torch.tensor([list(ids)], dtype=torch.long)
+        positions = torch.arange(tokens.shape[1])[None]
+        for r in self.replays:
+            if record:
+                r.set_router_replay_action(RouterReplayAction.RECORD)
+            else:
+                r.clear_router_replay_action()
+        try:
+            logits = self.model(tokens, positions, None)[0].float()  # [S, V]
+            routes = None
+            if record:  # [S*B, K] per layer, B == 1
+                routes = torch.stack([r.get_recorded_indices() for r in self.replays], dim=1)
+        finally:
             for r in self.replays:
-                if record:
-                    r.set_router_replay_action(RouterReplayAction.RECORD)
-                else:
-                    r.clear_router_replay_action()
-            try:
-                logits = model(tokens, positions, None)[0].float()  # [S, V]
-                routes = None
-                if record:  # [S*B, K] per layer, B == 1
-                    routes = torch.stack([r.get_recorded_indices() for r in self.replays], dim=1)
-            finally:
-                for r in self.replays:
-                    r.clear_router_replay_action()
-                    r.clear_indices()
-            return logits, routes
+                r.clear_router_replay_action()
+                r.clear_indices()
+        return logits, routes
 
-        def generate(self, token_ids, sampling_params):
-            unknown = set(sampling_params) - {"max_new_tokens", "temperature", "seed", "routed_experts_prompt_start"}
-            if unknown:
-                raise ValueError(f"unsupported sampling_params {sorted(unknown)}")
-            n_new = int(sampling_params.get("max_new_tokens", 8))
-            temperature = float(sampling_params.get("temperature", 1.0))
-            g = torch.Generator().manual_seed(int(sampling_params.get("seed", 0)))
-            ids = list(token_ids)
-            if len(ids) + n_new > cfg.max_seq_len:
-                raise ValueError(f"prompt + max_new_tokens exceeds the model's {cfg.max_seq_len} positions")
-            generated: list[int] = []
-            for _ in range(n_new):
-                logits, _ = self._forward(ids + generated, record=False)
-                if temperature > 0:
-                    probs = torch.softmax(logits[-1] / temperature, -1)
-                    nxt = int(torch.multinomial(probs, 1, generator=g))
-                else:
-                    nxt = int(logits[-1].argmax())
-                generated.append(nxt)
-            # One scoring forward over every evaluated position gives both the
-            # routes and the log-probs the trainer compares against.
-            logits, routes = self._forward(ids + generated[:-1], record=True)
-            logp = torch.log_softmax(logits, -1)
-            start = len(ids) - 1
-            lps = [float(logp[start + j, t]) for j, t in enumerate(generated)]
-            return GenerateOutput(
-                token_ids=generated,
-                logprobs=lps,
-                routes=compact_routes(routes),
-                finish_reason="length",
-            )
-
-    return MegatronServedModel()
+    def generate(self, token_ids, sampling_params):
+        """Sample `max_new_tokens` tokens, then score them and record their routes."""
+        unknown = set(sampling_params) - {"max_new_tokens", "temperature", "seed", "routed_experts_prompt_start"}
+        if unknown:
+            raise ValueError(f"unsupported sampling_params {sorted(unknown)}")
+        n_new = int(sampling_params.get("max_new_tokens", 8))
+        temperature = float(sampling_params.get("temperature", 1.0))
+        g = torch.Generator().manual_seed(int(sampling_params.get("seed", 0)))
+        ids = list(token_ids)
+        if len(ids) + n_new > self.cfg.max_seq_len:
+            raise ValueError(f"prompt + max_new_tokens exceeds the model's {self.cfg.max_seq_len} positions")
+        generated: list[int] = []
+        for _ in range(n_new):
+            logits, _ = self.forward(ids + generated)
+            if temperature > 0:
+                probs = torch.softmax(logits[-1] / temperature, -1)
+                nxt = int(torch.multinomial(probs, 1, generator=g))
+            else:
+                nxt = int(logits[-1].argmax())
+            generated.append(nxt)
+        # One scoring forward over every evaluated position gives both the
+        # routes and the log-probs the trainer compares against.
+        logits, routes = self.forward(ids + generated[:-1], record=True)
+        logp = torch.log_softmax(logits, -1)
+        start = len(ids) - 1
+        lps = [float(logp[start + j, t]) for j, t in enumerate(generated)]
+        return GenerateOutput(
+            token_ids=generated,
+            logprobs=lps,
+            routes=compact_routes(routes),
+            finish_reason="length",
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -324,12 +347,51 @@ async def rollout(url: str, cfg: DemoConfig, retries: int, quiet: bool) -> list[
 
 
 # ---------------------------------------------------------------------------
-# Training side
+# Training side: one schedule call, then two measurements
 # ---------------------------------------------------------------------------
+
+# The three training runs over the same microbatches: ReplayHook with the
+# default uncaptured="live", with uncaptured="replay" (filler routes where
+# nothing was captured), and no replay at all.
+RUNS = {"with_replay": "live", "with_replay_filler": "replay", "without_replay": None}
+
+
+class ForwardStep:
+    """Megatron's `forward_step_func` for left-padded batches; keeps each microbatch's log-probs.
+
+    `logp[m]` is `[B, S - 1]`: the log-probability the model gives token `t + 1`
+    at position `t`. The loss is the mean negative log-prob over `loss_mask`.
+    """
+
+    def __init__(self) -> None:
+        self.logp: list[torch.Tensor] = []
+
+    def __call__(self, data_iterator, model):
+        """Megatron's signature: `(output, loss_func)` for the next microbatch."""
+        batch = next(data_iterator)
+        ids = batch["input_ids"]
+        att = batch["attention_mask"]
+        S = ids.shape[1]
+        # Left padding: positions count from each trajectory's first token, as
+        # on the server, and padding keys are masked (True = masked out).
+        positions = (att.cumsum(1) - 1).clamp(min=0)
+        causal = torch.triu(torch.ones(S, S, dtype=torch.bool), diagonal=1)
+        mask = causal[None, None] | (att[:, None, None, :] == 0)
+        logits = model(ids, positions, mask)  # [B, S, V]
+        return logits, functools.partial(self.loss, batch)
+
+    def loss(self, batch, output):
+        """The `loss_func` Megatron calls with the model's output `[B, S, V]`."""
+        ids = batch["input_ids"]
+        logp = torch.log_softmax(output.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+        self.logp.append(logp.detach())
+        lm = batch["loss_mask"][:, 1:]
+        loss = -(logp * lm).sum() / lm.sum().clamp(min=1)
+        return loss, {"loss": loss.detach()}
 
 
 class RouterSpy:
-    """Records every router call's routing map ``[S*B, E]`` (the experts really used)."""
+    """Records every router call's routing map `[S*B, E]` (the experts really used)."""
 
     def __init__(self, routers: list[torch.nn.Module]):
         self.maps: list[list[torch.Tensor]] = [[] for _ in routers]
@@ -346,44 +408,30 @@ class RouterSpy:
             h.remove()
 
 
-def loss_active_uncaptured(batch: dict[str, torch.Tensor]) -> int:
-    """Loss-active tokens predicted from a real position that has no captured route."""
+@dataclass(frozen=True)
+class StepOutputs:
+    """What one forward/backward leaves behind for the measurements."""
+
+    logp: list[torch.Tensor]  # per microbatch, [B, S - 1] (see ForwardStep)
+    routing_maps: list[list[torch.Tensor]]  # per layer, per microbatch, [S*B, E]
+    stats: Any  # hook.last_stats (a ReplayStats), None without replay
+
+
+def loss_active_uncaptured(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """`[B, S - 1]`: loss-active tokens predicted from a real position that has no captured route."""
     lm = batch["loss_mask"][:, 1:] > 0
     predictor_uncaptured = batch["router_padding_mask"][:, :-1] & (batch["attention_mask"][:, :-1] > 0)
-    return int((lm & predictor_uncaptured).sum())
+    return lm & predictor_uncaptured
 
 
-def train_step(model, microbatches: list[dict[str, torch.Tensor]], cfg: DemoConfig, *, replay: bool) -> dict[str, Any]:
-    """A forward/backward through Megatron's schedule; returns the comparison figures."""
+def run_schedule(model, microbatches: list[dict[str, torch.Tensor]], cfg: DemoConfig, *, uncaptured: str | None):
+    """One forward/backward through Megatron's schedule; `uncaptured=None` runs without `ReplayHook`."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from torch_r3.megatron import ReplayHook
 
-    per_mb_logp: list[torch.Tensor] = []
-
-    def forward_step(data_iterator, model):
-        batch = next(data_iterator)
-        ids = batch["input_ids"]
-        att = batch["attention_mask"]
-        S = ids.shape[1]
-        # Left padding: positions count from each trajectory's first token, as
-        # on the server, and padding keys are masked (True = masked out).
-        positions = (att.cumsum(1) - 1).clamp(min=0)
-        causal = torch.triu(torch.ones(S, S, dtype=torch.bool), diagonal=1)
-        mask = causal[None, None] | (att[:, None, None, :] == 0)
-        logits = model(ids, positions, mask)  # [B, S, V]
-
-        def loss_func(output):
-            logp = torch.log_softmax(output.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
-            per_mb_logp.append(logp.detach())
-            lm = batch["loss_mask"][:, 1:]
-            loss = -(logp * lm).sum() / lm.sum().clamp(min=1)
-            return loss, {"loss": loss.detach()}
-
-        return logits, loss_func
-
-    routers = own_routers(model)
-    spy = RouterSpy(routers)
+    forward_step = ForwardStep()
+    spy = RouterSpy(own_routers(model))
     model.zero_grad(set_to_none=True)
     kwargs = dict(
         forward_step_func=forward_step,
@@ -394,74 +442,175 @@ def train_step(model, microbatches: list[dict[str, torch.Tensor]], cfg: DemoConf
         micro_batch_size=cfg.micro_batch_size,
         forward_only=False,
     )
+    stats = None
     try:
-        if replay:
-            with ReplayHook(model) as hook:
-                hook.forward_backward(get_forward_backward_func(), **kwargs)
-        else:
+        if uncaptured is None:
             get_forward_backward_func()(**kwargs)
+        else:
+            with ReplayHook(model, uncaptured=uncaptured) as hook:
+                hook.forward_backward(get_forward_backward_func(), **kwargs)
+                stats = hook.last_stats
     finally:
         spy.close()
+    return StepOutputs(forward_step.logp, spy.maps, stats)
 
-    # Route agreement over real tokens with a captured route, per layer.
+
+def route_agreement(outputs: StepOutputs, microbatches, cfg: DemoConfig) -> dict[str, Any]:
+    """Share of real tokens with a captured route whose training-side experts equal the rollout's."""
     agree = np.zeros(cfg.num_layers)
     total = 0
-    abs_diff, k3, n_tok = 0.0, 0.0, 0
     for m, mb in enumerate(microbatches):
         routes = mb["rollout_expert_indices"].long()  # [B, S, L, K]
         B, S = routes.shape[:2]
-        real = ~mb["router_padding_mask"]  # [B, S]
-        total += int(real.sum())
+        captured = ~mb["router_padding_mask"]  # [B, S]
+        total += int(captured.sum())
         for layer in range(cfg.num_layers):
-            used = spy.maps[layer][m].view(S, B, -1).transpose(0, 1)  # [B, S, E]
+            used = outputs.routing_maps[layer][m].view(S, B, -1).transpose(0, 1)  # [B, S, E]
             want = torch.zeros_like(used).scatter(-1, routes[:, :, layer], True)
-            same = (used == want).all(-1)
-            agree[layer] += int((same & real).sum())
-        # Train-inference log-prob mismatch over loss-active tokens the engine sampled.
-        logp = per_mb_logp[m]
-        keep = (mb["loss_mask"][:, 1:] > 0) & (mb["has_rollout_logprob"][:, 1:] > 0)
-        lr = (logp - mb["rollout_logprobs"][:, 1:].float())[keep].double()  # log(pi_train / pi_rollout)
-        abs_diff += float(lr.abs().sum())
-        k3 += float((lr.exp() - 1 - lr).sum())  # k3 estimate of KL(rollout || train)
-        n_tok += int(keep.sum())
+            agree[layer] += int(((used == want).all(-1) & captured).sum())
     return {
         "route_agreement": float(agree.sum() / (total * cfg.num_layers)),
         "route_agreement_per_layer": [float(a / total) for a in agree],
-        "logprob_abs_diff": abs_diff / n_tok,
-        "k3_kl": k3 / n_tok,
         "tokens": total,
-        "loss_tokens": n_tok,
     }
+
+
+def logprob_mismatch(outputs: StepOutputs, microbatches) -> dict[str, Any]:
+    """The train-inference log-prob gap.
+
+    Sampled tokens: against the log-probs the rollout returned (mean absolute
+    difference and the k3 estimate of KL(rollout || train)). Tokens predicted
+    from a position that has no captured route (a synthetic EOS after the last
+    sampled token): against the bf16 inference model's log-prob with its own
+    routing, when the demo computed it (`None` otherwise).
+    """
+    abs_diff, k3, n_sampled = 0.0, 0.0, 0
+    unc_diff, n_unc = 0.0, 0
+    for logp, mb in zip(outputs.logp, microbatches):
+        keep = (mb["loss_mask"][:, 1:] > 0) & (mb["has_rollout_logprob"][:, 1:] > 0)
+        lr = (logp - mb["rollout_logprobs"][:, 1:].float())[keep].double()  # log(pi_train / pi_rollout)
+        abs_diff += float(lr.abs().sum())
+        k3 += float((lr.exp() - 1 - lr).sum())
+        n_sampled += int(keep.sum())
+        unc = loss_active_uncaptured(mb) & (mb["has_reference_logprob"][:, 1:] > 0)
+        unc_diff += float((logp - mb["reference_logprobs"][:, 1:].float())[unc].double().abs().sum())
+        n_unc += int(unc.sum())
+    return {
+        "logprob_abs_diff": abs_diff / n_sampled,
+        "k3_kl": k3 / n_sampled,
+        "uncaptured_logprob_abs_diff": unc_diff / n_unc if n_unc else None,
+        "loss_tokens": n_sampled,
+        "uncaptured_tokens": n_unc,
+    }
+
+
+def measure(model, microbatches, cfg: DemoConfig, *, uncaptured: str | None) -> dict[str, Any]:
+    """One training run and both measurements, plus `hook.last_stats` where replay ran."""
+    outputs = run_schedule(model, microbatches, cfg, uncaptured=uncaptured)
+    figures = {**route_agreement(outputs, microbatches, cfg), **logprob_mismatch(outputs, microbatches)}
+    stats = outputs.stats
+    figures["stats"] = None
+    if stats is not None:
+        figures["stats"] = {
+            "route_drift": [stats.route_drift[layer] for layer in sorted(stats.route_drift)],
+            "live_fraction": stats.live_fraction,
+            "tokens": stats.tokens._asdict(),
+        }
+    return figures
+
+
+def add_reference_logprobs(samples: list[dict[str, Any]], served: MegatronServedModel | None) -> None:
+    """Log-probs the bf16 model gives, with its own routing, to tokens whose predictor has no route.
+
+    The engine never ran those positions (a synthetic EOS follows the last
+    sampled token), so the rollout has no log-prob for them; this is what it
+    would have computed. Adds `reference_logprobs` and `has_reference_logprob`
+    to every sample (all zero when `served` is `None`).
+    """
+    for s in samples:
+        n = len(s["input_ids"])
+        ref = np.zeros(n, np.float32)
+        has = np.zeros(n, np.float32)
+        targets = [j for j in range(len(s["routes"]) + 1, n) if s["loss_mask"][j] > 0]
+        if targets and served is not None:
+            logp = torch.log_softmax(served.forward(s["input_ids"])[0], -1)
+            for j in targets:
+                ref[j] = float(logp[j - 1, s["input_ids"][j]])
+                has[j] = 1.0
+        s["reference_logprobs"], s["has_reference_logprob"] = ref, has
 
 
 # ---------------------------------------------------------------------------
 # Main
 # ---------------------------------------------------------------------------
 
+COLUMNS = {"with_replay": "replay (live)", "with_replay_filler": "replay (filler)", "without_replay": "no replay"}
+
+
+def _row(label: str, values: Sequence[Any], fmt: str) -> str:
+    cells = "".join(f"{'n/a' if v is None else format(v, fmt):>17}" for v in values)
+    return f"{label:36}{cells}"
+
 
 def _report(results: dict[str, dict[str, Any]], cfg: DemoConfig) -> str:
-    w, wo = results["with_replay"], results["without_replay"]
-    lines = [
-        f"{'':34}{'with replay':>14}{'without replay':>16}",
-        f"{'route agreement (all layers)':34}{w['route_agreement']:>14.2%}{wo['route_agreement']:>16.2%}",
-    ]
+    runs = [results[name] for name in COLUMNS]
+    lines = [f"{'':36}" + "".join(f"{COLUMNS[name]:>17}" for name in COLUMNS)]
+    lines.append(_row("route agreement, captured tokens", [r["route_agreement"] for r in runs], ".2%"))
     for layer in range(cfg.num_layers):
-        lines.append(
-            f"{'  layer ' + str(layer):34}{w['route_agreement_per_layer'][layer]:>14.2%}"
-            f"{wo['route_agreement_per_layer'][layer]:>16.2%}"
-        )
+        lines.append(_row(f"  layer {layer}", [r["route_agreement_per_layer"][layer] for r in runs], ".2%"))
     lines += [
-        f"{'mean |logp_train - logp_rollout|':34}{w['logprob_abs_diff']:>14.3e}{wo['logprob_abs_diff']:>16.3e}",
-        f"{'k3 KL(rollout || train)':34}{w['k3_kl']:>14.3e}{wo['k3_kl']:>16.3e}",
-        f"({w['tokens']} real tokens with captured routes, {w['loss_tokens']} loss-active sampled tokens)",
+        _row("mean |dlogp|, sampled tokens", [r["logprob_abs_diff"] for r in runs], ".3e"),
+        _row("k3 KL(rollout || train)", [r["k3_kl"] for r in runs], ".3e"),
+        _row("mean |dlogp|, uncaptured tokens", [r["uncaptured_logprob_abs_diff"] for r in runs], ".3e"),
     ]
+    first = runs[0]
+    lines += [
+        f"({first['tokens']} real tokens with captured routes; {first['loss_tokens']} loss-active sampled tokens, "
+        f"|dlogp| against the rollout's log-probs;",
+        f" {first['uncaptured_tokens']} loss-active tokens predicted from an uncaptured position, "
+        f"|dlogp| against the bf16 model's own routing)",
+    ]
+    for name, mode in RUNS.items():
+        stats = results[name]["stats"]
+        if stats is None:
+            continue
+        drift = "  ".join(f"layer {layer} {d:.2%}" for layer, d in enumerate(stats["route_drift"]))
+        tokens = ", ".join(f"{k} {v}" for k, v in stats["tokens"].items())
+        lines += [
+            f'hook.last_stats with uncaptured="{mode}":',
+            f"  route_drift     {drift}",
+            f"  live_fraction   {stats['live_fraction']:.2%}",
+            f"  tokens          {tokens}",
+        ]
     return "\n".join(lines)
 
 
-def run(cfg: DemoConfig, *, server_url: str | None = None, retries: int = 3, num_workers: int = 2, quiet: bool = False):
-    """Run the whole step; returns the figures dict (``with_replay`` / ``without_replay``)."""
-    import warnings
+# Megatron's import-time and configuration notices that say nothing to a demo
+# user; torch_r3's own warnings stay visible.
+_QUIET_MEGATRON = (
+    r"Transformer Engine and Apex are not installed",
+    r"Apex is not installed",
+    r"moe_ffn_hidden_size is not set",
+    r"full scope is deprecated",
+)
 
+
+@contextlib.contextmanager
+def quiet_third_party_warnings():
+    """Hide Megatron's fallback notices (no Apex, no Transformer Engine) for the block."""
+    with warnings.catch_warnings():
+        for message in _QUIET_MEGATRON:
+            warnings.filterwarnings("ignore", message=message, category=UserWarning, module=r"megatron\.")
+        yield
+
+
+def run(cfg: DemoConfig, *, server_url: str | None = None, retries: int = 3, num_workers: int = 2, quiet: bool = False):
+    """Run the whole step; returns the figures of each run in `RUNS`, by name."""
+    with quiet_third_party_warnings():
+        return _run(cfg, server_url=server_url, retries=retries, num_workers=num_workers, quiet=quiet)
+
+
+def _run(cfg: DemoConfig, *, server_url: str | None, retries: int, num_workers: int, quiet: bool):
     from torch.utils.data import DataLoader
 
     from torch_r3.testing import LoopbackServer
@@ -473,34 +622,35 @@ def run(cfg: DemoConfig, *, server_url: str | None = None, retries: int = 3, num
     with megatron_world():
         _progress("building the fp32 training model and its bf16 inference copy", quiet)
         train_model, infer_model = build_models(cfg)
+        served = MegatronServedModel(infer_model, cfg)
         with contextlib.ExitStack() as stack:
             url = server_url
             if url is None:
-                server = stack.enter_context(LoopbackServer(megatron_served_model(infer_model, cfg)))
-                url = server.url
+                url = stack.enter_context(LoopbackServer(served)).url
                 _progress(f"bf16 inference server on {url}", quiet)
                 asyncio.run(check_server(url, cfg, retries))
             samples = asyncio.run(rollout(url, cfg, retries, quiet))
+        # Another server's weights are not this bf16 copy's: no reference then.
+        add_reference_logprobs(samples, served if server_url is None else None)
 
-        collator = R3Collator(
-            pad_token_id=0,
-            pad_keys={"loss_mask": 0.0, "rollout_logprobs": 0.0, "has_rollout_logprob": 0.0},
-        )
+        per_token = ("loss_mask", "rollout_logprobs", "has_rollout_logprob", "reference_logprobs", "has_reference_logprob")
+        collator = R3Collator(pad_token_id=0, pad_keys={key: 0.0 for key in per_token})
         loader = DataLoader(samples, batch_size=cfg.micro_batch_size, collate_fn=collator, num_workers=num_workers)
         microbatches = list(loader)
         _progress(f"collated {len(samples)} trajectories into {len(microbatches)} microbatches "
                   f"({num_workers} DataLoader workers)", quiet)
-        uncaptured = sum(loss_active_uncaptured(mb) for mb in microbatches)
+        uncaptured = sum(int(loss_active_uncaptured(mb).sum()) for mb in microbatches)
         if uncaptured:
             warnings.warn(
                 f"{uncaptured} loss-active token(s) are predicted from positions without a captured route "
-                f"(an uncaptured tail, e.g. a synthetic EOS); those positions are replayed with padding routes",
-                stacklevel=2,
+                f"(an uncaptured tail, e.g. a synthetic EOS); ReplayHook routes them with the model's own "
+                f'router (uncaptured="live"), or replays a filler route there with uncaptured="replay"',
+                stacklevel=3,
             )
         results = {}
-        for name, replay in (("with_replay", True), ("without_replay", False)):
-            _progress(f"fp32 training forward/backward {name.replace('_', ' ')}", quiet)
-            results[name] = train_step(train_model, microbatches, cfg, replay=replay)
+        for name, mode in RUNS.items():
+            _progress(f"fp32 training forward/backward, {COLUMNS[name]}", quiet)
+            results[name] = measure(train_model, microbatches, cfg, uncaptured=mode)
     _progress(f"done in {time.perf_counter() - t0:.1f} s", quiet)
     return results
 
@@ -539,9 +689,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         return 2
     print(_report(results, cfg))
     if args.json:
-        keys = ("route_agreement", "logprob_abs_diff", "k3_kl")
         with open(args.json, "w") as f:
-            json.dump({name: {k: r[k] for k in keys} for name, r in results.items()}, f, indent=2)
+            json.dump(results, f, indent=2)
     return 0
 
 

@@ -33,16 +33,25 @@ def make_config(**overrides):
 
 
 def build_model(*, vp_stage=None, seq_len=16, **overrides):
-    """A GPTModel on the local (no Transformer Engine) spec, allgather dispatcher."""
+    """A GPTModel on the local (no Transformer Engine) spec, allgather dispatcher.
+
+    With ``mtp_num_layers`` in ``overrides`` it also gets multi-token prediction layers.
+    """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     config = make_config(**overrides)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
+    mtp = None
+    if config.mtp_num_layers:  # multi-token prediction layers after the decoder
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        mtp = get_gpt_mtp_block_spec(config, spec.layer_specs[-1], use_transformer_engine=False, vp_stage=vp_stage)
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
+        mtp_block_spec=mtp,
         vocab_size=VOCAB,
         max_sequence_length=seq_len,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -108,26 +117,53 @@ def forward_step(data_iterator, model):
     return output, loss_func
 
 
+def run_step(hook, model, batches, *, forward_only=False, step=None, num_microbatches=None):
+    """One ``hook.forward_backward`` over ``batches`` with Megatron's default schedule."""
+    return hook.forward_backward(
+        forward_step_func=step or forward_step,
+        data_iterator=iter(batches),
+        model=[model],
+        num_microbatches=len(batches) if num_microbatches is None else num_microbatches,
+        seq_length=batches[0]["input_ids"].shape[1],
+        micro_batch_size=batches[0]["input_ids"].shape[0],
+        forward_only=forward_only,
+    )
+
+
 class RouteRecorder:
-    """Records, for every call of every router, its replay action and selected experts."""
+    """Records, for every call of every router, its replay action and selected experts.
+
+    ``inputs`` keeps each call's router input (hidden states) for references
+    computed independently of Megatron's routing code.
+    """
 
     def __init__(self, model):
         from megatron.core.transformer.moe.router import TopKRouter
 
         self.calls = {}  # layer (0-based) -> list of (action, [S*B, E] bool routing map)
+        self.inputs = {}  # layer (0-based) -> list of [S*B, H] router inputs
+        self.routers = {}  # layer (0-based) -> the TopKRouter
         self.handles = []
         for module in model.modules():
             if isinstance(module, TopKRouter):
                 layer = module.layer_number - 1
                 self.calls[layer] = []
+                self.inputs[layer] = []
+                self.routers[layer] = module
                 self.handles.append(module.register_forward_hook(self._record(module, layer)))
 
     def _record(self, module, layer):
         def hook(mod, args, output):
             action = mod.router_replay.router_replay_action if mod.router_replay else None
             self.calls[layer].append((action, output[1].detach().clone()))
+            self.inputs[layer].append(args[0].detach().reshape(-1, args[0].shape[-1]).clone())
 
         return hook
+
+    def clear(self):
+        for layer in self.calls:
+            self.calls[layer].clear()
+            self.inputs[layer].clear()
 
     def close(self):
         for h in self.handles:
@@ -139,3 +175,33 @@ def expected_map(routes_one_layer, experts=EXPERTS):
     b, s, k = routes_one_layer.shape
     flat = routes_one_layer.long().transpose(0, 1).reshape(s * b, k)
     return torch.zeros(s * b, experts, dtype=torch.bool).scatter(1, flat, True)
+
+
+def own_choice(router, hidden):
+    """[N, E] bool map of the experts a router picks on its own, by a plain reference.
+
+    Recomputes the router from its weights: logits, the score function, the
+    expert bias and group-limited selection, token by token in Python, so it
+    shares no routing code with Megatron.
+    """
+    config = router.config
+    logits = hidden.float() @ router.weight.detach().float().t()
+    if config.moe_router_score_function == "sigmoid":
+        scores = torch.sigmoid(logits)
+        if router.expert_bias is not None:
+            scores = scores + router.expert_bias.float()
+    else:
+        scores = torch.softmax(logits, dim=-1) if config.moe_router_pre_softmax else logits
+    k = config.moe_router_topk
+    groups, group_topk = config.moe_router_num_groups, config.moe_router_group_topk
+    chosen = torch.zeros(scores.shape, dtype=torch.bool)
+    for row, s in enumerate(scores.tolist()):
+        allowed = range(len(s))
+        if group_topk:
+            size = len(s) // groups
+            strength = [sum(sorted(s[g * size : (g + 1) * size], reverse=True)[: k // group_topk]) for g in range(groups)]
+            best = sorted(range(groups), key=lambda g: -strength[g])[:group_topk]
+            allowed = [e for g in best for e in range(g * size, (g + 1) * size)]
+        for e in sorted(allowed, key=lambda e: -s[e])[:k]:
+            chosen[row, e] = True
+    return chosen

@@ -67,7 +67,8 @@ def run(rank, world_size, port, out_dir):
         parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
         torch.manual_seed(0)
         model = build_model(num_layers=4, pipeline_model_parallel_size=2, batch_p2p_comm=False, **recompute)
-        hook = ReplayHook(model)
+        # uncaptured="replay": every row, filler included, must come back from the FIFO.
+        hook = ReplayHook(model, uncaptured="replay")
         recorder = RouteRecorder(model)
         batches = _batches(seed=3)
         hook.forward_backward(**_schedule_kwargs(forward_step, batches, [model]))

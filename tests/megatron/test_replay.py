@@ -7,27 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from _models import TOPK, RouteRecorder, expected_map, forward_step, make_batch
+from _models import TOPK, RouteRecorder, expected_map, forward_step, make_batch, run_step
 
 from torch_r3.megatron import InterleavedPipelineError, ReplayHook
-
-
-def _schedule():
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    return get_forward_backward_func()
-
-
-def _run(hook, model, batches, *, forward_only=False):
-    return hook.forward_backward(
-        forward_step_func=forward_step,
-        data_iterator=iter(batches),
-        model=[model],
-        num_microbatches=len(batches),
-        seq_length=batches[0]["input_ids"].shape[1],
-        micro_batch_size=batches[0]["input_ids"].shape[0],
-        forward_only=forward_only,
-    )
 
 
 def _real_rows_match(routing_map, routes, mask):
@@ -42,7 +24,7 @@ def test_routers_select_exactly_the_installed_routes_even_after_perturbing_weigh
     hook = ReplayHook(model)
     batch = make_batch(dtype=torch.uint8)
     recorder = RouteRecorder(model)
-    _run(hook, model, [batch], forward_only=True)
+    run_step(hook, model, [batch], forward_only=True)
     for layer, calls in recorder.calls.items():
         (action, routing_map), = calls
         assert _real_rows_match(routing_map, batch["rollout_expert_indices"][:, :, layer], batch["router_padding_mask"])
@@ -53,7 +35,7 @@ def test_routers_select_exactly_the_installed_routes_even_after_perturbing_weigh
                 p.add_(torch.randn_like(p) * 5)
     for calls in recorder.calls.values():
         calls.clear()
-    _run(hook, model, [batch])
+    run_step(hook, model, [batch])
     for layer, calls in recorder.calls.items():
         assert calls, "router never ran"
         for _, routing_map in calls:
@@ -78,14 +60,14 @@ def test_full_recompute_drains_every_fifo_with_the_matching_microbatch(make_mode
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     model = make_model(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    hook = ReplayHook(model)
+    hook = ReplayHook(model, uncaptured="replay")  # every row, filler included, comes from the FIFO
     g = torch.Generator().manual_seed(1)
     batches = [make_batch(generator=g, dtype=torch.int16) for _ in range(3)]
     recorder = RouteRecorder(model)
     for _ in range(2):  # two steps: nothing stale carries over
         for calls in recorder.calls.values():
             calls.clear()
-        _run(hook, model, batches)
+        run_step(hook, model, batches)
         for r in hook._routers:
             assert r.replay.replay_backward_list == []
             assert r.pushes == 0 and r.replay.router_replay_action is None
@@ -118,19 +100,19 @@ def test_a_fifo_that_is_not_drained_exactly_raises(make_model):
 
 def test_dense_first_layers_map_to_their_global_layer_in_either_routes_layout(make_model):
     model = make_model(num_layers=3, moe_layer_freq=[0, 1, 1])
-    hook = ReplayHook(model)
+    hook = ReplayHook(model, uncaptured="replay")  # compare every row
     assert hook.layers == (1, 2)
     recorder = RouteRecorder(model)
     for layers, offset in ((3, 0), (2, -1)):  # every layer / MoE layers only
         batch = make_batch(layers=layers)
         for calls in recorder.calls.values():
             calls.clear()
-        _run(hook, model, [batch], forward_only=True)
+        run_step(hook, model, [batch], forward_only=True)
         for layer, ((_, routing_map),) in recorder.calls.items():
             want = batch["rollout_expert_indices"][:, :, layer + offset]
             assert torch.equal(routing_map, expected_map(want))
     with pytest.raises(ValueError, match="rollout_expert_indices has 4 layers; expected num_layers = 3 .* or 2"):
-        _run(hook, model, [make_batch(layers=4)], forward_only=True)
+        run_step(hook, model, [make_batch(layers=4)], forward_only=True)
     recorder.close()
 
 
@@ -146,7 +128,7 @@ def test_model_gets_router_padding_mask_and_indices_are_int64(make_model):
     handle = model.register_forward_pre_hook(capture, with_kwargs=True)
     for dtype in (torch.uint8, torch.int16, torch.int32):
         batch = make_batch(dtype=dtype, padding="arange")
-        _run(hook, model, [batch], forward_only=True)
+        run_step(hook, model, [batch], forward_only=True)
         assert torch.equal(seen["padding_mask"], batch["router_padding_mask"])
         assert all(t.dtype == torch.int64 and t.shape == (32, TOPK) for t in seen["targets"])
     handle.remove()
@@ -160,7 +142,7 @@ def test_closing_the_hook_stops_handing_the_padding_mask(make_model):
     with ReplayHook(model) as hook:
         # Registered after the hook's own pre-hook, so it sees what the model gets.
         handle = model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw.get("padding_mask")), with_kwargs=True)
-        _run(hook, model, [batch], forward_only=True)
+        run_step(hook, model, [batch], forward_only=True)
     assert torch.equal(seen[-1], batch["router_padding_mask"])
     # Closed: the model runs as if the hook never existed, with no stale targets.
     model(batch["input_ids"], torch.arange(batch["input_ids"].shape[1]).expand_as(batch["input_ids"]), None)
@@ -257,7 +239,7 @@ def test_refuses_bad_microbatches_before_installing(make_model, change, error, m
     batch = make_batch()
     change(batch)
     with pytest.raises(error, match=message):
-        _run(hook, model, [batch], forward_only=True)
+        run_step(hook, model, [batch], forward_only=True)
     assert all(r.replay.replay_backward_list == [] for r in hook._routers)
 
 
@@ -270,7 +252,7 @@ def test_forward_step_outside_a_step_is_refused(make_model):
 
 def test_packed_layout_replays_in_token_order(make_model):
     model = make_model()
-    hook = ReplayHook(model)
+    hook = ReplayHook(model, uncaptured="replay")  # compare every row
     padded = make_batch(batch=1, real=(16,), captured=(12,))
     batch = {
         "rollout_expert_indices": padded["rollout_expert_indices"][0],
@@ -280,7 +262,17 @@ def test_packed_layout_replays_in_token_order(make_model):
         "attention_mask": padded["attention_mask"],
     }
     recorder = RouteRecorder(model)
-    _run(hook, model, [batch], forward_only=True)
+    run_step(hook, model, [batch], forward_only=True)
     recorder.close()
     for layer, ((_, routing_map),) in recorder.calls.items():
         assert torch.equal(routing_map, expected_map(padded["rollout_expert_indices"][:, :, layer]))
+
+
+def test_a_second_hook_on_the_same_model_is_refused_until_the_first_closes(make_model):
+    model = make_model()
+    first = ReplayHook(model)
+    with pytest.raises(ValueError, match="already belongs to an open ReplayHook"):
+        ReplayHook(model)
+    run_step(first, model, [make_batch()], forward_only=True)  # the first is unharmed
+    first.close()
+    ReplayHook(model).close()

@@ -1,16 +1,16 @@
 """Pure functions that cut a global batch of routes down to what one rank's routers see.
 
 Megatron's MoE router sees the hidden states of its own rank, flattened
-sequence-first: row ``s * B + b`` is sequence position ``s`` of sample ``b``.
+sequence-first: row `s * B + b` is sequence position `s` of sample `b`.
 Which positions a rank holds depends on context parallelism (the sequence is cut
-into ``2 * cp_size`` chunks and rank ``r`` keeps chunks ``r`` and
-``2 * cp_size - 1 - r``, so that causal attention work is balanced) and on
+into `2 * cp_size` chunks and rank `r` keeps chunks `r` and
+`2 * cp_size - 1 - r`, so that causal attention work is balanced) and on
 sequence parallelism (after that, each tensor-parallel rank keeps one contiguous
-``1 / tp_size`` share). Which layers a rank holds depends on its pipeline stage.
+`1 / tp_size` share). Which layers a rank holds depends on its pipeline stage.
 
 These helpers take sizes and ranks as arguments and never ask a process group,
-so they are easy to test against a reference; :class:`ReplayHook` asks
-``parallel_state`` and passes the answers in.
+so they are easy to test against a reference; `ReplayHook` asks
+`parallel_state` and passes the answers in.
 """
 
 from __future__ import annotations
@@ -44,6 +44,12 @@ class RankSlice:
         tp_rank: This rank's tensor-parallel rank.
         sequence_parallel: Whether Megatron's sequence parallelism splits the
             sequence over the tensor-parallel ranks before the MoE layers.
+
+    Examples:
+        >>> RankSlice(cp_size=2, cp_rank=1).splits_sequence
+        False
+        >>> RankSlice(tp_size=2, tp_rank=0, sequence_parallel=True).splits_sequence
+        True
     """
 
     cp_size: int = 1
@@ -61,28 +67,28 @@ class RankSlice:
 
     @property
     def splits_sequence(self) -> bool:
-        """True when sequence parallelism actually splits the sequence (``tp_size > 1``)."""
+        """True when sequence parallelism actually splits the sequence (`tp_size > 1`)."""
         return self.sequence_parallel and self.tp_size > 1
 
 
 def context_parallel_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
     """Sequence positions a context-parallel rank holds, in the order it holds them.
 
-    Megatron (``get_batch_on_this_cp_rank``) cuts the sequence into ``2 * cp_size``
-    equal chunks and gives rank ``r`` chunks ``r`` and ``2 * cp_size - 1 - r``.
+    Megatron (`get_batch_on_this_cp_rank`) cuts the sequence into `2 * cp_size`
+    equal chunks and gives rank `r` chunks `r` and `2 * cp_size - 1 - r`.
 
     Args:
-        seq_len: Global sequence length; must be a multiple of ``2 * cp_size``.
+        seq_len: Global sequence length; must be a multiple of `2 * cp_size`.
         cp_size: Context-parallel world size.
         cp_rank: Context-parallel rank.
 
     Returns:
-        A ``torch.long`` tensor of ``seq_len // cp_size`` positions.
+        A `torch.long` tensor of `seq_len // cp_size` positions.
 
     Raises:
-        ValueError: When ``seq_len`` is not a multiple of ``2 * cp_size``.
+        ValueError: When `seq_len` is not a multiple of `2 * cp_size`.
 
-    Example:
+    Examples:
         >>> context_parallel_positions(8, 2, 0).tolist()
         [0, 1, 6, 7]
         >>> context_parallel_positions(8, 2, 1).tolist()
@@ -104,8 +110,8 @@ def context_parallel_positions(seq_len: int, cp_size: int, cp_rank: int) -> torc
 def sequence_parallel_positions(seq_len: int, tp_size: int, tp_rank: int) -> slice:
     """The contiguous share of a (context-parallel local) sequence a TP rank routes.
 
-    With sequence parallelism, ``scatter_to_sequence_parallel_region`` gives each
-    tensor-parallel rank one contiguous ``seq_len / tp_size`` block.
+    With sequence parallelism, `scatter_to_sequence_parallel_region` gives each
+    tensor-parallel rank one contiguous `seq_len / tp_size` block.
 
     Args:
         seq_len: Sequence length after context-parallel slicing.
@@ -113,12 +119,12 @@ def sequence_parallel_positions(seq_len: int, tp_size: int, tp_rank: int) -> sli
         tp_rank: Tensor-parallel rank.
 
     Returns:
-        A ``slice`` over the sequence dimension.
+        A `slice` over the sequence dimension.
 
     Raises:
-        ValueError: When ``seq_len`` is not a multiple of ``tp_size``.
+        ValueError: When `seq_len` is not a multiple of `tp_size`.
 
-    Example:
+    Examples:
         >>> sequence_parallel_positions(8, 4, 1)
         slice(2, 4, None)
     """
@@ -134,23 +140,23 @@ def sequence_parallel_positions(seq_len: int, tp_size: int, tp_rank: int) -> sli
 def packed_positions(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
     """Token positions a context-parallel rank holds in a packed (THD) batch.
 
-    In the packed layout each sequence is split on its own into ``2 * cp_size``
+    In the packed layout each sequence is split on its own into `2 * cp_size`
     chunks (as Transformer Engine's THD partitioning does), and the rank's two
     chunks of every sequence are concatenated in sequence order.
 
     Args:
-        cu_seqlens: ``[B + 1]`` cumulative sequence lengths, starting at 0.
+        cu_seqlens: `[B + 1]` cumulative sequence lengths, starting at 0.
         cp_size: Context-parallel world size.
         cp_rank: Context-parallel rank.
 
     Returns:
-        A ``torch.long`` tensor of ``cu_seqlens[-1] // cp_size`` token positions.
+        A `torch.long` tensor of `cu_seqlens[-1] // cp_size` token positions.
 
     Raises:
-        ValueError: When ``cu_seqlens`` is malformed or a sequence length is not
-            a multiple of ``2 * cp_size``.
+        ValueError: When `cu_seqlens` is malformed or a sequence length is not
+            a multiple of `2 * cp_size`.
 
-    Example:
+    Examples:
         >>> packed_positions(torch.tensor([0, 4, 8]), 2, 1).tolist()
         [1, 2, 5, 6]
     """
@@ -188,13 +194,13 @@ def router_indices(local_routes: torch.Tensor, layer: int) -> torch.Tensor:
     """One layer's routes in the order a router sees its tokens.
 
     Args:
-        local_routes: This rank's routes, ``[B, S, L, K]``.
-        layer: Index into the ``L`` dimension.
+        local_routes: This rank's routes, `[B, S, L, K]`.
+        layer: Index into the `L` dimension.
 
     Returns:
-        ``[S * B, K]``, row ``s * B + b`` holding sample ``b``'s position ``s``.
+        `[S * B, K]`, row `s * B + b` holding sample `b`'s position `s`.
 
-    Example:
+    Examples:
         >>> r = torch.arange(8).reshape(2, 2, 1, 2)  # B=2, S=2, L=1, K=2
         >>> router_indices(r, 0).tolist()
         [[0, 1], [4, 5], [2, 3], [6, 7]]
@@ -204,21 +210,28 @@ def router_indices(local_routes: torch.Tensor, layer: int) -> torch.Tensor:
 
 
 def moe_layer_pattern(config: Any) -> tuple[bool, ...]:
-    """Which global layers are MoE layers, from ``config.moe_layer_freq``.
+    """Which global layers are MoE layers, from `config.moe_layer_freq`.
 
-    An int ``f`` makes every ``f``-th layer (``0, f, 2f, ...``) an MoE layer; a
-    list gives the pattern per layer (``1`` MoE, ``0`` dense), as Megatron's layer
+    An int `f` makes every `f`-th layer (`0, f, 2f, ...`) an MoE layer; a
+    list gives the pattern per layer (`1` MoE, `0` dense), as Megatron's layer
     specs read it.
 
     Args:
-        config: A ``TransformerConfig`` (or anything with ``num_layers`` and
-            ``moe_layer_freq``).
+        config: A `TransformerConfig` (or anything with `num_layers` and
+            `moe_layer_freq`).
 
     Returns:
         One bool per global layer.
 
     Raises:
-        ValueError: When ``moe_layer_freq`` has the wrong length or type.
+        ValueError: When `moe_layer_freq` has the wrong length or type.
+
+    Examples:
+        >>> from types import SimpleNamespace
+        >>> moe_layer_pattern(SimpleNamespace(num_layers=4, moe_layer_freq=2))
+        (True, False, True, False)
+        >>> moe_layer_pattern(SimpleNamespace(num_layers=3, moe_layer_freq=[0, 1, 1]))
+        (False, True, True)
     """
     freq = getattr(config, "moe_layer_freq", 1)
     num_layers = config.num_layers
@@ -238,25 +251,25 @@ def moe_layer_pattern(config: Any) -> tuple[bool, ...]:
 
 
 def route_layer_index(layer: int, routes_layers: int, pattern: Sequence[bool]) -> int:
-    """Map a router's global layer (0-based) to an index into the routes' ``L`` dim.
+    """Map a router's global layer (0-based) to an index into the routes' `L` dim.
 
     Inference engines report routes either for every transformer layer
-    (``L == num_layers``; dense layers carry filler) or for the MoE layers only
-    (``L`` == number of MoE layers, in layer order). Both are accepted and told
-    apart by ``L``.
+    (`L == num_layers`; dense layers carry filler) or for the MoE layers only
+    (`L` == number of MoE layers, in layer order). Both are accepted and told
+    apart by `L`.
 
     Args:
         layer: The router's global layer index, 0-based.
-        routes_layers: ``L``, the routes' layer dimension.
-        pattern: :func:`moe_layer_pattern` of the model.
+        routes_layers: `L`, the routes' layer dimension.
+        pattern: `moe_layer_pattern` of the model.
 
     Returns:
-        The index into ``L``.
+        The index into `L`.
 
     Raises:
-        ValueError: When ``L`` matches neither count, or ``layer`` is no MoE layer.
+        ValueError: When `L` matches neither count, or `layer` is no MoE layer.
 
-    Example:
+    Examples:
         >>> pattern = (False, True, True)  # one dense layer, then two MoE layers
         >>> route_layer_index(2, 3, pattern), route_layer_index(2, 2, pattern)
         (2, 1)
@@ -282,17 +295,17 @@ def route_layer_index(layer: int, routes_layers: int, pattern: Sequence[bool]) -
 def stage_layer_range(config: Any, *, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None) -> range:
     """The global layers (0-based) built on a pipeline stage, from Megatron's own helpers.
 
-    Uses ``get_transformer_layer_offset`` and ``get_num_layers_to_build``, so
-    uneven first/last stages and ``pipeline_model_parallel_layout`` count the way
+    Uses `get_transformer_layer_offset` and `get_num_layers_to_build`, so
+    uneven first/last stages and `pipeline_model_parallel_layout` count the way
     Megatron counts them.
 
     Args:
-        config: The model's ``TransformerConfig``.
+        config: The model's `TransformerConfig`.
         vp_stage: Virtual pipeline stage of the model chunk, if any.
-        pp_rank: Pipeline rank; by default this process's, from ``parallel_state``.
+        pp_rank: Pipeline rank; by default this process's, from `parallel_state`.
 
     Returns:
-        ``range(offset, offset + num_layers_on_stage)``.
+        `range(offset, offset + num_layers_on_stage)`.
     """
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
@@ -313,20 +326,35 @@ def slice_for_rank(
     """Cut a global microbatch of routes to what this rank's routers see.
 
     Args:
-        routes: ``[B, T, L, K]`` (padded layout) or ``[N, L, K]`` (packed layout,
-            with ``cu_seqlens``).
-        padding_mask: ``[B, T]`` or ``[N]`` bool, ``True`` where no route was captured.
+        routes: `[B, T, L, K]` (padded layout) or `[N, L, K]` (packed layout,
+            with `cu_seqlens`).
+        padding_mask: `[B, T]` or `[N]` bool, `True` where no route was captured.
         rank: This rank's place in the context/tensor-parallel layout.
-        cu_seqlens: ``[B + 1]`` for the packed layout, else ``None``.
+        cu_seqlens: `[B + 1]` for the packed layout, else `None`.
         model_scatters_mask: Whether the model itself applies the
-            sequence-parallel split to ``padding_mask`` (Megatron's ``GPTModel``
+            sequence-parallel split to `padding_mask` (Megatron's `GPTModel`
             does on its first pipeline stage only). When false, the returned mask
             is split here too.
 
     Returns:
-        ``(routes [B', S, L, K], padding_mask)``: ``S`` is the sequence length
-        one router sees per sample (``B' = 1`` for the packed layout); the mask
-        is what the model's ``forward`` should get as ``padding_mask``.
+        `(routes [B', S, L, K], padding_mask)`: `S` is the sequence length
+        one router sees per sample (`B' = 1` for the packed layout); the mask
+        is what the model's `forward` should get as `padding_mask`.
+
+    Raises:
+        ValueError: When the sequence length does not split evenly over the
+            context-parallel (or sequence-parallel) ranks, or `cu_seqlens` does
+            not cover the packed routes.
+
+    Examples:
+        >>> routes = torch.arange(8).reshape(1, 8, 1, 1)  # B=1, T=8, L=1, K=1
+        >>> mask = torch.zeros(1, 8, dtype=torch.bool)
+        >>> local, _ = slice_for_rank(routes, mask, RankSlice(cp_size=2, cp_rank=1))
+        >>> local.flatten().tolist()
+        [2, 3, 4, 5]
+        >>> local, local_mask = slice_for_rank(routes, mask, RankSlice(tp_size=2, tp_rank=1, sequence_parallel=True))
+        >>> local.flatten().tolist(), list(local_mask.shape)  # the model scatters the mask itself
+        ([4, 5, 6, 7], [1, 8])
     """
     if cu_seqlens is not None:
         positions = packed_positions(cu_seqlens, rank.cp_size, rank.cp_rank)

@@ -1,17 +1,17 @@
 """CPU redirections for megatron-core's CUDA-only code paths (tests only).
 
-Exactly the spots listed in shared/MEGATRON-NOTES.md, nothing else:
+Exactly these spots of megatron-core 0.16, nothing else:
 
-* ``torch.zeros(..., device="cuda")`` inside the pipeline schedules;
-* ``get_default_causal_mask`` hard-coding ``device="cuda"``;
-* ``TopKRouter.gating`` moving its weights to ``torch.cuda.current_device()``;
+* `torch.zeros(..., device="cuda")` inside the pipeline schedules;
+* `get_default_causal_mask` hard-coding `device="cuda"`;
+* `TopKRouter.gating` moving its weights to `torch.cuda.current_device()`;
 * checkpoint recompute reading and setting the CUDA RNG state;
-* the RNG tracker states that ``model_parallel_cuda_manual_seed`` would create on
+* the RNG tracker states that `model_parallel_cuda_manual_seed` would create on
   the GPU (attention forks them even with dropout 0): dummy CPU states;
-* ``te_general_gemm`` left undefined in ``moe_utils`` without Transformer Engine.
+* `te_general_gemm` left undefined in `moe_utils` without Transformer Engine.
 
-Used by the in-process fixture (``conftest.py``) and by the spawned PP workers,
-which cannot use fixtures.
+Used by the in-process fixture (`tests/megatron/conftest.py`) and by the
+spawned multi-process workers, which cannot use fixtures.
 """
 
 from __future__ import annotations

@@ -1,0 +1,16 @@
+"""The runnable examples in torch_r3.megatron's docstrings are true."""
+
+import doctest
+
+import pytest
+
+pytest.importorskip("megatron.core.transformer.moe.router_replay")
+
+import torch_r3.megatron.stats  # noqa: E402
+import torch_r3.megatron.validate  # noqa: E402
+
+
+@pytest.mark.parametrize("module", [torch_r3.megatron.validate, torch_r3.megatron.stats])
+def test_docstring_examples(module):
+    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0 and result.attempted > 0

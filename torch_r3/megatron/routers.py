@@ -1,0 +1,222 @@
+"""This model's MoE routers: where each sits in the model, and how it picks its experts under replay.
+
+Routers are told apart by their place in the module tree: the router of
+`decoder.layers[i]` is global layer `offset + i` of the captured routes (the
+offset of this pipeline stage, from Megatron's own helpers); routers of
+multi-token prediction layers (`mtp.layers[j]`) see shifted tokens that the
+inference engine never routed, so they keep routing live. `layer_number` is not
+used: newer megatron-core numbers MTP layers from 1 again.
+
+Each replayed router gets two per-instance attributes while a hook is open,
+never a change to Megatron's classes:
+
+* `router_replay.get_replay_topk`, which takes the routes from this hook's own
+  queue, checks their row count against the router's tokens, routes uncaptured
+  tokens with the router's own top-k (`uncaptured="live"`), records the drift
+  statistics, and hands recompute exactly what the forward chose;
+* on expert-bias routers, `_apply_expert_bias`, because megatron-core 0.16
+  masks the `[N, E]` routing map with the `[N]` padding mask (a broadcast error
+  on every training forward that passes `padding_mask`); the replacement counts
+  the same tokens per expert with the mask widened to `[N, 1]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+from torch_r3.megatron.stats import StatsCollector
+from torch_r3.megatron.validate import check_router_rows
+
+__all__ = ["ReplayedRouter", "RouterTarget", "find_routers"]
+
+
+@dataclass(eq=False)
+class RouterTarget:
+    """One microbatch's routes for one router.
+
+    Attributes:
+        indices: `[N, K]` int64 on the model's device, in the router's token order;
+            after the forward call, what the router actually used (recompute reuses it).
+        uncaptured: `[N]` bool, `True` for tokens without a captured route.
+        live: Whether uncaptured tokens take the router's own top-k.
+        microbatch: Index of the microbatch in the step.
+        batch_rows: Batch rows of this rank's routes (1 for the packed layout).
+    """
+
+    indices: torch.Tensor
+    uncaptured: torch.Tensor
+    live: bool
+    microbatch: int
+    batch_rows: int
+
+
+@dataclass(eq=False)
+class ReplayedRouter:
+    """One replayed router of this model and what the hook tracks about it."""
+
+    replay: RouterReplay
+    module: torch.nn.Module
+    layer: int  # global, 0-based
+    recomputed: bool  # does activation recompute re-run this router in backward?
+    stats: StatsCollector
+    pushes: int = 0
+    expected_pops: int = 0
+    queue: list = field(default_factory=list)  # RouterTarget per entry of replay_backward_list
+    current: Optional[RouterTarget] = None
+    _pending_drop: Optional[torch.Tensor] = None
+    _handle: Any = None
+
+    def attach(self, *, measure_drops: bool) -> None:
+        """Install the per-instance replacements (see the module docstring)."""
+        self.replay.get_replay_topk = self._replay_topk
+        if getattr(self.module, "enable_expert_bias", False):
+            self.module._apply_expert_bias = self._count_tokens_per_expert
+        if measure_drops:
+            self._handle = self.module.register_forward_hook(self._count_drops)
+
+    def check_free(self) -> None:
+        """Raise `ValueError` when another open `ReplayHook` already holds this router."""
+        if "get_replay_topk" in vars(self.replay):
+            raise ValueError(
+                f"model: the router of layer {self.layer} already belongs to an open ReplayHook; "
+                "close that hook first (one hook per model)"
+            )
+
+    def detach(self) -> None:
+        """Remove the replacements; the instances route as Megatron's classes say again."""
+        vars(self.replay).pop("get_replay_topk", None)
+        vars(self.module).pop("_apply_expert_bias", None)
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def push(self, target: RouterTarget, *, expect_pop: bool) -> None:
+        """Set one microbatch's routes for the forward and queue them for recompute."""
+        self.replay.set_target_indices(target.indices)
+        self.replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        self.queue.append(target)
+        self.current = target
+        self.pushes += 1
+        self.expected_pops += expect_pop
+
+    def clear(self) -> None:
+        self.replay.clear_indices()
+        self.replay.clear_router_replay_action()
+        self.queue.clear()
+        self.current = None
+        self._pending_drop = None
+        self.pushes = 0
+        self.expected_pops = 0
+
+    def _replay_topk(
+        self,
+        scores: torch.Tensor,
+        topk: int,
+        num_groups: Optional[int] = None,
+        group_topk: Optional[int] = None,
+        default_compute_topk: Optional[Callable] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        action = self.replay.router_replay_action
+        forward = action == RouterReplayAction.REPLAY_FORWARD and self.current is not None
+        if forward:
+            target = self.current
+        elif action == RouterReplayAction.REPLAY_BACKWARD and self.queue:
+            target = self.queue.pop(0)
+            self.replay.replay_backward_list.pop(0)  # keep Megatron's FIFO in step with ours
+        else:  # not ours to replay (no step running, or someone else's action): Megatron's logic
+            return RouterReplay.get_replay_topk(
+                self.replay, scores, topk, num_groups, group_topk, default_compute_topk
+            )
+        check_router_rows(
+            scores.shape[0], target.indices.shape[0], target.batch_rows,
+            microbatch=target.microbatch, layer=self.layer,
+        )
+        chosen = target.indices
+        if forward:
+            with torch.no_grad():
+                _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+            if target.live:
+                chosen = torch.where(target.uncaptured.unsqueeze(-1), own, target.indices)
+                target.indices = chosen  # recompute replays exactly what this forward chose
+            # On captured rows `chosen` is the replayed route in either mode.
+            self.stats.add_drift(self.layer, own, chosen, ~target.uncaptured)
+            self._pending_drop = chosen
+        return scores.gather(1, chosen), chosen
+
+    def _count_drops(self, module, args, output) -> None:
+        if self._pending_drop is not None:
+            self.stats.add_drops(self._pending_drop, output[1])
+            self._pending_drop = None
+
+    def _count_tokens_per_expert(self, routing_map: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> None:
+        # Megatron's own rule: count only in training forwards and recomputes with
+        # gradients, never in evaluation; padding tokens (mask True) do not count.
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+                self.module.local_tokens_per_expert += routing_map.sum(dim=0)
+
+
+def find_routers(
+    chunk: torch.nn.Module, config: Any, first_layer: int, stats: StatsCollector
+) -> tuple[list[ReplayedRouter], list[torch.nn.Module]]:
+    """This chunk's routers with a `RouterReplay`: decoder routers to replay, MTP routers to leave live.
+
+    Args:
+        chunk: One model chunk (possibly wrapped in DDP or `Float16Module`).
+        config: The model's `TransformerConfig`.
+        first_layer: Global index (0-based) of this stage's first decoder layer.
+        stats: Where the replayed routers record their statistics.
+
+    Returns:
+        `(replayed, live)`: the decoder routers in model order, and the routers
+        of multi-token prediction layers.
+
+    Raises:
+        ValueError: When a router sits neither in `decoder.layers` nor in MTP layers.
+    """
+    granularity = getattr(config, "recompute_granularity", None)
+    modules = getattr(config, "recompute_modules", None) or ()
+    method = getattr(config, "recompute_method", None)
+    selective_moe = (
+        granularity == "selective"
+        and "moe" in modules
+        and getattr(config, "cuda_graph_impl", "none") != "local"
+    )
+    replayed, live = [], []
+    for name, module in chunk.named_modules():
+        replay = getattr(module, "router_replay", None)
+        if not isinstance(replay, RouterReplay):
+            continue
+        parts = name.split(".")
+        if "mtp" in parts:
+            live.append(module)
+            continue
+        local = _decoder_layer_index(parts)
+        if local is None:
+            raise ValueError(
+                f"model: the router {name!r} is neither in decoder.layers nor in the multi-token "
+                "prediction layers; cannot tell which captured layer it routes"
+            )
+        recomputed = selective_moe
+        if granularity == "full":
+            recomputed = local < (config.recompute_num_layers or 0) if method == "block" else True
+        replayed.append(
+            ReplayedRouter(replay=replay, module=module, layer=first_layer + local, recomputed=recomputed, stats=stats)
+        )
+    return replayed, live
+
+
+def _decoder_layer_index(parts: list[str]) -> Optional[int]:
+    # "decoder.layers.3.mlp.router" -> 3: the index in this stage's TransformerBlock
+    # (also what recompute_method="block" counts).
+    for a, b, c in zip(parts, parts[1:], parts[2:]):
+        if a == "decoder" and b == "layers" and c.isdigit():
+            return int(c)
+    return None

@@ -1,0 +1,235 @@
+"""Checks of a microbatch's routes before any router uses them.
+
+Three checks, each raising with the microbatch, the global layer and the first
+offending position, so that a bad route never reaches Megatron (where an id out
+of range fails deep inside `scores.gather`, or on a GPU kills the CUDA context,
+and a duplicate or a missing row trains silently on the wrong experts):
+
+* `check_microbatch`: keys, dtypes and shapes of the dict;
+* `check_route_values`: every replayed route holds K distinct expert ids in
+  `[0, num_moe_experts)`; one vectorised pass on the routes' own device and one
+  host sync per microbatch;
+* `check_model_input` and `check_router_rows`: the routes cover exactly the
+  tokens the model (first stage) and each router (every stage) sees.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+
+__all__ = [
+    "CU_SEQLENS_KEY",
+    "MASK_KEY",
+    "ROUTES_KEY",
+    "check_microbatch",
+    "check_model_input",
+    "check_route_values",
+    "check_router_rows",
+]
+
+ROUTES_KEY = "rollout_expert_indices"
+MASK_KEY = "router_padding_mask"
+CU_SEQLENS_KEY = "cu_seqlens"
+
+ROUTE_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
+def check_microbatch(
+    batch: Any, topk: int
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Check a microbatch dict's route keys, dtypes and shapes.
+
+    Args:
+        batch: The microbatch dict from the data iterator.
+        topk: The model's `moe_router_topk`.
+
+    Returns:
+        `(routes, router_padding_mask, cu_seqlens or None)`.
+
+    Raises:
+        TypeError: When the batch is no mapping or a tensor has the wrong type.
+        ValueError: When a key is missing or a shape is wrong.
+    """
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"microbatch: expected a dict, got {type(batch).__name__}")
+    for key in (ROUTES_KEY, MASK_KEY):
+        if key not in batch:
+            raise ValueError(f"microbatch: missing key {key!r}")
+    routes, mask = batch[ROUTES_KEY], batch[MASK_KEY]
+    if not isinstance(routes, torch.Tensor) or routes.dtype not in ROUTE_DTYPES:
+        what = routes.dtype if isinstance(routes, torch.Tensor) else type(routes).__name__
+        raise TypeError(f"{ROUTES_KEY}: expected a uint8/int16/int32/int64 torch.Tensor, got {what}")
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        what = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise TypeError(f"{MASK_KEY}: expected a torch.bool tensor, got {what}")
+    cu_seqlens = batch.get(CU_SEQLENS_KEY)
+    if cu_seqlens is not None:
+        if routes.ndim != 3 or routes.shape[-1] != topk:
+            raise ValueError(
+                f"{ROUTES_KEY}: packed layout expects [sum(n), L, K={topk}], got {list(routes.shape)}"
+            )
+        if mask.shape != routes.shape[:1]:
+            raise ValueError(f"{MASK_KEY}: packed layout expects [{routes.shape[0]}], got {list(mask.shape)}")
+    else:
+        if routes.ndim != 4 or routes.shape[-1] != topk:
+            raise ValueError(
+                f"{ROUTES_KEY}: padded layout expects [B, T, L, K={topk}] (or [sum(n), L, K] "
+                f"with {CU_SEQLENS_KEY!r}), got {list(routes.shape)}"
+            )
+        if mask.shape != routes.shape[:2]:
+            raise ValueError(f"{MASK_KEY}: expected [B, T] = {list(routes.shape[:2])}, got {list(mask.shape)}")
+    return routes, mask, cu_seqlens
+
+
+def check_route_values(
+    routes: torch.Tensor,
+    checked: torch.Tensor,
+    layers: Sequence[tuple[int, int]],
+    num_experts: int,
+    *,
+    microbatch: int,
+    cu_seqlens: Optional[torch.Tensor] = None,
+) -> None:
+    """Every checked route holds K distinct expert ids in `[0, num_experts)`.
+
+    Args:
+        routes: `[B, T, L, K]`, or `[N, L, K]` with `cu_seqlens`; any integer dtype.
+        checked: `[B, T]` (`[N]`) bool, `True` for the positions whose routes will be replayed.
+        layers: `(global layer, index into L)` for each router that will use the routes.
+        num_experts: The model's `num_moe_experts`.
+        microbatch: Index of the microbatch in the step, for the message.
+        cu_seqlens: The packed layout's cumulative sequence lengths, for the message.
+
+    Raises:
+        ValueError: At the first bad route (in batch order), naming the
+            microbatch, global layer, position and value.
+
+    Examples:
+        >>> routes = torch.tensor([[[[0, 1]], [[2, 2]]]])  # B=1, T=2, L=1, K=2
+        >>> check_route_values(routes, torch.tensor([[True, False]]), [(0, 0)], 8, microbatch=0)
+        >>> check_route_values(routes, torch.tensor([[True, True]]), [(3, 0)], 8, microbatch=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: microbatch 0, layer 3: row 0, token 1: expert id 2 twice in one route [2, 2]; the K=2 experts of a token must be distinct
+    """
+    if cu_seqlens is not None:
+        routes, checked = routes.unsqueeze(0), checked.unsqueeze(0)
+    index = [i for _, i in layers]
+    view = routes if index == list(range(routes.shape[2])) else routes[:, :, index]
+    if not _any_bad(view, num_experts):  # the one host sync per microbatch
+        return
+    bad_row = _bad_rows(view, num_experts) & checked.to(view.device).unsqueeze(-1)
+    if not bool(bad_row.any()):  # only filler rows that are never replayed were bad
+        return
+    b, t, j = (int(x) for x in bad_row.nonzero()[0])
+    route = view[b, t, j].tolist()
+    where = _position(b, t, cu_seqlens)
+    prefix = f"microbatch {microbatch}, layer {layers[j][0]}: {where}: "
+    out_of_range = [e for e in route if not 0 <= e < num_experts]
+    if out_of_range:
+        raise ValueError(
+            prefix + f"expert id {out_of_range[0]} outside [0, {num_experts}) in route {route} "
+            f"(the model has num_moe_experts={num_experts})"
+        )
+    twice = [e for e in route if route.count(e) > 1][0]
+    raise ValueError(
+        prefix + f"expert id {twice} twice in one route {route}; the K={len(route)} experts of a "
+        "token must be distinct"
+    )
+
+
+def _fits(view: torch.Tensor, num_experts: int) -> bool:
+    # Compare with scalars the dtype can hold: `uint8 >= 256` would wrap 256 to 0.
+    return num_experts <= torch.iinfo(view.dtype).max
+
+
+def _any_bad(view: torch.Tensor, num_experts: int) -> bool:
+    """Fast path over the whole tensor: any id out of range or repeated in a route, anywhere?
+
+    Whole-tensor reductions, no per-row masks (reducing over a short last
+    dimension is several times slower); K - 1 shifted comparisons find a repeated
+    id without sorting.
+    """
+    flags = [view.max() >= num_experts] if _fits(view, num_experts) else []
+    if view.dtype.is_signed:  # uint8 routes cannot be negative
+        flags.append(view.min() < 0)
+    flags += [(view[..., shift:] == view[..., :-shift]).any() for shift in range(1, view.shape[-1])]
+    return bool(torch.stack(flags).any()) if flags else False
+
+
+def _bad_rows(view: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Per route `[B, T, L]`: out of range or repeated (only run when `_any_bad` found something)."""
+    bad = torch.zeros(view.shape[:-1], dtype=torch.bool, device=view.device)
+    if _fits(view, num_experts):
+        bad |= (view >= num_experts).any(-1)
+    if view.dtype.is_signed:
+        bad |= (view < 0).any(-1)
+    for shift in range(1, view.shape[-1]):
+        bad |= (view[..., shift:] == view[..., :-shift]).any(-1)
+    return bad
+
+
+def _position(b: int, t: int, cu_seqlens: Optional[torch.Tensor]) -> str:
+    if cu_seqlens is None:
+        return f"row {b}, token {t}"
+    bounds = cu_seqlens.tolist()
+    seq = max(i for i, start in enumerate(bounds[:-1]) if start <= t)
+    return f"sequence {seq}, token {t - bounds[seq]}"
+
+
+def check_model_input(mask_shape: Sequence[int], input_shape: Sequence[int], *, microbatch: int, layer: int) -> None:
+    """On the first pipeline stage: the routes cover exactly the model's `input_ids`.
+
+    Args:
+        mask_shape: Shape of the `padding_mask` built from the routes, `[B, S]`.
+        input_shape: Shape of the `input_ids` the model gets, `[B, S]`.
+        microbatch: Index of the microbatch in the step.
+        layer: The stage's first MoE layer (global, 0-based), for the message.
+
+    Raises:
+        ValueError: When the shapes differ, naming the first token without a route.
+    """
+    if tuple(mask_shape) == tuple(input_shape):
+        return
+    prefix = f"microbatch {microbatch}, layer {layer}: "
+    if len(input_shape) != 2 or mask_shape[0] != input_shape[0]:
+        raise ValueError(
+            prefix + f"the routes have {mask_shape[0]} rows, input_ids has shape {list(input_shape)}"
+        )
+    have, want = mask_shape[1], input_shape[1]
+    if have < want:
+        raise ValueError(
+            prefix + f"the routes cover {have} positions per row, input_ids has {want}; "
+            f"first token without a route: row 0, token {have}"
+        )
+    raise ValueError(prefix + f"the routes cover {have} positions per row, input_ids has only {want}")
+
+
+def check_router_rows(tokens: int, rows: int, batch_rows: int, *, microbatch: int, layer: int) -> None:
+    """At the router call: one route per token the router sees.
+
+    Args:
+        tokens: The router's token count (its scores' first dimension).
+        rows: Rows of the routes prepared for it (`batch_rows * positions`).
+        batch_rows: Batch rows of this rank's routes (1 for the packed layout).
+        microbatch: Index of the microbatch in the step.
+        layer: The router's global layer (0-based).
+
+    Raises:
+        ValueError: When the counts differ, naming the first token without a route.
+    """
+    if tokens == rows:
+        return
+    positions = rows // max(batch_rows, 1)
+    prefix = (
+        f"microbatch {microbatch}, layer {layer}: the router sees {tokens} tokens, the routes cover "
+        f"{rows} ({batch_rows} rows x {positions} positions on this rank)"
+    )
+    if tokens > rows:
+        raise ValueError(
+            prefix + f"; first token without a route: row {rows % batch_rows}, position "
+            f"{rows // batch_rows} on this rank"
+        )
+    raise ValueError(prefix + f"; {rows - tokens} routes more than tokens")
