@@ -14,71 +14,9 @@ from torch.utils.data import DataLoader
 import torch_r3.collate as collate_mod
 from torch_r3 import R3Collator, collate_routes, compact_routes
 
-ORDER = [np.uint8, np.int16, np.int32]
+from reference_collate import ROUTE_DTYPES as ORDER, assert_batch_equal, reference_collate_routes, reference_r3_collator
+
 LIMIT = {np.uint8: 256, np.int16: 2**15, np.int32: 2**31}
-
-
-# ---------------------------------------------------------------------------
-# The reference: one position at a time, straight from DESIGN.md.
-# ---------------------------------------------------------------------------
-
-
-def ref_pad_row(t, L, K, padding, E):
-    if padding == "arange":
-        row = list(range(K))
-    else:
-        row = [(t * K + j) % E for j in range(K)]
-    return np.array([row] * L)
-
-
-def reference(routes, counts, *, layout="padded", pad_to=None, padding="arange", E=None):
-    L, K = routes[0].shape[1:]
-    dtype = ORDER[max(ORDER.index(r.dtype.type) for r in routes)]
-    B = len(routes)
-    if layout == "padded":
-        T = max(counts)
-        if pad_to:
-            while T % pad_to:
-                T += 1
-        out = np.zeros((B, T, L, K), dtype)
-        mask = np.zeros((B, T), bool)
-        att = np.zeros((B, T), np.int64)
-        for i in range(B):
-            s = T - counts[i]
-            r = routes[i].shape[0]
-            for t in range(T):
-                if s <= t < s + r:
-                    out[i, t] = routes[i][t - s]
-                else:
-                    out[i, t] = ref_pad_row(t, L, K, padding, E)
-                    mask[i, t] = True
-                att[i, t] = 1 if t >= s else 0
-        return {"rollout_expert_indices": out, "router_padding_mask": mask, "attention_mask": att}
-    rows_out, mask, cu = [], [], [0]
-    t = 0
-    for i in range(B):
-        for j in range(counts[i]):
-            if j < routes[i].shape[0]:
-                rows_out.append(routes[i][j])
-                mask.append(False)
-            else:
-                rows_out.append(ref_pad_row(t, L, K, padding, E))
-                mask.append(True)
-            t += 1
-        cu.append(cu[-1] + counts[i])
-    return {
-        "rollout_expert_indices": np.array(rows_out, dtype).reshape(-1, L, K),
-        "router_padding_mask": np.array(mask, bool),
-        "cu_seqlens": np.array(cu, np.int32),
-    }
-
-
-def assert_batch_equal(got, want):
-    assert set(got) == set(want)
-    for k, v in want.items():
-        expected = torch.from_numpy(np.ascontiguousarray(v))
-        assert got[k].dtype == expected.dtype, k
-        assert torch.equal(got[k], expected), k
 
 
 def make_routes(rng, rows, L, K, dtype):
@@ -106,7 +44,7 @@ def test_matches_reference_for_every_layout_padding_and_dtype_mix(layout, paddin
     routes = [make_routes(rng, r, 3, 2, d) for r, d in zip(rows, dtypes)]
     kw = dict(layout=layout, padding=padding, num_experts=5 if padding == "balanced" else None)
     got = collate_routes(routes, counts, **kw)
-    assert_batch_equal(got, reference(routes, counts, layout=layout, padding=padding, E=kw["num_experts"]))
+    assert_batch_equal(got, reference_collate_routes(routes, counts, layout=layout, padding=padding, num_experts=kw["num_experts"]))
 
 
 def test_mixed_batch_promotes_to_widest_dtype_by_dtype_alone():
@@ -121,7 +59,7 @@ def test_pad_to_multiple_of_rounds_T_up(multiple):
     rng = np.random.default_rng(1)
     routes = [make_routes(rng, 3, 2, 2, np.uint8), make_routes(rng, 6, 2, 2, np.uint8)]
     got = collate_routes(routes, [5, 7], pad_to_multiple_of=multiple)
-    assert_batch_equal(got, reference(routes, [5, 7], pad_to=multiple))
+    assert_batch_equal(got, reference_collate_routes(routes, [5, 7], pad_to_multiple_of=multiple))
 
 
 def test_read_only_and_non_contiguous_inputs_are_valid():
@@ -132,14 +70,14 @@ def test_read_only_and_non_contiguous_inputs_are_valid():
     ro.flags.writeable = False
     assert not view.flags.c_contiguous
     got = collate_routes([view, ro], [4, 5])
-    assert_batch_equal(got, reference([view, ro], [4, 5]))
+    assert_batch_equal(got, reference_collate_routes([view, ro], [4, 5]))
 
 
 def test_cpu_tensors_are_accepted_like_arrays():
     rng = np.random.default_rng(3)
     a = make_routes(rng, 2, 2, 2, np.uint8)
     got = collate_routes([torch.from_numpy(a)], [3])
-    assert_batch_equal(got, reference([a], [3]))
+    assert_batch_equal(got, reference_collate_routes([a], [3]))
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
@@ -149,7 +87,7 @@ def test_pool_path_matches_reference(layout, force_pool):
     routes = [make_routes(rng, max(n - 1, 0), 4, 8, np.uint8) for n in counts]
     got = collate_routes(routes, counts, layout=layout, workers=3)
     assert 2 in collate_mod._pools  # the caller plus two pool threads really ran
-    assert_batch_equal(got, reference(routes, counts, layout=layout))
+    assert_batch_equal(got, reference_collate_routes(routes, counts, layout=layout))
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
@@ -164,12 +102,12 @@ def test_out_buffer_is_fully_overwritten(layout):
     got = collate_routes(routes, counts, layout=layout, out=out)
     for k in out:
         assert got[k].data_ptr() == out[k].data_ptr()
-    assert_batch_equal(got, reference(routes, counts, layout=layout))
+    assert_batch_equal(got, reference_collate_routes(routes, counts, layout=layout))
     # A bare tensor means the routes buffer.
     buf = torch.full_like(first["rollout_expert_indices"], 99)
     got = collate_routes(routes, counts, layout=layout, out=buf)
     assert got["rollout_expert_indices"].data_ptr() == buf.data_ptr()
-    assert_batch_equal(got, reference(routes, counts, layout=layout))
+    assert_batch_equal(got, reference_collate_routes(routes, counts, layout=layout))
 
 
 def test_pin_memory_never_raises_without_an_accelerator():
@@ -203,7 +141,7 @@ def test_property_random_batches_match_reference(data):
         counts.append(n)
         routes.append(make_routes(np.random.default_rng(seed), r, L, K, dtype))
     got = collate_routes(routes, counts, layout=layout, padding=padding, num_experts=E, pad_to_multiple_of=pad_to)
-    assert_batch_equal(got, reference(routes, counts, layout=layout, pad_to=pad_to, padding=padding, E=E))
+    assert_batch_equal(got, reference_collate_routes(routes, counts, layout=layout, pad_to_multiple_of=pad_to, padding=padding, num_experts=E))
 
 
 def test_balanced_padding_uses_every_expert_and_distinct_experts_per_row():
@@ -329,21 +267,9 @@ def make_samples(seed=0, n_samples=6, L=3, K=2, big=False):
 
 
 def reference_collator(samples, pad_token_id=0, layout="padded"):
-    routes = [s["routes"] for s in samples]
-    counts = [len(s["input_ids"]) for s in samples]
-    want = reference(routes, counts, layout=layout)
-    ids = [np.asarray(s["input_ids"], np.int64) for s in samples]
-    lm = [np.asarray(s["loss_mask"], np.float32) for s in samples]
-    if layout == "padded":
-        T = max(counts)
-        want["input_ids"] = np.array([[pad_token_id] * (T - len(x)) + list(x) for x in ids], np.int64)
-        want["loss_mask"] = np.array([[0.0] * (T - len(x)) + list(x) for x in lm], np.float32)
-    else:
-        want["input_ids"] = np.concatenate(ids)
-        want["loss_mask"] = np.concatenate(lm)
-    want["reward"] = np.array([s["reward"] for s in samples], np.float64)
-    want["uid"] = np.array([s["uid"] for s in samples], np.int64)
-    return want
+    return reference_r3_collator(
+        samples, pad_token_id=pad_token_id, layout=layout, pad_keys={"loss_mask": (0.0, np.float32)}
+    )
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
