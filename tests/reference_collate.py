@@ -114,3 +114,13 @@ def assert_batch_equal(got, want):
         expected = torch.from_numpy(np.ascontiguousarray(v))
         assert got[k].dtype == expected.dtype, (k, got[k].dtype, expected.dtype)
         assert torch.equal(got[k], expected), k
+
+
+def reference_padded(routes, counts):
+    """The padded layout with `arange` padding (the benchmark's shape)."""
+    return reference_collate_routes(routes, counts, layout="padded")
+
+
+def reference_packed(routes, counts):
+    """The packed layout with `arange` padding (the benchmark's shape)."""
+    return reference_collate_routes(routes, counts, layout="packed")
