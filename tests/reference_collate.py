@@ -29,7 +29,10 @@ def reference_collate_routes(
 ):
     """What `collate_routes` must return, as NumPy arrays, built position by position."""
     L, K = routes[0].shape[1:]
-    dtype = ROUTE_DTYPES[max(ROUTE_DTYPES.index(r.dtype.type) for r in routes)]
+    # The widest input dtype, widened further when a padding id would not fit it.
+    largest_pad_id = K - 1 if padding == "arange" else num_experts - 1
+    fits = min(i for i, d in enumerate(ROUTE_DTYPES) if np.iinfo(d).max >= largest_pad_id)
+    dtype = ROUTE_DTYPES[max([fits] + [ROUTE_DTYPES.index(r.dtype.type) for r in routes])]
     B = len(routes)
     if layout == "padded":
         T = max(counts)

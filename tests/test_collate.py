@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch.utils.data import DataLoader
 
-import torch_r3.collate as collate_mod
+import torch_r3._pool as pool_mod
 from torch_r3 import R3Collator, collate_routes, compact_routes
 
 from reference_collate import ROUTE_DTYPES as ORDER, assert_batch_equal, reference_collate_routes, reference_r3_collator
@@ -26,7 +27,7 @@ def make_routes(rng, rows, L, K, dtype):
 @pytest.fixture
 def force_pool(monkeypatch):
     """Send even small batches through the thread pool (its threshold is a size)."""
-    monkeypatch.setattr(collate_mod, "_SERIAL_BELOW_BYTES", 0)
+    monkeypatch.setattr(pool_mod, "SERIAL_BELOW_BYTES", 0)
 
 
 # ---------------------------------------------------------------------------
@@ -86,7 +87,7 @@ def test_pool_path_matches_reference(layout, force_pool):
     counts = [int(x) for x in rng.integers(1, 70, size=40)]
     routes = [make_routes(rng, max(n - 1, 0), 4, 8, np.uint8) for n in counts]
     got = collate_routes(routes, counts, layout=layout, workers=3)
-    assert 2 in collate_mod._pools  # the caller plus two pool threads really ran
+    assert _collate_threads()  # helper threads were started for the call
     assert_batch_equal(got, reference_collate_routes(routes, counts, layout=layout))
 
 
@@ -279,7 +280,7 @@ def test_collator_matches_reference(layout):
     assert_batch_equal(got, reference_collator(samples, pad_token_id=7, layout=layout))
 
 
-def test_collator_custom_keys():
+def test_collator_reads_custom_routes_and_tokens_keys_and_drops_them_from_the_batch():
     rng = np.random.default_rng(0)
     samples = [{"tok": [1, 2, 3], "r": make_routes(rng, 2, 1, 1, np.uint8)}, {"tok": [4], "r": make_routes(rng, 0, 1, 1, np.uint8)}]
     got = R3Collator(routes_key="r", tokens_key="tok", pad_token_id=-1)(samples)
@@ -301,7 +302,7 @@ def test_collator_custom_keys():
         (lambda s: s.__setitem__(2, [1, 2]), TypeError, "sample 2: expected a mapping"),
     ],
 )
-def test_collator_bad_input(mutate, exc, match):
+def test_collator_refuses_bad_samples_naming_the_sample_and_key(mutate, exc, match):
     samples = make_samples()
     mutate(samples)
     with pytest.raises(exc, match=match):
@@ -314,7 +315,7 @@ def test_collator_rejects_more_route_rows_than_tokens():
         R3Collator()(samples)
 
 
-def test_collator_empty_batch():
+def test_collator_refuses_an_empty_batch():
     with pytest.raises(ValueError, match="empty batch"):
         R3Collator()([])
 
@@ -410,3 +411,152 @@ def test_four_threads_share_one_collator(force_pool):
     assert not errors
     for got, want in zip(results, wants):
         assert_batch_equal(got, want)
+
+
+# ---------------------------------------------------------------------------
+# The copy-thread pool and the padding template stay bounded (issues 10, 11)
+# ---------------------------------------------------------------------------
+
+
+def _collate_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("torch_r3-collate")]
+
+
+@pytest.mark.parametrize("call", ["collate_routes", "R3Collator"])
+def test_more_workers_than_the_cap_are_refused(call):
+    routes = [np.zeros((1, 1, 2), np.uint8)]
+    with pytest.raises(ValueError, match="workers must be <= 64"):
+        if call == "collate_routes":
+            collate_routes(routes, [2], workers=1000)
+        else:
+            R3Collator(workers=1000)
+
+
+def test_distinct_worker_counts_share_one_pool_that_shrinks_when_idle(force_pool, monkeypatch):
+    import torch_r3._pool as pool_mod
+
+    monkeypatch.setattr(pool_mod, "IDLE_SECONDS", 0.2)
+    rng = np.random.default_rng(7)
+    counts = [int(x) for x in rng.integers(1, 50, size=64)]
+    routes = [make_routes(rng, n, 2, 2, np.uint8) for n in counts]
+    want = reference_collate_routes(routes, counts)
+    for workers in (4, 16, 9, 16, 64):
+        assert_batch_equal(collate_routes(routes, counts, workers=workers), want)
+        # One pool: never more threads than the largest single request needs.
+        assert len(_collate_threads()) <= 63
+    assert len(_collate_threads()) <= 63
+    deadline = time.monotonic() + 30
+    while _collate_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _collate_threads() == []
+
+
+def test_padding_template_cache_stays_small_after_a_huge_batch():
+    import tracemalloc
+
+    routes = [np.zeros((0, 8, 8), np.uint8), np.ones((1, 8, 8), np.uint8)]
+    counts = [300_000, 1]  # 300k padding rows of 64 bytes: a 19 MB padding region
+    tracemalloc.start()
+    try:
+        got = collate_routes(routes, counts, workers=1)
+        assert got["rollout_expert_indices"].shape == (2, 300_000, 8, 8)
+        del got
+        kept, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert kept < 4 << 20
+
+
+# ---------------------------------------------------------------------------
+# Silent failures of the collator, each refused with a clear message (issue 11)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("key", ["attention_mask", "rollout_expert_indices", "router_padding_mask", "cu_seqlens"])
+def test_a_sample_key_equal_to_an_output_key_is_refused_not_overwritten(layout, key):
+    samples = make_samples(n_samples=3)
+    for s in samples:
+        s[key] = np.ones(len(s["input_ids"]), np.int64)  # e.g. a tokenizer's attention_mask
+    with pytest.raises(ValueError, match=rf"sample 0: key '{key}'.*rename.*drop"):
+        R3Collator(pad_keys={"loss_mask": 0.0}, layout=layout)(samples)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("padding, experts, topk", [("balanced", 300, 2), ("balanced", 40000, 4), ("arange", None, 300)])
+def test_padding_ids_beyond_the_input_dtype_widen_the_output_instead_of_wrapping(layout, padding, experts, topk):
+    rng = np.random.default_rng(8)
+    routes = [make_routes(rng, 2, 2, topk, np.uint8), make_routes(rng, 0, 2, topk, np.uint8)]
+    counts = [9000, 3]  # padding positions up to 9000: balanced ids reach num_experts - 1
+    got = collate_routes(routes, counts, layout=layout, padding=padding, num_experts=experts)
+    want = reference_collate_routes(routes, counts, layout=layout, padding=padding, num_experts=experts)
+    assert_batch_equal(got, want)
+    # Ids past what a narrower dtype holds really occur, so a narrower output would wrap.
+    narrower_max = 255 if (experts or topk) - 1 < 2**15 else 2**15 - 1
+    assert int(got["rollout_expert_indices"].max()) > narrower_max
+
+
+def test_numpy_integers_are_accepted_wherever_python_ints_are():
+    samples = make_samples(n_samples=4)
+    kwargs = dict(padding="balanced", num_experts=np.int64(8), pad_to_multiple_of=np.int32(4), workers=np.int64(2))
+    got = R3Collator(pad_token_id=np.int64(5), pad_keys={"loss_mask": np.float32(0.5)}, **kwargs)(samples)
+    want = reference_r3_collator(
+        samples, pad_token_id=5, pad_keys={"loss_mask": (0.5, np.float32)}, padding="balanced", num_experts=8,
+        pad_to_multiple_of=4,
+    )
+    assert_batch_equal(got, want)
+    direct = collate_routes([s["routes"] for s in samples], [len(s["input_ids"]) for s in samples], **kwargs)
+    for key in direct:
+        assert torch.equal(direct[key], got[key])
+
+
+@pytest.mark.parametrize(
+    "values, exc, match",
+    [
+        ([[1, 2], [3], [4, 5], [6, 7]], ValueError, r"sample 1: key 'extra'"),
+        ([np.zeros(2), np.zeros(2), np.zeros(3), np.zeros(2)], ValueError, r"sample 2: key 'extra'"),
+        ([1.0, None, 2.0, 3.0], TypeError, r"sample 1: key 'extra' is None"),
+        ([None, None, None, None], TypeError, r"sample 0: key 'extra' is None"),
+    ],
+)
+def test_extra_keys_that_default_collate_cannot_batch_are_refused_naming_sample_and_key(values, exc, match):
+    samples = make_samples(n_samples=4)
+    for s, v in zip(samples, values):
+        s["extra"] = v
+    with pytest.raises(exc, match=match):
+        R3Collator(pad_keys=["loss_mask"])(samples)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"pin_memory": "yes"}, TypeError, "pin_memory must be None, True or False"),
+        ({"pad_token_id": 2**63}, ValueError, "pad_token_id.*int64"),
+        ({"pad_token_id": -(2**63) - 1}, ValueError, "pad_token_id.*int64"),
+        ({"pad_token_id": 1.5}, TypeError, "pad_token_id must be an int"),
+        ({"pad_keys": {"loss_mask": "zero"}}, TypeError, "pad value for 'loss_mask' must be a number"),
+        ({"padding": "balanced"}, ValueError, "needs num_experts"),
+        ({"layout": "ragged"}, ValueError, "layout must be one of"),
+        ({"num_experts": 8.0}, TypeError, "num_experts must be an int"),
+    ],
+)
+def test_bad_collator_settings_are_refused_at_construction(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        R3Collator(**kwargs)
+
+
+def test_token_ids_beyond_int64_are_refused_instead_of_wrapping_negative():
+    samples = make_samples(n_samples=3)
+    samples[1]["input_ids"] = np.array([5, 2**63, 7], np.uint64)
+    samples[1]["loss_mask"] = np.ones(3, np.float32)
+    samples[1]["routes"] = samples[1]["routes"][:3]
+    with pytest.raises(ValueError, match=r"sample 1: 'input_ids'.*2\*\*63"):
+        R3Collator(pad_keys=["loss_mask"])(samples)
+
+
+def test_uint64_token_ids_below_2_63_are_collated():
+    samples = make_samples(n_samples=3)
+    for s in samples:
+        s["input_ids"] = np.asarray(s["input_ids"], np.uint64)
+    got = R3Collator(pad_keys={"loss_mask": 0.0})(samples)
+    assert_batch_equal(got, reference_collator(samples))

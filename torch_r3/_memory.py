@@ -1,0 +1,113 @@
+"""Where a batch's output tensors live: pinned, shared or plain host memory.
+
+* Inside a `DataLoader` worker the output goes to fresh shared memory: the
+  batch then reaches the main process without another copy (as
+  `torch.utils.data.default_collate` does).
+* In the main process of a machine with an accelerator it is pinned (page
+  locked), so that `.to(device, non_blocking=True)` is a real asynchronous DMA.
+* Otherwise it is plain memory.
+
+This module also registers recycled host buffers with the CUDA driver
+(`cudaHostRegister`): once per buffer, for the buffer's exact size, instead of
+taking pinned blocks from torch's caching host allocator, which rounds every
+block up to a power of two.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+
+KINDS = ("plain", "pinned", "shared")
+
+
+def accelerator_available() -> bool:
+    """Whether an accelerator (CUDA, ROCm, XPU, ...) is usable from this process.
+
+    A broken or missing driver counts as "no accelerator", never as an error.
+
+    Returns:
+        `True` when `torch.accelerator` (or, on older torch, CUDA) reports a device.
+    """
+    try:
+        acc = getattr(torch, "accelerator", None)
+        if acc is not None and hasattr(acc, "is_available"):
+            return bool(acc.is_available())
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def in_worker() -> bool:
+    """Whether this code runs inside a `DataLoader` worker process."""
+    return torch.utils.data.get_worker_info() is not None
+
+
+def check_pin_memory(pin_memory: Any) -> bool | None:
+    """`pin_memory` validated: `None`, `True` or `False` (a `numpy.bool_` counts as a bool)."""
+    if pin_memory is None or isinstance(pin_memory, bool):
+        return pin_memory
+    if type(pin_memory).__name__ == "bool_":
+        return bool(pin_memory)
+    raise TypeError(f"pin_memory must be None, True or False, got {pin_memory!r} ({type(pin_memory).__name__})")
+
+
+def memory_kind(pin_memory: bool | None) -> str:
+    """`"shared"` inside a DataLoader worker, `"pinned"` where it helps, else `"plain"`."""
+    if in_worker():
+        # The batch crosses to the main process through shared memory without
+        # another copy. Pinning, if any, happens there (DataLoader pin_memory).
+        return "shared"
+    if pin_memory is False:
+        return "plain"
+    if accelerator_available():
+        return "pinned"
+    if pin_memory:
+        warnings.warn("pin_memory=True but no accelerator is available; using plain memory", stacklevel=4)
+    return "plain"
+
+
+def empty(shape: tuple[int, ...], dtype: torch.dtype, kind: str) -> torch.Tensor:
+    """A fresh, uninitialised tensor of `kind` memory."""
+    if kind == "shared":
+        # _new_shared maps fresh shared memory; share_memory_() on an existing
+        # tensor would instead copy it, writing the buffer a second time.
+        nbytes = max(math.prod(shape), 1) * torch.empty((), dtype=dtype).element_size()
+        storage = torch.UntypedStorage._new_shared(nbytes)
+        return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+    if kind == "pinned":
+        try:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        except RuntimeError:  # driver present but unusable: plain memory, never an error
+            pass
+    return torch.empty(shape, dtype=dtype)
+
+
+def register_host(address: int, nbytes: int) -> bool:
+    """Page-lock `nbytes` of host memory at `address` for the accelerator; `False` if it cannot.
+
+    Called once per recycled buffer. Only CUDA (and ROCm through the same
+    interface) offers registration of existing memory; elsewhere the buffer
+    stays plain and host-to-device copies are staged by the driver.
+    """
+    try:
+        if not torch.cuda.is_available():
+            return False
+        cudart = torch.cuda.cudart()
+        # Flag 0 (cudaHostRegisterDefault): portable mapping is not needed for a
+        # single device per process, the common training set-up.
+        err = cudart.cudaHostRegister(address, nbytes, 0)
+        return int(getattr(err, "value", err)) == 0
+    except Exception:  # no CUDA runtime, or registration refused: plain memory
+        return False
+
+
+def unregister_host(address: int) -> None:
+    """Undo `register_host` before the memory is unmapped."""
+    try:
+        torch.cuda.cudart().cudaHostUnregister(address)
+    except Exception:  # the process is shutting down or CUDA is gone: nothing to undo
+        pass
