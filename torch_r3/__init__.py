@@ -11,6 +11,8 @@ import importlib
 from typing import TYPE_CHECKING
 
 from torch_r3.routes import CANONICAL_DTYPES, canonical_dtype_for, compact_routes
+from torch_r3._buffers import BufferPool
+from torch_r3._memory import accelerator_available
 from torch_r3.collate import R3Collator, collate_routes
 
 __version__ = "0.1.0"
@@ -29,8 +31,10 @@ _LAZY = {
 }
 
 __all__ = [
+    "BufferPool",
     "CANONICAL_DTYPES",
     "R3Collator",
+    "accelerator_available",
     "canonical_dtype_for",
     "collate_routes",
     "compact_routes",
