@@ -15,7 +15,7 @@ batches the loop has finished with and hands it out again:
   buffer is mapped, a sixteenth larger than asked and rounded to a page (room
   for the next slightly longer batch, never a power of two).
 * Idle buffers are kept up to `max_cached_bytes` (by default twice the
-  largest tensor served: the `for batch in loader` loop holds the previous
+  largest batch served, a batch being the tensors of one `empty_batch`: the `for batch in loader` loop holds the previous
   batch while the next is collated, so one idle batch is all it reuses); the
   least recently released go first.
 * Pinned buffers (for accelerator hosts) are page-locked once, when mapped, for
@@ -30,6 +30,7 @@ starts with an empty pool; pickling keeps only the setting.
 from __future__ import annotations
 
 import collections
+import math
 import mmap
 import os
 import threading
@@ -46,6 +47,22 @@ __all__ = ["BufferPool"]
 _PAGE = mmap.PAGESIZE
 # A request may use a buffer up to this many times its size (bounded waste).
 _MAX_WASTE = 2
+
+
+def _buffer_size(nbytes: int) -> int:
+    """A new buffer's size: a sixteenth of headroom, whole pages, never a power-of-two rounding."""
+    return max(_PAGE, -(-(nbytes + nbytes // 16) // _PAGE) * _PAGE)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
+    try:
+        return torch.empty(0, dtype=dtype).numpy().dtype
+    except TypeError:  # no NumPy equivalent (bfloat16)
+        return None
 
 
 class _Buffer:
@@ -90,18 +107,20 @@ class BufferPool:
 
     Args:
         max_cached_bytes: the most bytes of idle buffers kept for reuse;
-            `None` for twice the largest tensor served so far, `0` to turn
+            `None` for twice the largest batch served so far, `0` to turn
             recycling off (every request gets fresh memory).
 
     Examples:
-        >>> import numpy as np
-        >>> from torch_r3 import BufferPool, collate_routes
+        >>> import torch
+        >>> from torch_r3 import BufferPool
         >>> pool = BufferPool()
-        >>> routes, counts = [np.zeros((2, 1, 2), np.uint8)], [3]
-        >>> first = collate_routes(routes, counts, buffers=pool)["rollout_expert_indices"]
-        >>> address = first.data_ptr()
-        >>> del first  # the batch is done with: its buffer goes back to the pool
-        >>> collate_routes(routes, counts, buffers=pool)["rollout_expert_indices"].data_ptr() == address
+        >>> batch = pool.empty((4, 1024), torch.uint8)
+        >>> address, view = batch.data_ptr(), batch[2:]
+        >>> del batch  # the view still uses the memory: it is not handed out
+        >>> pool.empty((4, 1024), torch.uint8).data_ptr() == address
+        False
+        >>> del view  # now nothing does
+        >>> pool.empty((4, 1024), torch.uint8).data_ptr() == address
         True
     """
 
@@ -148,13 +167,13 @@ class BufferPool:
 
     def _take(self, state: _State, nbytes: int, pinned: bool) -> _Buffer | None:
         with state.lock:
-            state.largest = max(state.largest, nbytes)
             self._fold_released(state)
             fits = [b for b in state.idle if b.pinned == pinned and nbytes <= b.nbytes <= _MAX_WASTE * nbytes + _PAGE]
             if not fits:
                 state.misses += 1
                 return None
-            buf = min(fits, key=lambda b: b.nbytes)
+            # The smallest that fits; among equals the most recently released (warm in cache).
+            buf = min(reversed(fits), key=lambda b: b.nbytes)
             state.idle.remove(buf)
             state.idle_bytes -= buf.nbytes
             state.live_bytes += buf.nbytes
@@ -166,29 +185,46 @@ class BufferPool:
 
         Args:
             shape: the tensor's shape.
-            dtype: its dtype (one NumPy can represent).
+            dtype: its dtype.
             pinned: page-locked memory for fast accelerator copies.
 
         Returns:
             A contiguous CPU tensor; its memory is not handed out again while
             it, a view of it or an array sharing its memory is alive.
         """
+        return self.empty_batch({"": (tuple(shape), dtype)}, pinned=pinned)[""]
+
+    def empty_batch(
+        self, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], *, pinned: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """The tensors of one batch, as `empty` makes them; the batch's size sets the default bound.
+
+        Args:
+            specs: `{key: (shape, dtype)}` of the batch's tensors.
+            pinned: page-locked memory for fast accelerator copies.
+
+        Returns:
+            `{key: tensor}`, each recycled independently of the others.
+        """
         kind = "pinned" if pinned else "plain"
-        try:
-            np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
-        except TypeError:  # a dtype NumPy cannot view (bfloat16): fresh memory
-            return _memory.empty(tuple(shape), dtype, kind)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
         state = self._current()
-        if self.max_cached_bytes == 0 or (pinned and not state.can_register):
-            return _memory.empty(tuple(shape), dtype, kind)
+        if self.max_cached_bytes == 0:
+            return {k: _memory.empty(shape, dt, kind) for k, (shape, dt) in specs.items()}
+        sizes = {k: math.prod(shape) * _itemsize(dt) for k, (shape, dt) in specs.items()}
+        with state.lock:
+            state.largest = max(state.largest, sum(_buffer_size(n) for n in sizes.values()))
+        return {k: self._empty(state, shape, dt, sizes[k], pinned) for k, (shape, dt) in specs.items()}
+
+    def _empty(self, state: _State, shape, dtype: torch.dtype, nbytes: int, pinned: bool) -> torch.Tensor:
+        np_dtype = _numpy_dtype(dtype)
+        if np_dtype is None or (pinned and not state.can_register):  # bfloat16, or no cudaHostRegister
+            return _memory.empty(tuple(shape), dtype, "pinned" if pinned else "plain")
         buf = self._take(state, nbytes, pinned)
         if buf is None:
-            size = max(_PAGE, -(-(nbytes + nbytes // 16) // _PAGE) * _PAGE)
-            buf = _Buffer(size, pinned)
+            buf = _Buffer(_buffer_size(nbytes), pinned)
             if pinned and not buf.pinned:  # registration refused: stop trying, use torch's pinned memory
                 state.can_register = False
-                return _memory.empty(tuple(shape), dtype, kind)
+                return _memory.empty(tuple(shape), dtype, "pinned")
             with state.lock:
                 state.live_bytes += buf.nbytes
         array = buf.mem[:nbytes].view(np_dtype).reshape(shape)

@@ -260,16 +260,14 @@ def _collate(arrays, counts, opts: _Options, *, out=None, buffers=None, fields=(
         want = {ROUTES: ((N,) + row_shape, tdtype), ROUTER_MASK: ((N,), torch.bool), CU_SEQLENS: ((B + 1,), torch.int32)}
         want.update({f.key: ((N,), f.dtype) for f in fields})
 
-    given = _check_out(out, want)
+    result = _check_out(out, want)
     kind = _memory.memory_kind(opts.pin_memory)
-    result = {}
-    for key, (shape, dt) in want.items():
-        if key in given:
-            result[key] = given[key]
-        elif buffers is not None and kind != "shared":
-            result[key] = buffers.empty(shape, dt, pinned=kind == "pinned")
-        else:
-            result[key] = _memory.empty(shape, dt, kind)
+    needed = {k: spec for k, spec in want.items() if k not in result}
+    if buffers is not None and kind != "shared":  # never recycled in a worker: see BufferPool
+        result.update(buffers.empty_batch(needed, pinned=kind == "pinned"))
+    else:
+        result.update({k: _memory.empty(shape, dt, kind) for k, (shape, dt) in needed.items()})
+    result = {k: result[k] for k in want}  # the layout's key order, whoever supplied each
     views = {k: v.numpy() for k, v in result.items()}
     fill_pad = PadFill(opts.padding, opts.num_experts, num_layers, topk, dtype)
     if opts.layout == "padded":
