@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -400,3 +401,11 @@ def test_check_targets_refuses_a_shape_other_than_the_default(capsys):
         cli.main(["bench", "--check-targets", *TINY_ARGS])
     assert e.value.code == 2
     assert "--check-targets judges the default shape only" in capsys.readouterr().err
+
+
+def test_the_gpu_check_skips_cleanly_without_cuda():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "skipped: no CUDA device" in done.stdout
