@@ -228,3 +228,52 @@ def test_buffers_must_be_a_buffer_pool():
 def test_docstring_examples_of_the_buffer_and_key_modules(module):
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0 and result.attempted > 0
+
+
+class FakeRegistry:
+    """Stands in for the CUDA registration calls only (this machine has no GPU)."""
+
+    def __init__(self, accept=True):
+        self.accept, self.registered, self.unregistered = accept, [], []
+
+    def register(self, address, nbytes):
+        if self.accept:
+            self.registered.append((address, nbytes))
+        return self.accept
+
+    def unregister(self, address):
+        self.unregistered.append(address)
+
+
+def test_pinned_buffers_are_registered_once_per_buffer_not_per_batch(monkeypatch):
+    import torch_r3._memory as memory
+
+    fake = FakeRegistry()
+    monkeypatch.setattr(memory, "register_host", fake.register)
+    monkeypatch.setattr(memory, "unregister_host", fake.unregister)
+    pool = BufferPool()
+    specs = {"routes": ((8, 1000, 4), torch.uint8), "mask": ((8, 1000), torch.bool)}
+    prev = None
+    for _ in range(10):
+        batch = pool.empty_batch(specs, pinned=True)
+        prev = batch  # noqa: F841  (the loop holds the previous batch)
+    assert len(fake.registered) == pool.stats()["misses"] == 4  # two batches' buffers, each once
+    assert all(n % 4096 == 0 and n < 2 * 8 * 1000 * 4 for _, n in fake.registered)  # no power-of-two rounding
+    plain = pool.empty((8, 1000, 4), torch.uint8)  # a plain request never gets a pinned buffer
+    assert plain.data_ptr() not in {a for a, _ in fake.registered}
+    del batch, prev, plain
+    pool.clear()
+    assert sorted(fake.unregistered) == sorted(a for a, _ in fake.registered)
+
+
+def test_a_refused_registration_falls_back_to_torch_pinned_memory_without_retrying(monkeypatch):
+    import torch_r3._memory as memory
+
+    fake = FakeRegistry(accept=False)
+    calls = []
+    monkeypatch.setattr(memory, "register_host", lambda a, n: calls.append(n) or fake.register(a, n))
+    pool = BufferPool()
+    for _ in range(3):
+        t = pool.empty((100, 100), torch.uint8, pinned=True)
+        assert t.shape == (100, 100)
+    assert len(calls) == 1

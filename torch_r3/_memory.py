@@ -19,6 +19,7 @@ import math
 import warnings
 from typing import Any
 
+import numpy as np
 import torch
 
 KINDS = ("plain", "pinned", "shared")
@@ -48,10 +49,8 @@ def in_worker() -> bool:
 
 def check_pin_memory(pin_memory: Any) -> bool | None:
     """`pin_memory` validated: `None`, `True` or `False` (a `numpy.bool_` counts as a bool)."""
-    if pin_memory is None or isinstance(pin_memory, bool):
-        return pin_memory
-    if type(pin_memory).__name__ == "bool_":
-        return bool(pin_memory)
+    if pin_memory is None or isinstance(pin_memory, (bool, np.bool_)):
+        return None if pin_memory is None else bool(pin_memory)
     raise TypeError(f"pin_memory must be None, True or False, got {pin_memory!r} ({type(pin_memory).__name__})")
 
 
@@ -90,17 +89,23 @@ def register_host(address: int, nbytes: int) -> bool:
     """Page-lock `nbytes` of host memory at `address` for the accelerator; `False` if it cannot.
 
     Called once per recycled buffer. Only CUDA (and ROCm through the same
-    interface) offers registration of existing memory; elsewhere the buffer
-    stays plain and host-to-device copies are staged by the driver.
+    interface) offers registration of existing memory; where it returns
+    `False`, `BufferPool` takes pinned memory from torch instead.
     """
     try:
         if not torch.cuda.is_available():
             return False
         cudart = torch.cuda.cudart()
-        # Flag 0 (cudaHostRegisterDefault): portable mapping is not needed for a
-        # single device per process, the common training set-up.
-        err = cudart.cudaHostRegister(address, nbytes, 0)
-        return int(getattr(err, "value", err)) == 0
+        # cudaHostRegisterPortable (1): pinned for every CUDA context of the
+        # process, as torch registers host memory itself.
+        if int(cudart.cudaHostRegister(address, nbytes, 1)) == 0:
+            return True
+        # A failed call leaves its error for cudaGetLastError; clear it so that a
+        # later, unrelated launch check in torch does not report it.
+        clear = getattr(cudart, "cudaGetLastError", None)
+        if clear is not None:
+            clear()
+        return False
     except Exception:  # no CUDA runtime, or registration refused: plain memory
         return False
 

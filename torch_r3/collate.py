@@ -420,7 +420,7 @@ class R3Collator:
         pin_memory: bool | None = None,
         cache_bytes: int | None = None,
     ) -> None:
-        self.options = _Options(layout, pad_to_multiple_of, padding, num_experts, workers, pin_memory)
+        self._options = _Options(layout, pad_to_multiple_of, padding, num_experts, workers, pin_memory)
         self.pad_token_id = as_int(pad_token_id, "pad_token_id")
         if not -(2**63) <= self.pad_token_id < 2**63:
             raise ValueError(f"pad_token_id must fit int64 (input_ids are torch.long), got {self.pad_token_id}")
@@ -447,7 +447,7 @@ class R3Collator:
         self.__dict__.update(state)
 
     def __repr__(self) -> str:
-        o = self.options
+        o = self._options
         return (
             f"R3Collator(layout={o.layout!r}, routes_key={self.routes_key!r}, tokens_key={self.tokens_key!r}, "
             f"pad_keys={self.pad_keys!r}, padding={o.padding!r}, cache_bytes={self.buffers.max_cached_bytes!r})"
@@ -461,6 +461,6 @@ class R3Collator:
             arrays, counts = _check_batch(routes, [f.shape[0] for f in fields[0].arrays])
         except (TypeError, ValueError) as e:
             raise type(e)(f"{e} [key {self.routes_key!r}]") from None
-        batch: dict[str, Any] = _collate(arrays, counts, self.options, buffers=self.buffers, fields=fields)
+        batch: dict[str, Any] = _collate(arrays, counts, self._options, buffers=self.buffers, fields=fields)
         batch.update(extra)
         return batch
