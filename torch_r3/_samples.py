@@ -17,7 +17,7 @@ import torch
 
 from torch_r3.keys import INPUT_IDS, OUTPUT_KEYS
 
-__all__ = ["SeqField", "batch_samples"]
+__all__ = ["SeqField", "batch_samples", "check_pad_number", "collate_extra"]
 
 # Token ids become torch.long: anything at or past 2**63 would wrap negative.
 _INT64_END = 2**63
@@ -124,7 +124,8 @@ def _layout_of(value: Any) -> Any:
     return ("scalar", type(value).__name__)
 
 
-def _collate_extra(samples: Sequence[Mapping[str, Any]], key: str) -> Any:
+def _check_extra(samples: Sequence[Mapping[str, Any]], key: str) -> None:
+    """Refuse, naming the sample, what `default_collate` would fail on without naming it."""
     values = [s[key] for s in samples]
     for i, v in enumerate(values):
         if v is None:
@@ -139,12 +140,27 @@ def _collate_extra(samples: Sequence[Mapping[str, Any]], key: str) -> Any:
                 f"sample {i}: key {key!r} has shape/length {_layout_of(v)[1]}, sample 0 has {first[1]}; "
                 f"default_collate needs equal sizes: list a per-token key in pad_keys, or drop it"
             )
-    try:
-        return torch.utils.data.default_collate(values)
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise (TypeError if isinstance(e, TypeError) else ValueError)(
-            f"key {key!r}: default_collate could not batch the samples' values: {e}"
-        ) from e
+
+
+def collate_extra(samples: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> dict[str, Any]:
+    """`default_collate` of each extra key, its failures naming the key.
+
+    Args:
+        samples: the samples, already checked by `batch_samples`.
+        keys: the extra keys `batch_samples` returned.
+
+    Returns:
+        `{key: collated value}`.
+    """
+    batch = {}
+    for key in keys:
+        try:
+            batch[key] = torch.utils.data.default_collate([s[key] for s in samples])
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise (TypeError if isinstance(e, TypeError) else ValueError)(
+                f"key {key!r}: default_collate could not batch the samples' values: {e}"
+            ) from e
+    return batch
 
 
 def batch_samples(
@@ -153,8 +169,8 @@ def batch_samples(
     tokens_key: str,
     pad_token_id: int,
     pad_keys: Mapping[str, Any],
-) -> tuple[list[Any], list[SeqField], dict[str, Any]]:
-    """Split checked samples into their routes, per-token fields and collated extra keys.
+) -> tuple[list[Any], list[SeqField], list[str]]:
+    """Check samples and split them into their routes, per-token fields and extra keys.
 
     Args:
         samples: the DataLoader's list of sample mappings.
@@ -164,7 +180,8 @@ def batch_samples(
         pad_keys: `{key: pad value}` of the other per-token keys.
 
     Returns:
-        The per-sample routes (unchecked), the fields (tokens first) and the extra keys' batch.
+        The per-sample routes (unchecked), the fields (tokens first) and the
+        extra keys (checked, for `collate_extra`).
     """
     _check_keys(samples, (routes_key, tokens_key, *pad_keys), tokens_key)
     tokens = [_seq_to_numpy(s[tokens_key], i, tokens_key, integer=True) for i, s in enumerate(samples)]
@@ -180,5 +197,7 @@ def batch_samples(
         dt = _torch_dtype_of(arrs)
         fields.append(SeqField(key, arrs, _check_pad_value(pad, dt, key), dt))
     handled = {routes_key, tokens_key, *pad_keys}
-    extra = {key: _collate_extra(samples, key) for key in samples[0] if key not in handled}
+    extra = [key for key in samples[0] if key not in handled]
+    for key in extra:
+        _check_extra(samples, key)
     return [s[routes_key] for s in samples], fields, extra

@@ -1,8 +1,8 @@
 """The collation kernel: per-trajectory route arrays -> one training batch.
 
 `collate_routes` is the kernel; `R3Collator` wraps it as a `collate_fn` for
-`torch.utils.data.DataLoader`. Both write the layouts described on the "Batch
-layout" page (`docs/concepts/route-layout.md`):
+`torch.utils.data.DataLoader`. Both write the layouts described on the route
+layout page of the documentation:
 
 * `padded`: `rollout_expert_indices [B, T, L, K]`, right-aligned like a
   left-padded token batch; `router_padding_mask [B, T]` (`True` = no captured
@@ -31,11 +31,11 @@ import torch
 from torch_r3 import _memory, _pool
 from torch_r3._buffers import BufferPool
 from torch_r3._padding import PADDINGS, PadFill, as_int, check_padding, padding_rows
-from torch_r3._samples import batch_samples, check_pad_number
-from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS, INPUT_IDS, ROUTER_MASK, ROUTES, SAMPLE_ROUTES
+from torch_r3._samples import batch_samples, check_pad_number, collate_extra
+from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS, INPUT_IDS, OUTPUT_KEYS, ROUTER_MASK, ROUTES, SAMPLE_ROUTES
 from torch_r3.routes import CANONICAL_DTYPES, canonical_dtype_for, widest
 
-__all__ = ["MAX_WORKERS", "R3Collator", "collate_routes", "padded_length", "padding_rows"]
+__all__ = ["LAYOUTS", "MAX_WORKERS", "PADDINGS", "R3Collator", "collate_routes", "padded_length", "padding_rows"]
 
 LAYOUTS = ("padded", "packed")
 MAX_WORKERS = _pool.MAX_WORKERS
@@ -45,6 +45,8 @@ _NP_TO_TORCH = {
     np.dtype(np.int16): torch.int16,
     np.dtype(np.int32): torch.int32,
 }
+
+
 # --------------------------------------------------------------------------
 # Options and validation (everything is checked before any byte is written)
 # --------------------------------------------------------------------------
@@ -341,7 +343,10 @@ def collate_routes(
         >>> batch["attention_mask"].tolist()
         [[0, 1, 1], [1, 1, 1]]
     """
-    opts = _Options(layout, pad_to_multiple_of, padding, num_experts, workers, pin_memory)
+    opts = _Options(
+        layout=layout, pad_to_multiple_of=pad_to_multiple_of, padding=padding,
+        num_experts=num_experts, workers=workers, pin_memory=pin_memory,
+    )
     if buffers is not None and not isinstance(buffers, BufferPool):
         raise TypeError(f"buffers must be None or a torch_r3.BufferPool, got {type(buffers).__name__}")
     arrays, counts = _check_batch(routes, token_counts)
@@ -420,7 +425,10 @@ class R3Collator:
         pin_memory: bool | None = None,
         cache_bytes: int | None = None,
     ) -> None:
-        self._options = _Options(layout, pad_to_multiple_of, padding, num_experts, workers, pin_memory)
+        self._options = _Options(
+            layout=layout, pad_to_multiple_of=pad_to_multiple_of, padding=padding,
+            num_experts=num_experts, workers=workers, pin_memory=pin_memory,
+        )
         self.pad_token_id = as_int(pad_token_id, "pad_token_id")
         if not -(2**63) <= self.pad_token_id < 2**63:
             raise ValueError(f"pad_token_id must fit int64 (input_ids are torch.long), got {self.pad_token_id}")
@@ -429,22 +437,12 @@ class R3Collator:
         self.pad_keys = dict(pad_keys) if isinstance(pad_keys, Mapping) else {k: 0 for k in pad_keys}
         for key, pad in self.pad_keys.items():
             check_pad_number(pad, key)
-        reserved = {routes_key, tokens_key, INPUT_IDS, ROUTES, ROUTER_MASK, ATTENTION_MASK, CU_SEQLENS}
-        clash = reserved & set(self.pad_keys)
+        clash = ({routes_key, tokens_key} | OUTPUT_KEYS) & set(self.pad_keys)
         if clash:
             raise ValueError(f"pad_keys may not include the routes/tokens/output keys {sorted(clash)}")
         self.routes_key = routes_key
         self.tokens_key = tokens_key
         self.buffers = BufferPool(cache_bytes)
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["buffers"] = self.buffers.max_cached_bytes  # the setting, never the buffers
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        state["buffers"] = BufferPool(state["buffers"])
-        self.__dict__.update(state)
 
     def __repr__(self) -> str:
         o = self._options
@@ -458,9 +456,10 @@ class R3Collator:
             samples, self.routes_key, self.tokens_key, self.pad_token_id, self.pad_keys
         )
         try:
-            arrays, counts = _check_batch(routes, [f.shape[0] for f in fields[0].arrays])
+            arrays, counts = _check_batch(routes, [tokens.shape[0] for tokens in fields[0].arrays])
         except (TypeError, ValueError) as e:
             raise type(e)(f"{e} [key {self.routes_key!r}]") from None
+        extra_batch = collate_extra(samples, extra)
         batch: dict[str, Any] = _collate(arrays, counts, self._options, buffers=self.buffers, fields=fields)
-        batch.update(extra)
+        batch.update(extra_batch)
         return batch
