@@ -186,7 +186,7 @@ def _child(collate, q):
 def test_a_forked_child_collates_correctly_and_leaves_the_parents_batch_alone():
     collate = collator()
     held = collate(make_samples(100, max_tokens=40))
-    del collate(make_samples(101, max_tokens=40))["rollout_expert_indices"]  # an idle buffer to inherit
+    collate(make_samples(101, max_tokens=40))  # dropped at once: idle buffers for the child to inherit
     gc.collect()
     ctx = mp.get_context("fork")
     q = ctx.Queue()
@@ -271,3 +271,44 @@ def test_a_refused_registration_falls_back_to_torch_pinned_memory_without_retryi
         t = pool.empty((100, 100), torch.uint8, pinned=True)
         assert t.shape == (100, 100)
     assert len(calls) == 1
+
+
+class Fence:
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.done = True
+
+
+def test_a_pinned_buffer_is_reused_only_after_copies_queued_before_its_release_complete(monkeypatch):
+    import torch_r3._memory as memory
+
+    fake, fence = FakeRegistry(), Fence()
+    monkeypatch.setattr(memory, "register_host", fake.register)
+    monkeypatch.setattr(memory, "unregister_host", fake.unregister)
+    monkeypatch.setattr(memory, "copy_fence", lambda: fence)
+    pool = BufferPool()
+    first = pool.empty((64, 1024), torch.uint8, pinned=True)
+    address = first.data_ptr()
+    del first  # as if first.to("cuda", non_blocking=True) were still in flight
+    second = pool.empty((64, 1024), torch.uint8, pinned=True)
+    assert second.data_ptr() != address
+    fence.done = True  # the copy finished
+    assert pool.empty((64, 1024), torch.uint8, pinned=True).data_ptr() == address
+
+
+def test_an_evicted_pinned_buffer_waits_for_its_copies_before_it_is_unlocked(monkeypatch):
+    import torch_r3._memory as memory
+
+    fence, done_at_unregister = Fence(), []
+    monkeypatch.setattr(memory, "register_host", lambda a, n: True)
+    monkeypatch.setattr(memory, "unregister_host", lambda a: done_at_unregister.append(fence.done))
+    monkeypatch.setattr(memory, "copy_fence", lambda: fence)
+    pool = BufferPool(max_cached_bytes=1)  # every released buffer is evicted
+    pool.empty((64, 1024), torch.uint8, pinned=True)  # dropped at once
+    pool.stats()  # folds the release in, which evicts it
+    assert done_at_unregister == [True]

@@ -19,7 +19,11 @@ batches the loop has finished with and hands it out again:
   batch while the next is collated, so one idle batch is all it reuses); the
   least recently released go first.
 * Pinned buffers (for accelerator hosts) are page-locked once, when mapped, for
-  their exact size, and unlocked when evicted.
+  their exact size, and unlocked when evicted. A `non_blocking` copy to the
+  device may still read a pinned buffer after its last tensor is dropped, so
+  a pinned buffer is reused only once a CUDA event, recorded on the current
+  stream when the buffer came back, has completed. (A copy queued on another
+  stream must be synchronised by its owner before the batch is dropped.)
 
 Releases may come from any thread (whichever drops the last tensor); they are
 queued without a lock and folded in by the next request, so a release never
@@ -68,20 +72,29 @@ def _numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
 class _Buffer:
     """One mapped host buffer, page-locked for the accelerator when `pinned`."""
 
-    __slots__ = ("mem", "nbytes", "pinned", "pid", "__weakref__")
+    __slots__ = ("mem", "nbytes", "pinned", "pid", "fence", "__weakref__")
 
     def __init__(self, nbytes: int, pinned: bool) -> None:
         # An anonymous mapping: page aligned, returned to the OS when dropped.
         self.mem = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
-        self.nbytes, self.pinned, self.pid = nbytes, False, os.getpid()
+        self.nbytes, self.pinned, self.pid, self.fence = nbytes, False, os.getpid(), None
         if pinned:
             self.pinned = _memory.register_host(self.mem.ctypes.data, nbytes)
+
+    def ready(self) -> bool:
+        """No accelerator copy from this buffer can still be in flight."""
+        if self.fence is not None and not self.fence.query():
+            return False
+        self.fence = None
+        return True
 
     def __del__(self) -> None:
         self.close()
 
     def close(self) -> None:
         if self.pinned and self.pid == os.getpid():
+            if self.fence is not None:  # never unlock memory a copy is still reading
+                self.fence.synchronize()
             _memory.unregister_host(self.mem.ctypes.data)
         self.pinned = False
 
@@ -156,6 +169,8 @@ class BufferPool:
         """Move released buffers to the idle list and evict beyond the bound (lock held)."""
         while state.released:
             buf = state.released.popleft()
+            if buf.pinned:  # a non_blocking copy from it may still be queued
+                buf.fence = _memory.copy_fence()
             state.live_bytes -= buf.nbytes
             state.idle.append(buf)
             state.idle_bytes += buf.nbytes
@@ -168,7 +183,10 @@ class BufferPool:
     def _take(self, state: _State, nbytes: int, pinned: bool) -> _Buffer | None:
         with state.lock:
             self._fold_released(state)
-            fits = [b for b in state.idle if b.pinned == pinned and nbytes <= b.nbytes <= _MAX_WASTE * nbytes + _PAGE]
+            fits = [
+                b for b in state.idle
+                if b.pinned == pinned and nbytes <= b.nbytes <= _MAX_WASTE * nbytes + _PAGE and b.ready()
+            ]
             if not fits:
                 state.misses += 1
                 return None

@@ -116,3 +116,24 @@ def unregister_host(address: int) -> None:
         torch.cuda.cudart().cudaHostUnregister(address)
     except Exception:  # the process is shutting down or CUDA is gone: nothing to undo
         pass
+
+
+def copy_fence() -> Any:
+    """An event that completes after the work queued so far on the current CUDA stream.
+
+    A pinned buffer may still be the source of a `non_blocking` host-to-device
+    copy when its last tensor is dropped; `BufferPool` reuses it only once this
+    fence, taken when the buffer comes back, has completed.
+
+    Returns:
+        An object with `query() -> bool`, or `None` when CUDA was never used
+        in this process (then no copy can be in flight).
+    """
+    try:
+        if not torch.cuda.is_initialized():
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+    except Exception:  # CUDA unusable here: nothing could have been queued on it
+        return None
