@@ -75,26 +75,21 @@ def format_dataloader_table(loader: DataLoaderResult) -> str:
         loader: the DataLoader results.
 
     Returns:
-        The table, header first, then one line on the floor.
+        The table, header first, the floor last, then one line per skipped configuration.
     """
     done = [r for r in loader.rows if r.skipped is None]
     t_name, t_scale = time_unit([r.batch_min_s for r in done] + [loader.floor_batch_s])
     e_name, e_scale = time_unit([r.epoch_s for r in done] + [loader.floor_epoch_s])
     head = ("num_workers", "pin_memory", "collator", f"per batch {t_name}", f"min {t_name}", f"max {t_name}",
             "vs floor", f"epoch {e_name}")
-    rows = []
-    for r in loader.rows:
-        if r.skipped is not None:
-            rows.append((str(r.num_workers), "on" if r.pin_memory else "off", r.collator, "-", "-", "-", "-",
-                         f"skipped: {r.skipped}"))
-            continue
-        rows.append((str(r.num_workers), "on" if r.pin_memory else "off", r.collator,
-                     number(r.batch_s / t_scale), number(r.batch_min_s / t_scale),
-                     number(r.batch_max_s / t_scale), format_ratio(r.ratio_to_floor),
-                     number(r.epoch_s / e_scale)))
+    rows = [(str(r.num_workers), "on" if r.pin_memory else "off", r.collator, number(r.batch_s / t_scale),
+             number(r.batch_min_s / t_scale), number(r.batch_max_s / t_scale), format_ratio(r.ratio_to_floor),
+             number(r.epoch_s / e_scale)) for r in done]
     rows.append(("memcpy floor", "", "", number(loader.floor_batch_s / t_scale), "", "", "1.00x",
                  number(loader.floor_epoch_s / e_scale)))
-    return _table(head, rows)
+    skipped = [f"skipped: num_workers={r.num_workers}, pin_memory={'on' if r.pin_memory else 'off'}, "
+               f"{r.collator}: {r.skipped}" for r in loader.rows if r.skipped is not None]
+    return "\n".join([_table(head, rows), *skipped])
 
 
 def format_report(result: BenchResult) -> str:
