@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
 import gc
 import multiprocessing as mp
 import pickle
@@ -14,8 +13,6 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-import torch_r3._buffers
-import torch_r3.keys
 from torch_r3 import BufferPool, R3Collator, collate_routes
 
 from reference_collate import assert_batch_equal, reference_collate_routes, reference_r3_collator
@@ -216,12 +213,6 @@ def test_bad_cache_bounds_are_refused(value, exc, match):
 def test_buffers_must_be_a_buffer_pool():
     with pytest.raises(TypeError, match="buffers must be None or a torch_r3.BufferPool"):
         collate_routes([np.zeros((1, 1, 2), np.uint8)], [2], buffers={})
-
-
-@pytest.mark.parametrize("module", [torch_r3._buffers, torch_r3.keys])
-def test_docstring_examples_of_the_buffer_and_key_modules(module):
-    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
-    assert result.failed == 0 and result.attempted > 0
 
 
 class FakeRegistry:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import doctest
 import multiprocessing as mp
 import threading
 import time
@@ -12,7 +13,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch.utils.data import DataLoader
 
+import torch_r3._buffers
+import torch_r3._padding
 import torch_r3._pool as pool_mod
+import torch_r3.keys
 from torch_r3 import R3Collator, collate_routes, compact_routes
 
 from reference_collate import ROUTE_DTYPES as ORDER, assert_batch_equal, reference_collate_routes, reference_r3_collator
@@ -433,8 +437,6 @@ def test_more_workers_than_the_cap_are_refused(call):
 
 
 def test_distinct_worker_counts_share_one_pool_that_shrinks_when_idle(force_pool, monkeypatch):
-    import torch_r3._pool as pool_mod
-
     monkeypatch.setattr(pool_mod, "IDLE_SECONDS", 0.2)
     rng = np.random.default_rng(7)
     counts = [int(x) for x in rng.integers(1, 50, size=64)]
@@ -560,3 +562,10 @@ def test_uint64_token_ids_below_2_63_are_collated():
         s["input_ids"] = np.asarray(s["input_ids"], np.uint64)
     got = R3Collator(pad_keys={"loss_mask": 0.0})(samples)
     assert_batch_equal(got, reference_collator(samples))
+
+
+@pytest.mark.parametrize("module", [torch_r3._buffers, torch_r3._padding, torch_r3.keys])
+def test_docstring_examples_of_the_modules_collate_uses_hold(module):
+    # doctest.testmod(torch_r3.collate) skips names it only imports, such as padding_rows.
+    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0 and result.attempted > 0
