@@ -474,12 +474,15 @@ def test_padding_template_cache_stays_small_after_a_huge_batch():
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("per_token", [True, False])
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("key", ["attention_mask", "rollout_expert_indices", "router_padding_mask", "cu_seqlens"])
-def test_a_sample_key_equal_to_an_output_key_is_refused_not_overwritten(layout, key):
+def test_a_sample_key_equal_to_an_output_key_is_refused_not_overwritten(layout, key, per_token):
     samples = make_samples(n_samples=3)
     for s in samples:
-        s[key] = np.ones(len(s["input_ids"]), np.int64)  # e.g. a tokenizer's attention_mask
+        # A tokenizer's per-token attention_mask, or a per-sample value that
+        # default_collate would happily stack over the computed tensor.
+        s[key] = np.ones(len(s["input_ids"]), np.int64) if per_token else 1
     with pytest.raises(ValueError, match=rf"sample 0: key '{key}'.*rename.*drop"):
         R3Collator(pad_keys={"loss_mask": 0.0}, layout=layout)(samples)
 
