@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The host-to-GPU path of a training step, on one CUDA device (about 2 minutes, at most 5).
+"""The host-to-GPU path of a training step, on one CUDA device (sized for under 5 minutes).
 
     python benchmarks/gpu_check.py                 # default shape, then the production preset's per-rank share
     python benchmarks/gpu_check.py --ranks 16 --json gpu.json
