@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import sys
@@ -83,7 +84,7 @@ def check_shape(config: BenchConfig, device: torch.device, batches: int) -> dict
     nbytes = sum(t.nbytes for t in host.values())
     pinned = all(t.is_pinned() for t in host.values())
     collate_s = statistics.median(_sync_time(collate) for _ in range(batches))
-    copy_s = statistics.median(_sync_time(lambda: _to_device(host, device, stream)) for _ in range(batches))
+    copy_s = statistics.median(_sync_time(functools.partial(_to_device, host, device, stream)) for _ in range(batches))
     del host  # the pipeline below holds at most two batches, as a training loop does
 
     # The pipeline: collate N+1 while N's copy runs; hold N's host batch until its copy is done.

@@ -411,3 +411,13 @@ def test_the_gpu_check_skips_cleanly_without_cuda():
                           text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     assert "skipped: no CUDA device" in done.stdout
+
+
+@pytest.mark.parametrize("name", ["__init__", "config", "memory", "runner", "units"])
+def test_the_bench_docstring_examples_hold(name):
+    import doctest
+    import importlib
+
+    module = importlib.import_module("torch_r3.bench" if name == "__init__" else f"torch_r3.bench.{name}")
+    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0

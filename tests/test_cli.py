@@ -5,13 +5,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
-
-import pytest
 
 from torch_r3 import cli
 
-ROOT = Path(__file__).resolve().parents[1]
+
 def test_doctor_prints_the_topology_and_warns_on_oversubscription(monkeypatch, capsys):
     monkeypatch.setenv("TORCH_R3_NUM_WORKERS", "64")
     assert cli.main(["doctor"]) == 0

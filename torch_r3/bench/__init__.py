@@ -31,7 +31,6 @@ from torch_r3.bench.memory import InsufficientMemoryError, available_memory, che
 from torch_r3.bench.report import format_report, format_table, plot_sweep
 from torch_r3.bench.results import BenchResult, DataLoaderResult, DataLoaderRow, ShapeResult, StrategyResult
 from torch_r3.bench.runner import Plan, default_sweep, memory_needed, plan, run, run_shape
-from torch_r3.bench.targets import TARGETS, check_targets, format_targets, targets_met
 from torch_r3.bench.strategies import (
     BASELINE,
     FRESH,
@@ -44,6 +43,7 @@ from torch_r3.bench.strategies import (
     STRATEGIES,
     run_strategy,
 )
+from torch_r3.bench.targets import TARGETS, check_targets, format_targets, targets_met
 
 __all__ = [
     "BASELINE",

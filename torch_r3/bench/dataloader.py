@@ -120,7 +120,7 @@ def _time_epochs(loader: DataLoader, epochs: int) -> tuple[list[float], list[flo
                 per_batch.append(now - last)
                 last = now
             per_epoch.append(last - start)
-            batch = None  # noqa: F841 - the last batch goes before the next epoch, as it would
+            del batch  # the last batch goes before the next epoch starts
     finally:
         if was_enabled:
             gc.enable()
