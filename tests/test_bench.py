@@ -421,3 +421,12 @@ def test_the_bench_docstring_examples_hold(name):
     module = importlib.import_module("torch_r3.bench" if name == "__init__" else f"torch_r3.bench.{name}")
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_the_packed_strategy_s_peak_memory_leaves_out_the_check_s_copies():
+    # Big enough that the packed reference (cut from the padded one) would show in the peak.
+    config = bench.BenchConfig(num_sequences=8, max_seqlen=4096, num_layers=40, topk=8, repeats=1)
+    shape = bench.run_shape(config, [bench.FRESH, bench.PACKED])
+    packed = shape.get(bench.PACKED)
+    assert packed.checked_against == bench.FRESH
+    assert packed.peak_extra_bytes < shape.packed_bytes + (shape.packed_bytes >> 1)

@@ -85,7 +85,7 @@ class _Checked:
 
 
 def _warm_up(ctx: Context, strategies: Sequence[str], warmup: int, progress: Progress | None) -> _Checked:
-    """Run each strategy `warmup` times; its first call(s) are checked and measured, never timed."""
+    """Run each strategy `warmup` times; its first call (or loop of calls) is measured and checked, never timed."""
     reference = Reference(ctx.batch.token_counts)
     peak_extra: dict[str, int] = {}
     method = ""
@@ -93,16 +93,19 @@ def _warm_up(ctx: Context, strategies: Sequence[str], warmup: int, progress: Pro
         strategy = get_strategy(name)
         with PeakRss() as peak:
             out = strategy.call(ctx)
-            reference.check(strategy, out)
             for _ in range(strategy.loop_calls - 1):
                 # As in `for batch in loader`: the previous batch is still
                 # held while the next is made, and goes when `out` is rebound.
                 out = strategy.call(ctx)
                 if progress:
                     progress.step(f"{name} loop")
+        # Checked outside the measured block: the check's own copies (the
+        # packed reference) are not the strategy's memory. In a loop the last
+        # output is checked, the one written into a recycled buffer.
+        reference.check(strategy, out)
         del out
         peak_extra[name], method = peak.extra, peak.method
-        for w in range(1, warmup):
+        for _ in range(1, warmup):
             strategy.call(ctx)
         if progress:
             progress.step(f"{name} warm-up")
