@@ -114,7 +114,8 @@ def check_shape(config: BenchConfig, device: torch.device, batches: int) -> dict
 
 def _print(r: dict[str, Any]) -> None:
     print(f"\n{r['shape']}: {format_bytes(r['batch_bytes'])} per batch, outputs pinned: {r['outputs_pinned']}")
-    print(f"  collate alone     {r['collate_s'] * 1e3:8.1f} ms  {format_rate(r['collate_bytes_per_s'])}")
+    print(f"  collate alone     {r['collate_s'] * 1e3:8.1f} ms  {format_rate(r['collate_bytes_per_s'])} "
+          f"({r['collate_bytes_per_s'] / r['card_bytes_per_s']:.0%} of the card's copy bandwidth)")
     print(f"  H2D copy alone    {r['copy_s'] * 1e3:8.1f} ms  {format_rate(r['copy_bytes_per_s'])} "
           f"({r['copy_bytes_per_s'] / r['card_bytes_per_s']:.0%} of the card's "
           f"{format_rate(r['card_bytes_per_s'])})")
