@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The collation benchmark: the same engine as ``torch-r3 bench`` (torch_r3.bench).
+"""The collation benchmark: the same engine as `torch-r3 bench` (the package `torch_r3.bench`).
 
     python benchmarks/collate_bench.py                      # the default run
     python benchmarks/collate_bench.py --json out.json --plot out.png

@@ -1,66 +1,32 @@
-"""The benchmark engine: its synthetic batches, its strategies and its checks.
+"""The benchmark: its synthetic batches, its strategies, its checks, its report and its command line.
 
-Every strategy is compared with a plain position-by-position reference written
-here from DESIGN.md, independent of torch_r3.collate. No timing is asserted.
+Every strategy is compared with a plain position-by-position reference
+collator, independent of torch_r3.collate. Shapes are tiny and no timing is
+asserted.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from torch_r3 import bench
+from reference_collate import assert_batch_equal, reference_packed, reference_padded
+from torch_r3 import bench, cli
+from torch_r3.bench import memory, strategies
+from torch_r3.cpu import cpu_topology
 
+ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(num_sequences=6, max_seqlen=40, num_layers=3, topk=2, repeats=1)
-
-
-def reference_padded(routes, counts):
-    """[B, T, L, K] left-padded with arange(K) rows, filled one position at a time."""
-    order = [np.uint8, np.int16, np.int32]
-    dtype = order[max(order.index(r.dtype.type) for r in routes)]
-    B, T = len(routes), max(counts)
-    L, K = routes[0].shape[1:]
-    out = np.zeros((B, T, L, K), dtype)
-    mask = np.zeros((B, T), bool)
-    att = np.zeros((B, T), np.int64)
-    for i in range(B):
-        s = T - counts[i]
-        for t in range(T):
-            j = t - s
-            if 0 <= j < routes[i].shape[0]:
-                out[i, t] = routes[i][j]
-            else:
-                out[i, t] = np.arange(K)
-                mask[i, t] = True
-            att[i, t] = int(t >= s)
-    return {"rollout_expert_indices": out, "router_padding_mask": mask, "attention_mask": att}
-
-
-def reference_packed(routes, counts):
-    L, K = routes[0].shape[1:]
-    rows, mask = [], []
-    for r, n in zip(routes, counts):
-        for j in range(n):
-            rows.append(r[j] if j < r.shape[0] else np.arange(K).repeat(1)[None].repeat(L, 0))
-            mask.append(j >= r.shape[0])
-    order = [np.uint8, np.int16, np.int32]
-    dtype = order[max(order.index(r.dtype.type) for r in routes)]
-    return {
-        "rollout_expert_indices": np.array(rows, dtype=dtype).reshape(-1, L, K),
-        "router_padding_mask": np.array(mask, bool),
-        "cu_seqlens": np.concatenate([[0], np.cumsum(counts)]).astype(np.int32),
-    }
-
-
-def assert_same(got, want):
-    assert set(got) == set(want)
-    for key, w in want.items():
-        w = torch.from_numpy(np.ascontiguousarray(w))
-        assert got[key].dtype == w.dtype, key
-        assert torch.equal(got[key], w), key
+TINY_ARGS = ["--num-sequences", "4", "--max-seqlen", "24", "--num-layers", "2", "--topk", "2", "--repeats", "1",
+             "--no-progress"]
 
 
 @pytest.mark.parametrize("distribution", bench.DISTRIBUTIONS)
@@ -113,7 +79,7 @@ def test_every_strategy_matches_the_plain_reference(shape, workers):
         if name == bench.MEMCPY:
             assert out is None
         else:
-            assert_same(out, packed if name == bench.PACKED else padded)
+            assert_batch_equal(out, packed if name == bench.PACKED else padded)
 
 
 def test_strategies_match_the_reference_past_the_pool_threshold():
@@ -121,7 +87,7 @@ def test_strategies_match_the_reference_past_the_pool_threshold():
     batch = bench.make_batch(bench.BenchConfig(num_sequences=8, max_seqlen=2048, num_layers=40, topk=8))
     want = reference_padded(batch.routes, batch.token_counts)
     for name in (bench.FRESH, bench.REUSED, bench.PAD_SEQUENCE):
-        assert_same(bench.run_strategy(name, batch, workers=2), want)
+        assert_batch_equal(bench.run_strategy(name, batch, workers=2), want)
 
 
 def test_run_shape_checks_then_times_every_strategy():
@@ -136,15 +102,23 @@ def test_run_shape_checks_then_times_every_strategy():
     assert result.get(bench.MEMCPY).ratio_to_memcpy == 1.0
 
 
-def test_a_strategy_that_differs_from_the_first_is_refused(monkeypatch):
-    def wrong(ctx):
-        out = bench._fresh(ctx)
-        out["rollout_expert_indices"].view(-1)[0] += 1
-        return out
+def test_a_strategy_that_differs_from_the_first_is_refused():
+    batch = bench.make_batch(bench.BenchConfig(**TINY))
+    reference = strategies.Reference(batch.token_counts)
+    reference.check(strategies.get_strategy(bench.BASELINE), bench.run_strategy(bench.BASELINE, batch))
+    out = bench.run_strategy(bench.FRESH, batch)
+    out["rollout_expert_indices"].view(-1)[0] += 1
+    with pytest.raises(AssertionError, match="torch_r3 fresh.*rollout_expert_indices is not bit-identical"):
+        reference.check(strategies.get_strategy(bench.FRESH), out)
 
-    monkeypatch.setitem(bench._FUNCS, bench.FRESH, wrong)
-    with pytest.raises(AssertionError, match="torch_r3 fresh.*not bit-identical"):
-        bench.run_shape(bench.BenchConfig(**TINY), [bench.BASELINE, bench.FRESH])
+
+def test_a_packed_strategy_run_first_is_checked_once_a_padded_one_runs():
+    batch = bench.make_batch(bench.BenchConfig(**TINY))
+    reference = strategies.Reference(batch.token_counts)
+    reference.check(strategies.get_strategy(bench.PACKED), bench.run_strategy(bench.PACKED, batch))
+    assert reference.checked_against == {bench.PACKED: None}
+    reference.check(strategies.get_strategy(bench.FRESH), bench.run_strategy(bench.FRESH, batch))
+    assert reference.checked_against == {bench.PACKED: bench.FRESH, bench.FRESH: None}
 
 
 def test_memory_check_refuses_a_run_that_does_not_fit():
@@ -153,9 +127,9 @@ def test_memory_check_refuses_a_run_that_does_not_fit():
     assert need > 100 * 2**30
     short = lambda: {"available": 8 * 2**30, "mem_available": 8 * 2**30, "cgroup_room": None, "cgroup": None}
     with pytest.raises(bench.InsufficientMemoryError, match=r"needs about .* GiB"):
-        bench.check_memory(config, short)
+        bench.check_memory(need, config.label, short)
     plenty = lambda: {"available": need + 1, "mem_available": need + 1, "cgroup_room": None, "cgroup": None}
-    assert bench.check_memory(config, plenty) == need
+    bench.check_memory(need, config.label, plenty)
 
 
 def test_available_memory_reports_meminfo():
@@ -167,7 +141,7 @@ def test_available_memory_reports_meminfo():
 def test_peak_memory_is_per_call_not_process_lifetime():
     big = np.ones(200 << 20, np.uint8)  # an earlier, larger peak
     del big
-    with bench._PeakRss() as peak:
+    with memory.PeakRss() as peak:
         small = np.ones(32 << 20, np.uint8)
     del small
     assert 30 << 20 <= peak.extra < 150 << 20
@@ -194,3 +168,265 @@ def test_dtype_follows_the_expert_count():
     assert bench.BenchConfig(num_experts=256).dtype == "uint8"
     assert bench.BenchConfig(num_experts=257).dtype == "int16"
     assert dataclasses.replace(bench.BenchConfig(), dtype="int16").num_experts == 128
+
+
+def test_the_plan_adds_a_typical_rl_pair_unless_the_main_shape_is_one():
+    config = bench.BenchConfig(**TINY)
+    assert bench.plan(config).pair.distribution == "typical_rl"
+    assert bench.plan(config, packed_vs_padded=False).pair is None
+    typical = bench.plan(dataclasses.replace(config, distribution="typical_rl"))
+    assert typical.pair is None and typical.pair_is_main
+    assert [c.num_sequences for c in bench.plan(config, sweep=[2, 6]).shapes] == [6, 6, 2]
+
+
+def test_the_memory_needed_is_the_largest_shape_s():
+    config = bench.BenchConfig(**TINY)
+    run_plan = bench.plan(config, sweep=[3, 60])
+    assert bench.memory_needed(run_plan) == bench.estimate_memory(dataclasses.replace(config, num_sequences=60))
+
+
+# --------------------------------------------------------------------------
+# The command line
+# --------------------------------------------------------------------------
+
+
+def test_bench_json_holds_every_strategy_the_topology_and_the_versions(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    assert cli.main(["bench", *TINY_ARGS, "--json", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert "torch_r3 fresh" in out and f"wrote {path}" in err and f"wrote {path}" not in out
+    data = json.loads(path.read_text())
+    assert data["schema_version"] == 2
+    assert [s["name"] for s in data["main"]["strategies"]] == list(bench.STRATEGIES)
+    for key in ("median_s", "min_s", "max_s", "times_s", "gb_per_s", "speedup_vs_baseline", "ratio_to_memcpy",
+                "peak_bytes", "peak_ratio", "checked_against"):
+        assert key in data["main"]["strategies"][0]
+    assert data["main"]["config"]["num_sequences"] == 4
+    assert {"usable_cpus", "pool_workers", "cgroup_cpu_limit", "OMP_NUM_THREADS"} <= set(data["topology"])
+    assert [s["name"] for s in data["packed_vs_padded"]["strategies"]] == ["torch_r3 fresh", "torch_r3 packed"]
+    assert data["packed_vs_padded"]["config"]["distribution"] == "typical_rl"
+    import torch_r3
+
+    assert data["versions"]["torch_r3"] == torch_r3.__version__ and data["versions"]["torch"] == torch.__version__
+    from datetime import datetime
+
+    assert datetime.fromisoformat(data["timestamp"]).tzinfo is not None
+    assert "targets" not in data  # the project's yardstick, only with --check-targets
+
+
+def test_a_tiny_shape_is_reported_in_small_units_and_called_too_small_to_time(capsys):
+    assert cli.main(["bench", *TINY_ARGS, "--no-packed-compare"]) == 0
+    out = capsys.readouterr().out
+    assert "too small to time" in out
+    assert " 0 MB" not in out and "0.00 GB/s" not in out and "0.0 ms" not in out
+
+
+def test_bench_plot_writes_a_png_of_the_sweep(tmp_path):
+    png = tmp_path / "chart.png"
+    args = ["bench", *TINY_ARGS, "--plot", str(png), "--sweep", "2,4", "--strategies", "baseline,torch_r3 fresh",
+            "--no-packed-compare", "--json", str(tmp_path / "r.json")]
+    assert cli.main(args) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    sweep = json.loads((tmp_path / "r.json").read_text())["sweep"]
+    assert [p["config"]["num_sequences"] for p in sweep] == [2, 4]
+
+
+def test_production_preset_is_refused_with_one_memory_figure(monkeypatch, capsys):
+    monkeypatch.setattr(memory, "available_memory",
+                        lambda: {"available": 16 * 2**30, "mem_available": 16 * 2**30, "cgroup_room": None,
+                                 "cgroup": None})
+    assert cli.main(["bench", "--preset", "production", "--no-progress"]) == cli.EXIT_MEMORY
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "1024 seqs x max 32768 tokens" in err and "topk 22" in err and "int16" in err
+    assert "refused" in err and "only 16.0 GiB is available" in err
+    need = bench.memory_needed(bench.plan(bench.BenchConfig(**bench.PRESETS["production"])))
+    assert err.count("GiB of memory") == 1 and f"needs about {need / 2**30:.1f} GiB" in err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--num-sequences", "0"], "expected a positive integer"),
+        (["--distribution", "zipf"], "invalid choice"),
+        (["--strategies", "baseline,fast"], "unknown ['fast']"),
+        (["--num-experts", "300", "--dtype", "uint8"], "need int16"),
+        (["--sweep", "4"], "--sweep only applies with --plot"),
+    ],
+)
+def test_bad_bench_options_exit_2_with_a_clear_message(args, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", *args])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_benchmarks_script_uses_the_same_engine():
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "collate_bench.py"), "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "--preset" in done.stdout and "--mixed-dtypes" in done.stdout
+
+
+# --------------------------------------------------------------------------
+# torch_r3 steady and the DataLoader table
+# --------------------------------------------------------------------------
+
+
+def test_the_steady_loop_keeps_the_previous_batch_intact_and_matches_the_reference():
+    batch = bench.make_batch(bench.BenchConfig(**TINY))
+    want = reference_padded(batch.routes, batch.token_counts)
+    steady = strategies.get_strategy(bench.STEADY)
+    ctx = strategies.Context(batch, 2, [bench.STEADY])
+    try:
+        outputs = [steady.call(ctx) for _ in range(5)]  # every batch kept alive, as a list of batches would
+        for out in outputs:
+            assert_batch_equal(out, want)
+        assert len({out["rollout_expert_indices"].data_ptr() for out in outputs}) == 5
+    finally:
+        ctx.close()
+
+
+def test_the_dataloader_table_times_every_configuration_and_skips_pinning_without_an_accelerator():
+    from torch_r3 import accelerator_available
+
+    config = bench.BenchConfig(num_sequences=6, max_seqlen=40, num_layers=2, topk=2)
+    result = bench.run_dataloader(config, batch_size=4, epochs=1)
+    assert result.num_batches == 2 and result.epochs == 1 and result.floor_batch_s > 0
+    assert [(r.num_workers, r.pin_memory, r.collator) for r in result.rows] == [
+        (w, p, c) for w in (0, 2) for p in (False, True) for c in ("fresh", "recycled")]
+    for r in result.rows:
+        if r.pin_memory and not accelerator_available():
+            assert r.skipped and r.batch_s is None
+            continue
+        assert r.skipped is None and len(r.batch_times_s) == 2 and len(r.epoch_times_s) == 1
+        assert r.batch_min_s <= r.batch_s <= r.batch_max_s
+        assert r.ratio_to_floor == pytest.approx(r.batch_s / result.floor_batch_s)
+
+
+@pytest.mark.parametrize("batch_size", [0, 7, True])
+def test_a_dataloader_batch_size_outside_the_dataset_is_refused(batch_size):
+    with pytest.raises(ValueError, match="batch_size must be an int in \\[1, num_sequences=6\\]"):
+        bench.run_dataloader(bench.BenchConfig(**TINY), batch_size=batch_size)
+
+
+def test_the_dataloader_samples_share_the_batch_routes():
+    from torch_r3.bench.dataloader import RouteSamples
+
+    batch = bench.make_batch(bench.BenchConfig(**TINY))
+    samples = RouteSamples(batch)
+    assert len(samples) == 6
+    for i, n in enumerate(batch.token_counts):
+        assert samples[i]["routes"] is batch.routes[i]
+        assert samples[i]["input_ids"].shape == (n,) and samples[i]["input_ids"].dtype == np.int64
+
+
+# --------------------------------------------------------------------------
+# --check-targets, on synthetic results
+# --------------------------------------------------------------------------
+
+
+def synthetic_result(*, steady_s=0.030, memcpy_s=0.027, baseline_s=0.495, loader_ratio=1.2, steady_peak=None,
+                     with_dataloader=True):
+    """A BenchResult of the default shape with chosen medians (input 350 MB, padded output 688 MB)."""
+    def strategy(name, median, peak=1_000_000_000):
+        return bench.StrategyResult(name=name, times_s=[median], median_s=median, min_s=median, max_s=median,
+                                    bytes_written=688_000_000, gb_per_s=688e6 / median, peak_extra_bytes=0,
+                                    peak_bytes=peak, peak_ratio=None)
+
+    inp, out = 350_000_000, 688_000_000
+    main = bench.ShapeResult(
+        config=dataclasses.asdict(bench.BenchConfig()), label="default", T=8170, tokens=1, input_bytes=inp,
+        padded_bytes=out, packed_bytes=out, workers=2, peak_method="test",
+        strategies=[strategy(bench.BASELINE, baseline_s), strategy(bench.STEADY, steady_s,
+                                                                    steady_peak or inp + 2 * out),
+                    strategy(bench.MEMCPY, memcpy_s)])
+    loader = None
+    if with_dataloader:
+        batch_s = 0.01 * loader_ratio
+        row = bench.DataLoaderRow(num_workers=0, pin_memory=False, collator="recycled", batch_times_s=[batch_s],
+                                  batch_s=batch_s, batch_min_s=batch_s, batch_max_s=batch_s,
+                                  epoch_times_s=[8 * batch_s], epoch_s=8 * batch_s, ratio_to_floor=loader_ratio)
+        loader = bench.DataLoaderResult(batch_size=32, num_batches=8, batch_bytes=1, floor_batch_s=0.01,
+                                        floor_epoch_s=0.08, epochs=3, rows=[row])
+    return bench.BenchResult(main=main, packed_vs_padded=None, sweep=[], dataloader=loader,
+                             topology=cpu_topology(), memory_needed_bytes=0, wall_s=1.0, peak_rss_bytes=None)
+
+
+@pytest.mark.parametrize(
+    "changes, missed",
+    [
+        (dict(), []),
+        (dict(steady_s=0.034), ["steady_vs_memcpy"]),  # 1.26x the floor
+        (dict(steady_s=0.0336, memcpy_s=0.0300), []),  # 1.12x the floor, 14.7x baseline
+        (dict(baseline_s=0.200), ["steady_vs_baseline"]),  # 6.7x
+        (dict(loader_ratio=1.51), ["dataloader_vs_floor"]),
+        (dict(steady_peak=350_000_000 + 2 * 688_000_000 + (1 << 20)), []),  # 1 MiB of bookkeeping allowed
+        (dict(steady_peak=350_000_000 + 2 * 688_000_000 + (1 << 20) + 1), ["steady_peak_memory"]),
+        (dict(with_dataloader=False), ["dataloader_vs_floor"]),
+    ],
+    ids=["all-met", "steady-slow", "steady-near-floor", "baseline-fast", "loader-slow", "peak-at-bound", "peak-high",
+         "no-loader"],
+)
+def test_each_target_is_judged_against_its_threshold(changes, missed):
+    checked = bench.check_targets(synthetic_result(**changes))
+    assert [t["name"] for t in checked] == [t.name for t in bench.TARGETS]
+    assert [t["name"] for t in checked if not t["met"]] == missed
+    assert bench.targets_met(checked) == (not missed)
+    want_steady = synthetic_result(**changes).main
+    steady_vs_memcpy = want_steady.get(bench.STEADY).median_s / want_steady.get(bench.MEMCPY).median_s
+    assert checked[0]["value"] == pytest.approx(steady_vs_memcpy)
+
+
+@pytest.mark.parametrize("changes, code", [(dict(), 0), (dict(steady_s=0.05), 1)])
+def test_check_targets_exits_1_when_a_target_is_missed_and_prints_them_only_then(monkeypatch, capsys, tmp_path,
+                                                                                  changes, code):
+    calls = []
+
+    def fake_run(run_plan, **kwargs):
+        calls.append((run_plan, kwargs))
+        return synthetic_result(**changes)
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    monkeypatch.setattr(memory, "available_memory", lambda: {"available": None})
+    path = tmp_path / "r.json"
+    assert cli.main(["bench", "--check-targets", "--no-progress", "--json", str(path)]) == code
+    out = capsys.readouterr().out
+    assert "targets (default shape" in out and ("MISSED" in out) == bool(code)
+    assert calls[0][1]["dataloader_batch_size"] == bench.DEFAULT_BATCH_SIZE  # the DataLoader table is needed
+    targets = json.loads(path.read_text())["targets"]
+    assert [t["met"] for t in targets] == [t["met"] for t in bench.check_targets(synthetic_result(**changes))]
+
+
+def test_check_targets_refuses_a_shape_other_than_the_default(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--check-targets", *TINY_ARGS])
+    assert e.value.code == 2
+    assert "--check-targets judges the default shape only" in capsys.readouterr().err
+
+
+def test_the_gpu_check_skips_cleanly_without_cuda():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "skipped: no CUDA device" in done.stdout
+
+
+@pytest.mark.parametrize("name", ["__init__", "config", "memory", "runner", "units"])
+def test_the_bench_docstring_examples_hold(name):
+    import doctest
+    import importlib
+
+    module = importlib.import_module("torch_r3.bench" if name == "__init__" else f"torch_r3.bench.{name}")
+    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_the_packed_strategy_s_peak_memory_leaves_out_the_check_s_copies():
+    # Big enough that the packed reference (cut from the padded one) would show in the peak.
+    config = bench.BenchConfig(num_sequences=8, max_seqlen=4096, num_layers=40, topk=8, repeats=1)
+    shape = bench.run_shape(config, [bench.FRESH, bench.PACKED])
+    packed = shape.get(bench.PACKED)
+    assert packed.checked_against == bench.FRESH
+    assert packed.peak_extra_bytes < shape.packed_bytes + (shape.packed_bytes >> 1)

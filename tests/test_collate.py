@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import doctest
 import multiprocessing as mp
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -11,74 +13,15 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch.utils.data import DataLoader
 
-import torch_r3.collate as collate_mod
+import torch_r3._buffers
+import torch_r3._padding
+import torch_r3._pool as pool_mod
+import torch_r3.keys
 from torch_r3 import R3Collator, collate_routes, compact_routes
 
-ORDER = [np.uint8, np.int16, np.int32]
+from reference_collate import ROUTE_DTYPES as ORDER, assert_batch_equal, reference_collate_routes, reference_r3_collator
+
 LIMIT = {np.uint8: 256, np.int16: 2**15, np.int32: 2**31}
-
-
-# ---------------------------------------------------------------------------
-# The reference: one position at a time, straight from DESIGN.md.
-# ---------------------------------------------------------------------------
-
-
-def ref_pad_row(t, L, K, padding, E):
-    if padding == "arange":
-        row = list(range(K))
-    else:
-        row = [(t * K + j) % E for j in range(K)]
-    return np.array([row] * L)
-
-
-def reference(routes, counts, *, layout="padded", pad_to=None, padding="arange", E=None):
-    L, K = routes[0].shape[1:]
-    dtype = ORDER[max(ORDER.index(r.dtype.type) for r in routes)]
-    B = len(routes)
-    if layout == "padded":
-        T = max(counts)
-        if pad_to:
-            while T % pad_to:
-                T += 1
-        out = np.zeros((B, T, L, K), dtype)
-        mask = np.zeros((B, T), bool)
-        att = np.zeros((B, T), np.int64)
-        for i in range(B):
-            s = T - counts[i]
-            r = routes[i].shape[0]
-            for t in range(T):
-                if s <= t < s + r:
-                    out[i, t] = routes[i][t - s]
-                else:
-                    out[i, t] = ref_pad_row(t, L, K, padding, E)
-                    mask[i, t] = True
-                att[i, t] = 1 if t >= s else 0
-        return {"rollout_expert_indices": out, "router_padding_mask": mask, "attention_mask": att}
-    rows_out, mask, cu = [], [], [0]
-    t = 0
-    for i in range(B):
-        for j in range(counts[i]):
-            if j < routes[i].shape[0]:
-                rows_out.append(routes[i][j])
-                mask.append(False)
-            else:
-                rows_out.append(ref_pad_row(t, L, K, padding, E))
-                mask.append(True)
-            t += 1
-        cu.append(cu[-1] + counts[i])
-    return {
-        "rollout_expert_indices": np.array(rows_out, dtype).reshape(-1, L, K),
-        "router_padding_mask": np.array(mask, bool),
-        "cu_seqlens": np.array(cu, np.int32),
-    }
-
-
-def assert_batch_equal(got, want):
-    assert set(got) == set(want)
-    for k, v in want.items():
-        expected = torch.from_numpy(np.ascontiguousarray(v))
-        assert got[k].dtype == expected.dtype, k
-        assert torch.equal(got[k], expected), k
 
 
 def make_routes(rng, rows, L, K, dtype):
@@ -88,7 +31,7 @@ def make_routes(rng, rows, L, K, dtype):
 @pytest.fixture
 def force_pool(monkeypatch):
     """Send even small batches through the thread pool (its threshold is a size)."""
-    monkeypatch.setattr(collate_mod, "_SERIAL_BELOW_BYTES", 0)
+    monkeypatch.setattr(pool_mod, "SERIAL_BELOW_BYTES", 0)
 
 
 # ---------------------------------------------------------------------------
@@ -106,7 +49,7 @@ def test_matches_reference_for_every_layout_padding_and_dtype_mix(layout, paddin
     routes = [make_routes(rng, r, 3, 2, d) for r, d in zip(rows, dtypes)]
     kw = dict(layout=layout, padding=padding, num_experts=5 if padding == "balanced" else None)
     got = collate_routes(routes, counts, **kw)
-    assert_batch_equal(got, reference(routes, counts, layout=layout, padding=padding, E=kw["num_experts"]))
+    assert_batch_equal(got, reference_collate_routes(routes, counts, layout=layout, padding=padding, num_experts=kw["num_experts"]))
 
 
 def test_mixed_batch_promotes_to_widest_dtype_by_dtype_alone():
@@ -121,7 +64,7 @@ def test_pad_to_multiple_of_rounds_T_up(multiple):
     rng = np.random.default_rng(1)
     routes = [make_routes(rng, 3, 2, 2, np.uint8), make_routes(rng, 6, 2, 2, np.uint8)]
     got = collate_routes(routes, [5, 7], pad_to_multiple_of=multiple)
-    assert_batch_equal(got, reference(routes, [5, 7], pad_to=multiple))
+    assert_batch_equal(got, reference_collate_routes(routes, [5, 7], pad_to_multiple_of=multiple))
 
 
 def test_read_only_and_non_contiguous_inputs_are_valid():
@@ -132,14 +75,14 @@ def test_read_only_and_non_contiguous_inputs_are_valid():
     ro.flags.writeable = False
     assert not view.flags.c_contiguous
     got = collate_routes([view, ro], [4, 5])
-    assert_batch_equal(got, reference([view, ro], [4, 5]))
+    assert_batch_equal(got, reference_collate_routes([view, ro], [4, 5]))
 
 
 def test_cpu_tensors_are_accepted_like_arrays():
     rng = np.random.default_rng(3)
     a = make_routes(rng, 2, 2, 2, np.uint8)
     got = collate_routes([torch.from_numpy(a)], [3])
-    assert_batch_equal(got, reference([a], [3]))
+    assert_batch_equal(got, reference_collate_routes([a], [3]))
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
@@ -148,8 +91,8 @@ def test_pool_path_matches_reference(layout, force_pool):
     counts = [int(x) for x in rng.integers(1, 70, size=40)]
     routes = [make_routes(rng, max(n - 1, 0), 4, 8, np.uint8) for n in counts]
     got = collate_routes(routes, counts, layout=layout, workers=3)
-    assert 2 in collate_mod._pools  # the caller plus two pool threads really ran
-    assert_batch_equal(got, reference(routes, counts, layout=layout))
+    assert _collate_threads()  # helper threads were started for the call
+    assert_batch_equal(got, reference_collate_routes(routes, counts, layout=layout))
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
@@ -164,12 +107,12 @@ def test_out_buffer_is_fully_overwritten(layout):
     got = collate_routes(routes, counts, layout=layout, out=out)
     for k in out:
         assert got[k].data_ptr() == out[k].data_ptr()
-    assert_batch_equal(got, reference(routes, counts, layout=layout))
+    assert_batch_equal(got, reference_collate_routes(routes, counts, layout=layout))
     # A bare tensor means the routes buffer.
     buf = torch.full_like(first["rollout_expert_indices"], 99)
     got = collate_routes(routes, counts, layout=layout, out=buf)
     assert got["rollout_expert_indices"].data_ptr() == buf.data_ptr()
-    assert_batch_equal(got, reference(routes, counts, layout=layout))
+    assert_batch_equal(got, reference_collate_routes(routes, counts, layout=layout))
 
 
 def test_pin_memory_never_raises_without_an_accelerator():
@@ -203,7 +146,7 @@ def test_property_random_batches_match_reference(data):
         counts.append(n)
         routes.append(make_routes(np.random.default_rng(seed), r, L, K, dtype))
     got = collate_routes(routes, counts, layout=layout, padding=padding, num_experts=E, pad_to_multiple_of=pad_to)
-    assert_batch_equal(got, reference(routes, counts, layout=layout, pad_to=pad_to, padding=padding, E=E))
+    assert_batch_equal(got, reference_collate_routes(routes, counts, layout=layout, pad_to_multiple_of=pad_to, padding=padding, num_experts=E))
 
 
 def test_balanced_padding_uses_every_expert_and_distinct_experts_per_row():
@@ -329,21 +272,9 @@ def make_samples(seed=0, n_samples=6, L=3, K=2, big=False):
 
 
 def reference_collator(samples, pad_token_id=0, layout="padded"):
-    routes = [s["routes"] for s in samples]
-    counts = [len(s["input_ids"]) for s in samples]
-    want = reference(routes, counts, layout=layout)
-    ids = [np.asarray(s["input_ids"], np.int64) for s in samples]
-    lm = [np.asarray(s["loss_mask"], np.float32) for s in samples]
-    if layout == "padded":
-        T = max(counts)
-        want["input_ids"] = np.array([[pad_token_id] * (T - len(x)) + list(x) for x in ids], np.int64)
-        want["loss_mask"] = np.array([[0.0] * (T - len(x)) + list(x) for x in lm], np.float32)
-    else:
-        want["input_ids"] = np.concatenate(ids)
-        want["loss_mask"] = np.concatenate(lm)
-    want["reward"] = np.array([s["reward"] for s in samples], np.float64)
-    want["uid"] = np.array([s["uid"] for s in samples], np.int64)
-    return want
+    return reference_r3_collator(
+        samples, pad_token_id=pad_token_id, layout=layout, pad_keys={"loss_mask": (0.0, np.float32)}
+    )
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
@@ -353,7 +284,7 @@ def test_collator_matches_reference(layout):
     assert_batch_equal(got, reference_collator(samples, pad_token_id=7, layout=layout))
 
 
-def test_collator_custom_keys():
+def test_collator_reads_custom_routes_and_tokens_keys_and_drops_them_from_the_batch():
     rng = np.random.default_rng(0)
     samples = [{"tok": [1, 2, 3], "r": make_routes(rng, 2, 1, 1, np.uint8)}, {"tok": [4], "r": make_routes(rng, 0, 1, 1, np.uint8)}]
     got = R3Collator(routes_key="r", tokens_key="tok", pad_token_id=-1)(samples)
@@ -375,7 +306,7 @@ def test_collator_custom_keys():
         (lambda s: s.__setitem__(2, [1, 2]), TypeError, "sample 2: expected a mapping"),
     ],
 )
-def test_collator_bad_input(mutate, exc, match):
+def test_collator_refuses_bad_samples_naming_the_sample_and_key(mutate, exc, match):
     samples = make_samples()
     mutate(samples)
     with pytest.raises(exc, match=match):
@@ -388,7 +319,7 @@ def test_collator_rejects_more_route_rows_than_tokens():
         R3Collator()(samples)
 
 
-def test_collator_empty_batch():
+def test_collator_refuses_an_empty_batch():
     with pytest.raises(ValueError, match="empty batch"):
         R3Collator()([])
 
@@ -484,3 +415,160 @@ def test_four_threads_share_one_collator(force_pool):
     assert not errors
     for got, want in zip(results, wants):
         assert_batch_equal(got, want)
+
+
+# ---------------------------------------------------------------------------
+# The copy-thread pool and the padding template stay bounded (issues 10, 11)
+# ---------------------------------------------------------------------------
+
+
+def _collate_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("torch_r3-collate")]
+
+
+@pytest.mark.parametrize("call", ["collate_routes", "R3Collator"])
+def test_more_workers_than_the_cap_are_refused(call):
+    routes = [np.zeros((1, 1, 2), np.uint8)]
+    with pytest.raises(ValueError, match="workers must be <= 64"):
+        if call == "collate_routes":
+            collate_routes(routes, [2], workers=1000)
+        else:
+            R3Collator(workers=1000)
+
+
+def test_distinct_worker_counts_share_one_pool_that_shrinks_when_idle(force_pool, monkeypatch):
+    monkeypatch.setattr(pool_mod, "IDLE_SECONDS", 0.2)
+    rng = np.random.default_rng(7)
+    counts = [int(x) for x in rng.integers(1, 50, size=64)]
+    routes = [make_routes(rng, n, 2, 2, np.uint8) for n in counts]
+    want = reference_collate_routes(routes, counts)
+    for workers in (4, 16, 9, 16, 64):
+        assert_batch_equal(collate_routes(routes, counts, workers=workers), want)
+        # One pool: never more threads than the largest single request needs.
+        assert len(_collate_threads()) <= 63
+    assert len(_collate_threads()) <= 63
+    deadline = time.monotonic() + 30
+    while _collate_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _collate_threads() == []
+
+
+def test_padding_template_cache_stays_small_after_a_huge_batch():
+    import tracemalloc
+
+    routes = [np.zeros((0, 8, 8), np.uint8), np.ones((1, 8, 8), np.uint8)]
+    counts = [300_000, 1]  # 300k padding rows of 64 bytes: a 19 MB padding region
+    tracemalloc.start()
+    try:
+        got = collate_routes(routes, counts, workers=1)
+        assert got["rollout_expert_indices"].shape == (2, 300_000, 8, 8)
+        del got
+        kept, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert kept < 4 << 20
+
+
+# ---------------------------------------------------------------------------
+# Silent failures of the collator, each refused with a clear message (issue 11)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("per_token", [True, False])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("key", ["attention_mask", "rollout_expert_indices", "router_padding_mask", "cu_seqlens"])
+def test_a_sample_key_equal_to_an_output_key_is_refused_not_overwritten(layout, key, per_token):
+    samples = make_samples(n_samples=3)
+    for s in samples:
+        # A tokenizer's per-token attention_mask, or a per-sample value that
+        # default_collate would happily stack over the computed tensor.
+        s[key] = np.ones(len(s["input_ids"]), np.int64) if per_token else 1
+    with pytest.raises(ValueError, match=rf"sample 0: key '{key}'.*rename.*drop"):
+        R3Collator(pad_keys={"loss_mask": 0.0}, layout=layout)(samples)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("padding, experts, topk", [("balanced", 300, 2), ("balanced", 40000, 4), ("arange", None, 300)])
+def test_padding_ids_beyond_the_input_dtype_widen_the_output_instead_of_wrapping(layout, padding, experts, topk):
+    rng = np.random.default_rng(8)
+    routes = [make_routes(rng, 2, 2, topk, np.uint8), make_routes(rng, 0, 2, topk, np.uint8)]
+    counts = [9000, 3]  # padding positions up to 9000: balanced ids reach num_experts - 1
+    got = collate_routes(routes, counts, layout=layout, padding=padding, num_experts=experts)
+    want = reference_collate_routes(routes, counts, layout=layout, padding=padding, num_experts=experts)
+    assert_batch_equal(got, want)
+    # Ids past what a narrower dtype holds really occur, so a narrower output would wrap.
+    narrower_max = 255 if (experts or topk) - 1 < 2**15 else 2**15 - 1
+    assert int(got["rollout_expert_indices"].max()) > narrower_max
+
+
+def test_numpy_integers_are_accepted_wherever_python_ints_are():
+    samples = make_samples(n_samples=4)
+    kwargs = dict(padding="balanced", num_experts=np.int64(8), pad_to_multiple_of=np.int32(4), workers=np.int64(2))
+    got = R3Collator(pad_token_id=np.int64(5), pad_keys={"loss_mask": np.float32(0.5)}, **kwargs)(samples)
+    want = reference_r3_collator(
+        samples, pad_token_id=5, pad_keys={"loss_mask": (0.5, np.float32)}, padding="balanced", num_experts=8,
+        pad_to_multiple_of=4,
+    )
+    assert_batch_equal(got, want)
+    direct = collate_routes([s["routes"] for s in samples], [len(s["input_ids"]) for s in samples], **kwargs)
+    for key in direct:
+        assert torch.equal(direct[key], got[key])
+
+
+@pytest.mark.parametrize(
+    "values, exc, match",
+    [
+        ([[1, 2], [3], [4, 5], [6, 7]], ValueError, r"sample 1: key 'extra'"),
+        ([np.zeros(2), np.zeros(2), np.zeros(3), np.zeros(2)], ValueError, r"sample 2: key 'extra'"),
+        ([1.0, None, 2.0, 3.0], TypeError, r"sample 1: key 'extra' is None"),
+        ([None, None, None, None], TypeError, r"sample 0: key 'extra' is None"),
+    ],
+)
+def test_extra_keys_that_default_collate_cannot_batch_are_refused_naming_sample_and_key(values, exc, match):
+    samples = make_samples(n_samples=4)
+    for s, v in zip(samples, values):
+        s["extra"] = v
+    with pytest.raises(exc, match=match):
+        R3Collator(pad_keys=["loss_mask"])(samples)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"pin_memory": "yes"}, TypeError, "pin_memory must be None, True or False"),
+        ({"pad_token_id": 2**63}, ValueError, "pad_token_id.*int64"),
+        ({"pad_token_id": -(2**63) - 1}, ValueError, "pad_token_id.*int64"),
+        ({"pad_token_id": 1.5}, TypeError, "pad_token_id must be an int"),
+        ({"pad_keys": {"loss_mask": "zero"}}, TypeError, "pad value for 'loss_mask' must be a number"),
+        ({"padding": "balanced"}, ValueError, "needs num_experts"),
+        ({"layout": "ragged"}, ValueError, "layout must be one of"),
+        ({"num_experts": 8.0}, TypeError, "num_experts must be an int"),
+    ],
+)
+def test_bad_collator_settings_are_refused_at_construction(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        R3Collator(**kwargs)
+
+
+def test_token_ids_beyond_int64_are_refused_instead_of_wrapping_negative():
+    samples = make_samples(n_samples=3)
+    samples[1]["input_ids"] = np.array([5, 2**63, 7], np.uint64)
+    samples[1]["loss_mask"] = np.ones(3, np.float32)
+    samples[1]["routes"] = samples[1]["routes"][:3]
+    with pytest.raises(ValueError, match=r"sample 1: 'input_ids'.*2\*\*63"):
+        R3Collator(pad_keys=["loss_mask"])(samples)
+
+
+def test_uint64_token_ids_below_2_63_are_collated():
+    samples = make_samples(n_samples=3)
+    for s in samples:
+        s["input_ids"] = np.asarray(s["input_ids"], np.uint64)
+    got = R3Collator(pad_keys={"loss_mask": 0.0})(samples)
+    assert_batch_equal(got, reference_collator(samples))
+
+
+@pytest.mark.parametrize("module", [torch_r3._buffers, torch_r3._padding, torch_r3.keys])
+def test_docstring_examples_of_the_modules_collate_uses_hold(module):
+    # doctest.testmod(torch_r3.collate) skips names it only imports, such as padding_rows.
+    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0 and result.attempted > 0

@@ -28,7 +28,7 @@ def affinity(monkeypatch):
     return set_cpus
 
 
-def test_v2_root_quota(tmp_path, affinity):
+def test_a_v2_quota_at_the_root_cgroup_limits_usable_cpus(tmp_path, affinity):
     write(tmp_path, "proc/self/cgroup", "0::/\n")
     write(tmp_path, "proc/self/mountinfo", V2_MOUNT)
     write(tmp_path, "sys/fs/cgroup/cpu.max", "150000 100000\n")
@@ -37,7 +37,7 @@ def test_v2_root_quota(tmp_path, affinity):
     assert cpu.pool_workers(root=tmp_path) == 1
 
 
-def test_v2_nested_takes_smallest_quota_on_the_path_to_the_root(tmp_path, affinity):
+def test_nested_v2_quotas_take_the_smallest_on_the_path_to_the_root(tmp_path, affinity):
     write(tmp_path, "proc/self/cgroup", "0::/kubepods/pod1/ctr\n")
     write(tmp_path, "proc/self/mountinfo", V2_MOUNT)
     write(tmp_path, "sys/fs/cgroup/cpu.max", "max 100000\n")
@@ -51,7 +51,7 @@ def test_v2_nested_takes_smallest_quota_on_the_path_to_the_root(tmp_path, affini
     assert [q.path for q in cpu.cgroup_quotas(tmp_path)] == ["/sys/fs/cgroup/kubepods/pod1", "/sys/fs/cgroup/kubepods"]
 
 
-def test_v2_namespaced_mount_root(tmp_path, affinity):
+def test_a_v2_quota_is_found_under_a_namespaced_mount_root(tmp_path, affinity):
     # Inside a cgroup namespace the mount root is the container's cgroup.
     write(tmp_path, "proc/self/cgroup", "0::/docker/abc/inner\n")
     write(tmp_path, "proc/self/mountinfo", "30 23 0:26 /docker/abc /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n")
@@ -60,7 +60,7 @@ def test_v2_namespaced_mount_root(tmp_path, affinity):
     assert cpu.cgroup_cpu_limit(tmp_path) == 2.0
 
 
-def test_v2_unlimited_is_none(tmp_path, affinity):
+def test_an_unlimited_v2_quota_means_no_limit(tmp_path, affinity):
     write(tmp_path, "proc/self/cgroup", "0::/\n")
     write(tmp_path, "proc/self/mountinfo", V2_MOUNT)
     write(tmp_path, "sys/fs/cgroup/cpu.max", "max 100000\n")
@@ -69,7 +69,7 @@ def test_v2_unlimited_is_none(tmp_path, affinity):
     assert cpu.pool_workers(root=tmp_path) == cpu.DEFAULT_POOL_CAP
 
 
-def test_v1_quota(tmp_path, affinity):
+def test_a_v1_cfs_quota_limits_usable_cpus(tmp_path, affinity):
     write(tmp_path, "proc/self/cgroup", "5:memory:/x\n4:cpu,cpuacct:/docker/abc\n")
     write(tmp_path, "proc/self/mountinfo", "40 31 0:37 / /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n")
     write(tmp_path, "sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_quota_us", "250000\n")
@@ -81,7 +81,7 @@ def test_v1_quota(tmp_path, affinity):
     assert cpu.pool_workers(reserve=1, root=tmp_path) == 1
 
 
-def test_hybrid_v2_mounted_quota_in_v1(tmp_path, affinity):
+def test_a_hybrid_host_reports_both_v1_and_v2_quotas(tmp_path, affinity):
     write(tmp_path, "proc/self/cgroup", "0::/user.slice\n3:cpu:/batch\n")
     write(
         tmp_path,
@@ -99,14 +99,14 @@ def test_hybrid_v2_mounted_quota_in_v1(tmp_path, affinity):
     assert cpu.pool_workers(root=tmp_path) == 1
 
 
-def test_mountinfo_escaped_mount_point(tmp_path, affinity):
+def test_an_escaped_mount_point_in_mountinfo_is_unescaped(tmp_path, affinity):
     write(tmp_path, "proc/self/cgroup", "0::/\n")
     write(tmp_path, "proc/self/mountinfo", "30 23 0:26 / /sys/fs/my\\040cgroup rw - cgroup2 cgroup2 rw\n")
     write(tmp_path, "sys/fs/my cgroup/cpu.max", "100000 100000\n")
     assert cpu.cgroup_cpu_limit(tmp_path) == 1.0
 
 
-def test_no_mountinfo_falls_back_to_the_conventional_mount(tmp_path, affinity):
+def test_without_mountinfo_the_conventional_mount_is_read(tmp_path, affinity):
     write(tmp_path, "proc/self/cgroup", "0::/\n")
     write(tmp_path, "sys/fs/cgroup/cpu.max", "400000 100000\n")
     assert cpu.cgroup_cpu_limit(tmp_path) == 4.0
@@ -116,7 +116,7 @@ def test_no_mountinfo_falls_back_to_the_conventional_mount(tmp_path, affinity):
     "content",
     ["", "garbage\n", "abc 100000\n", "100000 0\n", "-5 100000\n", "1 2 3\n", "\xff\xfe"],
 )
-def test_garbage_cpu_max_means_no_limit_known(tmp_path, affinity, content):
+def test_a_garbage_cpu_max_means_no_limit_is_known(tmp_path, affinity, content):
     write(tmp_path, "proc/self/cgroup", "0::/\n")
     write(tmp_path, "proc/self/mountinfo", V2_MOUNT)
     (tmp_path / "sys/fs/cgroup").mkdir(parents=True)
@@ -124,7 +124,7 @@ def test_garbage_cpu_max_means_no_limit_known(tmp_path, affinity, content):
     assert cpu.cgroup_cpu_limit(tmp_path) is None
 
 
-def test_garbage_proc_files_and_missing_tree(tmp_path, affinity):
+def test_garbage_proc_files_and_a_missing_tree_mean_no_limit(tmp_path, affinity):
     assert cpu.cgroup_cpu_limit(tmp_path) is None  # nothing at all
     write(tmp_path, "proc/self/cgroup", "nonsense\n::\n7\n")
     write(tmp_path, "proc/self/mountinfo", "half a line\n1 2 3 - \n")
@@ -132,7 +132,7 @@ def test_garbage_proc_files_and_missing_tree(tmp_path, affinity):
     assert cpu.usable_cpus(tmp_path) == 16
 
 
-def test_v1_missing_period_or_garbage_quota(tmp_path, affinity):
+def test_a_v1_quota_without_period_or_with_garbage_means_no_limit(tmp_path, affinity):
     write(tmp_path, "proc/self/cgroup", "4:cpu:/\n")
     write(tmp_path, "proc/self/mountinfo", "32 31 0:29 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n")
     write(tmp_path, "sys/fs/cgroup/cpu/cpu.cfs_quota_us", "50000\n")
@@ -141,14 +141,14 @@ def test_v1_missing_period_or_garbage_quota(tmp_path, affinity):
     assert cpu.cgroup_cpu_limit(tmp_path) is None
 
 
-def test_unreadable_file_means_no_limit(tmp_path, affinity):
+def test_an_unreadable_quota_file_means_no_limit(tmp_path, affinity):
     write(tmp_path, "proc/self/cgroup", "0::/\n")
     write(tmp_path, "proc/self/mountinfo", V2_MOUNT)
     (tmp_path / "sys/fs/cgroup/cpu.max").mkdir(parents=True)  # a directory: read fails with OSError
     assert cpu.cgroup_cpu_limit(tmp_path) is None
 
 
-def test_affinity_limits_usable_cpus(tmp_path, affinity):
+def test_the_affinity_mask_limits_usable_cpus(tmp_path, affinity):
     affinity(3)
     write(tmp_path, "proc/self/cgroup", "0::/\n")
     write(tmp_path, "proc/self/mountinfo", V2_MOUNT)
@@ -160,7 +160,7 @@ def test_affinity_limits_usable_cpus(tmp_path, affinity):
 
 
 @pytest.mark.parametrize("error", [AttributeError, OSError])
-def test_affinity_falls_back_to_cpu_count(monkeypatch, error):
+def test_affinity_falls_back_to_cpu_count_where_the_os_has_none(monkeypatch, error):
     def broken(pid):
         raise error("no affinity here")
 
@@ -169,7 +169,7 @@ def test_affinity_falls_back_to_cpu_count(monkeypatch, error):
     assert cpu.affinity_cpus() == 5
 
 
-def test_environment_overrides_pool_workers(tmp_path, affinity, monkeypatch):
+def test_the_environment_overrides_pool_workers(tmp_path, affinity, monkeypatch):
     monkeypatch.setenv(cpu.ENV_NUM_WORKERS, "5")
     assert cpu.pool_workers(root=tmp_path) == 5
     for bad in ("0", "-1", "two"):
@@ -178,14 +178,14 @@ def test_environment_overrides_pool_workers(tmp_path, affinity, monkeypatch):
             cpu.pool_workers(root=tmp_path)
 
 
-def test_pool_workers_rejects_bad_arguments(tmp_path, affinity):
+def test_pool_workers_refuses_bad_arguments(tmp_path, affinity):
     with pytest.raises(TypeError, match="cap must be an int"):
         cpu.pool_workers(cap=2.5, root=tmp_path)
     with pytest.raises(ValueError, match="cap >= 1"):
         cpu.pool_workers(cap=0, root=tmp_path)
 
 
-def test_real_machine_is_consistent():
+def test_the_real_machine_s_figures_are_consistent():
     # Whatever this machine is, the pieces agree with each other.
     usable = cpu.usable_cpus()
     assert 0 < usable <= (os.cpu_count() or 1)
@@ -204,7 +204,7 @@ def test_memory_room_v2_takes_the_tightest_cgroup_on_the_path(tmp_path):
     assert cpu.cgroup_memory_room(tmp_path) == (1 << 30, "/sys/fs/cgroup/a")
 
 
-def test_memory_room_v1_and_unlimited(tmp_path):
+def test_memory_room_reads_v1_limits_and_ignores_unlimited_ones(tmp_path):
     write(tmp_path, "proc/self/cgroup", "6:memory:/job\n")
     write(tmp_path, "proc/self/mountinfo", "35 31 0:32 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n")
     write(tmp_path, "sys/fs/cgroup/memory/memory.limit_in_bytes", str(2**63 - 4096) + "\n")  # v1 "unlimited"
@@ -212,3 +212,20 @@ def test_memory_room_v1_and_unlimited(tmp_path):
     write(tmp_path, "sys/fs/cgroup/memory/job/memory.limit_in_bytes", str(2 << 30) + "\n")
     write(tmp_path, "sys/fs/cgroup/memory/job/memory.usage_in_bytes", "garbage\n")  # unknown usage counts as 0
     assert cpu.cgroup_memory_room(tmp_path) == (2 << 30, "/sys/fs/cgroup/memory/job")
+
+
+def test_cpu_topology_reports_what_the_pool_sees(monkeypatch):
+    monkeypatch.setenv(cpu.ENV_NUM_WORKERS, "3")
+    topology = cpu.cpu_topology()
+    assert topology["pool_workers"] == 3 and topology[cpu.ENV_NUM_WORKERS] == "3"
+    assert topology["usable_cpus"] == cpu.usable_cpus() and topology["affinity_cpus"] == cpu.affinity_cpus()
+
+
+def test_doctor_does_not_import_the_benchmark():
+    import subprocess
+    import sys
+
+    code = "import sys; from torch_r3 import cli; cli.doctor_report(); print('torch_r3.bench' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"

@@ -12,6 +12,8 @@ import importlib
 from typing import TYPE_CHECKING
 
 from torch_r3.routes import CANONICAL_DTYPES, canonical_dtype_for, check_expert_ids, compact_routes
+from torch_r3._buffers import BufferPool
+from torch_r3._memory import accelerator_available
 from torch_r3.collate import R3Collator, collate_routes
 
 __version__ = "0.1.0"
@@ -35,8 +37,10 @@ _LAZY = {
 }
 
 __all__ = [
+    "BufferPool",
     "CANONICAL_DTYPES",
     "R3Collator",
+    "accelerator_available",
     "canonical_dtype_for",
     "check_expert_ids",
     "collate_routes",

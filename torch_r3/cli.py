@@ -75,6 +75,14 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
                         help="comma-separated subset of: " + ", ".join(STRATEGIES))
     timing.add_argument("--no-packed-compare", action="store_true",
                         help="skip the typical_rl packed-vs-padded comparison")
+    timing.add_argument("--dataloader", action="store_true",
+                        help="also time a real DataLoader with R3Collator: num_workers 0 and 2, pin_memory off "
+                             "and on, fresh and recycled outputs, beside the memcpy floor")
+    timing.add_argument("--batch-size", type=_positive_int,
+                        help="trajectories per DataLoader batch for --dataloader (default 32)")
+    timing.add_argument("--check-targets", action="store_true",
+                        help="judge the project's speed targets on the default shape (implies --dataloader); "
+                             "exit 1 when one is missed")
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="PATH", help="write the full results as JSON")
     out.add_argument("--plot", metavar="PATH",
@@ -114,25 +122,41 @@ def _bench_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             import matplotlib  # noqa: F401
         except ImportError:
             parser.error("--plot needs matplotlib: pip install 'torch_r3[bench]'")
+    if args.check_targets:
+        if not bench.is_default_shape(config):
+            parser.error("--check-targets judges the default shape only; drop the shape options")
+        missing = [s for s in (bench.BASELINE, bench.STEADY, bench.MEMCPY) if s not in strategies]
+        if missing:
+            parser.error(f"--check-targets needs the strategies {missing}")
+    if args.batch_size is not None and not (args.dataloader or args.check_targets):
+        parser.error("--batch-size only applies with --dataloader")
+    batch_size = args.batch_size or bench.DEFAULT_BATCH_SIZE
+    if (args.dataloader or args.check_targets) and batch_size > config.num_sequences:
+        parser.error(f"--batch-size {batch_size} is larger than --num-sequences {config.num_sequences}")
     sweep = (args.sweep or bench.default_sweep(config.num_sequences)) if args.plot else None
-    need = bench.memory_needed(config, strategies=strategies, packed_vs_padded=not args.no_packed_compare, sweep=sweep)
-    print(f"torch-r3 bench: {config.label}; needs about {need / 2**30:.1f} GiB of memory", file=sys.stderr)
+    run_plan = bench.plan(config, strategies=strategies, packed_vs_padded=not args.no_packed_compare, sweep=sweep)
+    need = bench.memory_needed(run_plan)
     try:
-        result = bench.run(config, strategies=strategies, packed_vs_padded=not args.no_packed_compare, sweep=sweep,
-                           progress=False if args.no_progress else None)
+        bench.check_memory(need, config.label)
+        print(f"torch-r3 bench: {config.label}; needs about {need / 2**30:.1f} GiB of memory", file=sys.stderr)
+        result = bench.run(run_plan, dataloader_batch_size=batch_size if args.dataloader or args.check_targets
+                           else None, progress=False if args.no_progress else None)
     except bench.InsufficientMemoryError as e:
         print(f"torch-r3 bench: refused: {e}", file=sys.stderr)
         return EXIT_MEMORY
     print(bench.format_report(result))
+    targets = bench.check_targets(result) if args.check_targets else None
+    if targets is not None:
+        print("\n" + bench.format_targets(targets))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(result.to_json(), f, indent=2, allow_nan=False, default=_json_default)
+            json.dump(result.to_json(targets), f, indent=2, allow_nan=False, default=_json_default)
             f.write("\n")
-        print(f"wrote {args.json}")
+        print(f"torch-r3 bench: wrote {args.json}", file=sys.stderr)
     if args.plot:
         bench.plot_sweep(result, args.plot)
-        print(f"wrote {args.plot}")
-    return 0
+        print(f"torch-r3 bench: wrote {args.plot}", file=sys.stderr)
+    return 1 if targets is not None and not bench.targets_met(targets) else 0
 
 
 def _json_default(value: Any) -> Any:
@@ -159,11 +183,9 @@ def _version(distribution: str) -> str | None:
 def _accelerator() -> dict[str, Any]:
     import torch
 
-    # TODO(issue 12): import the public accelerator_available() from torch_r3._memory
-    # once the collate branch lands; the private name is imported here until then.
-    from torch_r3.collate import _accelerator_available
+    from torch_r3 import accelerator_available
 
-    available = _accelerator_available()
+    available = accelerator_available()
     current = torch.accelerator.current_accelerator() if available and hasattr(torch, "accelerator") else None
     devices: list[str] = []
     if available and torch.cuda.is_available():
@@ -187,30 +209,11 @@ def _pinned_memory(accelerator: bool) -> tuple[bool, str]:
 
 
 def _cpu() -> dict[str, Any]:
-    import dataclasses
-    import os
-
     import torch
 
-    from torch_r3 import cpu
+    from torch_r3.cpu import cpu_topology
 
-    try:
-        workers: int | None = cpu.pool_workers()
-        workers_error = None
-    except ValueError as e:  # a malformed TORCH_R3_NUM_WORKERS: report it, do not crash the doctor
-        workers, workers_error = None, str(e)
-    return {
-        "affinity_cpus": cpu.affinity_cpus(),
-        "os_cpu_count": os.cpu_count(),
-        "cgroup_quotas": [dataclasses.asdict(q) for q in cpu.cgroup_quotas()],
-        "usable_cpus": cpu.usable_cpus(),
-        "pool_workers": workers,
-        "pool_workers_error": workers_error,
-        cpu.ENV_NUM_WORKERS: os.environ.get(cpu.ENV_NUM_WORKERS),
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-        "torch_num_threads": torch.get_num_threads(),
-        "torch_interop_threads": torch.get_num_interop_threads(),
-    }
+    return {**cpu_topology(), "torch_interop_threads": torch.get_num_interop_threads()}
 
 
 def _warnings(accelerator: dict[str, Any], cpus: dict[str, Any]) -> list[str]:

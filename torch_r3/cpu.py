@@ -1,13 +1,13 @@
 """How many CPUs this process may really use, inside a container.
 
-``os.cpu_count()`` reports the host's CPUs. A container is limited twice over:
-by its affinity mask (cpusets) and by its CFS bandwidth quota (``docker run
---cpus=1.5``), which the kernel only exposes through cgroup files. Sizing a
+`os.cpu_count()` reports the host's CPUs. A container is limited twice over:
+by its affinity mask (cpusets) and by its CFS bandwidth quota (`docker run
+--cpus=1.5`), which the kernel only exposes through cgroup files. Sizing a
 thread pool from the host count oversubscribes the quota and the pool gets
-throttled, so every pool in torch_r3 is sized from :func:`usable_cpus`.
+throttled, so every pool in torch_r3 is sized from `usable_cpus`.
 
-Every function takes ``root``, the file-system root to read ``/proc`` and
-``/sys/fs/cgroup`` under, so that tests can build fake trees.
+Every function that reads cgroup files takes `root`, the file-system root to read `/proc` and
+`/sys/fs/cgroup` under, so that tests can build fake trees.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "CgroupQuota",
@@ -26,11 +27,12 @@ __all__ = [
     "cgroup_cpu_limit",
     "cgroup_memory_room",
     "cgroup_quotas",
+    "cpu_topology",
     "pool_workers",
     "usable_cpus",
 ]
 
-#: Environment variable that overrides :func:`pool_workers`.
+#: Environment variable that overrides `pool_workers`.
 ENV_NUM_WORKERS = "TORCH_R3_NUM_WORKERS"
 #: Past about 8 threads, first-touch page faults of a fresh output buffer contend
 #: on the kernel's memory-map lock and the pool gets slower, not faster.
@@ -41,13 +43,13 @@ DEFAULT_POOL_CAP = 8
 class CgroupQuota:
     """One CPU quota found on the path from this process's cgroup to its mount root."""
 
-    path: str  # the cgroup directory, as seen under ``root``
+    path: str  # the cgroup directory, as seen under `root`
     version: int  # 1 or 2
     cpus: float  # quota / period
 
 
 def affinity_cpus() -> int:
-    """CPUs in this process's affinity mask (``os.cpu_count()`` where the OS has none)."""
+    """CPUs in this process's affinity mask (`os.cpu_count()` where the OS has none)."""
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -70,7 +72,7 @@ def _unescape(field: str) -> str:
 
 
 def _self_cgroups(root: Path) -> tuple[str | None, dict[str, str]]:
-    """(v2 path, {v1 controller: path}) from ``/proc/self/cgroup``."""
+    """(v2 path, {v1 controller: path}) from `/proc/self/cgroup`."""
     text = _read(root / "proc/self/cgroup") or ""
     v2: str | None = None
     v1: dict[str, str] = {}
@@ -104,7 +106,7 @@ def _cgroup_mounts(root: Path) -> list[tuple[str, str, str, set[str]]]:
 
 
 def _relative(path: str, mount_root: str) -> str | None:
-    """``path`` relative to ``mount_root`` (both absolute cgroup paths), or None if outside."""
+    """`path` relative to `mount_root` (both absolute cgroup paths), or None if outside."""
     path, mount_root = path.rstrip("/") or "/", mount_root.rstrip("/") or "/"
     if mount_root == "/":
         return path.lstrip("/")
@@ -151,11 +153,11 @@ def _v1_quota(directory: Path) -> float | None:
 
 
 def _cgroup_dirs(root: Path, controller: str):
-    """(version, directory) of this process's cgroup for ``controller``, leaf first, up to each mount root.
+    """(version, directory) of this process's cgroup for `controller`, leaf first, up to each mount root.
 
     cgroup v2 contributes its unified hierarchy, v1 the hierarchy that mounts
-    ``controller``; a hybrid host contributes both. Falls back to the
-    conventional ``/sys/fs/cgroup`` layout when ``mountinfo`` names no cgroup mount.
+    `controller`; a hybrid host contributes both. Falls back to the
+    conventional `/sys/fs/cgroup` layout when `mountinfo` names no cgroup mount.
     """
     v2_path, v1_paths = _self_cgroups(root)
     mounts = _cgroup_mounts(root)
@@ -187,11 +189,11 @@ def _shown(root: Path, directory: Path) -> str:
 def cgroup_quotas(root: str | os.PathLike = "/") -> list[CgroupQuota]:
     """Every CPU quota on the path from this process's cgroup(s) up to the mount root.
 
-    Reads ``/proc/self/cgroup`` and ``/proc/self/mountinfo`` under ``root`` to
-    find the process's own cgroup directory for cgroup v2 (``cpu.max``) and for
-    v1's ``cpu`` controller (``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``); a
-    hybrid host contributes both. Falls back to ``/sys/fs/cgroup`` when
-    ``mountinfo`` names no cgroup mount. Unreadable or malformed files are
+    Reads `/proc/self/cgroup` and `/proc/self/mountinfo` under `root` to
+    find the process's own cgroup directory for cgroup v2 (`cpu.max`) and for
+    v1's `cpu` controller (`cpu.cfs_quota_us` / `cpu.cfs_period_us`); a
+    hybrid host contributes both. Falls back to `/sys/fs/cgroup` when
+    `mountinfo` names no cgroup mount. Unreadable or malformed files are
     skipped, never raised.
     """
     root = Path(root)
@@ -214,10 +216,10 @@ def _read_int(path: Path) -> int | None:
 def cgroup_memory_room(root: str | os.PathLike = "/") -> tuple[int | None, str | None]:
     """Bytes this process's cgroups still allow it to allocate, and the binding cgroup.
 
-    The smallest ``limit - usage`` along the path from the process's memory
-    cgroup up to the mount root, over v2 (``memory.max``/``memory.current``)
-    and v1 (``memory.limit_in_bytes``/``memory.usage_in_bytes``);
-    ``(None, None)`` when no limit is set or readable.
+    The smallest `limit - usage` along the path from the process's memory
+    cgroup up to the mount root, over v2 (`memory.max`/`memory.current`)
+    and v1 (`memory.limit_in_bytes`/`memory.usage_in_bytes`);
+    `(None, None)` when no limit is set or readable.
     """
     root = Path(root)
     best: tuple[int | None, str | None] = (None, None)
@@ -235,7 +237,7 @@ def cgroup_memory_room(root: str | os.PathLike = "/") -> tuple[int | None, str |
 
 
 def cgroup_cpu_limit(root: str | os.PathLike = "/") -> float | None:
-    """The CPU quota that binds this process, e.g. ``1.5``; ``None`` when unlimited or unknown.
+    """The CPU quota that binds this process, e.g. `1.5`; `None` when unlimited or unknown.
 
     The smallest quota along the path from the process's cgroup up to the
     mount root (a parent's quota caps its children), over cgroup v2 and v1.
@@ -247,7 +249,7 @@ def cgroup_cpu_limit(root: str | os.PathLike = "/") -> float | None:
 def usable_cpus(root: str | os.PathLike = "/") -> float:
     """CPUs this process may really use: min(affinity mask, cgroup quota).
 
-    A float, since a quota may be fractional (``--cpus=1.5`` gives ``1.5``).
+    A float, since a quota may be fractional (`--cpus=1.5` gives `1.5`).
     """
     limit = cgroup_cpu_limit(root)
     cpus = float(affinity_cpus())
@@ -260,9 +262,9 @@ def pool_workers(
     *,
     root: str | os.PathLike = "/",
 ) -> int:
-    """Threads for a copy pool: ``max(1, min(cap, floor(usable_cpus()) - reserve))``.
+    """Threads for a copy pool: `max(1, min(cap, floor(usable_cpus()) - reserve))`.
 
-    ``TORCH_R3_NUM_WORKERS`` (a positive integer) overrides the computation.
+    `TORCH_R3_NUM_WORKERS` (a positive integer) overrides the computation.
     One worker means the kernel runs serially on the calling thread.
     """
     env = os.environ.get(ENV_NUM_WORKERS)
@@ -280,3 +282,41 @@ def pool_workers(
     if cap < 1 or reserve < 0:
         raise ValueError(f"pool_workers: need cap >= 1 and reserve >= 0, got cap={cap}, reserve={reserve}")
     return max(1, min(cap, math.floor(usable_cpus(root)) - reserve))
+
+
+def cpu_topology() -> dict[str, Any]:
+    """The CPU topology the collation pool sees, as `torch-r3 doctor` and `torch-r3 bench` show it.
+
+    Returns:
+        A JSON-serialisable dict: `affinity_cpus`, `os_cpu_count`, `cgroup_quotas`,
+        `cgroup_cpu_limit`, `usable_cpus`, `pool_workers` (`None` with `pool_workers_error`
+        when `TORCH_R3_NUM_WORKERS` is malformed), the `TORCH_R3_NUM_WORKERS`
+        and `OMP_NUM_THREADS` settings, `torch_num_threads` and `loadavg_1min`.
+
+    Examples:
+        >>> topology = cpu_topology()
+        >>> topology["pool_workers"] >= 1 and topology["usable_cpus"] <= topology["affinity_cpus"]
+        True
+    """
+    import torch  # lazy: the rest of this module is pure standard library
+
+    try:
+        workers: int | None = pool_workers()
+        workers_error = None
+    except ValueError as e:  # a malformed TORCH_R3_NUM_WORKERS: report it rather than fail the report
+        workers, workers_error = None, str(e)
+    return {
+        "affinity_cpus": affinity_cpus(),
+        "os_cpu_count": os.cpu_count(),
+        "cgroup_quotas": [asdict(q) for q in cgroup_quotas()],
+        "cgroup_cpu_limit": cgroup_cpu_limit(),
+        "usable_cpus": usable_cpus(),
+        "pool_workers": workers,
+        "pool_workers_error": workers_error,
+        ENV_NUM_WORKERS: os.environ.get(ENV_NUM_WORKERS),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+        "torch_num_threads": torch.get_num_threads(),
+        # Other work on the machine shows up here: a pool cannot speed up on
+        # CPUs that someone else is using, and OpenMP code degrades sharply.
+        "loadavg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }

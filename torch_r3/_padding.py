@@ -1,0 +1,139 @@
+"""Padding routes: what fills the token positions that have no captured route.
+
+A padding route is `K` distinct experts (Megatron's dropless dispatcher needs
+`tokens * topk` distinct assignments). `arange` uses `0 .. K-1` in every row;
+`balanced` gives row `t` the experts `(t*K + j) % num_experts`. `PadFill`
+writes the padding of any region with a few memcpys from a small cached
+template instead of broadcasting a `[L, K]` row element by element.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import numpy as np
+
+__all__ = ["PADDINGS", "PadFill", "as_int", "check_padding", "padding_rows"]
+
+PADDINGS = ("arange", "balanced")
+# Bytes of one cached padding template; a padding region of any length is
+# filled by copying it chunk by chunk, so the cache stays small after a huge batch.
+_TEMPLATE_BYTES = 256 << 10
+
+
+def as_int(value: Any, name: str) -> int:
+    """A Python or NumPy integer as an `int` (bools refused, naming `name`)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    return int(value)
+
+
+
+
+def padding_rows(
+    positions: Any,
+    num_layers: int,
+    topk: int,
+    *,
+    padding: str = "arange",
+    num_experts: int | None = None,
+    dtype: Any = np.uint8,
+) -> np.ndarray:
+    """The padding routes of some token positions, `[len(positions), L, K]`.
+
+    `arange` gives `0 .. K-1` in every row; `balanced` gives row `t` the experts
+    `(t*K + j) % num_experts` for `j < K`, so that padding spreads over all
+    experts. Every row is `K` distinct experts, as Megatron's dropless
+    dispatcher needs. The position `t` is the row's index along the output's
+    token axis (`0 .. T-1` padded, `0 .. sum(n)-1` packed).
+
+    Args:
+        positions: token positions (any integer sequence).
+        num_layers: `L`, the MoE layers.
+        topk: `K`, the experts per token.
+        padding: `"arange"` or `"balanced"`.
+        num_experts: the model's expert count, for `"balanced"`.
+        dtype: the NumPy dtype of the result.
+
+    Returns:
+        A new C-contiguous array `[len(positions), num_layers, topk]`.
+
+    Examples:
+        >>> padding_rows([0, 1], 1, 2, padding="balanced", num_experts=3)[:, 0]
+        array([[0, 1],
+               [2, 0]], dtype=uint8)
+    """
+    num_experts = check_padding(padding, num_experts, topk)
+    t = np.asarray(positions, dtype=np.int64).reshape(-1, 1)
+    j = np.arange(topk, dtype=np.int64)
+    if padding == "arange":
+        row = np.broadcast_to(j, (t.shape[0], topk))
+    else:
+        row = (t * topk + j) % num_experts
+    return np.ascontiguousarray(np.broadcast_to(row[:, None, :], (t.shape[0], num_layers, topk)), dtype=dtype)
+
+
+def check_padding(padding: str, num_experts: Any, topk: int) -> int | None:
+    if padding not in PADDINGS:
+        raise ValueError(f"padding must be one of {PADDINGS}, got {padding!r}")
+    if num_experts is not None:
+        num_experts = as_int(num_experts, "num_experts")
+        if num_experts < 1:
+            raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    if padding == "balanced":
+        if num_experts is None:
+            raise ValueError("padding='balanced' needs num_experts (the model's expert count)")
+        if num_experts < topk:
+            raise ValueError(
+                f"padding='balanced' needs num_experts >= topk to give K distinct experts, "
+                f"got num_experts={num_experts}, topk={topk}"
+            )
+    return num_experts
+
+
+@functools.lru_cache(maxsize=8)
+def _template(padding: str, num_experts: int | None, num_layers: int, topk: int, dtype_str: str):
+    """A read-only block of padding rows from position 0, and the period it may be shifted by.
+
+    The pattern repeats every `period` rows (1 for `arange`), so the padding of
+    any region `[a, a+n)` is the template from row `a % period` on. The
+    template holds a whole number of periods and about `_TEMPLATE_BYTES`; a
+    period too long for that gives period 0 (rows computed per chunk).
+    """
+    row_bytes = num_layers * topk * np.dtype(dtype_str).itemsize
+    period = 1 if padding == "arange" else num_experts // math.gcd(topk, num_experts)
+    if period * row_bytes > _TEMPLATE_BYTES:
+        return None, 0
+    rows = period * max(1, _TEMPLATE_BYTES // (period * row_bytes))
+    tpl = padding_rows(
+        np.arange(rows), num_layers, topk, padding=padding, num_experts=num_experts, dtype=np.dtype(dtype_str)
+    )
+    tpl.flags.writeable = False
+    return tpl, period
+
+
+class PadFill:
+    """Writes the padding routes of a region `[start, start + n)` of the token axis."""
+
+    def __init__(self, padding: str, num_experts: int | None, num_layers: int, topk: int, dtype: np.dtype):
+        self.args = (padding, num_experts, num_layers, topk)
+        self.dtype = dtype
+        self.tpl, self.period = _template(padding, num_experts, num_layers, topk, dtype.str)
+
+    def __call__(self, dst: np.ndarray, start: int) -> None:
+        n, done = dst.shape[0], 0
+        while done < n:
+            if self.tpl is None:  # a very long balanced period: compute the rows
+                m = min(n - done, 4096)
+                padding, experts, layers, topk = self.args
+                dst[done : done + m] = padding_rows(
+                    np.arange(start + done, start + done + m), layers, topk,
+                    padding=padding, num_experts=experts, dtype=self.dtype,
+                )
+            else:
+                o = (start + done) % self.period
+                m = min(n - done, self.tpl.shape[0] - o)
+                np.copyto(dst[done : done + m], self.tpl[o : o + m])
+            done += m

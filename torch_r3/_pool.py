@@ -1,0 +1,183 @@
+"""The copy threads of the collation kernel: one pool per process that grows and shrinks.
+
+`run(costs, write_rows, workers, total_bytes)` splits the rows of a batch into
+contiguous chunks of about equal cost and writes them on `workers` threads: the
+calling thread plus `workers - 1` helpers from the process's pool. The pool
+starts threads only when a call asks for more than are idle, never holds more
+than `MAX_WORKERS - 1`, and a thread left idle for `IDLE_SECONDS` exits, so
+calls with different `workers` values share the same threads instead of each
+leaving its own pool alive.
+
+A call never waits on the pool to make progress: the calling thread writes
+chunks too, and the call completes when every chunk is written, whichever
+thread wrote it. So a call finishes even while other callers occupy every
+helper, and a helper that starts late simply finds no chunk left.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from torch_r3.cpu import DEFAULT_POOL_CAP, ENV_NUM_WORKERS, pool_workers, usable_cpus
+
+#: Largest `workers` a call may ask for. Copies are bound by memory bandwidth,
+#: which a few threads per socket saturate; beyond this, threads only contend.
+MAX_WORKERS = 64
+#: Seconds a helper thread waits for work before it exits.
+IDLE_SECONDS = 10.0
+#: Below this many output bytes a pool costs more than it saves.
+SERIAL_BELOW_BYTES = 4 << 20
+# Chunks per worker: enough for load balance, few enough that the per-chunk
+# Python overhead (which holds the GIL) stays negligible.
+_CHUNKS_PER_WORKER = 4
+_THREAD_NAME = "torch_r3-collate"
+
+
+def check_workers(workers: Any) -> int:
+    """`workers` validated: `None` gives the machine's default, else an int in `1 .. MAX_WORKERS`."""
+    if workers is None:
+        return default_workers()
+    if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)):
+        raise TypeError(f"workers must be None or an int, got {type(workers).__name__}")
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    if workers > MAX_WORKERS:
+        raise ValueError(
+            f"workers must be <= {MAX_WORKERS}, got {workers}: copies are bound by memory bandwidth, "
+            f"more threads only contend (None picks a default from the usable CPUs)"
+        )
+    return int(workers)
+
+
+@functools.lru_cache(maxsize=None)
+def _machine_workers(dataloader_workers: int) -> int:
+    # Reading the cgroup tree costs ~0.1 ms; the answer does not change while
+    # the process runs, so it is read once per process (and again after fork).
+    if dataloader_workers == 0:
+        return pool_workers()
+    # Inside a DataLoader worker the CPUs are already shared by num_workers
+    # processes: give each its share rather than oversubscribing.
+    return max(1, min(DEFAULT_POOL_CAP, math.floor(usable_cpus() / dataloader_workers)))
+
+
+def default_workers() -> int:
+    """Copy threads when the caller gives none: `torch_r3.cpu.pool_workers()`, or a worker's share."""
+    if os.environ.get(ENV_NUM_WORKERS, "").strip():
+        return pool_workers()  # the override, validated there
+    info = torch.utils.data.get_worker_info()
+    return _machine_workers(0 if info is None else info.num_workers)
+
+
+class _Threads:
+    """Helper threads that run submitted callables; started on demand, exit when idle."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = 0
+        self._idle = 0
+        self._queued = 0
+
+    def submit(self, fn: Callable[[], None], count: int) -> None:
+        with self._lock:
+            self._queued += count
+            spawn = min(self._queued - self._idle, MAX_WORKERS - 1 - self._threads)
+            for _ in range(count):
+                self._tasks.put(fn)
+            for _ in range(max(spawn, 0)):
+                self._threads += 1
+                threading.Thread(target=self._loop, name=_THREAD_NAME, daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                self._idle += 1
+            try:
+                fn = self._tasks.get(timeout=IDLE_SECONDS)
+            except queue.Empty:
+                with self._lock:
+                    self._idle -= 1
+                    # Tasks are put under this lock, so "empty" here is final
+                    # for every submit that counted this thread as idle.
+                    if self._tasks.empty():
+                        self._threads -= 1
+                        return
+                continue
+            with self._lock:
+                self._idle -= 1
+                self._queued -= 1
+            fn()
+
+
+_threads = _Threads()
+
+
+def _reset_after_fork() -> None:
+    # Threads do not survive fork(): the child gets the pool object but not its
+    # threads, and work queued to it would never run. Start afresh.
+    global _threads
+    _threads = _Threads()
+    _machine_workers.cache_clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def run(costs: list[int], write_rows: Callable[[int, int], None], workers: int, total_bytes: int) -> None:
+    """Call `write_rows(lo, hi)` over contiguous chunks covering rows `0 .. len(costs) - 1`.
+
+    Args:
+        costs: the relative cost of each row (its output tokens).
+        write_rows: writes rows `lo .. hi - 1`; called from several threads at once.
+        workers: threads in all, the caller included; `1` writes on the calling thread.
+        total_bytes: the output size; small outputs are written serially.
+    """
+    n = len(costs)
+    if workers <= 1 or n <= 1 or total_bytes < SERIAL_BELOW_BYTES:
+        write_rows(0, n)
+        return
+    target = max(1, sum(costs) // (workers * _CHUNKS_PER_WORKER))
+    bounds, acc, lo = [], 0, 0
+    for i, c in enumerate(costs):
+        acc += c
+        if acc >= target:
+            bounds.append((lo, i + 1))
+            lo, acc = i + 1, 0
+    if lo < n:
+        bounds.append((lo, n))
+    chunks = iter(bounds)
+    lock = threading.Lock()
+    done = threading.Condition(lock)
+    state = {"left": len(bounds), "error": None}
+
+    def drain() -> None:
+        while True:
+            with lock:
+                chunk = next(chunks, None)
+            if chunk is None:
+                return
+            try:
+                write_rows(*chunk)
+            except BaseException as e:  # re-raised by the caller below
+                state["error"] = state["error"] or e
+            with lock:
+                state["left"] -= 1
+                if state["left"] == 0:
+                    done.notify_all()
+
+    _threads.submit(drain, min(workers - 1, len(bounds) - 1))
+    drain()
+    with lock:
+        done.wait_for(lambda: state["left"] == 0)
+    if state["error"] is not None:
+        raise state["error"]

@@ -1,0 +1,203 @@
+"""`R3Collator`'s side of a batch: the samples' keys, per-token sequences and extra keys.
+
+`batch_samples` checks a list of sample mappings once, before the kernel
+writes anything, and splits each sample into its routes, its per-token
+sequences (the tokens and the `pad_keys`, written by the kernel alongside the
+routes) and its other keys (collated here by `default_collate`). Every refusal
+names the sample and the key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from torch_r3.keys import INPUT_IDS, OUTPUT_KEYS
+
+__all__ = ["SeqField", "batch_samples", "check_pad_number", "collate_extra"]
+
+# Token ids become torch.long: anything at or past 2**63 would wrap negative.
+_INT64_END = 2**63
+
+
+class SeqField:
+    """A per-token sequence collated alongside the routes (`input_ids`, `loss_mask`, ...)."""
+
+    __slots__ = ("key", "arrays", "pad", "dtype")
+
+    def __init__(self, key: str, arrays: list[np.ndarray], pad: Any, dtype: torch.dtype):
+        self.key, self.arrays, self.pad, self.dtype = key, arrays, pad, dtype
+
+
+def _seq_to_numpy(value: Any, i: int, key: str, *, integer: bool) -> np.ndarray:
+    """One sample's per-token sequence as a 1-D NumPy array (no copy for arrays and tensors)."""
+    if isinstance(value, torch.Tensor):
+        arr = value.detach().cpu().numpy()
+    elif isinstance(value, np.ndarray):
+        arr = value
+    elif isinstance(value, (list, tuple)):
+        # torch.as_tensor's rules: Python ints -> int64, floats -> default dtype.
+        arr = torch.as_tensor(value).numpy() if value else np.zeros(0, dtype=np.int64)
+    else:
+        raise TypeError(
+            f"sample {i}: {key!r} must be a list, NumPy array or 1-D tensor, got {type(value).__name__}"
+        )
+    if arr.ndim != 1:
+        raise ValueError(f"sample {i}: {key!r} must be 1-D, got shape {arr.shape}")
+    if integer and arr.dtype.kind not in "iu":
+        raise TypeError(f"sample {i}: {key!r} must hold integer token ids, got dtype {arr.dtype}")
+    if arr.dtype.kind not in "biuf":
+        raise TypeError(f"sample {i}: {key!r} must be numeric, got dtype {arr.dtype}")
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) >= _INT64_END:
+        raise ValueError(
+            f"sample {i}: {key!r} holds {int(arr.max())}, which does not fit torch.long (must be < 2**63)"
+        )
+    return arr
+
+
+def _torch_dtype_of(arrays: list[np.ndarray]) -> torch.dtype:
+    dt = torch.from_numpy(np.empty(0, dtype=arrays[0].dtype)).dtype
+    for a in arrays[1:]:
+        dt = torch.promote_types(dt, torch.from_numpy(np.empty(0, dtype=a.dtype)).dtype)
+    return dt
+
+
+def check_pad_number(pad: Any, key: str) -> None:
+    """A pad value must be a Python or NumPy number (or bool)."""
+    if not isinstance(pad, (bool, int, float, np.bool_, np.integer, np.floating)):
+        raise TypeError(f"pad value for {key!r} must be a number, got {type(pad).__name__}")
+
+
+def _check_pad_value(pad: Any, dtype: torch.dtype, key: str) -> Any:
+    """The pad value as a Python scalar that `dtype` holds exactly."""
+    check_pad_number(pad, key)
+    pad = pad.item() if isinstance(pad, (np.generic,)) else pad
+    if dtype == torch.bool:
+        if pad not in (0, 1):
+            raise ValueError(f"pad value for {key!r} must be 0/1/False/True for a bool sequence, got {pad!r}")
+        return bool(pad)
+    if dtype.is_floating_point:
+        return float(pad)
+    if float(pad) != int(pad):
+        raise ValueError(f"pad value {pad!r} for {key!r} is not representable in {dtype}")
+    info = torch.iinfo(dtype)
+    if not info.min <= int(pad) <= info.max:
+        raise ValueError(f"pad value {pad!r} for {key!r} does not fit {dtype}")
+    return int(pad)
+
+
+def _check_keys(samples: Any, needed: tuple[str, ...], tokens_key: str) -> None:
+    if not isinstance(samples, Sequence) or isinstance(samples, (str, bytes)):
+        raise TypeError(f"expected a sequence of sample mappings, got {type(samples).__name__}")
+    if len(samples) == 0:
+        raise ValueError("expected at least one sample, got an empty batch")
+    keys0 = None
+    for i, s in enumerate(samples):
+        if not isinstance(s, Mapping):
+            raise TypeError(f"sample {i}: expected a mapping (dict), got {type(s).__name__}")
+        for k in needed:
+            if k not in s:
+                raise ValueError(f"sample {i}: missing key {k!r}")
+        for k in OUTPUT_KEYS - set(needed):
+            if k in s:
+                what = "the tokens key's padded ids" if k == INPUT_IDS else "the collator's own"
+                raise ValueError(
+                    f"sample {i}: key {k!r} would be overwritten by {what} {k!r} in the batch; "
+                    f"rename it in the dataset, or drop it from the samples if the collator's value "
+                    f"serves (tokens key here: {tokens_key!r})"
+                )
+        if keys0 is None:
+            keys0 = set(s)
+        elif set(s) != keys0:
+            raise ValueError(f"sample {i}: keys differ from sample 0 in {sorted(set(s) ^ keys0, key=str)}")
+
+
+def _layout_of(value: Any) -> Any:
+    """What must agree between samples for `default_collate` to stack a key's values."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return ("array", tuple(value.shape))
+    if isinstance(value, (list, tuple)):
+        return ("sequence", len(value))
+    return ("scalar", type(value).__name__)
+
+
+def _check_extra(samples: Sequence[Mapping[str, Any]], key: str) -> None:
+    """Refuse, naming the sample, what `default_collate` would fail on without naming it."""
+    values = [s[key] for s in samples]
+    for i, v in enumerate(values):
+        if v is None:
+            raise TypeError(
+                f"sample {i}: key {key!r} is None, which default_collate cannot batch; "
+                f"give it a value or drop the key"
+            )
+    first = _layout_of(values[0])
+    for i, v in enumerate(values[1:], start=1):
+        if _layout_of(v) != first and first[0] != "scalar":
+            raise ValueError(
+                f"sample {i}: key {key!r} has shape/length {_layout_of(v)[1]}, sample 0 has {first[1]}; "
+                f"default_collate needs equal sizes: list a per-token key in pad_keys, or drop it"
+            )
+
+
+def collate_extra(samples: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> dict[str, Any]:
+    """`default_collate` of each extra key, its failures naming the key.
+
+    Args:
+        samples: the samples, already checked by `batch_samples`.
+        keys: the extra keys `batch_samples` returned.
+
+    Returns:
+        `{key: collated value}`.
+    """
+    batch = {}
+    for key in keys:
+        try:
+            batch[key] = torch.utils.data.default_collate([s[key] for s in samples])
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise (TypeError if isinstance(e, TypeError) else ValueError)(
+                f"key {key!r}: default_collate could not batch the samples' values: {e}"
+            ) from e
+    return batch
+
+
+def batch_samples(
+    samples: Sequence[Mapping[str, Any]],
+    routes_key: str,
+    tokens_key: str,
+    pad_token_id: int,
+    pad_keys: Mapping[str, Any],
+) -> tuple[list[Any], list[SeqField], list[str]]:
+    """Check samples and split them into their routes, per-token fields and extra keys.
+
+    Args:
+        samples: the DataLoader's list of sample mappings.
+        routes_key: the key of each sample's routes.
+        tokens_key: the key of each sample's token ids.
+        pad_token_id: the pad value of the token ids.
+        pad_keys: `{key: pad value}` of the other per-token keys.
+
+    Returns:
+        The per-sample routes (unchecked), the fields (tokens first) and the
+        extra keys (checked, for `collate_extra`).
+    """
+    _check_keys(samples, (routes_key, tokens_key, *pad_keys), tokens_key)
+    tokens = [_seq_to_numpy(s[tokens_key], i, tokens_key, integer=True) for i, s in enumerate(samples)]
+    for i, t in enumerate(tokens):
+        if t.shape[0] == 0:
+            raise ValueError(f"sample {i}: {tokens_key!r} is empty; a trajectory needs at least one token")
+    fields = [SeqField(INPUT_IDS, tokens, pad_token_id, torch.long)]
+    for key, pad in pad_keys.items():
+        arrs = [_seq_to_numpy(s[key], i, key, integer=False) for i, s in enumerate(samples)]
+        for i, (a, t) in enumerate(zip(arrs, tokens)):
+            if a.shape[0] != t.shape[0]:
+                raise ValueError(f"sample {i}: {key!r} has {a.shape[0]} entries for {t.shape[0]} tokens")
+        dt = _torch_dtype_of(arrs)
+        fields.append(SeqField(key, arrs, _check_pad_value(pad, dt, key), dt))
+    handled = {routes_key, tokens_key, *pad_keys}
+    extra = [key for key in samples[0] if key not in handled]
+    for key in extra:
+        _check_extra(samples, key)
+    return [s[routes_key] for s in samples], fields, extra

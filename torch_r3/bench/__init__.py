@@ -1,0 +1,90 @@
+"""The collation benchmark behind `torch-r3 bench` (and `benchmarks/collate_bench.py`).
+
+It builds a seeded synthetic batch of per-trajectory route arrays, runs every
+collation strategy on that same input in one process, checks that each output
+is bit-identical to the first strategy's before any timing counts, and reports
+median/min/max wall time, throughput, speed-up over the `baseline`, the ratio
+to a warm `memcpy` of as many bytes, and each strategy's peak resident memory.
+
+One module per job:
+
+- `torch_r3.bench.config`: the shape (`BenchConfig`, `PRESETS`) and the synthetic `Batch`;
+- `torch_r3.bench.memory`: what a run needs, what the machine has, what a call used;
+- `torch_r3.bench.strategies`: the strategies and the bit-identical checks;
+- `torch_r3.bench.runner`: warm-up, interleaved timed rounds, the whole run;
+- `torch_r3.bench.dataloader`: the `--dataloader` table (a real `DataLoader` with `R3Collator`);
+- `torch_r3.bench.targets`: the project's speed targets (`--check-targets`);
+- `torch_r3.bench.results`: the result dataclasses (the `--json` layout);
+- `torch_r3.bench.report` and `torch_r3.bench.units`: the tables and the chart.
+
+Examples:
+    >>> from torch_r3 import bench
+    >>> config = bench.BenchConfig(num_sequences=4, max_seqlen=32, num_layers=2, topk=2, repeats=1)
+    >>> shape = bench.run_shape(config, [bench.BASELINE, bench.FRESH])
+    >>> [(s.name, s.checked_against) for s in shape.strategies]
+    [('baseline', None), ('torch_r3 fresh', 'baseline')]
+"""
+
+from torch_r3.bench.config import DISTRIBUTIONS, PRESETS, Batch, BenchConfig, is_default_shape, make_batch, sequence_lengths
+from torch_r3.bench.dataloader import DEFAULT_BATCH_SIZE, run_dataloader
+from torch_r3.bench.memory import InsufficientMemoryError, available_memory, check_memory, estimate_memory
+from torch_r3.bench.report import format_report, format_table, plot_sweep
+from torch_r3.bench.results import BenchResult, DataLoaderResult, DataLoaderRow, ShapeResult, StrategyResult
+from torch_r3.bench.runner import Plan, default_sweep, memory_needed, plan, run, run_shape
+from torch_r3.bench.strategies import (
+    BASELINE,
+    FRESH,
+    MEMCPY,
+    PACKED,
+    PAD_SEQUENCE,
+    REUSED,
+    SERIAL,
+    STEADY,
+    STRATEGIES,
+    run_strategy,
+)
+from torch_r3.bench.targets import TARGETS, check_targets, format_targets, targets_met
+
+__all__ = [
+    "BASELINE",
+    "DEFAULT_BATCH_SIZE",
+    "DISTRIBUTIONS",
+    "FRESH",
+    "MEMCPY",
+    "PACKED",
+    "PAD_SEQUENCE",
+    "PRESETS",
+    "REUSED",
+    "SERIAL",
+    "STEADY",
+    "STRATEGIES",
+    "TARGETS",
+    "Batch",
+    "BenchConfig",
+    "BenchResult",
+    "DataLoaderResult",
+    "DataLoaderRow",
+    "InsufficientMemoryError",
+    "Plan",
+    "ShapeResult",
+    "StrategyResult",
+    "available_memory",
+    "check_memory",
+    "check_targets",
+    "default_sweep",
+    "estimate_memory",
+    "format_report",
+    "format_table",
+    "format_targets",
+    "is_default_shape",
+    "make_batch",
+    "memory_needed",
+    "plan",
+    "plot_sweep",
+    "run",
+    "run_dataloader",
+    "run_shape",
+    "run_strategy",
+    "sequence_lengths",
+    "targets_met",
+]

@@ -1,0 +1,167 @@
+"""The report of a run: the terminal tables and the `--plot` chart.
+
+Units scale with the values (one unit per column), and a shape whose floor is
+too fast to time says so instead of printing ratios of timer noise.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from torch_r3.bench.results import BenchResult, DataLoaderResult, ShapeResult
+from torch_r3.bench.strategies import MEMCPY
+from torch_r3.bench.units import format_bytes, format_gib, format_rate, format_ratio, number, time_unit
+
+__all__ = ["TOO_SMALL_BYTES", "format_dataloader_table", "format_report", "format_table", "plot_sweep"]
+
+#: Below this many bytes of padded output a call takes well under a millisecond
+#: here, its fixed costs (Python, thread hand-offs) swamp its copying, and ratios
+#: between strategies say little about the memory system.
+TOO_SMALL_BYTES = 32 * 10**6
+
+
+def _table(head: Sequence[str], rows: list[Sequence[str]]) -> str:
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    lines = []
+    for k, r in enumerate([head, *rows]):
+        lines.append("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]))
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def format_table(shape: ShapeResult) -> str:
+    """The strategies of one batch as an aligned text table (times and sizes in scaled units).
+
+    Args:
+        shape: one batch's results.
+
+    Returns:
+        The table, header first.
+    """
+    strategies = shape.strategies
+    t_name, t_scale = time_unit([s.min_s for s in strategies])
+    head = ("strategy", f"median {t_name}", f"min {t_name}", f"max {t_name}", "throughput", "vs baseline",
+            "vs memcpy", "peak memory", "peak/(in+out)", "checked")
+    rows = []
+    for s in strategies:
+        check = "-" if s.name == MEMCPY else ("reference" if s.checked_against is None else "identical")
+        peak = format_bytes(s.peak_bytes) + (f" ({s.loop_calls} calls)" if s.loop_calls > 1 else "")
+        rows.append((s.name, number(s.median_s / t_scale), number(s.min_s / t_scale), number(s.max_s / t_scale),
+                     format_rate(s.gb_per_s * 1e9), format_ratio(s.speedup_vs_baseline), format_ratio(s.ratio_to_memcpy),
+                     peak, format_ratio(s.peak_ratio), check))
+    return _table(head, rows)
+
+
+def _describe(shape: ShapeResult) -> str:
+    return (f"{shape.label}: T={shape.T}, {shape.tokens:,} tokens; input {format_bytes(shape.input_bytes)}, "
+            f"padded output {format_bytes(shape.padded_bytes)}, packed output {format_bytes(shape.packed_bytes)}; "
+            f"{shape.workers} pool workers")
+
+
+def _too_small(shape: ShapeResult) -> list[str]:
+    if shape.padded_bytes >= TOO_SMALL_BYTES:
+        return []
+    return [f"note: this shape is too small to time: its padded output is {format_bytes(shape.padded_bytes)}, "
+            f"under {format_bytes(TOO_SMALL_BYTES)}, so fixed per-call costs dominate and the ratios say little; "
+            f"use a larger shape (the default writes 688 MB)"]
+
+
+def format_dataloader_table(loader: DataLoaderResult) -> str:
+    """The `--dataloader` configurations as an aligned text table, the memcpy floor beside them.
+
+    Args:
+        loader: the DataLoader results.
+
+    Returns:
+        The table, header first, the floor last, then one line per skipped configuration.
+    """
+    done = [r for r in loader.rows if r.skipped is None]
+    t_name, t_scale = time_unit([r.batch_min_s for r in done] + [loader.floor_batch_s])
+    e_name, e_scale = time_unit([r.epoch_s for r in done] + [loader.floor_epoch_s])
+    head = ("num_workers", "pin_memory", "collator", f"per batch {t_name}", f"min {t_name}", f"max {t_name}",
+            "vs floor", f"epoch {e_name}")
+    rows = [(str(r.num_workers), "on" if r.pin_memory else "off", r.collator, number(r.batch_s / t_scale),
+             number(r.batch_min_s / t_scale), number(r.batch_max_s / t_scale), format_ratio(r.ratio_to_floor),
+             number(r.epoch_s / e_scale)) for r in done]
+    rows.append(("memcpy floor", "", "", number(loader.floor_batch_s / t_scale), "", "", "1.00x",
+                 number(loader.floor_epoch_s / e_scale)))
+    skipped = [f"skipped: num_workers={r.num_workers}, pin_memory={'on' if r.pin_memory else 'off'}, "
+               f"{r.collator}: {r.skipped}" for r in loader.rows if r.skipped is not None]
+    return "\n".join([_table(head, rows), *skipped])
+
+
+def format_report(result: BenchResult) -> str:
+    """The terminal report of a run (what `torch-r3 bench` prints on stdout).
+
+    Args:
+        result: the run.
+
+    Returns:
+        The report, without a trailing newline.
+    """
+    t = result.topology
+    c = result.main.config
+    load = "?" if t["loadavg_1min"] is None else format(t["loadavg_1min"], ".2f")
+    lines = [
+        f"torch-r3 bench  ({c['repeats']} repeats after {c['warmup']} warm-up, medians; seed {c['seed']}; "
+        f"torch_r3 {result.versions.get('torch_r3', '?')}, torch {result.versions.get('torch', '?')})",
+        f"CPU: usable {t['usable_cpus']:g} (affinity {t['affinity_cpus']}, cgroup limit "
+        f"{t['cgroup_cpu_limit'] if t['cgroup_cpu_limit'] is not None else 'none'}), pool workers "
+        f"{t['pool_workers']}, torch threads {t['torch_num_threads']}, "
+        f"OMP_NUM_THREADS={t['OMP_NUM_THREADS'] or 'unset'}, load average {load}",
+        "",
+        _describe(result.main),
+        format_table(result.main),
+        "",
+        f"peak = input + resident memory the call added ({result.main.peak_method})",
+        *_too_small(result.main),
+    ]
+    pair = result.packed_vs_padded
+    if pair is not None and pair is not result.main:
+        lines += ["", "packed vs padded on typical_rl:", _describe(pair), format_table(pair)]
+    if result.dataloader is not None:
+        d = result.dataloader
+        lines += ["", f"DataLoader: {d.num_batches} batches of {d.batch_size} trajectories per epoch "
+                  f"(about {format_bytes(d.batch_bytes)} per batch), median of {d.epochs} timed epochs after one warm-up:",
+                  format_dataloader_table(d)]
+    lines += ["", f"wall {result.wall_s:.1f} s, process peak RSS "
+              f"{format_gib(result.peak_rss_bytes) if result.peak_rss_bytes else '?'}"]
+    return "\n".join(lines)
+
+
+def plot_sweep(result: BenchResult, path: str | os.PathLike) -> None:
+    """Write a PNG chart: median time per strategy across the `num_sequences` sweep.
+
+    Args:
+        result: a run with a sweep (falls back to the main shape alone).
+        path: the PNG to write.
+    """
+    import matplotlib  # lazy: only --plot needs it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = result.sweep or [result.main]
+    xs = [p.config["num_sequences"] for p in points]
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+    for name in [s.name for s in points[0].strategies]:
+        ys = [p.get(name).median_s * 1e3 for p in points]
+        lo = [y - p.get(name).min_s * 1e3 for y, p in zip(ys, points)]
+        hi = [p.get(name).max_s * 1e3 - y for y, p in zip(ys, points)]
+        ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel("num_sequences")
+    ax.set_ylabel("time per batch, ms (median, bars: min-max)")
+    c = result.main.config
+    ax.set_title(f"route collation: max {c['max_seqlen']} tokens, {c['num_layers']} layers, topk {c['topk']}, "
+                 f"{c['dtype']}, {c['distribution']}\n{result.topology['usable_cpus']:g} usable CPUs, "
+                 f"{result.main.workers} pool workers", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

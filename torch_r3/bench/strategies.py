@@ -1,0 +1,360 @@
+"""The collation strategies `torch-r3 bench` times, and the checks that they agree.
+
+- `baseline`: what users run without torch_r3: allocate the full `[B, T, L, K]`
+  buffer, fill all of it with the padding row (a NumPy broadcast), re-compact
+  every sample (`torch_r3.compact_routes`: scan min and max, copy to the
+  narrowest dtype), then copy the samples in one by one, on one thread.
+- `single-write serial`: `torch_r3.collate_routes` with `workers=1`:
+  exact-region writes, no prefill, one thread. It isolates what the pool buys.
+- `torch_r3 fresh`: `torch_r3.collate_routes` with its pool and a new output per
+  call (the first-touch page faults of a fresh buffer are paid every time).
+- `torch_r3 reused`: the same into caller-owned `out=` buffers.
+- `torch_r3 steady`: `torch_r3.collate_routes` with a `torch_r3.BufferPool`,
+  called as a training loop calls its collator: the previous batch is still
+  held while the next is made, and released when the next replaces it. This is
+  what `R3Collator` does by default, and the figure a training loop sees.
+- `torch_r3 packed`: `layout="packed"` (THD), a new output per call.
+- `memcpy limit`: a warm copy of as many bytes as the padded output, split over
+  as many threads as the pool has: the floor on this machine.
+- `pad_sequence`: `torch.nn.utils.rnn.pad_sequence(padding_side="left")` plus
+  fixing the padding rows, as a PyTorch user would write it by hand.
+
+Every strategy writes plain (`pin_memory=False`) memory, so that all of them
+allocate the same kind of buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from torch_r3 import BufferPool
+from torch_r3.bench.config import TORCH_DTYPES, Batch
+from torch_r3.collate import collate_routes
+from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS, ROUTER_MASK, ROUTES
+from torch_r3.cpu import pool_workers
+from torch_r3.routes import compact_routes
+
+__all__ = [
+    "BASELINE",
+    "FRESH",
+    "MEMCPY",
+    "PACKED",
+    "PAD_SEQUENCE",
+    "REUSED",
+    "SERIAL",
+    "STEADY",
+    "STRATEGIES",
+    "Context",
+    "Reference",
+    "Strategy",
+    "check_identical",
+    "get_strategy",
+    "packed_from_padded",
+    "parallel_copy",
+    "run_strategy",
+]
+
+BASELINE = "baseline"
+SERIAL = "single-write serial"
+FRESH = "torch_r3 fresh"
+REUSED = "torch_r3 reused"
+STEADY = "torch_r3 steady"
+PACKED = "torch_r3 packed"
+MEMCPY = "memcpy limit"
+PAD_SEQUENCE = "pad_sequence"
+
+
+class Context:
+    """Per-batch state the strategies share: buffers allocated (and touched) once, a copy pool.
+
+    Args:
+        batch: the input every strategy collates.
+        workers: the pool size every threaded strategy uses.
+        strategies: the names that will run, so that only their buffers are made.
+    """
+
+    def __init__(self, batch: Batch, workers: int, strategies: Sequence[str]):
+        self.batch = batch
+        self.workers = workers
+        self.out: dict[str, torch.Tensor] | None = None
+        self.src: np.ndarray | None = None
+        self.dst: np.ndarray | None = None
+        self.copy_pool: ThreadPoolExecutor | None = None
+        self.buffers = BufferPool() if STEADY in strategies else None
+        self.held: dict[str, torch.Tensor] | None = None  # the steady loop's previous batch
+        if REUSED in strategies:
+            # Warm buffers that hold garbage, so that a byte the kernel failed
+            # to write shows up in the bit-identical check.
+            B, T = len(batch.routes), batch.T
+            self.out = {
+                ROUTES: torch.full((B, T, batch.num_layers, batch.topk), -1 if batch.dtype.kind == "i" else 255,
+                                   dtype=TORCH_DTYPES[batch.dtype.name]),
+                ROUTER_MASK: torch.ones((B, T), dtype=torch.bool),
+                ATTENTION_MASK: torch.full((B, T), 7, dtype=torch.long),
+            }
+        if MEMCPY in strategies:
+            self.src = np.ones(batch.padded_bytes, dtype=np.uint8)
+            self.dst = np.zeros(batch.padded_bytes, dtype=np.uint8)
+            self.copy_pool = ThreadPoolExecutor(max(1, workers - 1), thread_name_prefix="torch_r3-bench-memcpy")
+
+    def close(self) -> None:
+        """Shut the copy pool down and drop the buffers."""
+        if self.copy_pool is not None:
+            self.copy_pool.shutdown()
+        self.out = self.src = self.dst = self.held = self.buffers = None
+
+
+def parallel_copy(dst: np.ndarray, src: np.ndarray, workers: int, pool: ThreadPoolExecutor | None) -> None:
+    """Copy `src` into `dst` (1-D, same size) in `workers` contiguous slices, one on this thread.
+
+    Args:
+        dst: the destination bytes.
+        src: the source bytes.
+        workers: slices, one per thread.
+        pool: at least `workers - 1` threads (None when `workers == 1`).
+    """
+    n = src.nbytes
+    bounds = [(n * k // workers, n * (k + 1) // workers) for k in range(workers)]
+    futures = [pool.submit(np.copyto, dst[lo:hi], src[lo:hi]) for lo, hi in bounds[1:]] if pool else []
+    lo, hi = bounds[0] if pool else (0, n)
+    np.copyto(dst[lo:hi], src[lo:hi])
+    for f in futures:
+        f.result()
+
+
+def _baseline(ctx: Context) -> dict[str, torch.Tensor]:
+    b = ctx.batch
+    B, T, L, K = len(b.routes), b.T, b.num_layers, b.topk
+    routes = torch.empty((B, T, L, K), dtype=TORCH_DTYPES[b.dtype.name])
+    out = routes.numpy()
+    out[...] = np.arange(K, dtype=b.dtype)  # prefill every row with the padding route
+    mask = np.ones((B, T), dtype=bool)
+    att = np.zeros((B, T), dtype=np.int64)
+    for i, (a, n) in enumerate(zip(b.routes, b.token_counts)):
+        a = compact_routes(a)  # the receiver distrusts the sender: min/max scan and a copy
+        s = T - n
+        out[i, s : s + a.shape[0]] = a
+        mask[i, s : s + a.shape[0]] = False
+        att[i, s:] = 1
+    return {ROUTES: routes, ROUTER_MASK: torch.from_numpy(mask), ATTENTION_MASK: torch.from_numpy(att)}
+
+
+def _serial(ctx: Context) -> dict[str, torch.Tensor]:
+    # The kernel itself on the calling thread: the same writes as torch_r3
+    # fresh, so the difference between the two is exactly the pool.
+    b = ctx.batch
+    return collate_routes(b.routes, b.token_counts, workers=1, pin_memory=False)
+
+
+def _fresh(ctx: Context) -> dict[str, torch.Tensor]:
+    b = ctx.batch
+    return collate_routes(b.routes, b.token_counts, workers=ctx.workers, pin_memory=False)
+
+
+def _reused(ctx: Context) -> dict[str, torch.Tensor]:
+    b = ctx.batch
+    return collate_routes(b.routes, b.token_counts, workers=ctx.workers, out=ctx.out)
+
+
+def _steady(ctx: Context) -> dict[str, torch.Tensor]:
+    b = ctx.batch
+    # `ctx.held` is the loop variable of `for batch in loader`: it keeps the
+    # previous batch alive while this one is collated (so its buffer cannot be
+    # reused), and rebinding it afterwards hands that buffer back to the pool.
+    out = collate_routes(b.routes, b.token_counts, workers=ctx.workers, pin_memory=False, buffers=ctx.buffers)
+    ctx.held = out
+    return out
+
+
+def _packed(ctx: Context) -> dict[str, torch.Tensor]:
+    b = ctx.batch
+    return collate_routes(b.routes, b.token_counts, layout="packed", workers=ctx.workers, pin_memory=False)
+
+
+def _memcpy(ctx: Context) -> None:
+    parallel_copy(ctx.dst, ctx.src, ctx.workers, ctx.copy_pool)
+
+
+def _pad_sequence(ctx: Context) -> dict[str, torch.Tensor]:
+    b = ctx.batch
+    T, L, K = b.T, b.num_layers, b.topk
+    tdtype = TORCH_DTYPES[b.dtype.name]
+    pad_row = torch.arange(K, dtype=tdtype).expand(L, K)
+    seqs = []
+    for a, n in zip(b.routes, b.token_counts):
+        t = torch.from_numpy(a).to(tdtype)
+        if n > t.shape[0]:  # the uncaptured tail gets padding routes
+            t = torch.cat([t, pad_row.expand(n - t.shape[0], L, K)])
+        seqs.append(t)
+    routes = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_side="left")
+    counts = torch.tensor(b.token_counts)
+    rows = torch.tensor([a.shape[0] for a in b.routes])
+    pos = torch.arange(T)
+    start = (T - counts)[:, None]
+    att = pos >= start
+    routes[~att] = pad_row  # pad_sequence left-pads with the scalar 0: fix those rows
+    mask = ~(att & (pos < start + rows[:, None]))
+    return {ROUTES: routes, ROUTER_MASK: mask, ATTENTION_MASK: att.long()}
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way of collating a batch.
+
+    `layout` is the layout of its output (`padded` or `packed`), or None for a
+    strategy that writes no batch (`memcpy limit`). `loop_calls` is how many
+    consecutive calls its memory is measured over: 1, or more for a strategy
+    whose cost shows only in a loop.
+    """
+
+    name: str
+    call: Callable[[Context], dict[str, torch.Tensor] | None]
+    layout: str | None
+    loop_calls: int = 1
+
+
+_REGISTRY: dict[str, Strategy] = {s.name: s for s in (
+    Strategy(BASELINE, _baseline, "padded"),
+    Strategy(SERIAL, _serial, "padded"),
+    Strategy(FRESH, _fresh, "padded"),
+    Strategy(REUSED, _reused, "padded"),
+    # Four calls: the pool's first buffer, a second while the first is held,
+    # then two that reuse them. The peak must stay at two batches.
+    Strategy(STEADY, _steady, "padded", loop_calls=4),
+    Strategy(PACKED, _packed, "packed"),
+    Strategy(MEMCPY, _memcpy, None),
+    Strategy(PAD_SEQUENCE, _pad_sequence, "padded"),
+)}
+
+#: Every strategy, in the order they are run and reported.
+STRATEGIES = tuple(_REGISTRY)
+
+
+def get_strategy(name: str) -> Strategy:
+    """The `Strategy` called `name`.
+
+    Raises:
+        ValueError: `name` is not one of `STRATEGIES`.
+    """
+    if name not in _REGISTRY:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {name!r}")
+    return _REGISTRY[name]
+
+
+def run_strategy(name: str, batch: Batch, workers: int | None = None) -> dict[str, torch.Tensor] | None:
+    """Run one strategy once on `batch` and return its output (None for `memcpy limit`).
+
+    Args:
+        name: one of `STRATEGIES`.
+        batch: from `torch_r3.bench.make_batch`.
+        workers: pool workers (default `torch_r3.cpu.pool_workers()`).
+
+    Returns:
+        The strategy's output dict, as `torch_r3.collate_routes` returns it.
+    """
+    strategy = get_strategy(name)
+    ctx = Context(batch, workers or pool_workers(), [name])
+    try:
+        return strategy.call(ctx)
+    finally:
+        ctx.close()
+
+
+def packed_from_padded(ref: dict[str, torch.Tensor], counts: list[int]) -> dict[str, torch.Tensor]:
+    """The packed batch that corresponds to a padded one (arange padding).
+
+    With arange padding a padding row does not depend on its position, so the
+    packed batch is the padded one with each row's left padding cut off.
+
+    Args:
+        ref: a padded batch.
+        counts: its token counts.
+
+    Returns:
+        `rollout_expert_indices`, `router_padding_mask` and `cu_seqlens` of the packed layout.
+    """
+    T = ref[ROUTES].shape[1]
+    cu = torch.zeros(len(counts) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(counts), 0)
+    return {
+        ROUTES: torch.cat([ref[ROUTES][i, T - n :] for i, n in enumerate(counts)]),
+        ROUTER_MASK: torch.cat([ref[ROUTER_MASK][i, T - n :] for i, n in enumerate(counts)]),
+        CU_SEQLENS: cu,
+    }
+
+
+def check_identical(name: str, got: dict[str, Any], want: dict[str, torch.Tensor], first: str) -> None:
+    """Raise unless `got` holds every tensor of `want`, bit for bit (dtype, shape and values).
+
+    Args:
+        name: the strategy that produced `got`.
+        got: its output.
+        want: the reference output.
+        first: the strategy that produced `want`.
+
+    Raises:
+        AssertionError: a key is missing or differs; the message names it.
+    """
+    for key, w in want.items():
+        g = got.get(key)
+        if g is None or g.dtype != w.dtype or g.shape != w.shape or not torch.equal(g, w):
+            detail = "missing" if g is None else f"{g.dtype} {list(g.shape)} vs {w.dtype} {list(w.shape)}"
+            raise AssertionError(f"strategy {name!r}: {key} is not bit-identical to {first!r}'s ({detail})")
+
+
+class Reference:
+    """The first output of each layout, which every later strategy's output must equal.
+
+    A packed output is checked against the padded reference cut to the packed
+    layout (`packed_from_padded`); if the packed strategy runs first, it is
+    checked as soon as a padded reference exists.
+
+    Args:
+        counts: the batch's token counts.
+    """
+
+    def __init__(self, counts: list[int]):
+        self.counts = counts
+        self.padded: dict[str, torch.Tensor] | None = None
+        self.packed: dict[str, torch.Tensor] | None = None
+        self.padded_from = self.packed_from = ""
+        #: strategy -> the strategy whose output it was checked against (None: it is a reference).
+        self.checked_against: dict[str, str | None] = {}
+
+    def check(self, strategy: Strategy, out: dict[str, torch.Tensor] | None) -> None:
+        """Compare `out` with the reference of its layout, or make it that reference.
+
+        Raises:
+            AssertionError: `out` differs from the reference.
+        """
+        if out is None or strategy.layout is None:
+            return
+        name = strategy.name
+        if strategy.layout == "packed":
+            if self.packed is None and self.padded is not None:
+                self.packed, self.packed_from = packed_from_padded(self.padded, self.counts), self.padded_from
+            if self.packed is None:
+                self.packed, self.packed_from, self.checked_against[name] = out, name, None
+                return
+            check_identical(name, out, self.packed, self.packed_from)
+            self.checked_against[name] = self.packed_from
+            return
+        if self.padded is None:
+            self.padded, self.padded_from, self.checked_against[name] = out, name, None
+            if self.packed is not None:  # a packed strategy ran first: check it now
+                packed_name = self.packed_from
+                check_identical(packed_name, self.packed, packed_from_padded(out, self.counts), name)
+                self.checked_against[packed_name] = name
+            return
+        check_identical(name, out, self.padded, self.padded_from)
+        self.checked_against[name] = self.padded_from
+
+    def release(self) -> None:
+        """Drop the reference outputs (before the timed runs, to free their memory)."""
+        self.padded = self.packed = None
