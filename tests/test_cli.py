@@ -12,9 +12,28 @@ from pathlib import Path
 import pytest
 
 import torch_r3
-from torch_r3 import bench, cli
+from torch_r3 import cli
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _default_threads() -> int:
+    """What torch picks on a machine with no quota: never more threads than usable CPUs."""
+    import torch
+
+    from torch_r3.cpu import usable_cpus
+
+    return min(torch.get_num_threads(), max(1, math.floor(usable_cpus())))
+
+
+@pytest.fixture
+def torch_threads():
+    """Set torch's intra-op thread count for one test, then restore it."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
 
 
 def test_doctor_reports_the_installed_versions(monkeypatch, tmp_path, capsys):
