@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from torch_r3 import R3Collator, RoutedExpertTrace, compact_routes
+from torch_r3.keys import ATTENTION_MASK, ROUTER_MASK, ROUTES
 from torch_r3.testing.model import GenerateOutput, ServedModel
 
 
@@ -370,7 +371,7 @@ class ForwardStep:
         """Megatron's signature: `(output, loss_func)` for the next microbatch."""
         batch = next(data_iterator)
         ids = batch["input_ids"]
-        att = batch["attention_mask"]
+        att = batch[ATTENTION_MASK]
         S = ids.shape[1]
         # Left padding: positions count from each trajectory's first token, as
         # on the server, and padding keys are masked (True = masked out).
@@ -420,7 +421,7 @@ class StepOutputs:
 def loss_active_uncaptured(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """`[B, S - 1]`: loss-active tokens predicted from a real position that has no captured route."""
     lm = batch["loss_mask"][:, 1:] > 0
-    predictor_uncaptured = batch["router_padding_mask"][:, :-1] & (batch["attention_mask"][:, :-1] > 0)
+    predictor_uncaptured = batch[ROUTER_MASK][:, :-1] & (batch[ATTENTION_MASK][:, :-1] > 0)
     return lm & predictor_uncaptured
 
 
@@ -460,9 +461,9 @@ def route_agreement(outputs: StepOutputs, microbatches, cfg: DemoConfig) -> dict
     agree = np.zeros(cfg.num_layers)
     total = 0
     for m, mb in enumerate(microbatches):
-        routes = mb["rollout_expert_indices"].long()  # [B, S, L, K]
+        routes = mb[ROUTES].long()  # [B, S, L, K]
         B, S = routes.shape[:2]
-        captured = ~mb["router_padding_mask"]  # [B, S]
+        captured = ~mb[ROUTER_MASK]  # [B, S]
         total += int(captured.sum())
         for layer in range(cfg.num_layers):
             used = outputs.routing_maps[layer][m].view(S, B, -1).transpose(0, 1)  # [B, S, E]

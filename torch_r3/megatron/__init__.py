@@ -30,6 +30,7 @@ from torch_r3._extras import require
 require("megatron.core", "megatron")  # without megatron-core: name the extra that installs it
 from torch_r3.megatron.checks import InterleavedPipelineError  # noqa: E402
 from torch_r3.megatron.hook import ReplayHook
+from torch_r3.megatron import slicing  # noqa: E402
 from torch_r3.megatron.slicing import (
     RankSlice,
     context_parallel_positions,
@@ -46,17 +47,9 @@ from torch_r3.megatron.validate import check_route_values
 
 __all__ = [
     "InterleavedPipelineError",
-    "RankSlice",
     "ReplayHook",
     "ReplayStats",
     "TokenCounts",
     "check_route_values",
-    "context_parallel_positions",
-    "moe_layer_pattern",
-    "packed_positions",
-    "route_layer_index",
-    "router_indices",
-    "sequence_parallel_positions",
-    "slice_for_rank",
-    "stage_layer_range",
+    *slicing.__all__,
 ]

@@ -19,19 +19,15 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
+from torch_r3.keys import CU_SEQLENS, ROUTER_MASK, ROUTES
+
 __all__ = [
-    "CU_SEQLENS_KEY",
-    "MASK_KEY",
-    "ROUTES_KEY",
     "check_microbatch",
     "check_model_input",
     "check_route_values",
     "check_router_rows",
 ]
 
-ROUTES_KEY = "rollout_expert_indices"
-MASK_KEY = "router_padding_mask"
-CU_SEQLENS_KEY = "cu_seqlens"
 
 ROUTE_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)
 
@@ -54,32 +50,32 @@ def check_microbatch(
     """
     if not isinstance(batch, Mapping):
         raise TypeError(f"microbatch: expected a dict, got {type(batch).__name__}")
-    for key in (ROUTES_KEY, MASK_KEY):
+    for key in (ROUTES, ROUTER_MASK):
         if key not in batch:
             raise ValueError(f"microbatch: missing key {key!r}")
-    routes, mask = batch[ROUTES_KEY], batch[MASK_KEY]
+    routes, mask = batch[ROUTES], batch[ROUTER_MASK]
     if not isinstance(routes, torch.Tensor) or routes.dtype not in ROUTE_DTYPES:
         what = routes.dtype if isinstance(routes, torch.Tensor) else type(routes).__name__
-        raise TypeError(f"{ROUTES_KEY}: expected a uint8/int16/int32/int64 torch.Tensor, got {what}")
+        raise TypeError(f"{ROUTES}: expected a uint8/int16/int32/int64 torch.Tensor, got {what}")
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
         what = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise TypeError(f"{MASK_KEY}: expected a torch.bool tensor, got {what}")
-    cu_seqlens = batch.get(CU_SEQLENS_KEY)
+        raise TypeError(f"{ROUTER_MASK}: expected a torch.bool tensor, got {what}")
+    cu_seqlens = batch.get(CU_SEQLENS)
     if cu_seqlens is not None:
         if routes.ndim != 3 or routes.shape[-1] != topk:
             raise ValueError(
-                f"{ROUTES_KEY}: packed layout expects [sum(n), L, K={topk}], got {list(routes.shape)}"
+                f"{ROUTES}: packed layout expects [sum(n), L, K={topk}], got {list(routes.shape)}"
             )
         if mask.shape != routes.shape[:1]:
-            raise ValueError(f"{MASK_KEY}: packed layout expects [{routes.shape[0]}], got {list(mask.shape)}")
+            raise ValueError(f"{ROUTER_MASK}: packed layout expects [{routes.shape[0]}], got {list(mask.shape)}")
     else:
         if routes.ndim != 4 or routes.shape[-1] != topk:
             raise ValueError(
-                f"{ROUTES_KEY}: padded layout expects [B, T, L, K={topk}] (or [sum(n), L, K] "
-                f"with {CU_SEQLENS_KEY!r}), got {list(routes.shape)}"
+                f"{ROUTES}: padded layout expects [B, T, L, K={topk}] (or [sum(n), L, K] "
+                f"with {CU_SEQLENS!r}), got {list(routes.shape)}"
             )
         if mask.shape != routes.shape[:2]:
-            raise ValueError(f"{MASK_KEY}: expected [B, T] = {list(routes.shape[:2])}, got {list(mask.shape)}")
+            raise ValueError(f"{ROUTER_MASK}: expected [B, T] = {list(routes.shape[:2])}, got {list(mask.shape)}")
     return routes, mask, cu_seqlens
 
 
