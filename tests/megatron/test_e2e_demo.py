@@ -19,6 +19,8 @@ import pytest
 from torch_r3.demo import DemoConfig
 from torch_r3.testing import LoopbackServer, TinyMoELM
 
+pytestmark = pytest.mark.slow
+
 
 def run_demo(*args: str, cwd, timeout: float = 400) -> subprocess.CompletedProcess:
     return subprocess.run(

@@ -41,6 +41,8 @@ import torch.multiprocessing as mp
 import _mr_worker
 from _mr_worker import NUM_SAMPLES, SCENARIOS, SEQ, make_samples
 
+pytestmark = pytest.mark.slow
+
 BACKEND = os.environ.get("TORCH_R3_TEST_BACKEND", "gloo")  # tests/gpu/multirank_nccl.sh sets "nccl"
 
 _CP_ON_CPU = (

@@ -13,6 +13,8 @@ import torch.multiprocessing as mp
 
 import _pp_worker
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def pp_results(tmp_path_factory):
