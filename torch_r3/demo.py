@@ -305,7 +305,7 @@ async def rollout(url: str, cfg: DemoConfig, retries: int, quiet: bool) -> list[
         loss_mask = [0.0] * len(tokens)
         rollout_lp = [0.0] * len(tokens)
         has_lp = [0.0] * len(tokens)
-        trace = RoutedExpertTrace(num_layers=cfg.num_layers, topk=cfg.topk)
+        trace = RoutedExpertTrace(num_layers=cfg.num_layers, topk=cfg.topk, num_experts=cfg.num_experts)
         for turn in range(cfg.turns):
             result = await client.generate(
                 tokens,
@@ -314,7 +314,8 @@ async def rollout(url: str, cfg: DemoConfig, retries: int, quiet: bool) -> list[
                 routed_experts_prompt_start=trace.prompt_start,
                 session_id=f"trajectory-{i}",
             )
-            trace.record(prompt_len=len(tokens), generated_len=len(result.response_ids), routes=result.routed_experts)
+            trace.record(prompt_len=len(tokens), generated_len=len(result.response_ids), routes=result.routed_experts,
+                         weight_version=result.weight_version)  # turns from two policy versions are refused
             tokens += result.response_ids
             loss_mask += [1.0] * len(result.response_ids)
             rollout_lp += list(result.response_logprobs)
