@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from reference_collate import assert_batch_equal, reference_packed, reference_padded
+from reference_collate import assert_batch_equal, reference_packed, reference_padded, reference_r3_collator
 from torch_r3 import bench, cli
-from torch_r3.bench import memory, strategies
+from torch_r3.bench import memory, report, strategies
 from torch_r3.cpu import cpu_topology
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -293,6 +293,7 @@ def test_the_dataloader_table_times_every_configuration_and_skips_pinning_withou
     config = bench.BenchConfig(num_sequences=6, max_seqlen=40, num_layers=2, topk=2)
     result = bench.run_dataloader(config, batch_size=4, epochs=1)
     assert result.num_batches == 2 and result.epochs == 1 and result.floor_batch_s > 0
+    assert result.gather_floor_batch_s > 0 and result.gather_floor_epoch_s > 0
     assert [(r.num_workers, r.pin_memory, r.collator) for r in result.rows] == [
         (w, p, c) for w in (0, 2) for p in (False, True) for c in ("fresh", "recycled")]
     for r in result.rows:
@@ -302,6 +303,54 @@ def test_the_dataloader_table_times_every_configuration_and_skips_pinning_withou
         assert r.skipped is None and len(r.batch_times_s) == 2 and len(r.epoch_times_s) == 1
         assert r.batch_min_s <= r.batch_s <= r.batch_max_s
         assert r.ratio_to_floor == pytest.approx(r.batch_s / result.floor_batch_s)
+        assert r.ratio_to_gather_floor == pytest.approx(r.batch_s / result.gather_floor_batch_s)
+    table = report.format_dataloader_table(result)
+    assert "vs memcpy floor" in table and "vs gather floor" in table
+    assert "memcpy floor (cache-warm contiguous copy)" in table and "gather floor (each batch's own sources)" in table
+
+
+def _byte_ranges(views, base):
+    """Each view's `[start, end)` in bytes from `base`, sorted."""
+    return sorted((v.__array_interface__["data"][0] - base, v.__array_interface__["data"][0] - base + v.nbytes)
+                  for v in views.values())
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize("mixed", [False, True], ids=["uint8", "mixed-uint8-int16"])
+def test_the_gather_floor_writes_exactly_each_batch_s_padded_layout_from_the_dataset_s_own_arrays(workers, mixed):
+    from torch_r3.bench.dataloader import GatherFloor, RouteSamples, _batch_bytes
+
+    # 20 trajectories: one in 16 carries an EOS (rows = tokens - 2), and the last batch is short.
+    batch = bench.make_batch(bench.BenchConfig(num_sequences=20, max_seqlen=40, num_layers=3, topk=2,
+                                               mixed_dtypes=mixed, seed=5))
+    dataset = RouteSamples(batch)
+    with GatherFloor(dataset, 8, batch.dtype, workers) as floor:
+        assert floor.sizes == _batch_bytes(batch, 8) and len(floor.sizes) == 3
+        for k in (2, 0, 1):  # any order: each copy writes every byte of its batch
+            floor.buffer[:] = 0xA5  # garbage where nothing should survive
+            got = floor.copy(k)
+            samples = [dataset[i] for i in range(8 * k, min(8 * k + 8, 20))]
+            want = reference_r3_collator(samples)
+            assert_batch_equal({key: torch.from_numpy(v) for key, v in got.items()}, want)
+            # The four outputs tile exactly the batch's output bytes at the front of the buffer, and
+            # nothing past them is written.
+            ranges = _byte_ranges(got, floor.buffer.ctypes.data)
+            assert ranges[0][0] == 0 and ranges[-1][1] == floor.sizes[k]
+            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+            assert (floor.buffer[floor.sizes[k]:] == 0xA5).all()
+    assert floor.pool is None  # the threads are shut down on leaving
+
+
+def test_the_gather_floor_reads_the_sources_where_the_dataset_keeps_them():
+    from torch_r3.bench.dataloader import GatherFloor, RouteSamples
+
+    batch = bench.make_batch(bench.BenchConfig(**TINY))
+    dataset = RouteSamples(batch)
+    with GatherFloor(dataset, 3, batch.dtype, 2) as floor:
+        assert floor.routes is batch.routes and floor.tokens is dataset.tokens  # no private copy to read from
+        batch.routes[4][0, 0, 0] = 99  # a change to the dataset's array shows in the next copy
+        out = floor.copy(1)
+        assert out["rollout_expert_indices"][1, floor.T[1] - batch.token_counts[4], 0, 0] == 99
 
 
 @pytest.mark.parametrize("batch_size", [0, 7, True])
@@ -327,7 +376,7 @@ def test_the_dataloader_samples_share_the_batch_routes():
 
 
 def synthetic_result(*, steady_s=0.030, memcpy_s=0.027, baseline_s=0.495, loader_ratio=1.2, steady_peak=None,
-                     with_dataloader=True):
+                     with_dataloader=True, gather_floor_s=0.008):
     """A BenchResult of the default shape with chosen medians (input 350 MB, padded output 688 MB)."""
     def strategy(name, median, peak=1_000_000_000):
         return bench.StrategyResult(name=name, times_s=[median], median_s=median, min_s=median, max_s=median,
@@ -346,9 +395,11 @@ def synthetic_result(*, steady_s=0.030, memcpy_s=0.027, baseline_s=0.495, loader
         batch_s = 0.01 * loader_ratio
         row = bench.DataLoaderRow(num_workers=0, pin_memory=False, collator="recycled", batch_times_s=[batch_s],
                                   batch_s=batch_s, batch_min_s=batch_s, batch_max_s=batch_s,
-                                  epoch_times_s=[8 * batch_s], epoch_s=8 * batch_s, ratio_to_floor=loader_ratio)
+                                  epoch_times_s=[8 * batch_s], epoch_s=8 * batch_s, ratio_to_floor=loader_ratio,
+                                  ratio_to_gather_floor=batch_s / gather_floor_s if gather_floor_s else None)
         loader = bench.DataLoaderResult(batch_size=32, num_batches=8, batch_bytes=1, floor_batch_s=0.01,
-                                        floor_epoch_s=0.08, epochs=3, rows=[row])
+                                        floor_epoch_s=0.08, epochs=3, rows=[row], gather_floor_batch_s=gather_floor_s,
+                                        gather_floor_epoch_s=8 * gather_floor_s if gather_floor_s else None)
     return bench.BenchResult(main=main, packed_vs_padded=None, sweep=[], dataloader=loader,
                              topology=cpu_topology(), memory_needed_bytes=0, wall_s=1.0, peak_rss_bytes=None)
 
@@ -378,6 +429,29 @@ def test_each_target_is_judged_against_its_threshold(changes, missed):
     assert checked[0]["value"] == pytest.approx(steady_vs_memcpy)
 
 
+@pytest.mark.parametrize("gather_floor_s", [0.008, 0.0151, None], ids=["below", "at-the-batch", "not-measured"])
+def test_the_gather_floor_is_printed_beside_the_dataloader_target_and_never_judged(gather_floor_s):
+    # The batch takes 1.51x the memcpy floor: missed, whatever the gather floor says.
+    result = synthetic_result(loader_ratio=1.51, gather_floor_s=gather_floor_s)
+    checked = bench.check_targets(result)
+    loader = next(t for t in checked if t["name"] == "dataloader_vs_floor")
+    assert loader["value"] == pytest.approx(1.51) and loader["threshold"] == 1.5 and not loader["met"]
+    assert not bench.targets_met(checked)
+    assert all("beside" not in t for t in checked if t["name"] != "dataloader_vs_floor")
+    beside = loader["beside"]
+    assert beside["batch_s"] == pytest.approx(0.0151) and beside["memcpy_floor_s"] == 0.01
+    assert beside["gather_floor_s"] == gather_floor_s
+    text = bench.format_targets(checked)
+    assert "[MISSED] DataLoader num_workers=0" in text
+    if gather_floor_s is None:
+        assert beside["vs_gather_floor"] is None and "gather floor" not in text
+    else:
+        assert beside["vs_gather_floor"] == pytest.approx(0.0151 / gather_floor_s)
+        assert f"{0.0151 / gather_floor_s:.2f} against the gather floor" in text
+        gap = f"{(gather_floor_s - 0.01) * 1e3:+.1f} ms copying the batch's own sources from where they live"
+        assert gap in text and f"{(0.0151 - gather_floor_s) * 1e3:+.1f} ms the collator and DataLoader" in text
+
+
 @pytest.mark.parametrize("changes, code", [(dict(), 0), (dict(steady_s=0.05), 1)])
 def test_check_targets_exits_1_when_a_target_is_missed_and_prints_them_only_then(monkeypatch, capsys, tmp_path,
                                                                                   changes, code):
@@ -394,8 +468,28 @@ def test_check_targets_exits_1_when_a_target_is_missed_and_prints_them_only_then
     out = capsys.readouterr().out
     assert "targets (default shape" in out and ("MISSED" in out) == bool(code)
     assert calls[0][1]["dataloader_batch_size"] == bench.DEFAULT_BATCH_SIZE  # the DataLoader table is needed
-    targets = json.loads(path.read_text())["targets"]
+    assert "against the gather floor" in out
+    data = json.loads(path.read_text())
+    targets = data["targets"]
     assert [t["met"] for t in targets] == [t["met"] for t in bench.check_targets(synthetic_result(**changes))]
+    assert targets[2]["beside"]["vs_gather_floor"] == pytest.approx(1.5)
+    assert data["dataloader"]["gather_floor_batch_s"] == 0.008
+    assert data["dataloader"]["rows"][0]["ratio_to_gather_floor"] == pytest.approx(1.5)
+
+
+def test_the_dataloader_json_carries_both_floors_and_both_ratios_per_row(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    assert cli.main(["bench", *TINY_ARGS, "--dataloader", "--batch-size", "2", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "memcpy floor (cache-warm contiguous copy)" in out and "gather floor (each batch's own sources)" in out
+    loader = json.loads(path.read_text())["dataloader"]
+    for key in ("floor_batch_s", "floor_epoch_s", "gather_floor_batch_s", "gather_floor_epoch_s"):
+        assert loader[key] > 0, key
+    for row in loader["rows"]:
+        assert {"ratio_to_floor", "ratio_to_gather_floor"} <= set(row)
+        if row["skipped"] is None:
+            assert row["ratio_to_floor"] == pytest.approx(row["batch_s"] / loader["floor_batch_s"])
+            assert row["ratio_to_gather_floor"] == pytest.approx(row["batch_s"] / loader["gather_floor_batch_s"])
 
 
 def test_check_targets_refuses_a_shape_other_than_the_default(capsys):

@@ -13,7 +13,15 @@ from torch_r3.bench.results import BenchResult, DataLoaderResult, ShapeResult
 from torch_r3.bench.strategies import MEMCPY
 from torch_r3.bench.units import format_bytes, format_gib, format_rate, format_ratio, number, time_unit
 
-__all__ = ["TOO_SMALL_BYTES", "format_dataloader_table", "format_report", "format_table", "plot_sweep"]
+__all__ = [
+    "GATHER_FLOOR_LABEL",
+    "MEMCPY_FLOOR_LABEL",
+    "TOO_SMALL_BYTES",
+    "format_dataloader_table",
+    "format_report",
+    "format_table",
+    "plot_sweep",
+]
 
 #: Below this many bytes of padded output a call takes well under a millisecond
 #: here, its fixed costs (Python, thread hand-offs) swamp its copying, and ratios
@@ -68,28 +76,64 @@ def _too_small(shape: ShapeResult) -> list[str]:
             f"use a larger shape (the default writes 688 MB)"]
 
 
+#: Row labels of the two floors in the DataLoader table.
+MEMCPY_FLOOR_LABEL = "memcpy floor (cache-warm contiguous copy)"
+GATHER_FLOOR_LABEL = "gather floor (each batch's own sources)"
+
+
 def format_dataloader_table(loader: DataLoaderResult) -> str:
-    """The `--dataloader` configurations as an aligned text table, the memcpy floor beside them.
+    """The `--dataloader` configurations as an aligned text table, both floors beside them.
+
+    Every row carries its ratio to the memcpy floor (a cache-warm contiguous
+    copy of as many bytes as a batch) and to the gather floor (each batch's own
+    source arrays copied from where they live); a result without a gather
+    floor shows `-` there.
 
     Args:
         loader: the DataLoader results.
 
     Returns:
-        The table, header first, the floor last, then one line per skipped configuration.
+        The table, header first, the two floors last, then one line per skipped configuration.
+
+    Examples:
+        >>> from torch_r3.bench.results import DataLoaderResult, DataLoaderRow
+        >>> row = DataLoaderRow(0, False, "recycled", batch_times_s=[0.012], batch_s=0.012, batch_min_s=0.011,
+        ...                     batch_max_s=0.02, epoch_times_s=[0.1], epoch_s=0.1, ratio_to_floor=2.4,
+        ...                     ratio_to_gather_floor=1.2)
+        >>> table = format_dataloader_table(DataLoaderResult(32, 8, 86_000_000, 0.005, 0.04, 3, [row], 0.01, 0.08))
+        >>> print(table.splitlines()[2])  # doctest: +NORMALIZE_WHITESPACE
+        0 off recycled 12.0 11.0 20.0 2.40x 1.20x 100
     """
     done = [r for r in loader.rows if r.skipped is None]
-    t_name, t_scale = time_unit([r.batch_min_s for r in done] + [loader.floor_batch_s])
+    gather = loader.gather_floor_batch_s
+    t_name, t_scale = time_unit([r.batch_min_s for r in done] + [loader.floor_batch_s]
+                                + ([gather] if gather is not None else []))
     e_name, e_scale = time_unit([r.epoch_s for r in done] + [loader.floor_epoch_s])
     head = ("num_workers", "pin_memory", "collator", f"per batch {t_name}", f"min {t_name}", f"max {t_name}",
-            "vs floor", f"epoch {e_name}")
+            "vs memcpy floor", "vs gather floor", f"epoch {e_name}")
     rows = [(str(r.num_workers), "on" if r.pin_memory else "off", r.collator, number(r.batch_s / t_scale),
              number(r.batch_min_s / t_scale), number(r.batch_max_s / t_scale), format_ratio(r.ratio_to_floor),
-             number(r.epoch_s / e_scale)) for r in done]
-    rows.append(("memcpy floor", "", "", number(loader.floor_batch_s / t_scale), "", "", "1.00x",
+             format_ratio(r.ratio_to_gather_floor), number(r.epoch_s / e_scale)) for r in done]
+    rows.append((MEMCPY_FLOOR_LABEL, "", "", number(loader.floor_batch_s / t_scale), "", "", "1.00x",
+                 format_ratio(loader.floor_batch_s / gather) if gather else "-",
                  number(loader.floor_epoch_s / e_scale)))
+    if gather is not None:
+        rows.append((GATHER_FLOOR_LABEL, "", "", number(gather / t_scale), "", "",
+                     format_ratio(gather / loader.floor_batch_s), "1.00x",
+                     number(loader.gather_floor_epoch_s / e_scale)))
     skipped = [f"skipped: num_workers={r.num_workers}, pin_memory={'on' if r.pin_memory else 'off'}, "
                f"{r.collator}: {r.skipped}" for r in loader.rows if r.skipped is not None]
     return "\n".join([_table(head, rows), *skipped])
+
+
+def _floors_note(loader: DataLoaderResult) -> list[str]:
+    lines = ["memcpy floor: per batch, one contiguous copy of as many bytes as its output, the same warm source "
+             "and destination every batch (where the last-level cache holds them, it never reaches memory)"]
+    if loader.gather_floor_batch_s is not None:
+        lines.append("gather floor: per batch, its own route and token arrays, in their own memory as the DataLoader "
+                     "hands them over, copied into a warm buffer in the padded layout, padding from a small "
+                     "template: the least a collator can cost for these bytes from where they live")
+    return lines
 
 
 def format_report(result: BenchResult) -> str:
@@ -125,7 +169,7 @@ def format_report(result: BenchResult) -> str:
         d = result.dataloader
         lines += ["", f"DataLoader: {d.num_batches} batches of {d.batch_size} trajectories per epoch "
                   f"(about {format_bytes(d.batch_bytes)} per batch), median of {d.epochs} timed epochs after one warm-up:",
-                  format_dataloader_table(d)]
+                  format_dataloader_table(d), *_floors_note(d)]
     lines += ["", f"wall {result.wall_s:.1f} s, process peak RSS "
               f"{format_gib(result.peak_rss_bytes) if result.peak_rss_bytes else '?'}"]
     return "\n".join(lines)

@@ -66,8 +66,12 @@ class DataLoaderRow:
 
     `batch_s` is the median wait for one batch over the timed epochs, `epoch_s`
     the median wall time of a whole epoch; `ratio_to_floor` compares `batch_s`
-    with a warm copy of a batch's bytes. `skipped` says why a configuration did
-    not run (e.g. `pin_memory` without an accelerator); its figures are then None.
+    with the memcpy floor (a cache-warm contiguous copy of as many bytes as a
+    batch), `ratio_to_gather_floor` with the gather floor (each batch's own
+    source arrays copied from where they live into a warm buffer, see
+    `torch_r3.bench.dataloader.GatherFloor`). `skipped` says why a
+    configuration did not run (e.g. `pin_memory` without an accelerator); its
+    figures are then None.
     """
 
     num_workers: int
@@ -81,11 +85,21 @@ class DataLoaderRow:
     epoch_times_s: list[float] = field(default_factory=list)
     epoch_s: float | None = None
     ratio_to_floor: float | None = None
+    ratio_to_gather_floor: float | None = None
 
 
 @dataclass
 class DataLoaderResult:
-    """The `--dataloader` table: every configuration on the same dataset, and the floor beside them."""
+    """The `--dataloader` table: every configuration on the same dataset, and the two floors beside them.
+
+    `floor_batch_s` and `floor_epoch_s` are the memcpy floor: per batch, one
+    contiguous copy of as many bytes as the batch's output from the same warm
+    source into the same warm destination, which a large last-level cache
+    holds. `gather_floor_batch_s` and `gather_floor_epoch_s` are the gather
+    floor: per batch, that batch's own source arrays, in their own memory,
+    copied into a warm destination in the padded layout (None when not
+    measured). Both run on as many threads as the collator's pool.
+    """
 
     batch_size: int
     num_batches: int
@@ -94,6 +108,8 @@ class DataLoaderResult:
     floor_epoch_s: float
     epochs: int
     rows: list[DataLoaderRow]
+    gather_floor_batch_s: float | None = None
+    gather_floor_epoch_s: float | None = None
 
     def get(self, num_workers: int, pin_memory: bool, collator: str) -> DataLoaderRow | None:
         """The row of one configuration, or None if it was not part of the run."""
