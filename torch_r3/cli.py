@@ -77,7 +77,7 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
                         help="skip the typical_rl packed-vs-padded comparison")
     timing.add_argument("--dataloader", action="store_true",
                         help="also time a real DataLoader with R3Collator: num_workers 0 and 2, pin_memory off "
-                             "and on, fresh and recycled outputs, beside the memcpy floor")
+                             "and on, fresh and recycled outputs, beside the memcpy and gather floors")
     timing.add_argument("--batch-size", type=_positive_int,
                         help="trajectories per DataLoader batch for --dataloader (default 32)")
     timing.add_argument("--check-targets", action="store_true",
