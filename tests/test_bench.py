@@ -318,14 +318,17 @@ def _byte_ranges(views, base):
 @pytest.mark.parametrize("workers", [1, 2, 3])
 @pytest.mark.parametrize("mixed", [False, True], ids=["uint8", "mixed-uint8-int16"])
 def test_the_gather_floor_writes_exactly_each_batch_s_padded_layout_from_the_dataset_s_own_arrays(workers, mixed):
-    from torch_r3.bench.dataloader import GatherFloor, RouteSamples, _batch_bytes
+    from torch_r3.bench.dataloader import GatherFloor, RouteSamples
 
     # 20 trajectories: one in 16 carries an EOS (rows = tokens - 2), and the last batch is short.
     batch = bench.make_batch(bench.BenchConfig(num_sequences=20, max_seqlen=40, num_layers=3, topk=2,
                                                mixed_dtypes=mixed, seed=5))
     dataset = RouteSamples(batch)
     with GatherFloor(dataset, 8, batch.dtype, workers) as floor:
-        assert floor.sizes == _batch_bytes(batch, 8) and len(floor.sizes) == 3
+        counts = batch.token_counts
+        row = batch.num_layers * batch.topk * batch.dtype.itemsize + 1 + 8 + 8  # routes, two masks, int64 ids
+        want_sizes = [len(counts[lo : lo + 8]) * max(counts[lo : lo + 8]) * row for lo in (0, 8, 16)]
+        assert floor.sizes == want_sizes and len(floor.sizes) == 3
         for k in (2, 0, 1):  # any order: each copy writes every byte of its batch
             floor.buffer[:] = 0xA5  # garbage where nothing should survive
             got = floor.copy(k)

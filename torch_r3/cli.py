@@ -149,18 +149,11 @@ def _bench_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     if targets is not None:
         print("\n" + bench.format_targets(targets))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result.to_json(targets), f, indent=2, allow_nan=False, default=_json_default)
-            f.write("\n")
-        print(f"torch-r3 bench: wrote {args.json}", file=sys.stderr)
+        _write_json(args.json, result.to_json(targets), "bench")
     if args.plot:
         bench.plot_sweep(result, args.plot)
         print(f"torch-r3 bench: wrote {args.plot}", file=sys.stderr)
     return 1 if targets is not None and not bench.targets_met(targets) else 0
-
-
-def _json_default(value: Any) -> Any:
-    raise TypeError(f"not JSON-serialisable: {type(value).__name__}")
 
 
 # --------------------------------------------------------------------------

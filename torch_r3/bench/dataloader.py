@@ -95,12 +95,17 @@ def configurations() -> Iterator[tuple[int, bool, str]]:
                 yield num_workers, pin_memory, collator
 
 
-def _batch_bytes(batch: Batch, batch_size: int) -> list[int]:
-    """Output bytes of each DataLoader batch: routes, router mask, attention mask, input ids."""
-    row = batch.num_layers * batch.topk * batch.dtype.itemsize + 1 + 8 + 8
-    counts = batch.token_counts
-    chunks = [counts[i : i + batch_size] for i in range(0, len(counts), batch_size)]
-    return [len(c) * padded_length(c) * row for c in chunks]
+def _batch_layout(counts: list[int], batch_size: int, row_bytes: int) -> tuple[list[int], list[int]]:
+    """Each DataLoader batch's padded length `T` and output bytes (routes, router mask, attention mask, ids).
+
+    Args:
+        counts: token counts of the trajectories, in dataset order.
+        batch_size: trajectories per batch (the last batch may be short).
+        row_bytes: route bytes per token, `L * K * itemsize`.
+    """
+    chunks = [counts[lo : lo + batch_size] for lo in range(0, len(counts), batch_size)]
+    lengths = [padded_length(c) for c in chunks]
+    return lengths, [len(c) * T * (row_bytes + 1 + 8 + 8) for c, T in zip(chunks, lengths)]
 
 
 def _time_floor(copy_batch: Any, num_batches: int, epochs: int) -> tuple[float, float]:
@@ -172,10 +177,7 @@ class GatherFloor:
         row = self.L * self.K * self.dtype.itemsize
         self.template = np.ascontiguousarray(
             np.broadcast_to(np.arange(self.K, dtype=self.dtype), (max(1, _TEMPLATE_BYTES // row), self.L, self.K)))
-        counts = [t.shape[0] for t in self.tokens]
-        self.T = [padded_length(counts[lo : lo + batch_size]) for lo in range(0, len(counts), batch_size)]
-        self.sizes = [len(counts[k * batch_size : (k + 1) * batch_size]) * T * (row + 1 + 8 + 8)
-                      for k, T in enumerate(self.T)]
+        self.T, self.sizes = _batch_layout([t.shape[0] for t in self.tokens], batch_size, row)
         self.buffer = np.zeros(max(self.sizes), dtype=np.uint8)  # mapped, and made warm by the first copies
         self.pool = (ThreadPoolExecutor(self.workers - 1, thread_name_prefix="torch_r3-bench-gather")
                      if self.workers > 1 else None)
@@ -319,7 +321,7 @@ def run_dataloader(config: BenchConfig, batch_size: int = DEFAULT_BATCH_SIZE, pr
                          f"got {batch_size!r}")
     batch = make_batch(config)
     dataset = RouteSamples(batch, config.seed)
-    sizes = _batch_bytes(batch, batch_size)
+    _, sizes = _batch_layout(list(batch.token_counts), batch_size, batch.num_layers * batch.topk * batch.dtype.itemsize)
     workers = config.workers or pool_workers()
     floor_batch, floor_epoch = _floor(sizes, workers, epochs)
     with GatherFloor(dataset, batch_size, batch.dtype, workers) as gather:

@@ -48,10 +48,15 @@ TARGETS = (
 _BOOKKEEPING = 1 << 20
 
 
+def _judged_loader(result: BenchResult):
+    """The DataLoader row the target judges: `num_workers=0`, `pin_memory` off, recycled collator."""
+    return result.dataloader.get(0, False, "recycled") if result.dataloader else None
+
+
 def _measure(result: BenchResult) -> dict[str, float | None]:
     main = result.main
     steady, base, floor = main.get(STEADY), main.get(BASELINE), main.get(MEMCPY)
-    loader = result.dataloader.get(0, False, "recycled") if result.dataloader else None
+    loader = _judged_loader(result)
     return {
         "steady_vs_memcpy": steady.median_s / floor.median_s if steady and floor else None,
         "steady_vs_baseline": base.median_s / steady.median_s if steady and base else None,
@@ -64,7 +69,7 @@ def _measure(result: BenchResult) -> dict[str, float | None]:
 def _beside(result: BenchResult) -> dict[str, dict[str, Any]]:
     """Figures printed beside a target, never judged: the DataLoader batch against the gather floor."""
     d = result.dataloader
-    loader = d.get(0, False, "recycled") if d else None
+    loader = _judged_loader(result)
     if loader is None or loader.batch_s is None:
         return {}
     return {"dataloader_vs_floor": {
