@@ -20,24 +20,14 @@ Examples:
     >>> len(result.response_ids), result.routed_experts.shape
     (3, (5, 2, 2))
 
-Only the server needs aiohttp (the `testing` extra): its names are imported on
-first use, so the model, engine and wire modules, and `import torch_r3`, work
-without it.
+This package imports aiohttp; `import torch_r3` does not.
 """
-
-import importlib
 
 from torch_r3.testing.engine import Engine, GenerateRequest, Generation, PrefixCache
 from torch_r3.testing.faults import Faults
 from torch_r3.testing.model import GenerateOutput, ServedModel, TinyMoELM
+from torch_r3.testing.server import LoopbackServer, ServerStats, make_app
 from torch_r3.testing.wire import PROTOCOLS, WireProtocol
-
-# name -> module that defines it; imported lazily (PEP 562), as in `torch_r3`.
-_LAZY = {
-    "LoopbackServer": "torch_r3.testing.server",
-    "ServerStats": "torch_r3.testing.server",
-    "make_app": "torch_r3.testing.server",
-}
 
 __all__ = [
     "PROTOCOLS",
@@ -54,12 +44,3 @@ __all__ = [
     "WireProtocol",
     "make_app",
 ]
-
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'torch_r3.testing' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
