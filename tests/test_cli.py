@@ -136,6 +136,15 @@ def test_demo_without_megatron_names_the_extra_to_install(monkeypatch, capsys):
     assert err == "torch-r3 demo: megatron-core is not installed; the demo needs pip install 'torch_r3[megatron,client]'\n"
 
 
+def test_demo_without_aiohttp_names_the_extra_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "aiohttp", None)  # import aiohttp now fails
+    for name in [m for m in sys.modules if m == "torch_r3.demo" or m.startswith("torch_r3.testing")]:
+        monkeypatch.delitem(sys.modules, name)  # imported afresh, as in a process without aiohttp
+    assert cli.main(["demo"]) == 2
+    err = capsys.readouterr().err
+    assert err == "torch-r3 demo: aiohttp is not installed; the demo needs pip install 'torch_r3[megatron,client]'\n"
+
+
 def test_python_dash_m_torch_r3_runs_the_cli():
     done = subprocess.run([sys.executable, "-m", "torch_r3", "doctor"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

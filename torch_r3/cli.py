@@ -309,24 +309,30 @@ def _demo_module():
 
 
 def _demo_arguments(p: argparse.ArgumentParser) -> None:
-    _demo_module().build_parser(p)
+    from torch_r3._extras import MissingExtraError
+
+    try:  # the demo module imports the loopback server, hence aiohttp
+        _demo_module().build_parser(p)
+    except MissingExtraError:
+        pass  # no options then: `_demo_run` names the extra to install
 
 
 def _demo_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from torch_r3._extras import MissingExtraError, require
 
-    demo = _demo_module()
-    # Megatron's import-time fallback notices (no Apex, no Transformer Engine) say
-    # nothing to a demo user: the imports run inside the demo's filter too.
-    with demo.quiet_third_party_warnings():
-        try:
+    try:
+        demo = _demo_module()
+        # Megatron's import-time fallback notices (no Apex, no Transformer Engine)
+        # say nothing to a demo user: the imports run inside the demo's filter too.
+        with demo.quiet_third_party_warnings():
             for module, extra in _DEMO_NEEDS:
                 require(module, extra)
-        except MissingExtraError as e:
-            extras = ",".join(extra for _module, extra in _DEMO_NEEDS)
-            print(f"torch-r3 demo: {e.distribution} is not installed; the demo needs pip install "
-                  f"'torch_r3[{extras}]'", file=sys.stderr)
-            return 2
+    except MissingExtraError as e:
+        extras = ",".join(extra for _module, extra in _DEMO_NEEDS)
+        print(f"torch-r3 demo: {e.distribution} is not installed; the demo needs pip install "
+              f"'torch_r3[{extras}]'", file=sys.stderr)
+        return 2
+    with demo.quiet_third_party_warnings():
         return demo.run_from_args(args)
 
 
