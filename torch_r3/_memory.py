@@ -22,8 +22,6 @@ from typing import Any
 import numpy as np
 import torch
 
-KINDS = ("plain", "pinned", "shared")
-
 
 def accelerator_available() -> bool:
     """Whether an accelerator (CUDA, ROCm, XPU, ...) is usable from this process.

@@ -43,9 +43,7 @@ _THREAD_NAME = "torch_r3-collate"
 
 
 def check_workers(workers: Any) -> int:
-    """`workers` validated: `None` gives the machine's default, else an int in `1 .. MAX_WORKERS`."""
-    if workers is None:
-        return default_workers()
+    """`workers` validated: an int in `1 .. MAX_WORKERS` (`None`, the machine's default, is resolved per call)."""
     if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)):
         raise TypeError(f"workers must be None or an int, got {type(workers).__name__}")
     if workers < 1:

@@ -13,7 +13,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from torch_r3.megatron.checks import InterleavedPipelineError, as_chunks, check_config, check_pipeline
-from torch_r3.megatron.routers import ReplayedRouter, RouterTarget, find_routers
+from torch_r3.megatron.routers import RouterTarget, find_routers
 from torch_r3.megatron.slicing import (
     RankSlice,
     moe_layer_pattern,

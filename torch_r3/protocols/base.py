@@ -24,7 +24,6 @@ from torch_r3.codec import WireFormatError
 
 __all__ = [
     "ChoicesProtocol",
-    "FINISH_REASONS",
     "PROMPT_START_PARAM",
     "GenerateCall",
     "ParsedResponse",
@@ -43,9 +42,6 @@ __all__ = [
 
 #: The sampling parameter that carries the route start in the torch_r3 and vLLM formats.
 PROMPT_START_PARAM = "routed_experts_prompt_start"
-#: The finish reasons every protocol is normalised to (anything else a server
-#: sends is passed on as its lower-cased string).
-FINISH_REASONS = ("stop", "length", "abort")
 
 
 @dataclass(frozen=True)
@@ -252,17 +248,18 @@ def first_choice(raw: Any) -> Mapping[str, Any]:
     return choices[0]
 
 
-def params_with_start(call: GenerateCall, field: str = PROMPT_START_PARAM) -> dict[str, Any]:
-    """A copy of `call.sampling_params` carrying the route start as `field` (when routes start past 0).
+def params_with_start(call: GenerateCall) -> dict[str, Any]:
+    """A copy of `call.sampling_params` carrying the route start as `PROMPT_START_PARAM` (when past 0).
 
     Raises:
-        ValueError: The caller put `field` in the sampling parameters themselves.
+        ValueError: The caller put `PROMPT_START_PARAM` in the sampling parameters themselves.
     """
     params = dict(call.sampling_params)
-    if field in params:
-        raise ValueError(f"pass {field} as the keyword argument routed_experts_prompt_start, not inside sampling_params")
+    if PROMPT_START_PARAM in params:
+        raise ValueError(f"pass {PROMPT_START_PARAM} as the keyword argument routed_experts_prompt_start, "
+                         "not inside sampling_params")
     if call.return_routed_experts and call.start:
-        params[field] = call.start
+        params[PROMPT_START_PARAM] = call.start
     return params
 
 
@@ -300,7 +297,8 @@ def finish_reason(value: Any, where: str) -> str | None:
     """A finish reason normalised to a lower-case string (`None` stays `None`).
 
     SGLang sends an object `{"type": "stop" | "length" | "abort", ...}`; vLLM
-    and the torch_r3 server send the string.
+    and the torch_r3 server send the string. Every protocol normalises to
+    `"stop"`, `"length"` and `"abort"`; anything else is passed on lower-cased.
 
     Raises:
         WireFormatError: `value` is neither a string, an object with a string

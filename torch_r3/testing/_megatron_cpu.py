@@ -46,14 +46,12 @@ def _ignore_rng_state(*args, **kwargs) -> None:
 
 
 def _patch_list():
-    from megatron.core import pipeline_parallel
     from megatron.core.fusions import fused_softmax
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer import utils as transformer_utils
     from megatron.core.transformer.moe import moe_utils
 
-    del pipeline_parallel
     return [
         (transformer_utils, "get_default_causal_mask", _cpu_causal_mask),
         (fused_softmax, "get_default_causal_mask", _cpu_causal_mask),
