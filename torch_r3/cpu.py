@@ -242,8 +242,15 @@ def cgroup_cpu_limit(root: str | os.PathLike = "/") -> float | None:
     The smallest quota along the path from the process's cgroup up to the
     mount root (a parent's quota caps its children), over cgroup v2 and v1.
     """
-    quotas = cgroup_quotas(root)
+    return _binding_limit(cgroup_quotas(root))
+
+
+def _binding_limit(quotas: list[CgroupQuota]) -> float | None:
     return min(q.cpus for q in quotas) if quotas else None
+
+
+def _usable(affinity: int, limit: float | None) -> float:
+    return min(float(affinity), limit) if limit is not None else float(affinity)
 
 
 def usable_cpus(root: str | os.PathLike = "/") -> float:
@@ -251,9 +258,7 @@ def usable_cpus(root: str | os.PathLike = "/") -> float:
 
     A float, since a quota may be fractional (`--cpus=1.5` gives `1.5`).
     """
-    limit = cgroup_cpu_limit(root)
-    cpus = float(affinity_cpus())
-    return min(cpus, limit) if limit is not None else cpus
+    return _usable(affinity_cpus(), cgroup_cpu_limit(root))
 
 
 def pool_workers(
@@ -261,11 +266,13 @@ def pool_workers(
     reserve: int = 0,
     *,
     root: str | os.PathLike = "/",
+    usable: float | None = None,
 ) -> int:
     """Threads for a copy pool: `max(1, min(cap, floor(usable_cpus()) - reserve))`.
 
     `TORCH_R3_NUM_WORKERS` (a positive integer) overrides the computation.
-    One worker means the kernel runs serially on the calling thread.
+    One worker means the kernel runs serially on the calling thread. `usable`
+    is `usable_cpus(root)` when the caller has already read it.
     """
     env = os.environ.get(ENV_NUM_WORKERS)
     if env is not None and env.strip():
@@ -281,7 +288,7 @@ def pool_workers(
             raise TypeError(f"pool_workers: {name} must be an int, got {type(v).__name__}")
     if cap < 1 or reserve < 0:
         raise ValueError(f"pool_workers: need cap >= 1 and reserve >= 0, got cap={cap}, reserve={reserve}")
-    return max(1, min(cap, math.floor(usable_cpus(root)) - reserve))
+    return max(1, min(cap, math.floor(usable_cpus(root) if usable is None else usable) - reserve))
 
 
 def cpu_topology() -> dict[str, Any]:
@@ -300,17 +307,21 @@ def cpu_topology() -> dict[str, Any]:
     """
     import torch  # lazy: the rest of this module is pure standard library
 
+    # One reading of the affinity mask and the cgroup tree, so every figure comes from the same moment.
+    affinity, quotas = affinity_cpus(), cgroup_quotas()
+    limit = _binding_limit(quotas)
+    usable = _usable(affinity, limit)
     try:
-        workers: int | None = pool_workers()
+        workers: int | None = pool_workers(usable=usable)
         workers_error = None
     except ValueError as e:  # a malformed TORCH_R3_NUM_WORKERS: report it rather than fail the report
         workers, workers_error = None, str(e)
     return {
-        "affinity_cpus": affinity_cpus(),
+        "affinity_cpus": affinity,
         "os_cpu_count": os.cpu_count(),
-        "cgroup_quotas": [asdict(q) for q in cgroup_quotas()],
-        "cgroup_cpu_limit": cgroup_cpu_limit(),
-        "usable_cpus": usable_cpus(),
+        "cgroup_quotas": [asdict(q) for q in quotas],
+        "cgroup_cpu_limit": limit,
+        "usable_cpus": usable,
         "pool_workers": workers,
         "pool_workers_error": workers_error,
         ENV_NUM_WORKERS: os.environ.get(ENV_NUM_WORKERS),
