@@ -58,10 +58,6 @@ def _buffer_size(nbytes: int) -> int:
     return max(_PAGE, -(-(nbytes + nbytes // 16) // _PAGE) * _PAGE)
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
     try:
         return torch.empty(0, dtype=dtype).numpy().dtype
@@ -228,7 +224,7 @@ class BufferPool:
         state = self._current()
         if self.max_cached_bytes == 0:
             return {k: _memory.empty(shape, dt, kind) for k, (shape, dt) in specs.items()}
-        sizes = {k: math.prod(shape) * _itemsize(dt) for k, (shape, dt) in specs.items()}
+        sizes = {k: math.prod(shape) * dt.itemsize for k, (shape, dt) in specs.items()}
         with state.lock:
             state.largest = max(state.largest, sum(_buffer_size(n) for n in sizes.values()))
         return {k: self._empty(state, shape, dt, sizes[k], pinned) for k, (shape, dt) in specs.items()}

@@ -72,7 +72,7 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, kind: str) -> torch.Tensor
     if kind == "shared":
         # _new_shared maps fresh shared memory; share_memory_() on an existing
         # tensor would instead copy it, writing the buffer a second time.
-        nbytes = max(math.prod(shape), 1) * torch.empty((), dtype=dtype).element_size()
+        nbytes = max(math.prod(shape), 1) * dtype.itemsize
         storage = torch.UntypedStorage._new_shared(nbytes)
         return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
     if kind == "pinned":

@@ -95,13 +95,14 @@ def _check_keys(samples: Any, needed: tuple[str, ...], tokens_key: str) -> None:
     if len(samples) == 0:
         raise ValueError("expected at least one sample, got an empty batch")
     keys0 = None
+    forbidden = OUTPUT_KEYS - set(needed)
     for i, s in enumerate(samples):
         if not isinstance(s, Mapping):
             raise TypeError(f"sample {i}: expected a mapping (dict), got {type(s).__name__}")
         for k in needed:
             if k not in s:
                 raise ValueError(f"sample {i}: missing key {k!r}")
-        for k in OUTPUT_KEYS - set(needed):
+        for k in forbidden:
             if k in s:
                 what = "the tokens key's padded ids" if k == INPUT_IDS else "the collator's own"
                 raise ValueError(
@@ -109,10 +110,11 @@ def _check_keys(samples: Any, needed: tuple[str, ...], tokens_key: str) -> None:
                     f"rename it in the dataset, or drop it from the samples if the collator's value "
                     f"serves (tokens key here: {tokens_key!r})"
                 )
+        keys = set(s)
         if keys0 is None:
-            keys0 = set(s)
-        elif set(s) != keys0:
-            raise ValueError(f"sample {i}: keys differ from sample 0 in {sorted(set(s) ^ keys0, key=str)}")
+            keys0 = keys
+        elif keys != keys0:
+            raise ValueError(f"sample {i}: keys differ from sample 0 in {sorted(keys ^ keys0, key=str)}")
 
 
 def _layout_of(value: Any) -> Any:
