@@ -26,7 +26,6 @@ two floors, both on as many threads as the collator's pool:
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +36,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from torch_r3 import R3Collator, accelerator_available
 from torch_r3.bench.config import Batch, BenchConfig, make_batch
+from torch_r3.bench.memory import collector_paused
 from torch_r3.bench.results import DataLoaderResult, DataLoaderRow
 from torch_r3.bench.strategies import check_identical, parallel_copy
 from torch_r3.collate import collate_routes, padded_length
@@ -261,11 +261,7 @@ def _check_epoch(loader: DataLoader, batch: Batch, batch_size: int, name: str) -
 def _time_epochs(loader: DataLoader, epochs: int) -> tuple[list[float], list[float]]:
     per_batch: list[float] = []
     per_epoch: list[float] = []
-    # As in the main run, the cyclic collector is kept out of the timed loop.
-    gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_paused():  # as in the main run
         for _ in range(epochs):
             start = last = time.perf_counter()
             for batch in loader:  # noqa: B007 - `batch` holds the previous batch, as in training
@@ -274,9 +270,6 @@ def _time_epochs(loader: DataLoader, epochs: int) -> tuple[list[float], list[flo
                 last = now
             per_epoch.append(last - start)
             del batch  # the last batch goes before the next epoch starts
-    finally:
-        if was_enabled:
-            gc.enable()
     return per_batch, per_epoch
 
 

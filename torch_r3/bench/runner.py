@@ -8,7 +8,6 @@ packed-vs-padded pair, the optional `--plot` sweep and the optional
 from __future__ import annotations
 
 import dataclasses
-import gc
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -21,7 +20,7 @@ import torch
 
 from torch_r3.bench.config import BenchConfig, make_batch
 from torch_r3.bench.dataloader import configurations, run_dataloader
-from torch_r3.bench.memory import PeakRss, check_memory, estimate_memory, process_peak_rss
+from torch_r3.bench.memory import PeakRss, check_memory, collector_paused, estimate_memory, process_peak_rss
 from torch_r3.bench.results import BenchResult, ShapeResult, StrategyResult
 from torch_r3.bench.strategies import (
     BASELINE,
@@ -119,12 +118,7 @@ def _time_rounds(ctx: Context, strategies: Sequence[str], repeats: int,
     """`repeats` rounds, each timing every strategy once (interleaved, so load from elsewhere hits all alike)."""
     times: dict[str, list[float]] = {s: [] for s in strategies}
     calls = [(name, get_strategy(name).call) for name in strategies]
-    # Outputs are freed by reference counting; the cyclic collector only adds
-    # noise (tens of ms with torch loaded), so it is kept out of the timed calls.
-    gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_paused():
         for r in range(repeats):
             for name, call in calls:
                 t0 = time.perf_counter()
@@ -133,9 +127,6 @@ def _time_rounds(ctx: Context, strategies: Sequence[str], repeats: int,
                 del out  # freed outside the timed region
                 if progress:
                     progress.step(f"{name} {r + 1}/{repeats}")
-    finally:
-        if was_enabled:
-            gc.enable()
     return times
 
 
