@@ -342,14 +342,16 @@ class ReplayHook:
         # Only the first stage's GPTModel scatters padding_mask for sequence
         # parallelism; later stages hand it to the MoE layers as given.
         routes, model_mask = slice_for_rank(routes, mask, rank, cu_seqlens=cu_seqlens, model_scatters_mask=self._pre_process)
+        # One host-to-device copy for all layers, widened to int64 because the
+        # router gathers and scatters with these indices (uint8/int16 would not index);
+        # one copy of the mask, from which the routers' view is cut on the device.
+        device = _first_device(self._chunk)  # asked per call: models move after construction
+        local = routes.to(device=device, dtype=torch.int64, non_blocking=True)
+        model_mask = model_mask.to(device, non_blocking=True)
         router_mask = model_mask
         if self._pre_process and rank.splits_sequence:
             router_mask = model_mask[:, sequence_parallel_positions(model_mask.shape[1], rank.tp_size, rank.tp_rank)]
-        # One host-to-device copy for all layers, widened to int64 because the
-        # router gathers and scatters with these indices (uint8/int16 would not index).
-        device = _first_device(self._chunk)  # asked per call: models move after construction
-        local = routes.to(device=device, dtype=torch.int64, non_blocking=True)
-        uncaptured = router_mask.to(device, non_blocking=True).transpose(0, 1).reshape(-1)
+        uncaptured = router_mask.transpose(0, 1).reshape(-1)
         grad = torch.is_grad_enabled()
         for r, (_, index) in zip(self._routers, layers):
             target = RouterTarget(
@@ -358,7 +360,7 @@ class ReplayHook:
             )
             r.push(target, expect_pop=r.recomputed and grad and r.module.training and not self._forward_only)
         self._stats.add_microbatch(uncaptured, live=live)
-        self._active_mask = model_mask.to(device, non_blocking=True)
+        self._active_mask = model_mask
 
     def _before_model_forward(self, module, args, kwargs):
         if self._active_mask is None:

@@ -91,15 +91,19 @@ class StatsCollector:
         self._captured: dict[int, list[torch.Tensor]] = {}
         self._tokens: list[torch.Tensor] = []  # [captured, uncaptured] per microbatch
         self._live = False
-        self._drops: list[torch.Tensor] = []  # [lost, total] per router call
-        self.microbatches = 0
+        self._lost: list[torch.Tensor] = []  # dropped assignments per router call
+        self._assignments = 0  # replayed assignments those calls made (a count Python knows)
 
     def add_microbatch(self, uncaptured: torch.Tensor, *, live: bool) -> None:
         """Count one microbatch's tokens from the router-view mask (`True` = uncaptured)."""
         n = uncaptured.sum()
         self._tokens.append(torch.stack([uncaptured.numel() - n, n]))
         self._live = live
-        self.microbatches += 1
+
+    @property
+    def microbatches(self) -> int:
+        """Microbatches counted since the last `reset`."""
+        return len(self._tokens)
 
     def add_drift(self, layer: int, own: torch.Tensor, replayed: torch.Tensor, captured: torch.Tensor) -> None:
         """Count captured rows where the router's own `[N, K]` choice differs from the replayed one."""
@@ -111,7 +115,8 @@ class StatsCollector:
     def add_drops(self, chosen: torch.Tensor, kept_map: torch.Tensor) -> None:
         """Count the `[N, K]` assignments in `chosen` that the final `[N, E]` map no longer holds."""
         kept = kept_map.gather(1, chosen)
-        self._drops.append(torch.stack([(~kept).sum(), torch.tensor(kept.numel(), device=kept.device)]))
+        self._lost.append((~kept).sum())
+        self._assignments += kept.numel()
 
     def finish(self, layers: tuple[int, ...]) -> ReplayStats:
         """Build the step's `ReplayStats` for these global layers (one device-to-host copy)."""
@@ -119,14 +124,15 @@ class StatsCollector:
         for layer in layers:
             rows += [_total(self._differ.get(layer, [])), _total(self._captured.get(layer, []))]
         rows += [_total([t[0] for t in self._tokens]), _total([t[1] for t in self._tokens])]
-        rows += [_total([t[0] for t in self._drops]), _total([t[1] for t in self._drops])]
-        device = rows[-1].device if self._drops else rows[-3].device
+        rows.append(_total(self._lost))
+        device = rows[-1].device if self._lost else rows[-2].device
         counts = torch.stack([r.to(device) for r in rows]).tolist()
         drift = {}
         for i, layer in enumerate(layers):
             differ, captured = counts[2 * i : 2 * i + 2]
             drift[layer] = differ / captured if captured else 0.0
-        captured_tokens, uncaptured, lost, assignments = counts[-4:]
+        captured_tokens, uncaptured, lost = counts[-3:]
+        assignments = self._assignments
         live = uncaptured if self._live else 0
         total = captured_tokens + uncaptured
         return ReplayStats(
