@@ -117,8 +117,9 @@ def check_expert_ids(routes: np.ndarray, num_experts: int | None = None, *, name
     """Check that every expert id is in `[0, num_experts)`: the receive-side range check.
 
     Run it once where routes enter the process (the wire decoders do); after it,
-    the collator and the replay hook trust the dtype and never look at the
-    values again. It scans only what the dtype leaves open: a `uint8` array is
+    the collator trusts the dtype and never looks at the values again (the
+    replay hook checks them once more on the training device, with the model's
+    expert count and for repeated experts in a row). It scans only what the dtype leaves open: a `uint8` array is
     never negative, and when `num_experts` exceeds what the dtype can hold no
     upper scan is needed either.
 

@@ -297,7 +297,7 @@ class RoutedExpertTrace:
         # The trace is where routes from the caller enter: one range scan here
         # (only what the dtype leaves open) lets the collator trust the dtype.
         check_expert_ids(array, self._num_experts, name=label)
-        self._rows.append(array, expected_rows=expected, label=label)
+        self._rows.append(array, label=label)  # the row count is checked above
         self._versions.append(weight_version)
 
     def _check_version(self, version: Any, turn: str) -> None:
