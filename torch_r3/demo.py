@@ -44,7 +44,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from torch_r3 import R3Collator, RoutedExpertTrace, compact_routes
+from torch_r3 import R3Collator, RoutedExpertTrace
 from torch_r3.keys import ATTENTION_MASK, ROUTER_MASK, ROUTES
 from torch_r3.testing.model import GenerateOutput, ServedModel
 
@@ -244,24 +244,25 @@ class MegatronServedModel(ServedModel):
         if len(ids) + n_new > self.cfg.max_seq_len:
             raise ValueError(f"prompt + max_new_tokens exceeds the model's {self.cfg.max_seq_len} positions")
         generated: list[int] = []
-        for _ in range(n_new):
-            logits, _ = self.forward(ids + generated)
+        if n_new == 0:
+            logits, routes = self.forward(ids, record=True)
+        for step in range(n_new):
+            # The last step's forward covers every evaluated position: recorded,
+            # it gives both the routes and the log-probs the trainer compares against.
+            logits, routes = self.forward(ids + generated, record=step == n_new - 1)
             if temperature > 0:
                 probs = torch.softmax(logits[-1] / temperature, -1)
                 nxt = int(torch.multinomial(probs, 1, generator=g))
             else:
                 nxt = int(logits[-1].argmax())
             generated.append(nxt)
-        # One scoring forward over every evaluated position gives both the
-        # routes and the log-probs the trainer compares against.
-        logits, routes = self.forward(ids + generated[:-1], record=True)
         logp = torch.log_softmax(logits, -1)
         start = len(ids) - 1
         lps = [float(logp[start + j, t]) for j, t in enumerate(generated)]
         return GenerateOutput(
             token_ids=generated,
             logprobs=lps,
-            routes=compact_routes(routes),
+            routes=routes.numpy(),  # the server compacts what it sends
             finish_reason="length",
         )
 
