@@ -355,8 +355,12 @@ async def rollout(url: str, cfg: DemoConfig, retries: int, quiet: bool) -> list[
 
 # The three training runs over the same microbatches: ReplayHook with the
 # default uncaptured="live", with uncaptured="replay" (filler routes where
-# nothing was captured), and no replay at all.
-RUNS = {"with_replay": "live", "with_replay_filler": "replay", "without_replay": None}
+# nothing was captured), and no replay at all: name -> (uncaptured mode, report column).
+RUNS = {
+    "with_replay": ("live", "replay (live)"),
+    "with_replay_filler": ("replay", "replay (filler)"),
+    "without_replay": (None, "no replay"),
+}
 
 
 class ForwardStep:
@@ -547,17 +551,14 @@ def add_reference_logprobs(samples: list[dict[str, Any]], served: MegatronServed
 # Main
 # ---------------------------------------------------------------------------
 
-COLUMNS = {"with_replay": "replay (live)", "with_replay_filler": "replay (filler)", "without_replay": "no replay"}
-
-
 def _row(label: str, values: Sequence[Any], fmt: str) -> str:
     cells = "".join(f"{'n/a' if v is None else format(v, fmt):>17}" for v in values)
     return f"{label:36}{cells}"
 
 
 def _report(results: dict[str, dict[str, Any]], cfg: DemoConfig) -> str:
-    runs = [results[name] for name in COLUMNS]
-    lines = [f"{'':36}" + "".join(f"{COLUMNS[name]:>17}" for name in COLUMNS)]
+    runs = [results[name] for name in RUNS]
+    lines = [f"{'':36}" + "".join(f"{column:>17}" for _mode, column in RUNS.values())]
     lines.append(_row("route agreement, captured tokens", [r["route_agreement"] for r in runs], ".2%"))
     for layer in range(cfg.num_layers):
         lines.append(_row(f"  layer {layer}", [r["route_agreement_per_layer"][layer] for r in runs], ".2%"))
@@ -573,7 +574,7 @@ def _report(results: dict[str, dict[str, Any]], cfg: DemoConfig) -> str:
         f" {first['uncaptured_tokens']} loss-active tokens predicted from an uncaptured position, "
         f"|dlogp| against the bf16 model's own routing)",
     ]
-    for name, mode in RUNS.items():
+    for name, (mode, _column) in RUNS.items():
         stats = results[name]["stats"]
         if stats is None:
             continue
@@ -651,8 +652,8 @@ def _run(cfg: DemoConfig, *, server_url: str | None, retries: int, num_workers: 
                 stacklevel=3,
             )
         results = {}
-        for name, mode in RUNS.items():
-            _progress(f"fp32 training forward/backward, {COLUMNS[name]}", quiet)
+        for name, (mode, column) in RUNS.items():
+            _progress(f"fp32 training forward/backward, {column}", quiet)
             results[name] = measure(train_model, microbatches, cfg, uncaptured=mode)
     _progress(f"done in {time.perf_counter() - t0:.1f} s", quiet)
     return results
