@@ -86,12 +86,8 @@ def make_app(
         `LoopbackServer`, which does it for you).
     """
     wire = make_protocol(protocol)
-    if isinstance(model, Engine):
-        engine = model
-    elif isinstance(model, ServedModel):
-        engine = Engine(model, PrefixCache(wire.default_block_size))
-    else:
-        raise TypeError(f"model must implement torch_r3.testing.ServedModel, got {type(model).__name__}")
+    # Engine refuses anything that does not implement ServedModel.
+    engine = model if isinstance(model, Engine) else Engine(model, PrefixCache(wire.default_block_size))
     served = engine.model
     faults = faults if faults is not None else Faults()
     stats = stats if stats is not None else ServerStats()
@@ -253,8 +249,6 @@ class LoopbackServer:
         cache_blocks: int = 4096,
     ) -> None:
         self.model = model if model is not None else TinyMoELM()
-        if not isinstance(self.model, ServedModel):
-            raise TypeError(f"model must implement torch_r3.testing.ServedModel, got {type(self.model).__name__}")
         options: dict[str, Any] = {"routes_enabled": routes_enabled}
         if protocol == "sglang":
             options.update(ignores_start=sglang_ignores_start, routes_dtype=sglang_routes_dtype)
