@@ -72,10 +72,6 @@ class WireProtocol(abc.ABC):
         """The JSON body of an error response."""
         return {"error": {"message": message}}
 
-    def first_row(self, request: GenerateRequest) -> int:
-        """The first route row put on the wire (the requested start by default)."""
-        return request.start
-
 
 def check_body(body: Any, ids_field: str, fields: frozenset[str] | None, *, hint: str = "") -> list[int]:
     """Check a request body: an object holding the prompt in `ids_field`, and, when

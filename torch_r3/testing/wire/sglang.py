@@ -119,9 +119,6 @@ class SGLangWire(WireProtocol):
             },
         )
 
-    def first_row(self, request: GenerateRequest) -> int:
-        return 0 if self.ignores_start else request.start
-
     def render(
         self, request: GenerateRequest, generation: Generation, model: ServedModel, *, malformed: bool = False
     ) -> tuple[dict[str, Any], np.ndarray | None]:
@@ -143,7 +140,8 @@ class SGLangWire(WireProtocol):
         rows = None
         if request.return_routes and self.routes_enabled and generation.routes is not None:
             dtype = _NARROW[self.routes_dtype][0] if self.routes_dtype else np.dtype("<i4")
-            rows = np.ascontiguousarray(generation.routes[self.first_row(request) :], dtype=dtype)
+            first = 0 if self.ignores_start else request.start  # sglang 0.5.10 sends every row
+            rows = np.ascontiguousarray(generation.routes[first:], dtype=dtype)
             data = rows.tobytes()
             if malformed:  # one id short: the length is no longer a whole number of rows
                 data = data[: -dtype.itemsize]
