@@ -38,7 +38,7 @@ import torch
 
 from torch_r3 import BufferPool, collate_routes
 from torch_r3.bench import PRESETS, BenchConfig, InsufficientMemoryError, check_memory, make_batch
-from torch_r3.bench.config import TORCH_DTYPES
+from torch_r3.bench.config import max_padded_bytes
 from torch_r3.bench.units import format_bytes, format_gib, format_rate
 
 # Host memory of one shape besides its input: two pinned batches in the pool,
@@ -146,14 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for i, config in enumerate(shapes):
         name = "default shape" if i == 0 else f"production preset, one rank of {args.ranks}"
-        row = config.num_layers * config.topk * torch.empty((), dtype=TORCH_DTYPES[config.dtype]).element_size()
-        batch_bytes = config.num_sequences * config.max_seqlen * (row + 1 + 8)
+        batch_bytes = max_padded_bytes(config)
+        need = _HOST_BATCHES * batch_bytes + batch_bytes // 2
         try:
-            check_memory(_HOST_BATCHES * batch_bytes + batch_bytes // 2, config.label)
+            check_memory(need, config.label)
         except InsufficientMemoryError as e:
             print(f"\n{name}: skipped: {e}")
             continue
-        print(f"\n{name} (host memory: up to {format_gib(_HOST_BATCHES * batch_bytes + batch_bytes // 2)})",
+        print(f"\n{name} (host memory: up to {format_gib(need)})",
               end="", flush=True)
         r = check_shape(config, device, args.batches)
         r["name"], r["config"] = name, dataclasses.asdict(config)

@@ -72,8 +72,6 @@ def test_group_limited_router_replays_exactly_and_routes_uncaptured_tokens_withi
 
 
 def test_mtp_model_is_accepted_decoder_routes_replay_and_mtp_routers_route_live(make_model):
-    from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
     model = make_model(mtp_num_layers=1)
     mtp_router = model.mtp.layers[0].transformer_layer.mlp.router
     decoder_routers = [layer.mlp.router for layer in model.decoder.layers]

@@ -24,6 +24,7 @@ __all__ = [
     "BenchConfig",
     "is_default_shape",
     "make_batch",
+    "max_padded_bytes",
     "sequence_lengths",
 ]
 
@@ -275,3 +276,17 @@ def make_batch(config: BenchConfig) -> Batch:
         padded_bytes=B * T * (row_bytes + 1 + 8),
         packed_bytes=N * (row_bytes + 1) + 4 * (B + 1),
     )
+
+
+def max_padded_bytes(config: BenchConfig) -> int:
+    """The padded batch's bytes at the longest `T` the shape allows (`max_seqlen`): an upper bound.
+
+    Counts `rollout_expert_indices`, `router_padding_mask` and the int64
+    `attention_mask`, as `Batch.padded_bytes` does for a drawn batch.
+
+    Examples:
+        >>> max_padded_bytes(BenchConfig(num_sequences=2, max_seqlen=4, num_layers=3, topk=2))
+        120
+    """
+    row = config.num_layers * config.topk * np.dtype(config.dtype).itemsize
+    return config.num_sequences * config.max_seqlen * (row + 1 + 8)

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from torch_r3.bench.config import BenchConfig
+from torch_r3.bench.config import BenchConfig, max_padded_bytes
 from torch_r3.bench.units import format_gib
 from torch_r3.cpu import cgroup_memory_room
 
@@ -66,7 +66,7 @@ def estimate_memory(config: BenchConfig) -> int:
     L, K = config.num_layers, config.topk
     itemsize = np.dtype(config.dtype).itemsize
     B, T = config.num_sequences, config.max_seqlen
-    output = B * T * (L * K * itemsize + 1 + 8)
+    output = max_padded_bytes(config)
     # uniform has mean max/2; the others are smaller, but bound by the worst case.
     mean_tokens = T if config.distribution != "uniform" else (T + 1) / 2
     inputs = int(B * mean_tokens * L * K * itemsize)
