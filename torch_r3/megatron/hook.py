@@ -332,7 +332,11 @@ class ReplayHook:
         self._microbatch += 1
         routes, mask, cu_seqlens = check_microbatch(batch, self.config.moe_router_topk)
         # Map every router before touching any FIFO, so a bad L leaves no half-installed state.
-        layers = [(r.layer, route_layer_index(r.layer, routes.shape[-2], self._pattern)) for r in self._routers]
+        index = [route_layer_index(r.layer, routes.shape[-2], self._pattern) for r in self._routers]
+        if index != list(range(routes.shape[-2])):
+            # Only this stage's MoE layers are checked, sliced and copied to the device.
+            routes = routes[..., index, :]
+        layers = [(r.layer, j) for j, r in enumerate(self._routers)]  # (global layer, index into routes)
         live = self.uncaptured == "live"
         check_route_values(
             routes, ~mask if live else torch.ones_like(mask), layers, self._num_experts,
@@ -353,9 +357,9 @@ class ReplayHook:
             router_mask = model_mask[:, sequence_parallel_positions(model_mask.shape[1], rank.tp_size, rank.tp_rank)]
         uncaptured = router_mask.transpose(0, 1).reshape(-1)
         grad = torch.is_grad_enabled()
-        for r, (_, index) in zip(self._routers, layers):
+        for r, (_, j) in zip(self._routers, layers):
             target = RouterTarget(
-                indices=router_indices(local, index).contiguous(), uncaptured=uncaptured,
+                indices=router_indices(local, j).contiguous(), uncaptured=uncaptured,
                 live=live, microbatch=microbatch, batch_rows=local.shape[0],
             )
             r.push(target, expect_pop=r.recomputed and grad and r.module.training and not self._forward_only)
