@@ -562,12 +562,11 @@ def _canonical(array: np.ndarray, num_experts: int | None, name: str) -> np.ndar
     """Compact a decoded server array to the narrowest canonical dtype, range-checked."""
     try:
         # The servers do not compact, so the receiver does: compact_routes'
-        # one min/max scan also refuses negative ids and ids >= 2**31, and
-        # writes a fresh array that owns its buffer.
-        routes = compact_routes(array, name=name)
+        # one min/max scan also refuses negative ids, ids >= 2**31 and ids
+        # >= num_experts, and writes a fresh array that owns its buffer.
+        return compact_routes(array, name=name, num_experts=num_experts)
     except ValueError as exc:
         raise WireFormatError(str(exc)) from None
-    return _checked_ids(routes, num_experts, name)
 
 
 def _checked_ids(routes: np.ndarray, num_experts: int | None, name: str) -> np.ndarray:

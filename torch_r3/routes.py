@@ -150,11 +150,7 @@ def check_expert_ids(routes: np.ndarray, num_experts: int | None = None, *, name
     if not isinstance(routes, np.ndarray) or routes.dtype.kind not in "iu":
         got = routes.dtype if isinstance(routes, np.ndarray) else type(routes).__name__
         raise TypeError(f"{name}: expected an integer NumPy array, got {got}")
-    if num_experts is not None:
-        if isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)):
-            raise TypeError(f"{name}: num_experts must be an int or None, got {type(num_experts).__name__}")
-        if num_experts <= 0:
-            raise ValueError(f"{name}: num_experts must be > 0, got {num_experts}")
+    _check_num_experts(num_experts, name)
     if routes.size == 0:
         return routes
     bad = None
@@ -173,7 +169,15 @@ def check_expert_ids(routes: np.ndarray, num_experts: int | None = None, *, name
     return routes
 
 
-def compact_routes(array: Any, *, name: str = "routes") -> np.ndarray:
+def _check_num_experts(num_experts: Any, name: str) -> None:
+    if num_experts is not None:
+        if isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)):
+            raise TypeError(f"{name}: num_experts must be an int or None, got {type(num_experts).__name__}")
+        if num_experts <= 0:
+            raise ValueError(f"{name}: num_experts must be > 0, got {num_experts}")
+
+
+def compact_routes(array: Any, *, name: str = "routes", num_experts: int | None = None) -> np.ndarray:
     """Validate one trajectory's routes and compact them to the narrowest canonical dtype.
 
     The sender-side step: it scans the values once (min and max) so that the
@@ -183,6 +187,9 @@ def compact_routes(array: Any, *, name: str = "routes") -> np.ndarray:
         array: A NumPy array, a CPU/GPU `torch.Tensor` or a tensor-like object
             (see `as_host_array`) `[rows, layers, topk]` of any integer dtype.
         name: What to call the array in error messages.
+        num_experts: Routed experts per MoE layer, when known: the same min/max
+            scan then also refuses ids `>= num_experts`, as `check_expert_ids`
+            would (with its message), without a second pass over the values.
 
     Returns:
         A new C-contiguous, writable array of `uint8`, `int16` or `int32`.
@@ -197,7 +204,12 @@ def compact_routes(array: Any, *, name: str = "routes") -> np.ndarray:
         dtype('uint8')
         >>> compact_routes(np.array([[[300, 1]]])).dtype
         dtype('int16')
+        >>> compact_routes(np.array([[[3, 8]]]), num_experts=8)
+        Traceback (most recent call last):
+            ...
+        ValueError: routes: expert ids must be in [0, num_experts), found 8 at index (0, 0, 1) (num_experts=8)
     """
+    _check_num_experts(num_experts, name)
     a = as_host_array(array, name)
     if a.dtype.kind not in "iu":
         raise TypeError(f"{name}: expected an integer dtype, got {a.dtype}")
@@ -213,6 +225,8 @@ def compact_routes(array: Any, *, name: str = "routes") -> np.ndarray:
             raise ValueError(f"{name}: expert ids must be >= 0, found {lo}")
         if hi > MAX_EXPERT_ID:
             raise ValueError(f"{name}: expert ids must be < 2**31, found {hi}")
+        if num_experts is not None and hi >= num_experts:
+            check_expert_ids(a, num_experts, name=name)  # raises, naming the first offending index
         target = canonical_dtype_for(hi)
     # Always a fresh, writable, C-ordered, native-endian copy: the caller may
     # hand us a view of a buffer it goes on mutating.
