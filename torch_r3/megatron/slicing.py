@@ -363,8 +363,9 @@ def slice_for_rank(
                 f"cu_seqlens covers {positions.numel() * rank.cp_size} tokens, "
                 f"rollout_expert_indices has {routes.shape[0]}"
             )
-        routes = routes[positions.to(routes.device)].unsqueeze(0)
-        padding_mask = padding_mask[positions.to(padding_mask.device)].unsqueeze(0)
+        if rank.cp_size > 1:  # without CP the positions are 0..N-1: no gather (and no copy) needed
+            routes, padding_mask = routes[positions.to(routes.device)], padding_mask[positions.to(padding_mask.device)]
+        routes, padding_mask = routes.unsqueeze(0), padding_mask.unsqueeze(0)
     elif rank.cp_size > 1:
         positions = context_parallel_positions(routes.shape[1], rank.cp_size, rank.cp_rank)
         routes = routes[:, positions.to(routes.device)]
