@@ -159,6 +159,15 @@ def test_the_affinity_mask_limits_usable_cpus(tmp_path, affinity):
     assert cpu.pool_workers(reserve=5, root=tmp_path) == 1
 
 
+def test_processes_sharing_the_cpus_each_get_their_share_of_workers(tmp_path, affinity):
+    affinity(7)  # e.g. inside one of 2 or 3 DataLoader workers
+    write(tmp_path, "proc/self/cgroup", "0::/\n")
+    write(tmp_path, "proc/self/mountinfo", V2_MOUNT)
+    assert [cpu.pool_workers(share=n, root=tmp_path) for n in (1, 2, 3, 8)] == [7, 3, 2, 1]
+    with pytest.raises(ValueError, match="share >= 1"):
+        cpu.pool_workers(share=0, root=tmp_path)
+
+
 @pytest.mark.parametrize("error", [AttributeError, OSError])
 def test_affinity_falls_back_to_cpu_count_where_the_os_has_none(monkeypatch, error):
     def broken(pid):

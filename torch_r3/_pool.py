@@ -17,7 +17,6 @@ helper, and a helper that starts late simply finds no chunk left.
 from __future__ import annotations
 
 import functools
-import math
 import os
 import queue
 import threading
@@ -27,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torch_r3.cpu import DEFAULT_POOL_CAP, ENV_NUM_WORKERS, pool_workers, usable_cpus
+from torch_r3.cpu import ENV_NUM_WORKERS, pool_workers
 
 #: Largest `workers` a call may ask for. Copies are bound by memory bandwidth,
 #: which a few threads per socket saturate; beyond this, threads only contend.
@@ -57,14 +56,10 @@ def check_workers(workers: Any) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _machine_workers(dataloader_workers: int) -> int:
+def _machine_workers(share: int) -> int:
     # Reading the cgroup tree costs ~0.1 ms; the answer does not change while
     # the process runs, so it is read once per process (and again after fork).
-    if dataloader_workers == 0:
-        return pool_workers()
-    # Inside a DataLoader worker the CPUs are already shared by num_workers
-    # processes: give each its share rather than oversubscribing.
-    return max(1, min(DEFAULT_POOL_CAP, math.floor(usable_cpus() / dataloader_workers)))
+    return pool_workers(share=share)
 
 
 def default_workers() -> int:
@@ -72,7 +67,9 @@ def default_workers() -> int:
     if os.environ.get(ENV_NUM_WORKERS, "").strip():
         return pool_workers()  # the override, validated there
     info = torch.utils.data.get_worker_info()
-    return _machine_workers(0 if info is None else info.num_workers)
+    # Inside a DataLoader worker the CPUs are already shared by num_workers
+    # processes: give each its share rather than oversubscribing.
+    return _machine_workers(1 if info is None else info.num_workers)
 
 
 class _Threads:

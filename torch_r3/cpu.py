@@ -267,12 +267,14 @@ def pool_workers(
     *,
     root: str | os.PathLike = "/",
     usable: float | None = None,
+    share: int = 1,
 ) -> int:
-    """Threads for a copy pool: `max(1, min(cap, floor(usable_cpus()) - reserve))`.
+    """Threads for a copy pool: `max(1, min(cap, floor(usable_cpus() / share) - reserve))`.
 
     `TORCH_R3_NUM_WORKERS` (a positive integer) overrides the computation.
     One worker means the kernel runs serially on the calling thread. `usable`
-    is `usable_cpus(root)` when the caller has already read it.
+    is `usable_cpus(root)` when the caller has already read it; `share` is how
+    many processes split the CPUs (a `DataLoader`'s `num_workers`, inside one).
     """
     env = os.environ.get(ENV_NUM_WORKERS)
     if env is not None and env.strip():
@@ -283,12 +285,15 @@ def pool_workers(
         if value < 1:
             raise ValueError(f"{ENV_NUM_WORKERS} must be a positive integer, got {env!r}")
         return value
-    for name, v in (("cap", cap), ("reserve", reserve)):
+    for name, v in (("cap", cap), ("reserve", reserve), ("share", share)):
         if isinstance(v, bool) or not isinstance(v, int):
             raise TypeError(f"pool_workers: {name} must be an int, got {type(v).__name__}")
-    if cap < 1 or reserve < 0:
-        raise ValueError(f"pool_workers: need cap >= 1 and reserve >= 0, got cap={cap}, reserve={reserve}")
-    return max(1, min(cap, math.floor(usable_cpus(root) if usable is None else usable) - reserve))
+    if cap < 1 or reserve < 0 or share < 1:
+        raise ValueError(
+            f"pool_workers: need cap >= 1, reserve >= 0 and share >= 1, got cap={cap}, reserve={reserve}, share={share}"
+        )
+    usable = usable_cpus(root) if usable is None else usable
+    return max(1, min(cap, math.floor(usable / share) - reserve))
 
 
 def cpu_topology() -> dict[str, Any]:
