@@ -128,10 +128,11 @@ def _bench_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         missing = [s for s in (bench.BASELINE, bench.STEADY, bench.MEMCPY) if s not in strategies]
         if missing:
             parser.error(f"--check-targets needs the strategies {missing}")
-    if args.batch_size is not None and not (args.dataloader or args.check_targets):
+    dataloader = args.dataloader or args.check_targets  # the targets judge the DataLoader table too
+    if args.batch_size is not None and not dataloader:
         parser.error("--batch-size only applies with --dataloader")
     batch_size = args.batch_size or bench.DEFAULT_BATCH_SIZE
-    if (args.dataloader or args.check_targets) and batch_size > config.num_sequences:
+    if dataloader and batch_size > config.num_sequences:
         parser.error(f"--batch-size {batch_size} is larger than --num-sequences {config.num_sequences}")
     sweep = (args.sweep or bench.default_sweep(config.num_sequences)) if args.plot else None
     run_plan = bench.plan(config, strategies=strategies, packed_vs_padded=not args.no_packed_compare, sweep=sweep)
@@ -139,8 +140,8 @@ def _bench_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     try:
         bench.check_memory(need, config.label)
         print(f"torch-r3 bench: {config.label}; needs about {need / 2**30:.1f} GiB of memory", file=sys.stderr)
-        result = bench.run(run_plan, dataloader_batch_size=batch_size if args.dataloader or args.check_targets
-                           else None, progress=False if args.no_progress else None)
+        result = bench.run(run_plan, dataloader_batch_size=batch_size if dataloader else None,
+                           progress=False if args.no_progress else None)
     except bench.InsufficientMemoryError as e:
         print(f"torch-r3 bench: refused: {e}", file=sys.stderr)
         return EXIT_MEMORY
@@ -211,7 +212,7 @@ def _cpu() -> dict[str, Any]:
 
 def _warnings(accelerator: dict[str, Any], cpus: dict[str, Any]) -> list[str]:
     """Only what needs fixing: a set-up with no quota and default settings gets none."""
-    from torch_r3.cpu import ENV_NUM_WORKERS
+    from torch_r3.cpu import DEFAULT_POOL_CAP, ENV_NUM_WORKERS
 
     usable = cpus["usable_cpus"]
     fit = max(1, math.floor(usable))
@@ -224,7 +225,7 @@ def _warnings(accelerator: dict[str, Any], cpus: dict[str, Any]) -> list[str]:
         out.append(cpus["pool_workers_error"])
     elif cpus[ENV_NUM_WORKERS] and cpus["pool_workers"] > usable:
         out.append(f"{ENV_NUM_WORKERS}={cpus[ENV_NUM_WORKERS]} asks for more collation threads than the "
-                   f"{usable:g} usable CPUs: unset it (the default is min(8, {fit})) or lower it")
+                   f"{usable:g} usable CPUs: unset it (the default is min({DEFAULT_POOL_CAP}, {fit})) or lower it")
     if accelerator["available"] and not accelerator["pinned_memory"]:
         out.append(accelerator["pinned_memory_note"])
     return out
@@ -253,7 +254,7 @@ def _doctor_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _doctor_text(r: dict[str, Any]) -> str:
-    from torch_r3.cpu import ENV_NUM_WORKERS
+    from torch_r3.cpu import DEFAULT_POOL_CAP, ENV_NUM_WORKERS
 
     def row(name: str, value: object) -> str:
         return f"  {name:<20} {value}"
@@ -275,7 +276,8 @@ def _doctor_text(r: dict[str, Any]) -> str:
     if not cpus["cgroup_quotas"]:
         lines.append(row("cgroup quota", "none found (no cpu.max / cpu.cfs_quota_us limit on this cgroup path)"))
     workers = cpus["pool_workers"]
-    source = f"from {ENV_NUM_WORKERS}={cpus[ENV_NUM_WORKERS]}" if cpus[ENV_NUM_WORKERS] else "min(8, floor(usable CPUs))"
+    source = (f"from {ENV_NUM_WORKERS}={cpus[ENV_NUM_WORKERS]}" if cpus[ENV_NUM_WORKERS]
+              else f"min({DEFAULT_POOL_CAP}, floor(usable CPUs))")
     lines += [
         row("usable CPUs", f"{cpus['usable_cpus']:g} (min of affinity mask and cgroup quota)"),
         row("pool workers", f"{workers} ({source})" if workers is not None else f"invalid ({source})"),
