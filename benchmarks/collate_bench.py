@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """The collation benchmark: the same engine as `torch-r3 bench` (the package `torch_r3.bench`).
 
-    python benchmarks/collate_bench.py                      # the default run
-    python benchmarks/collate_bench.py --json out.json --plot out.png
-    python benchmarks/collate_bench.py --help               # every option
+python benchmarks/collate_bench.py                      # the default run
+python benchmarks/collate_bench.py --json out.json --plot out.png
+python benchmarks/collate_bench.py --help               # every option
 """
 
 import sys

@@ -103,33 +103,48 @@ def check_shape(config: BenchConfig, device: torch.device, batches: int) -> dict
     want = collate_routes(batch.routes, batch.token_counts, pin_memory=False)
     identical = all(torch.equal(in_flight[1][k].cpu(), want[k]) for k in want)
     return {
-        "shape": config.label, "batch_bytes": nbytes, "outputs_pinned": pinned,
-        "collate_s": collate_s, "collate_bytes_per_s": nbytes / collate_s,
-        "copy_s": copy_s, "copy_bytes_per_s": nbytes / copy_s,
+        "shape": config.label,
+        "batch_bytes": nbytes,
+        "outputs_pinned": pinned,
+        "collate_s": collate_s,
+        "collate_bytes_per_s": nbytes / collate_s,
+        "copy_s": copy_s,
+        "copy_bytes_per_s": nbytes / copy_s,
         "card_bytes_per_s": card_bandwidth(nbytes, device),
-        "pipeline_s": pipeline_s, "overlap_hidden": max(0.0, min(1.0, hidden)),
-        "pool": pool.stats(), "identical": identical,
+        "pipeline_s": pipeline_s,
+        "overlap_hidden": max(0.0, min(1.0, hidden)),
+        "pool": pool.stats(),
+        "identical": identical,
     }
 
 
 def _print(r: dict[str, Any]) -> None:
     print(f"\n{r['shape']}: {format_bytes(r['batch_bytes'])} per batch, outputs pinned: {r['outputs_pinned']}")
-    print(f"  collate alone     {r['collate_s'] * 1e3:8.1f} ms  {format_rate(r['collate_bytes_per_s'])} "
-          f"({r['collate_bytes_per_s'] / r['card_bytes_per_s']:.0%} of the card's copy bandwidth)")
-    print(f"  H2D copy alone    {r['copy_s'] * 1e3:8.1f} ms  {format_rate(r['copy_bytes_per_s'])} "
-          f"({r['copy_bytes_per_s'] / r['card_bytes_per_s']:.0%} of the card's "
-          f"{format_rate(r['card_bytes_per_s'])})")
-    print(f"  pipelined         {r['pipeline_s'] * 1e3:8.1f} ms per batch; {r['overlap_hidden']:.0%} of the "
-          f"shorter stage hidden")
+    print(
+        f"  collate alone     {r['collate_s'] * 1e3:8.1f} ms  {format_rate(r['collate_bytes_per_s'])} "
+        f"({r['collate_bytes_per_s'] / r['card_bytes_per_s']:.0%} of the card's copy bandwidth)"
+    )
+    print(
+        f"  H2D copy alone    {r['copy_s'] * 1e3:8.1f} ms  {format_rate(r['copy_bytes_per_s'])} "
+        f"({r['copy_bytes_per_s'] / r['card_bytes_per_s']:.0%} of the card's "
+        f"{format_rate(r['card_bytes_per_s'])})"
+    )
+    print(
+        f"  pipelined         {r['pipeline_s'] * 1e3:8.1f} ms per batch; {r['overlap_hidden']:.0%} of the "
+        f"shorter stage hidden"
+    )
     p = r["pool"]
-    print(f"  pool              {p['misses']} buffers mapped and pinned, {p['hits']} reuses; device batch "
-          f"{'identical to' if r['identical'] else 'DIFFERS from'} the CPU collation")
+    print(
+        f"  pool              {p['misses']} buffers mapped and pinned, {p['hits']} reuses; device batch "
+        f"{'identical to' if r['identical'] else 'DIFFERS from'} the CPU collation"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--ranks", type=int, default=8,
-                        help="data-parallel ranks the production batch is split over (default 8)")
+    parser.add_argument(
+        "--ranks", type=int, default=8, help="data-parallel ranks the production batch is split over (default 8)"
+    )
     parser.add_argument("--batches", type=int, default=6, help="batches per measurement (default 6)")
     parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     args = parser.parse_args(argv)
@@ -153,16 +168,18 @@ def main(argv: list[str] | None = None) -> int:
         except InsufficientMemoryError as e:
             print(f"\n{name}: skipped: {e}")
             continue
-        print(f"\n{name} (host memory: up to {format_gib(need)})",
-              end="", flush=True)
+        print(f"\n{name} (host memory: up to {format_gib(need)})", end="", flush=True)
         r = check_shape(config, device, args.batches)
         r["name"], r["config"] = name, dataclasses.asdict(config)
         _print(r)
         results.append(r)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-                       "results": results}, f, indent=2)
+            json.dump(
+                {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "results": results},
+                f,
+                indent=2,
+            )
     return 0 if all(r["identical"] and r["outputs_pinned"] for r in results) else 1
 
 

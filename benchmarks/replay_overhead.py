@@ -41,8 +41,10 @@ def check_alone(repeat: int) -> None:
         s = _median_seconds(lambda: check_route_values(routes, checked, index, experts, microbatch=0), repeat)
         widen = _median_seconds(lambda: routes.to(torch.int64), repeat)  # what the hook copies anyway
         mib = routes.numel() / 2**20
-        print(f"check_route_values [{b}, {t}, {layers}, {k}] uint8 ({mib:.0f} MiB): {s * 1e3:.1f} ms "
-              f"(widening the same routes to int64: {widen * 1e3:.1f} ms)")
+        print(
+            f"check_route_values [{b}, {t}, {layers}, {k}] uint8 ({mib:.0f} MiB): {s * 1e3:.1f} ms "
+            f"(widening the same routes to int64: {widen * 1e3:.1f} ms)"
+        )
 
 
 def step_with_hook(repeat: int) -> None:
@@ -65,11 +67,21 @@ def step_with_hook(repeat: int) -> None:
     with megatron_on_cpu():
         torch.manual_seed(0)
         config = TransformerConfig(
-            num_layers=layers, hidden_size=64, num_attention_heads=4, num_moe_experts=experts,
-            moe_router_topk=k, moe_token_dispatcher_type="allgather", moe_enable_routing_replay=True,
-            use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-            add_bias_linear=False, pipeline_dtype=torch.float32, recompute_granularity="full",
-            recompute_method="uniform", recompute_num_layers=1,
+            num_layers=layers,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_moe_experts=experts,
+            moe_router_topk=k,
+            moe_token_dispatcher_type="allgather",
+            moe_enable_routing_replay=True,
+            use_cpu_initialization=True,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            add_bias_linear=False,
+            pipeline_dtype=torch.float32,
+            recompute_granularity="full",
+            recompute_method="uniform",
+            recompute_num_layers=1,
         )
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
         model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=t)
@@ -78,11 +90,15 @@ def step_with_hook(repeat: int) -> None:
         for _ in range(m):
             mask = torch.zeros(b, t, dtype=torch.bool)
             mask[:, :16] = True  # left padding
-            batches.append({
-                "input_ids": torch.randint(0, vocab, (b, t), generator=g),
-                "rollout_expert_indices": torch.argsort(torch.rand(b, t, layers, experts, generator=g), -1)[..., :k].to(torch.uint8),
-                "router_padding_mask": mask,
-            })
+            batches.append(
+                {
+                    "input_ids": torch.randint(0, vocab, (b, t), generator=g),
+                    "rollout_expert_indices": torch.argsort(torch.rand(b, t, layers, experts, generator=g), -1)[
+                        ..., :k
+                    ].to(torch.uint8),
+                    "router_padding_mask": mask,
+                }
+            )
 
         def forward_step(data_iterator, model):
             batch = next(data_iterator)
@@ -91,17 +107,31 @@ def step_with_hook(repeat: int) -> None:
             return out, lambda o: (o.float().mean(), {})
 
         def run(hook):
-            hook.forward_backward(get_forward_backward_func(), forward_step_func=forward_step,
-                                  data_iterator=iter(batches), model=[model], num_microbatches=m,
-                                  seq_length=t, micro_batch_size=b)
+            hook.forward_backward(
+                get_forward_backward_func(),
+                forward_step_func=forward_step,
+                data_iterator=iter(batches),
+                model=[model],
+                num_microbatches=m,
+                seq_length=t,
+                micro_batch_size=b,
+            )
 
         index = [(i, i) for i in range(layers)]
-        checks = _median_seconds(lambda: [check_route_values(x["rollout_expert_indices"], ~x["router_padding_mask"], index, experts, microbatch=0) for x in batches], repeat)
+        checks = _median_seconds(
+            lambda: [
+                check_route_values(x["rollout_expert_indices"], ~x["router_padding_mask"], index, experts, microbatch=0)
+                for x in batches
+            ],
+            repeat,
+        )
         for uncaptured in ("live", "replay"):
             with ReplayHook(model, uncaptured=uncaptured) as hook:
                 s = _median_seconds(lambda: run(hook), repeat)
-            print(f"step ({m} microbatches of [{b}, {t}], {layers} MoE layers, uncaptured={uncaptured!r}): "
-                  f"{s * 1e3:.0f} ms; of it the route checks: {checks * 1e3:.2f} ms ({100 * checks / s:.2f}%)")
+            print(
+                f"step ({m} microbatches of [{b}, {t}], {layers} MoE layers, uncaptured={uncaptured!r}): "
+                f"{s * 1e3:.0f} ms; of it the route checks: {checks * 1e3:.2f} ms ({100 * checks / s:.2f}%)"
+            )
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 

@@ -39,8 +39,10 @@ async def rollout(client: RemoteGenerateClient, prompt: list[int], *, turns: int
             tokens, {max_key: 8}, return_routed_experts=True, routed_experts_prompt_start=trace.prompt_start
         )
         trace.record(
-            prompt_len=len(tokens), generated_len=len(result.response_ids),
-            routes=result.routed_experts, weight_version=result.weight_version,
+            prompt_len=len(tokens),
+            generated_len=len(result.response_ids),
+            routes=result.routed_experts,
+            weight_version=result.weight_version,
         )
         tokens += result.response_ids
         if result.finish_reason != "length" or turn == turns - 1:
@@ -53,15 +55,26 @@ async def collect(url: str, args: argparse.Namespace) -> list[dict]:
     rng = random.Random(0)
     prompts = [[rng.randrange(args.vocab_size) for _ in range(12)] for _ in range(args.trajectories)]
     async with RemoteGenerateClient(
-        url, server=args.server, num_layers=args.num_layers, topk=args.topk, num_experts=args.num_experts,
+        url,
+        server=args.server,
+        num_layers=args.num_layers,
+        topk=args.topk,
+        num_experts=args.num_experts,
         # One salt per policy version: no prefix cached by older weights is reused.
         cache_salt=f"policy-v{args.policy_version}",
     ) as client:
-        return await asyncio.gather(*(
-            rollout(client, p, turns=args.turns, max_key=max_key(args.server),
-                    observation=lambda: [rng.randrange(args.vocab_size) for _ in range(3)])
-            for p in prompts
-        ))
+        return await asyncio.gather(
+            *(
+                rollout(
+                    client,
+                    p,
+                    turns=args.turns,
+                    max_key=max_key(args.server),
+                    observation=lambda: [rng.randrange(args.vocab_size) for _ in range(3)],
+                )
+                for p in prompts
+            )
+        )
 
 
 def check_against_one_request(url: str, args: argparse.Namespace, samples: list[dict]) -> None:
@@ -71,8 +84,12 @@ def check_against_one_request(url: str, args: argparse.Namespace, samples: list[
         async with RemoteGenerateClient(url, server=args.server, num_layers=args.num_layers, topk=args.topk) as client:
             for sample in samples:
                 tokens = sample["input_ids"]
-                whole = await client.generate(tokens[:-1], {max_key(args.server): 1}, return_routed_experts=True,
-                                              cache_salt=f"policy-v{args.policy_version}")
+                whole = await client.generate(
+                    tokens[:-1],
+                    {max_key(args.server): 1},
+                    return_routed_experts=True,
+                    cache_salt=f"policy-v{args.policy_version}",
+                )
                 assert np.array_equal(whole.routed_experts, sample["routes"]), "multi-turn routes differ"
 
     asyncio.run(main())
@@ -96,16 +113,22 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from torch_r3.testing import LoopbackServer, TinyMoELM
 
-        model = TinyMoELM(num_layers=args.num_layers, topk=args.topk, num_experts=args.num_experts,
-                          vocab_size=args.vocab_size, first_k_dense=1)
+        model = TinyMoELM(
+            num_layers=args.num_layers,
+            topk=args.topk,
+            num_experts=args.num_experts,
+            vocab_size=args.vocab_size,
+            first_k_dense=1,
+        )
         with LoopbackServer(model, protocol=args.server) as server:
             samples = asyncio.run(collect(server.url, args))
             check_against_one_request(server.url, args, samples)
 
     loader = DataLoader(samples, batch_size=len(samples), collate_fn=R3Collator(pad_token_id=0))
     batch = next(iter(loader))
-    print(f"{args.server}: {len(samples)} trajectories -> "
-          + ", ".join(f"{k} {tuple(v.shape)}" for k, v in batch.items()))
+    print(
+        f"{args.server}: {len(samples)} trajectories -> " + ", ".join(f"{k} {tuple(v.shape)}" for k, v in batch.items())
+    )
     return 0
 
 

@@ -25,8 +25,19 @@ from torch_r3.cpu import cpu_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(num_sequences=6, max_seqlen=40, num_layers=3, topk=2, repeats=1)
-TINY_ARGS = ["--num-sequences", "4", "--max-seqlen", "24", "--num-layers", "2", "--topk", "2", "--repeats", "1",
-             "--no-progress"]
+TINY_ARGS = [
+    "--num-sequences",
+    "4",
+    "--max-seqlen",
+    "24",
+    "--num-layers",
+    "2",
+    "--topk",
+    "2",
+    "--repeats",
+    "1",
+    "--no-progress",
+]
 
 
 @pytest.mark.parametrize("distribution", bench.DISTRIBUTIONS)
@@ -65,8 +76,12 @@ def test_mixed_dtypes_batch_holds_uint8_and_int16_senders():
 
 @pytest.mark.parametrize(
     "shape",
-    [dict(), dict(distribution="typical_rl"), dict(distribution="heavy_tail", mixed_dtypes=True),
-     dict(distribution="mild_ragged", num_experts=300, topk=3)],
+    [
+        dict(),
+        dict(distribution="typical_rl"),
+        dict(distribution="heavy_tail", mixed_dtypes=True),
+        dict(distribution="mild_ragged", num_experts=300, topk=3),
+    ],
     ids=["uniform", "typical_rl", "heavy_tail-mixed", "int16"],
 )
 @pytest.mark.parametrize("workers", [1, 2])
@@ -198,8 +213,18 @@ def test_bench_json_holds_every_strategy_the_topology_and_the_versions(tmp_path,
     data = json.loads(path.read_text())
     assert data["schema_version"] == 2
     assert [s["name"] for s in data["main"]["strategies"]] == list(bench.STRATEGIES)
-    for key in ("median_s", "min_s", "max_s", "times_s", "gb_per_s", "speedup_vs_baseline", "ratio_to_memcpy",
-                "peak_bytes", "peak_ratio", "checked_against"):
+    for key in (
+        "median_s",
+        "min_s",
+        "max_s",
+        "times_s",
+        "gb_per_s",
+        "speedup_vs_baseline",
+        "ratio_to_memcpy",
+        "peak_bytes",
+        "peak_ratio",
+        "checked_against",
+    ):
         assert key in data["main"]["strategies"][0]
     assert data["main"]["config"]["num_sequences"] == 4
     assert {"usable_cpus", "pool_workers", "cgroup_cpu_limit", "OMP_NUM_THREADS"} <= set(data["topology"])
@@ -223,8 +248,19 @@ def test_a_tiny_shape_is_reported_in_small_units_and_called_too_small_to_time(ca
 
 def test_bench_plot_writes_a_png_of_the_sweep(tmp_path):
     png = tmp_path / "chart.png"
-    args = ["bench", *TINY_ARGS, "--plot", str(png), "--sweep", "2,4", "--strategies", "baseline,torch_r3 fresh",
-            "--no-packed-compare", "--json", str(tmp_path / "r.json")]
+    args = [
+        "bench",
+        *TINY_ARGS,
+        "--plot",
+        str(png),
+        "--sweep",
+        "2,4",
+        "--strategies",
+        "baseline,torch_r3 fresh",
+        "--no-packed-compare",
+        "--json",
+        str(tmp_path / "r.json"),
+    ]
     assert cli.main(args) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     sweep = json.loads((tmp_path / "r.json").read_text())["sweep"]
@@ -232,9 +268,11 @@ def test_bench_plot_writes_a_png_of_the_sweep(tmp_path):
 
 
 def test_production_preset_is_refused_with_one_memory_figure(monkeypatch, capsys):
-    monkeypatch.setattr(memory, "available_memory",
-                        lambda: {"available": 16 * 2**30, "mem_available": 16 * 2**30, "cgroup_room": None,
-                                 "cgroup": None})
+    monkeypatch.setattr(
+        memory,
+        "available_memory",
+        lambda: {"available": 16 * 2**30, "mem_available": 16 * 2**30, "cgroup_room": None, "cgroup": None},
+    )
     assert cli.main(["bench", "--preset", "production", "--no-progress"]) == cli.EXIT_MEMORY
     out, err = capsys.readouterr()
     assert out == ""
@@ -262,8 +300,12 @@ def test_bad_bench_options_exit_2_with_a_clear_message(args, message, capsys):
 
 
 def test_benchmarks_script_uses_the_same_engine():
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "collate_bench.py"), "--help"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "collate_bench.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "--preset" in done.stdout and "--mixed-dtypes" in done.stdout
 
@@ -295,7 +337,8 @@ def test_the_dataloader_table_times_every_configuration_and_skips_pinning_withou
     assert result.num_batches == 2 and result.epochs == 1 and result.floor_batch_s > 0
     assert result.gather_floor_batch_s > 0 and result.gather_floor_epoch_s > 0
     assert [(r.num_workers, r.pin_memory, r.collator) for r in result.rows] == [
-        (w, p, c) for w in (0, 2) for p in (False, True) for c in ("fresh", "recycled")]
+        (w, p, c) for w in (0, 2) for p in (False, True) for c in ("fresh", "recycled")
+    ]
     for r in result.rows:
         if r.pin_memory and not accelerator_available():
             assert r.skipped and r.batch_s is None
@@ -311,8 +354,10 @@ def test_the_dataloader_table_times_every_configuration_and_skips_pinning_withou
 
 def _byte_ranges(views, base):
     """Each view's `[start, end)` in bytes from `base`, sorted."""
-    return sorted((v.__array_interface__["data"][0] - base, v.__array_interface__["data"][0] - base + v.nbytes)
-                  for v in views.values())
+    return sorted(
+        (v.__array_interface__["data"][0] - base, v.__array_interface__["data"][0] - base + v.nbytes)
+        for v in views.values()
+    )
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3])
@@ -321,8 +366,9 @@ def test_the_gather_floor_writes_exactly_each_batch_s_padded_layout_from_the_dat
     from torch_r3.bench.dataloader import GatherFloor, RouteSamples
 
     # 20 trajectories: one in 16 carries an EOS (rows = tokens - 2), and the last batch is short.
-    batch = bench.make_batch(bench.BenchConfig(num_sequences=20, max_seqlen=40, num_layers=3, topk=2,
-                                               mixed_dtypes=mixed, seed=5))
+    batch = bench.make_batch(
+        bench.BenchConfig(num_sequences=20, max_seqlen=40, num_layers=3, topk=2, mixed_dtypes=mixed, seed=5)
+    )
     dataset = RouteSamples(batch)
     with GatherFloor(dataset, 8, batch.dtype, workers) as floor:
         counts = batch.token_counts
@@ -340,7 +386,7 @@ def test_the_gather_floor_writes_exactly_each_batch_s_padded_layout_from_the_dat
             ranges = _byte_ranges(got, floor.buffer.ctypes.data)
             assert ranges[0][0] == 0 and ranges[-1][1] == floor.sizes[k]
             assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
-            assert (floor.buffer[floor.sizes[k]:] == 0xA5).all()
+            assert (floor.buffer[floor.sizes[k] :] == 0xA5).all()
     assert floor.pool is None  # the threads are shut down on leaving
 
 
@@ -378,33 +424,86 @@ def test_the_dataloader_samples_share_the_batch_routes():
 # --------------------------------------------------------------------------
 
 
-def synthetic_result(*, steady_s=0.030, memcpy_s=0.027, baseline_s=0.495, loader_ratio=1.2, steady_peak=None,
-                     with_dataloader=True, gather_floor_s=0.008):
+def synthetic_result(
+    *,
+    steady_s=0.030,
+    memcpy_s=0.027,
+    baseline_s=0.495,
+    loader_ratio=1.2,
+    steady_peak=None,
+    with_dataloader=True,
+    gather_floor_s=0.008,
+):
     """A BenchResult of the default shape with chosen medians (input 350 MB, padded output 688 MB)."""
+
     def strategy(name, median, peak=1_000_000_000):
-        return bench.StrategyResult(name=name, times_s=[median], median_s=median, min_s=median, max_s=median,
-                                    bytes_written=688_000_000, gb_per_s=688e6 / median, peak_extra_bytes=0,
-                                    peak_bytes=peak, peak_ratio=None)
+        return bench.StrategyResult(
+            name=name,
+            times_s=[median],
+            median_s=median,
+            min_s=median,
+            max_s=median,
+            bytes_written=688_000_000,
+            gb_per_s=688e6 / median,
+            peak_extra_bytes=0,
+            peak_bytes=peak,
+            peak_ratio=None,
+        )
 
     inp, out = 350_000_000, 688_000_000
     main = bench.ShapeResult(
-        config=dataclasses.asdict(bench.BenchConfig()), label="default", T=8170, tokens=1, input_bytes=inp,
-        padded_bytes=out, packed_bytes=out, workers=2, peak_method="test",
-        strategies=[strategy(bench.BASELINE, baseline_s), strategy(bench.STEADY, steady_s,
-                                                                    steady_peak or inp + 2 * out),
-                    strategy(bench.MEMCPY, memcpy_s)])
+        config=dataclasses.asdict(bench.BenchConfig()),
+        label="default",
+        T=8170,
+        tokens=1,
+        input_bytes=inp,
+        padded_bytes=out,
+        packed_bytes=out,
+        workers=2,
+        peak_method="test",
+        strategies=[
+            strategy(bench.BASELINE, baseline_s),
+            strategy(bench.STEADY, steady_s, steady_peak or inp + 2 * out),
+            strategy(bench.MEMCPY, memcpy_s),
+        ],
+    )
     loader = None
     if with_dataloader:
         batch_s = 0.01 * loader_ratio
-        row = bench.DataLoaderRow(num_workers=0, pin_memory=False, collator="recycled", batch_times_s=[batch_s],
-                                  batch_s=batch_s, batch_min_s=batch_s, batch_max_s=batch_s,
-                                  epoch_times_s=[8 * batch_s], epoch_s=8 * batch_s, ratio_to_floor=loader_ratio,
-                                  ratio_to_gather_floor=batch_s / gather_floor_s if gather_floor_s else None)
-        loader = bench.DataLoaderResult(batch_size=32, num_batches=8, batch_bytes=1, floor_batch_s=0.01,
-                                        floor_epoch_s=0.08, epochs=3, rows=[row], gather_floor_batch_s=gather_floor_s,
-                                        gather_floor_epoch_s=8 * gather_floor_s if gather_floor_s else None)
-    return bench.BenchResult(main=main, packed_vs_padded=None, sweep=[], dataloader=loader,
-                             topology=cpu_topology(), memory_needed_bytes=0, wall_s=1.0, peak_rss_bytes=None)
+        row = bench.DataLoaderRow(
+            num_workers=0,
+            pin_memory=False,
+            collator="recycled",
+            batch_times_s=[batch_s],
+            batch_s=batch_s,
+            batch_min_s=batch_s,
+            batch_max_s=batch_s,
+            epoch_times_s=[8 * batch_s],
+            epoch_s=8 * batch_s,
+            ratio_to_floor=loader_ratio,
+            ratio_to_gather_floor=batch_s / gather_floor_s if gather_floor_s else None,
+        )
+        loader = bench.DataLoaderResult(
+            batch_size=32,
+            num_batches=8,
+            batch_bytes=1,
+            floor_batch_s=0.01,
+            floor_epoch_s=0.08,
+            epochs=3,
+            rows=[row],
+            gather_floor_batch_s=gather_floor_s,
+            gather_floor_epoch_s=8 * gather_floor_s if gather_floor_s else None,
+        )
+    return bench.BenchResult(
+        main=main,
+        packed_vs_padded=None,
+        sweep=[],
+        dataloader=loader,
+        topology=cpu_topology(),
+        memory_needed_bytes=0,
+        wall_s=1.0,
+        peak_rss_bytes=None,
+    )
 
 
 @pytest.mark.parametrize(
@@ -419,8 +518,16 @@ def synthetic_result(*, steady_s=0.030, memcpy_s=0.027, baseline_s=0.495, loader
         (dict(steady_peak=350_000_000 + 2 * 688_000_000 + (1 << 20) + 1), ["steady_peak_memory"]),
         (dict(with_dataloader=False), ["dataloader_vs_floor"]),
     ],
-    ids=["all-met", "steady-slow", "steady-near-floor", "baseline-fast", "loader-slow", "peak-at-bound", "peak-high",
-         "no-loader"],
+    ids=[
+        "all-met",
+        "steady-slow",
+        "steady-near-floor",
+        "baseline-fast",
+        "loader-slow",
+        "peak-at-bound",
+        "peak-high",
+        "no-loader",
+    ],
 )
 def test_each_target_is_judged_against_its_threshold(changes, missed):
     checked = bench.check_targets(synthetic_result(**changes))
@@ -456,8 +563,9 @@ def test_the_gather_floor_is_printed_beside_the_dataloader_target_and_never_judg
 
 
 @pytest.mark.parametrize("changes, code", [(dict(), 0), (dict(steady_s=0.05), 1)])
-def test_check_targets_exits_1_when_a_target_is_missed_and_prints_them_only_then(monkeypatch, capsys, tmp_path,
-                                                                                  changes, code):
+def test_check_targets_exits_1_when_a_target_is_missed_and_prints_them_only_then(
+    monkeypatch, capsys, tmp_path, changes, code
+):
     calls = []
 
     def fake_run(run_plan, **kwargs):
@@ -504,8 +612,13 @@ def test_check_targets_refuses_a_shape_other_than_the_default(capsys):
 
 def test_the_gpu_check_skips_cleanly_without_cuda():
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")], capture_output=True,
-                          text=True, timeout=120, env=env)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr
     assert "skipped: no CUDA device" in done.stdout
 

@@ -65,8 +65,16 @@ def test_doctor_reports_accelerator_and_pinned_memory(tmp_path, capsys):
     if not accelerator["available"]:
         assert accelerator["pinned_memory"] is False
     out = capsys.readouterr().out
-    for line in ("accelerator", "available", "torch built with", "pinned memory", "affinity mask", "usable CPUs",
-                 "pool workers", "torch threads"):
+    for line in (
+        "accelerator",
+        "available",
+        "torch built with",
+        "pinned memory",
+        "affinity mask",
+        "usable CPUs",
+        "pool workers",
+        "torch threads",
+    ):
         assert line in out, line
 
 
@@ -133,7 +141,9 @@ def test_demo_without_megatron_names_the_extra_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "megatron.core", None)  # import megatron.core now fails
     assert cli.main(["demo"]) == 2
     err = capsys.readouterr().err
-    assert err == "torch-r3 demo: megatron-core is not installed; the demo needs pip install 'torch_r3[megatron,client]'\n"
+    assert (
+        err == "torch-r3 demo: megatron-core is not installed; the demo needs pip install 'torch_r3[megatron,client]'\n"
+    )
 
 
 def test_demo_without_aiohttp_names_the_extra_to_install(monkeypatch, capsys):

@@ -136,8 +136,13 @@ def test_bad_arguments_are_refused_before_sending(kwargs, error, words):
 
 @pytest.mark.parametrize(
     ("kwargs", "error"),
-    [({"retries": -1}, ValueError), ({"retries": 1.5}, TypeError), ({"timeout": 0}, ValueError),
-     ({"max_concurrency": 0}, ValueError), ({"backoff": "1"}, TypeError)],
+    [
+        ({"retries": -1}, ValueError),
+        ({"retries": 1.5}, TypeError),
+        ({"timeout": 0}, ValueError),
+        ({"max_concurrency": 0}, ValueError),
+        ({"backoff": "1"}, TypeError),
+    ],
 )
 def test_transport_config_is_validated_up_front(kwargs, error):
     with pytest.raises(error, match=next(iter(kwargs))):

@@ -116,12 +116,16 @@ def rollout(server, turns=5, *, trace=None, **client_kwargs):
         async with client_for(server, **client_kwargs) as client:
             for turn in range(turns):
                 result = await client.generate(
-                    conversation, params(server.protocol, 3), return_routed_experts=True,
+                    conversation,
+                    params(server.protocol, 3),
+                    return_routed_experts=True,
                     routed_experts_prompt_start=trace.prompt_start,
                 )
                 trace.record(
-                    prompt_len=len(conversation), generated_len=len(result.response_ids),
-                    routes=result.routed_experts, weight_version=result.weight_version,
+                    prompt_len=len(conversation),
+                    generated_len=len(result.response_ids),
+                    routes=result.routed_experts,
+                    weight_version=result.weight_version,
                 )
                 conversation = conversation + list(result.response_ids)
                 if turn < turns - 1:  # an observation (tool output) joins the conversation
@@ -142,7 +146,11 @@ def test_five_turn_trace_equals_one_request_over_the_whole_conversation(server):
     np.testing.assert_array_equal(routes, reference(conversation[:-1], 1)[2])
 
 
-@pytest.mark.parametrize("options", [{"sglang_ignores_start": True}, {"sglang_routes_dtype": "uint16"}], ids=["0.5.10-ignores-start", "uint16"])
+@pytest.mark.parametrize(
+    "options",
+    [{"sglang_ignores_start": True}, {"sglang_routes_dtype": "uint16"}],
+    ids=["0.5.10-ignores-start", "uint16"],
+)
 def test_sglang_variants_give_the_same_five_turn_trace(options):
     with LoopbackServer(model(), protocol="sglang", **options) as srv:
         rows0 = srv.stats.route_rows
@@ -163,7 +171,9 @@ def test_a_trace_widens_between_turns_when_ids_pass_255():
             async with client_for(srv, num_experts=300) as client:
                 for _ in range(3):
                     result = await client.generate(
-                        conversation, params(protocol, 3), return_routed_experts=True,
+                        conversation,
+                        params(protocol, 3),
+                        return_routed_experts=True,
                         routed_experts_prompt_start=trace.prompt_start,
                     )
                     dtypes.append(result.routed_experts.dtype.name)
@@ -214,7 +224,10 @@ def test_a_server_restart_during_a_run_loses_and_duplicates_nothing(protocol):
             kwargs = {"retries": 12, "backoff": 0.05, "max_backoff": 0.2, "max_concurrency": 4}
             async with client_for(srv, **kwargs) as client:
                 return await asyncio.gather(
-                    *(client.generate(p, params(protocol, 2), return_routed_experts=True, session_id=k) for k, p in prompts.items())
+                    *(
+                        client.generate(p, params(protocol, 2), return_routed_experts=True, session_id=k)
+                        for k, p in prompts.items()
+                    )
                 )
 
         results = asyncio.run(run())
@@ -300,11 +313,16 @@ def test_a_rollout_across_a_weight_update_is_refused_by_the_trace_naming_both_ve
     async def turn(client):
         nonlocal conversation
         result = await client.generate(
-            conversation, params(protocol, 2), return_routed_experts=True, routed_experts_prompt_start=trace.prompt_start
+            conversation,
+            params(protocol, 2),
+            return_routed_experts=True,
+            routed_experts_prompt_start=trace.prompt_start,
         )
         trace.record(
-            prompt_len=len(conversation), generated_len=len(result.response_ids),
-            routes=result.routed_experts, weight_version=result.weight_version,
+            prompt_len=len(conversation),
+            generated_len=len(result.response_ids),
+            routes=result.routed_experts,
+            weight_version=result.weight_version,
         )
         conversation = conversation + list(result.response_ids) + [7]
 

@@ -57,7 +57,9 @@ def run_against(handler, call, *, path=GENERATE_PATH, client_kwargs=None):
 
 
 def generate_against(handler, *, client_kwargs=None, **kwargs):
-    return run_against(handler, lambda c: c.generate([1, 2, 3], {"max_new_tokens": 2}, **kwargs), client_kwargs=client_kwargs)
+    return run_against(
+        handler, lambda c: c.generate([1, 2, 3], {"max_new_tokens": 2}, **kwargs), client_kwargs=client_kwargs
+    )
 
 
 # -- base_url is checked at construction -------------------------------------------
@@ -198,8 +200,10 @@ def test_max_response_bytes_is_validated():
 
 @pytest.mark.parametrize(
     ("params", "error", "words"),
-    [({"max_new_tokens": np.int64(2)}, TypeError, "int64 is not JSON serializable"),
-     ({"temperature": float("nan")}, ValueError, "not JSON compliant")],
+    [
+        ({"max_new_tokens": np.int64(2)}, TypeError, "int64 is not JSON serializable"),
+        ({"temperature": float("nan")}, ValueError, "not JSON compliant"),
+    ],
 )
 def test_sampling_params_json_cannot_carry_are_refused_before_sending(params, error, words):
     async def main():

@@ -121,7 +121,12 @@ def test_an_sglang_that_ignored_the_start_is_sliced_to_the_same_rows():
 def expected_request(server, case):
     prompt, start = case["call"]["prompt"], case["call"]["start"]
     if server == "sglang":
-        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 3}, "return_logprob": True, "return_routed_experts": True}
+        body = {
+            "input_ids": prompt,
+            "sampling_params": {"max_new_tokens": 3},
+            "return_logprob": True,
+            "return_routed_experts": True,
+        }
         if start:
             body["routed_experts_start_len"] = start
         return body
@@ -139,7 +144,11 @@ def test_the_client_sends_the_servers_fields_and_reads_the_recording(server, cas
     with warnings.catch_warnings():
         warnings.simplefilter("error", ZeroRoutesWarning)  # dense layer 0 is all zero by design
         result = ask_recording(
-            server, case["response"], (case["call"]["prompt"], params, kwargs), {"moe_layers": [1, 2], **case["client"]}, seen
+            server,
+            case["response"],
+            (case["call"]["prompt"], params, kwargs),
+            {"moe_layers": [1, 2], **case["client"]},
+            seen,
         )
     assert seen == [expected_request(server, case)]
     check_against_expected(result, case["expected"])
@@ -233,7 +242,9 @@ def test_sglang_has_no_model_field():
         PROTOCOLS["sglang"].request_body(GenerateCall([1], {}, False, model="m"))
 
 
-@pytest.mark.parametrize(("server", "field"), [("torch_r3", "cache_salt"), ("sglang", "extra_key"), ("vllm", "cache_salt")])
+@pytest.mark.parametrize(
+    ("server", "field"), [("torch_r3", "cache_salt"), ("sglang", "extra_key"), ("vllm", "cache_salt")]
+)
 def test_the_salt_travels_in_each_servers_own_field_and_only_when_set(server, field):
     protocol = PROTOCOLS[server]
     salted = protocol.request_body(GenerateCall([1, 2], {}, True, 1, cache_salt="v4"))
@@ -249,10 +260,34 @@ def test_the_salt_travels_in_each_servers_own_field_and_only_when_set(server, fi
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=True) | st.text(max_size=12),
-    lambda children: st.lists(children, max_size=5) | st.dictionaries(st.sampled_from(
-        ["choices", "token_ids", "finish_reason", "logprobs", "routed_experts", "output_ids", "meta_info",
-         "output_token_logprobs", "routed_experts_dtype", "weight_version", "content", "token_id", "logprob",
-         "type", "data", "shape", "dtype"]), children, max_size=6),
+    lambda children: (
+        st.lists(children, max_size=5)
+        | st.dictionaries(
+            st.sampled_from(
+                [
+                    "choices",
+                    "token_ids",
+                    "finish_reason",
+                    "logprobs",
+                    "routed_experts",
+                    "output_ids",
+                    "meta_info",
+                    "output_token_logprobs",
+                    "routed_experts_dtype",
+                    "weight_version",
+                    "content",
+                    "token_id",
+                    "logprob",
+                    "type",
+                    "data",
+                    "shape",
+                    "dtype",
+                ]
+            ),
+            children,
+            max_size=6,
+        )
+    ),
     max_leaves=40,
 )
 
@@ -272,6 +307,8 @@ def test_a_damaged_recording_through_the_client_is_a_remote_generate_error_namin
     case = by_name("sglang", "small")
     case["response"]["output_ids"] = "abc"
     args = ([11, 12, 13, 14], {}, {"return_routed_experts": True})
-    with pytest.raises(RemoteGenerateError, match=r"/generate: response breaks the sglang format: response.output_ids") as info:
+    with pytest.raises(
+        RemoteGenerateError, match=r"/generate: response breaks the sglang format: response.output_ids"
+    ) as info:
         ask_recording("sglang", case["response"], args, case["client"])
     assert isinstance(info.value.__cause__, WireFormatError)

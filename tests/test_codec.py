@@ -19,12 +19,14 @@ from torch_r3.codec import decode_sglang_routes, decode_vllm_routes, encode_rout
 
 def _envelope(array: np.ndarray) -> dict:
     # Independent reference encoder: plain numpy bytes + stdlib base64.
-    return {"data": base64.b64encode(array.astype(array.dtype.newbyteorder("<")).tobytes()).decode(), "shape": list(array.shape), "dtype": array.dtype.name}
+    return {
+        "data": base64.b64encode(array.astype(array.dtype.newbyteorder("<")).tobytes()).decode(),
+        "shape": list(array.shape),
+        "dtype": array.dtype.name,
+    }
 
 
-@pytest.mark.parametrize(
-    ("high", "dtype"), [(2**8, np.uint8), (2**15, np.int16), (2**31 - 1, np.int32)]
-)
+@pytest.mark.parametrize(("high", "dtype"), [(2**8, np.uint8), (2**15, np.int16), (2**31 - 1, np.int32)])
 def test_round_trip_compacts_to_the_narrowest_dtype(high, dtype):
     rng = np.random.default_rng(0)
     routes = rng.integers(0, high, size=(7, 3, 2), dtype=np.int64)
@@ -134,13 +136,28 @@ def test_sglang_form_decodes_and_compacts():
     ("value", "kwargs", "error", "words"),
     [
         (_sglang(np.zeros((3, 4, 2))), {"num_layers": 5, "topk": 2}, WireFormatError, "whole number of int32 rows"),
-        (_sglang(np.zeros((3, 4, 2))), {"num_layers": 4, "topk": 2, "num_tokens": 4}, WireFormatError, "expected 4 rows"),
+        (
+            _sglang(np.zeros((3, 4, 2))),
+            {"num_layers": 4, "topk": 2, "num_tokens": 4},
+            WireFormatError,
+            "expected 4 rows",
+        ),
         (_sglang(-np.ones((1, 1, 1))), {"num_layers": 1, "topk": 1}, WireFormatError, ">= 0"),
         (_sglang(np.full((1, 1, 1), 8)), {"num_layers": 1, "topk": 1, "num_experts": 8}, WireFormatError, "found 8"),
         ({"meta_info": {}}, {"num_layers": 1, "topk": 1}, WireFormatError, "return_routed_experts"),
         ({"meta_info": []}, {"num_layers": 1, "topk": 1}, WireFormatError, "meta_info to be a mapping"),
-        ({"routed_experts": "AAAA", "routed_experts_dtype": "int64"}, {"num_layers": 1, "topk": 1}, WireFormatError, "routed_experts_dtype"),
-        ({"routed_experts": "AAAA", "routed_experts_dtype": "uint8"}, {"num_layers": 1, "topk": 1, "dtype": "int32"}, WireFormatError, "advertises"),
+        (
+            {"routed_experts": "AAAA", "routed_experts_dtype": "int64"},
+            {"num_layers": 1, "topk": 1},
+            WireFormatError,
+            "routed_experts_dtype",
+        ),
+        (
+            {"routed_experts": "AAAA", "routed_experts_dtype": "uint8"},
+            {"num_layers": 1, "topk": 1, "dtype": "int32"},
+            WireFormatError,
+            "advertises",
+        ),
         ([0, 1], {"num_layers": 1, "topk": 2}, WireFormatError, "list-form"),
         (None, {"num_layers": 1, "topk": 2}, WireFormatError, "expected a base64 string"),
         ("AAA", {"num_layers": 1, "topk": 1}, WireFormatError, "invalid base64"),
@@ -188,7 +205,9 @@ def test_an_oversized_declared_shape_is_refused_before_anything_is_allocated():
 
 
 def test_a_declared_size_under_the_cap_but_above_the_data_is_refused_before_allocating():
-    raised, peak = _peak_bytes(decode_routes, {"data": "AAAA", "shape": [1000, 1000, 100], "dtype": "uint8"}, max_bytes=1 << 30)
+    raised, peak = _peak_bytes(
+        decode_routes, {"data": "AAAA", "shape": [1000, 1000, 100], "dtype": "uint8"}, max_bytes=1 << 30
+    )
     assert isinstance(raised, WireFormatError) and "base64 decodes to 3 bytes" in str(raised)
     assert peak < 1 << 20
 
@@ -283,7 +302,9 @@ def test_base64_decoded_length_matches_the_stdlib_decode(n):
     assert base64_decoded_length(text.encode()) == n
 
 
-@pytest.mark.parametrize(("text", "words"), [("AAA", "multiple of 4"), ("AAA\u00e9", "non-ASCII"), (12, "expected a base64 string")])
+@pytest.mark.parametrize(
+    ("text", "words"), [("AAA", "multiple of 4"), ("AAA\u00e9", "non-ASCII"), (12, "expected a base64 string")]
+)
 def test_base64_decoded_length_refuses_what_cannot_be_base64(text, words):
     with pytest.raises(WireFormatError, match=words):
         base64_decoded_length(text, name="meta_info.routed_experts")
@@ -359,16 +380,36 @@ def _npy_raw(header: str, data: bytes = b"", version: int = 1) -> str:
         (_npy(np.full((2, 1, 1), 300, np.uint16)), {"num_experts": 256}, "found 300"),
         (_npy_raw("{'descr': '|O', 'fortran_order': False, 'shape': (1, 1, 1), }"), {}, "integer dtype"),
         (_npy_raw("{'descr': [('a', '<i4')], 'fortran_order': False, 'shape': (1,), }"), {}, "integer dtype"),
-        (_npy_raw("{'descr': '<u2', 'fortran_order': False, 'shape': (1, 1, 1), }", b"\x00"), {}, "declares 2 data bytes"),
+        (
+            _npy_raw("{'descr': '<u2', 'fortran_order': False, 'shape': (1, 1, 1), }", b"\x00"),
+            {},
+            "declares 2 data bytes",
+        ),
         (_npy_raw("{'descr': '<u2', 'fortran_order': False, 'shape': (1, 1, 1), }", b"\x00" * 3), {}, "but 3 follow"),
         (_npy_raw("{'descr': '<u2', 'fortran_order': False, 'shape': (1000000, 1000, 1000), }"), {}, "over the cap"),
-        (_npy_raw("{'descr': '<u2', 'fortran_order': 0, 'shape': (1, 1, 1), }", b"\x00\x00"), {}, "fortran_order must be a bool"),
-        (_npy_raw("{'descr': '<u2', 'fortran_order': False, 'shape': (1, True, 1), }", b"\x00\x00"), {}, "shape must be a tuple"),
-        (_npy_raw("{'descr': '<u2', 'fortran_order': False, 'shape': (1, -1, 1), }", b"\x00\x00"), {}, "shape must be a tuple"),
+        (
+            _npy_raw("{'descr': '<u2', 'fortran_order': 0, 'shape': (1, 1, 1), }", b"\x00\x00"),
+            {},
+            "fortran_order must be a bool",
+        ),
+        (
+            _npy_raw("{'descr': '<u2', 'fortran_order': False, 'shape': (1, True, 1), }", b"\x00\x00"),
+            {},
+            "shape must be a tuple",
+        ),
+        (
+            _npy_raw("{'descr': '<u2', 'fortran_order': False, 'shape': (1, -1, 1), }", b"\x00\x00"),
+            {},
+            "shape must be a tuple",
+        ),
         (_npy_raw("{'descr': '<u2', 'shape': (1, 1, 1)}", b"\x00\x00"), {}, "exactly descr"),
         (_npy_raw("__import__('os').system('true')"), {}, "not a Python literal"),
         (_npy_raw("(" * 300 + ")" * 300), {}, "not a Python literal"),
-        (_npy_raw("{'descr': '<u2', 'fortran_order': False, 'shape': (1, 1, 1), }", b"\x00\x00", version=9), {}, "format version 9"),
+        (
+            _npy_raw("{'descr': '<u2', 'fortran_order': False, 'shape': (1, 1, 1), }", b"\x00\x00", version=9),
+            {},
+            "format version 9",
+        ),
         (_npy_raw("{'descr'"), {}, "not a Python literal"),
         (base64.b64encode(b"\x93NUMPY\x01\x00\xff\xff{").decode(), {}, "too long or truncated"),
         (base64.b64encode(b"PK\x03\x04 a zip, not npy").decode(), {}, "missing the \\x93NUMPY magic"),

@@ -48,9 +48,9 @@ base64_text = st.one_of(
 )
 
 route_arrays = st.builds(
-    lambda rows, layers, topk, dtype, low, high, seed: np.random.default_rng(seed)
-    .integers(low, high, size=(rows, layers, topk))
-    .astype(dtype),
+    lambda rows, layers, topk, dtype, low, high, seed: (
+        np.random.default_rng(seed).integers(low, high, size=(rows, layers, topk)).astype(dtype)
+    ),
     rows=st.integers(0, 6),
     layers=st.sampled_from([1, 2, 2, 3, 0]),
     topk=st.sampled_from([1, 2, 2, 0]),
@@ -115,9 +115,16 @@ npy_files = st.one_of(
     ),
     st.builds(
         _npy_file,
-        descr=st.one_of(st.sampled_from(["|u1", "<u2", ">u2", "<i2", "<i4", "<i8", "|b1", "<f4", "|O", "<U3", "<V2"]), st.text(max_size=6)),
+        descr=st.one_of(
+            st.sampled_from(["|u1", "<u2", ">u2", "<i2", "<i4", "<i8", "|b1", "<f4", "|O", "<U3", "<V2"]),
+            st.text(max_size=6),
+        ),
         fortran=st.sampled_from([False, True, 0, None]),
-        shape=st.one_of(st.tuples(dims.filter(lambda d: isinstance(d, int))), st.lists(st.integers(-2, 10**12), max_size=4).map(tuple), json_values),
+        shape=st.one_of(
+            st.tuples(dims.filter(lambda d: isinstance(d, int))),
+            st.lists(st.integers(-2, 10**12), max_size=4).map(tuple),
+            json_values,
+        ),
         data=st.binary(max_size=512),
         version=st.sampled_from([1, 2, 3]),
     ),
@@ -151,9 +158,16 @@ def _assert_canonical(result):
 
 
 @FUZZ
-@given(envelope=envelopes, num_layers=st.sampled_from([None, 1, 3]), topk=st.sampled_from([None, 2]), num_experts=st.sampled_from([None, 1, 300]))
+@given(
+    envelope=envelopes,
+    num_layers=st.sampled_from([None, 1, 3]),
+    topk=st.sampled_from([None, 2]),
+    num_experts=st.sampled_from([None, 1, 300]),
+)
 def test_decode_routes_raises_only_wire_format_errors_within_the_cap(envelope, num_layers, topk, num_experts):
-    result = _decode_within_bounds(decode_routes, envelope, max_bytes=CAP, num_layers=num_layers, topk=topk, num_experts=num_experts)
+    result = _decode_within_bounds(
+        decode_routes, envelope, max_bytes=CAP, num_layers=num_layers, topk=topk, num_experts=num_experts
+    )
     _assert_canonical(result)
     if result is not None and num_layers is not None:
         assert result.shape[1] == num_layers
@@ -179,14 +193,23 @@ def test_a_nearly_valid_envelope_decodes_to_its_bytes_or_is_refused(envelope):
         route_arrays.map(lambda a: base64.b64encode(a.astype("<i4").tobytes()).decode()),
         base64_text,
         json_values,
-        st.fixed_dictionaries({"routed_experts": base64_text, "routed_experts_dtype": st.one_of(st.none(), st.sampled_from(["uint8", "uint16", "int32"]), json_values)}),
+        st.fixed_dictionaries(
+            {
+                "routed_experts": base64_text,
+                "routed_experts_dtype": st.one_of(
+                    st.none(), st.sampled_from(["uint8", "uint16", "int32"]), json_values
+                ),
+            }
+        ),
     ),
     num_layers=st.integers(1, 4),
     topk=st.integers(1, 3),
     dtype=st.sampled_from([None, "uint8", "uint16", "int32"]),
 )
 def test_decode_sglang_routes_raises_only_wire_format_errors_within_the_cap(value, num_layers, topk, dtype):
-    result = _decode_within_bounds(decode_sglang_routes, value, num_layers=num_layers, topk=topk, dtype=dtype, max_bytes=CAP)
+    result = _decode_within_bounds(
+        decode_sglang_routes, value, num_layers=num_layers, topk=topk, dtype=dtype, max_bytes=CAP
+    )
     _assert_canonical(result)
     if result is not None:
         assert result.shape[1:] == (num_layers, topk)
@@ -197,7 +220,9 @@ def test_decode_sglang_routes_raises_only_wire_format_errors_within_the_cap(valu
 def test_decode_vllm_routes_raises_only_wire_format_errors_within_the_cap(file, known, num_experts):
     layers, topk = known if known else (None, None)
     text = base64.b64encode(file).decode()
-    result = _decode_within_bounds(decode_vllm_routes, text, num_layers=layers, topk=topk, num_experts=num_experts, max_bytes=CAP)
+    result = _decode_within_bounds(
+        decode_vllm_routes, text, num_layers=layers, topk=topk, num_experts=num_experts, max_bytes=CAP
+    )
     _assert_canonical(result)
     if result is not None:
         # Independent reference: NumPy's own reader, safe mode, must agree on the values.
@@ -242,7 +267,9 @@ def test_an_honest_payload_over_the_cap_is_refused_by_every_decoder_before_alloc
     # Declared sizes far past the cap, carried by a few bytes: nothing is allocated by the declaration.
     small = base64.b64encode(bytes(12)).decode()
     header = {"descr": "<u2", "fortran_order": False, "shape": (rows, 4, 2)}
-    npy = base64.b64encode(b"\x93NUMPY\x01\x00" + len(repr(header)).to_bytes(2, "little") + repr(header).encode()).decode()
+    npy = base64.b64encode(
+        b"\x93NUMPY\x01\x00" + len(repr(header)).to_bytes(2, "little") + repr(header).encode()
+    ).decode()
     for decode, args, kwargs in [
         (decode_routes, ({"data": small, "shape": [rows, 4, 2], "dtype": "int32"},), {}),
         (decode_vllm_routes, (npy,), {}),

@@ -41,7 +41,10 @@ def force_pool(monkeypatch):
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("padding", ["arange", "balanced"])
-@pytest.mark.parametrize("dtypes", [[np.uint8] * 3, [np.int16] * 3, [np.int32] * 3, [np.uint8, np.int16, np.uint8], [np.int32, np.uint8, np.int16]])
+@pytest.mark.parametrize(
+    "dtypes",
+    [[np.uint8] * 3, [np.int16] * 3, [np.int32] * 3, [np.uint8, np.int16, np.uint8], [np.int32, np.uint8, np.int16]],
+)
 def test_matches_reference_for_every_layout_padding_and_dtype_mix(layout, padding, dtypes):
     rng = np.random.default_rng(0)
     counts = [5, 9, 1]
@@ -49,7 +52,9 @@ def test_matches_reference_for_every_layout_padding_and_dtype_mix(layout, paddin
     routes = [make_routes(rng, r, 3, 2, d) for r, d in zip(rows, dtypes)]
     kw = dict(layout=layout, padding=padding, num_experts=5 if padding == "balanced" else None)
     got = collate_routes(routes, counts, **kw)
-    assert_batch_equal(got, reference_collate_routes(routes, counts, layout=layout, padding=padding, num_experts=kw["num_experts"]))
+    assert_batch_equal(
+        got, reference_collate_routes(routes, counts, layout=layout, padding=padding, num_experts=kw["num_experts"])
+    )
 
 
 def test_mixed_batch_promotes_to_widest_dtype_by_dtype_alone():
@@ -146,7 +151,12 @@ def test_property_random_batches_match_reference(data):
         counts.append(n)
         routes.append(make_routes(np.random.default_rng(seed), r, L, K, dtype))
     got = collate_routes(routes, counts, layout=layout, padding=padding, num_experts=E, pad_to_multiple_of=pad_to)
-    assert_batch_equal(got, reference_collate_routes(routes, counts, layout=layout, pad_to_multiple_of=pad_to, padding=padding, num_experts=E))
+    assert_batch_equal(
+        got,
+        reference_collate_routes(
+            routes, counts, layout=layout, pad_to_multiple_of=pad_to, padding=padding, num_experts=E
+        ),
+    )
 
 
 def test_balanced_padding_uses_every_expert_and_distinct_experts_per_row():
@@ -175,7 +185,13 @@ GOOD = np.zeros((2, 3, 2), np.uint8)
         ([GOOD, GOOD.astype(">i2")], [2, 2], {}, ValueError, r"routes\[1\].*>i2"),
         ([GOOD, np.zeros((2, 4, 2), np.uint8)], [2, 2], {}, ValueError, r"routes\[1\]: expected \[rows, 3, 2\]"),
         ([np.zeros((2, 3, 0), np.uint8)], [2], {}, ValueError, "topk must be > 0"),
-        ([GOOD, np.zeros((2, 3), np.uint8)], [2, 2], {}, ValueError, r"routes\[1\]: expected shape \[rows, layers, topk\]"),
+        (
+            [GOOD, np.zeros((2, 3), np.uint8)],
+            [2, 2],
+            {},
+            ValueError,
+            r"routes\[1\]: expected shape \[rows, layers, topk\]",
+        ),
         ([GOOD, GOOD], [2, 1], {}, ValueError, r"routes\[1\]: 2 route rows for 1 tokens"),
         ([GOOD, GOOD], [2, 0], {}, ValueError, r"token_counts\[1\]: expected a positive"),
         ([GOOD, GOOD], [2, -3], {}, ValueError, r"token_counts\[1\]: expected a positive"),
@@ -189,7 +205,13 @@ GOOD = np.zeros((2, 3, 2), np.uint8)
         ([GOOD], [2], {"pad_to_multiple_of": 0}, ValueError, "pad_to_multiple_of must be >= 1"),
         ([GOOD], [2], {"layout": "packed", "pad_to_multiple_of": 8}, ValueError, "padded' only"),
         ([GOOD], [2], {"workers": 0}, ValueError, "workers must be >= 1"),
-        ([GOOD], [2], {"out": torch.empty(1, 3, 3, 2, dtype=torch.uint8)}, ValueError, r"out\['rollout_expert_indices'\]: expected shape \[1, 2, 3, 2\]"),
+        (
+            [GOOD],
+            [2],
+            {"out": torch.empty(1, 3, 3, 2, dtype=torch.uint8)},
+            ValueError,
+            r"out\['rollout_expert_indices'\]: expected shape \[1, 2, 3, 2\]",
+        ),
         ([GOOD], [2], {"out": torch.empty(1, 2, 3, 2, dtype=torch.int16)}, ValueError, "dtype torch.uint8"),
         ([GOOD], [2], {"out": {"bogus": torch.empty(1)}}, ValueError, "unexpected key 'bogus'"),
         ([GOOD], [2], {"out": np.empty((1, 2, 3, 2), np.uint8)}, TypeError, "out: expected a tensor"),
@@ -207,7 +229,8 @@ def test_bad_input_is_rejected_with_a_message_naming_the_sample(routes, counts, 
 
 
 @pytest.mark.parametrize(
-    "max_id, dtype", [(0, np.uint8), (255, np.uint8), (256, np.int16), (2**15 - 1, np.int16), (2**15, np.int32), (2**31 - 1, np.int32)]
+    "max_id, dtype",
+    [(0, np.uint8), (255, np.uint8), (256, np.int16), (2**15 - 1, np.int16), (2**15, np.int32), (2**31 - 1, np.int32)],
 )
 @pytest.mark.parametrize("src", [np.int64, np.uint64, np.int32])
 def test_compact_routes_picks_the_narrowest_canonical_dtype(max_id, dtype, src):
@@ -261,7 +284,9 @@ def make_samples(seed=0, n_samples=6, L=3, K=2, big=False):
         dtype = ORDER[i % 2]  # mix uint8 and int16
         samples.append(
             {
-                "input_ids": rng.integers(1, 1000, size=n).tolist() if i % 3 else torch.from_numpy(rng.integers(1, 1000, size=n)),
+                "input_ids": rng.integers(1, 1000, size=n).tolist()
+                if i % 3
+                else torch.from_numpy(rng.integers(1, 1000, size=n)),
                 "routes": make_routes(rng, r, L, K, dtype),
                 "loss_mask": rng.integers(0, 2, size=n).astype(np.float32),
                 "reward": float(rng.random()),
@@ -286,7 +311,10 @@ def test_collator_matches_reference(layout):
 
 def test_collator_reads_custom_routes_and_tokens_keys_and_drops_them_from_the_batch():
     rng = np.random.default_rng(0)
-    samples = [{"tok": [1, 2, 3], "r": make_routes(rng, 2, 1, 1, np.uint8)}, {"tok": [4], "r": make_routes(rng, 0, 1, 1, np.uint8)}]
+    samples = [
+        {"tok": [1, 2, 3], "r": make_routes(rng, 2, 1, 1, np.uint8)},
+        {"tok": [4], "r": make_routes(rng, 0, 1, 1, np.uint8)},
+    ]
     got = R3Collator(routes_key="r", tokens_key="tok", pad_token_id=-1)(samples)
     assert got["input_ids"].tolist() == [[1, 2, 3], [-1, -1, 4]]
     assert "tok" not in got and "r" not in got
@@ -297,11 +325,19 @@ def test_collator_reads_custom_routes_and_tokens_keys_and_drops_them_from_the_ba
     [
         (lambda s: s[1].pop("routes"), ValueError, "sample 1: missing key 'routes'"),
         (lambda s: s[2].pop("input_ids"), ValueError, "sample 2: missing key 'input_ids'"),
-        (lambda s: s[1].__setitem__("loss_mask", np.zeros(99, np.float32)), ValueError, "sample 1: 'loss_mask' has 99 entries"),
+        (
+            lambda s: s[1].__setitem__("loss_mask", np.zeros(99, np.float32)),
+            ValueError,
+            "sample 1: 'loss_mask' has 99 entries",
+        ),
         (lambda s: s[0].__setitem__("input_ids", [1.5, 2.5]), TypeError, "sample 0: 'input_ids' must hold integer"),
         (lambda s: s[0].__setitem__("input_ids", []), ValueError, "sample 0: 'input_ids' is empty"),
         (lambda s: s[3].__setitem__("input_ids", "abc"), TypeError, "sample 3: 'input_ids' must be a list"),
-        (lambda s: s[1].__setitem__("routes", s[1]["routes"].astype(np.int64)), ValueError, r"routes\[1\].*int64.*'routes'"),
+        (
+            lambda s: s[1].__setitem__("routes", s[1]["routes"].astype(np.int64)),
+            ValueError,
+            r"routes\[1\].*int64.*'routes'",
+        ),
         (lambda s: s[4].__setitem__("extra", 1), ValueError, "sample 4: keys differ"),
         (lambda s: s.__setitem__(2, [1, 2]), TypeError, "sample 2: expected a mapping"),
     ],
@@ -488,7 +524,9 @@ def test_a_sample_key_equal_to_an_output_key_is_refused_not_overwritten(layout, 
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
-@pytest.mark.parametrize("padding, experts, topk", [("balanced", 300, 2), ("balanced", 40000, 4), ("arange", None, 300)])
+@pytest.mark.parametrize(
+    "padding, experts, topk", [("balanced", 300, 2), ("balanced", 40000, 4), ("arange", None, 300)]
+)
 def test_padding_ids_beyond_the_input_dtype_widen_the_output_instead_of_wrapping(layout, padding, experts, topk):
     rng = np.random.default_rng(8)
     routes = [make_routes(rng, 2, 2, topk, np.uint8), make_routes(rng, 0, 2, topk, np.uint8)]
@@ -506,7 +544,11 @@ def test_numpy_integers_are_accepted_wherever_python_ints_are():
     kwargs = dict(padding="balanced", num_experts=np.int64(8), pad_to_multiple_of=np.int32(4), workers=np.int64(2))
     got = R3Collator(pad_token_id=np.int64(5), pad_keys={"loss_mask": np.float32(0.5)}, **kwargs)(samples)
     want = reference_r3_collator(
-        samples, pad_token_id=5, pad_keys={"loss_mask": (0.5, np.float32)}, padding="balanced", num_experts=8,
+        samples,
+        pad_token_id=5,
+        pad_keys={"loss_mask": (0.5, np.float32)},
+        padding="balanced",
+        num_experts=8,
         pad_to_multiple_of=4,
     )
     assert_batch_equal(got, want)

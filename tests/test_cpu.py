@@ -71,7 +71,9 @@ def test_an_unlimited_v2_quota_means_no_limit(tmp_path, affinity):
 
 def test_a_v1_cfs_quota_limits_usable_cpus(tmp_path, affinity):
     write(tmp_path, "proc/self/cgroup", "5:memory:/x\n4:cpu,cpuacct:/docker/abc\n")
-    write(tmp_path, "proc/self/mountinfo", "40 31 0:37 / /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n")
+    write(
+        tmp_path, "proc/self/mountinfo", "40 31 0:37 / /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n"
+    )
     write(tmp_path, "sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_quota_us", "250000\n")
     write(tmp_path, "sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_period_us", "100000\n")
     write(tmp_path, "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us", "-1\n")

@@ -33,7 +33,11 @@ def site(tmp_path_factory) -> dict[str, str]:
     out = tmp_path_factory.mktemp("site")
     done = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--site-dir", str(out), "--config-file", str(ROOT / "mkdocs.yml")],
-        capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )
     assert done.returncode == 0, done.stderr
     pages = {p.parent.relative_to(out).as_posix() + "/": p.read_text() for p in out.rglob("index.html")}
@@ -76,7 +80,7 @@ def test_r3collator_shows_its_signature_and_every_constructor_parameter(site):
     names = list(inspect.signature(R3Collator).parameters)
     html = _object_html(site["api/collate/"], "torch_r3.R3Collator")
     assert "doc-signature" in html, "R3Collator shows no signature"
-    signature = html[html.index("doc-signature"):]
+    signature = html[html.index("doc-signature") :]
     signature = signature[: signature.index("</pre>")]
     assert all(f'<span class="n">{name}</span>' in signature for name in names)
     tables = {m["title"]: m["rows"] for m in SECTION.finditer(html)}
@@ -87,8 +91,8 @@ def test_r3collator_shows_its_signature_and_every_constructor_parameter(site):
 
 def test_home_page_quickstart_prints_what_it_says():
     home = (ROOT / "docs" / "index.md").read_text()
-    section = home[home.index("## Quickstart"):]
-    code = section[section.index("```python\n") + len("```python\n"):section.index("\n```\n")]
+    section = home[home.index("## Quickstart") :]
+    code = section[section.index("```python\n") + len("```python\n") : section.index("\n```\n")]
     claimed = [line[2:] for line in code.splitlines() if line.startswith("# ")]
     assert 0 < len(code.splitlines()) <= 12 and claimed, "a short quickstart that states its output"
     out = io.StringIO()

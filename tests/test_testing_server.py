@@ -32,7 +32,9 @@ class CountingModel(ServedModel):
         rows = len(token_ids) + n - 1 - (1 if self.broken else 0)
         pos = np.arange(rows)[:, None, None]
         routes = np.broadcast_to(np.concatenate([pos, pos + 1], axis=2) % self.num_experts, (rows, 3, 2))
-        return GenerateOutput(token_ids=ids, logprobs=[0.0] * n, routes=np.ascontiguousarray(routes), finish_reason="length")
+        return GenerateOutput(
+            token_ids=ids, logprobs=[0.0] * n, routes=np.ascontiguousarray(routes), finish_reason="length"
+        )
 
 
 def _call(url, *args, **kwargs):
@@ -46,7 +48,9 @@ def _call(url, *args, **kwargs):
 def test_a_custom_served_model_plugs_in():
     with LoopbackServer(CountingModel()) as server:
         prompt = list(range(299))
-        result = _call(server.url, prompt, {"max_new_tokens": 3}, return_routed_experts=True, routed_experts_prompt_start=250)
+        result = _call(
+            server.url, prompt, {"max_new_tokens": 3}, return_routed_experts=True, routed_experts_prompt_start=250
+        )
     assert list(result.response_ids) == [299, 300, 301]
     rows = np.arange(250, 299 + 3 - 1)
     expected = np.stack([rows % 300, (rows + 1) % 300], axis=1)[:, None, :].repeat(3, axis=1)
@@ -56,7 +60,9 @@ def test_a_custom_served_model_plugs_in():
 
 def test_a_model_returning_the_wrong_row_count_is_a_500():
     with LoopbackServer(CountingModel(broken=True)) as server:
-        with pytest.raises(RemoteGenerateError, match=r"HTTP 500: model returned routes of shape \(3, 3, 2\), expected \(4, 3, 2\)"):
+        with pytest.raises(
+            RemoteGenerateError, match=r"HTTP 500: model returned routes of shape \(3, 3, 2\), expected \(4, 3, 2\)"
+        ):
             _call(server.url, [1, 2], {"max_new_tokens": 3}, return_routed_experts=True)
 
 
@@ -71,7 +77,10 @@ def test_only_served_models_are_accepted():
         ({"token_ids": []}, "at least one token"),
         ({"token_ids": [1], "sampling_params": {"top_q": 1}}, "unsupported sampling_params ['top_q']"),
         ({"token_ids": [1], "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens must be an int >= 1"),
-        ({"token_ids": [1, 2], "sampling_params": {"routed_experts_prompt_start": 3}, "return_routed_experts": True}, "in [0, 2]"),
+        (
+            {"token_ids": [1, 2], "sampling_params": {"routed_experts_prompt_start": 3}, "return_routed_experts": True},
+            "in [0, 2]",
+        ),
         ({"token_ids": [1], "sampling_params": {"routed_experts_prompt_start": 0}}, "requires return_routed_experts"),
         ({"token_ids": "abc"}, "token_ids must be a list of ints"),
         ({"prompt": [1]}, "missing 'token_ids'"),
@@ -223,7 +232,9 @@ def test_sglang_narrowed_routes_announce_their_dtype():
         _, payload = _post(server.url, "/generate", _request("sglang", prompt, 2, start=1))
     meta = payload["meta_info"]
     assert meta["routed_experts_dtype"] == "uint8"
-    np.testing.assert_array_equal(np.frombuffer(base64.b64decode(meta["routed_experts"]), np.uint8).reshape(-1, 2, 2), ref.routes[1:])
+    np.testing.assert_array_equal(
+        np.frombuffer(base64.b64decode(meta["routed_experts"]), np.uint8).reshape(-1, 2, 2), ref.routes[1:]
+    )
 
 
 def test_sglang_stop_finish_reason_names_the_matched_token():
@@ -260,7 +271,9 @@ def test_vllm_answers_with_a_npy_per_choice_and_its_fields():
 
 def test_vllm_routes_are_uint16_above_256_experts():
     with LoopbackServer(CountingModel(), protocol="vllm") as server:
-        _, payload = _post(server.url, "/inference/v1/generate", {"token_ids": list(range(299)), "sampling_params": {"max_tokens": 2}})
+        _, payload = _post(
+            server.url, "/inference/v1/generate", {"token_ids": list(range(299)), "sampling_params": {"max_tokens": 2}}
+        )
     routes = np.load(io.BytesIO(base64.b64decode(payload["choices"][0]["routed_experts"])), allow_pickle=False)
     assert routes.dtype == np.uint16 and routes.shape == (300, 3, 2)
     assert routes[:, 0, 1].tolist() == [(j + 1) % 300 for j in range(300)]
@@ -396,7 +409,9 @@ def test_a_malformed_route_payload_disagrees_with_its_size(protocol):
             np.load(io.BytesIO(base64.b64decode(payload["choices"][0]["routed_experts"])), allow_pickle=False)
     else:
         envelope = payload["choices"][0]["routed_experts"]
-        assert len(base64.b64decode(envelope["data"])) != np.prod(envelope["shape"]) * np.dtype(envelope["dtype"]).itemsize
+        assert (
+            len(base64.b64decode(envelope["data"])) != np.prod(envelope["shape"]) * np.dtype(envelope["dtype"]).itemsize
+        )
 
 
 @pytest.mark.parametrize("protocol", ["torch_r3", "sglang", "vllm"])
@@ -438,14 +453,22 @@ def test_a_server_without_the_routes_flag_sends_no_routes(protocol):
         ),
         ("sglang", {"input_ids": [1], "cache_salt": "v1"}, "unknown request fields ['cache_salt']"),
         ("sglang", {"text": "hi"}, "missing 'input_ids'"),
-        ("sglang", {"input_ids": [1], "sampling_params": {"max_tokens": 2}}, "unsupported sampling_params ['max_tokens']"),
+        (
+            "sglang",
+            {"input_ids": [1], "sampling_params": {"max_tokens": 2}},
+            "unsupported sampling_params ['max_tokens']",
+        ),
         (
             "vllm",
             {"token_ids": [1, 2], "sampling_params": {"routed_experts_prompt_start": 3}},
             "routed_experts_prompt_start must be an int in [0, 2]",
         ),
         ("vllm", {"token_ids": [1], "sampling_params": {"n": 2}}, "n must be an int in [1, 1]"),
-        ("vllm", {"token_ids": [1], "sampling_params": {"max_new_tokens": 2}}, "unsupported sampling_params ['max_new_tokens']"),
+        (
+            "vllm",
+            {"token_ids": [1], "sampling_params": {"max_new_tokens": 2}},
+            "unsupported sampling_params ['max_new_tokens']",
+        ),
         ("vllm", {"token_ids": [1], "cache_salt": 5}, "cache_salt must be a string"),
     ],
 )
@@ -460,7 +483,13 @@ def test_the_prefix_cache_shares_blocks_only_within_one_salt_and_whole_prefix():
     routes = np.arange(6 * 1 * 1).reshape(6, 1, 1)
     cache.store("a", [1, 2, 3, 4, 5, 6, 7], routes)
     # Reference: the longest run of whole blocks of prompt[:-1] equal to the stored prefix, same salt.
-    for salt, prompt in [("a", [1, 2, 3, 4, 5, 6, 7]), ("a", [1, 2, 3, 9, 5, 6]), ("b", [1, 2, 3, 4]), ("a", [1, 2]), ("a", [9, 2, 3])]:
+    for salt, prompt in [
+        ("a", [1, 2, 3, 4, 5, 6, 7]),
+        ("a", [1, 2, 3, 9, 5, 6]),
+        ("b", [1, 2, 3, 4]),
+        ("a", [1, 2]),
+        ("a", [9, 2, 3]),
+    ]:
         same = 0
         while same < min(len(prompt) - 1, 6) and prompt[same] == [1, 2, 3, 4, 5, 6, 7][same]:
             same += 1

@@ -180,7 +180,8 @@ class BufferPool:
         with state.lock:
             self._fold_released(state)
             fits = [
-                b for b in state.idle
+                b
+                for b in state.idle
                 if b.pinned == pinned and nbytes <= b.nbytes <= _MAX_WASTE * nbytes + _PAGE and b.ready()
             ]
             if not fits:

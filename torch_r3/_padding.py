@@ -30,8 +30,6 @@ def as_int(value: Any, name: str) -> int:
     return int(value)
 
 
-
-
 def padding_rows(
     positions: Any,
     num_layers: int,
@@ -129,8 +127,12 @@ class PadFill:
                 m = min(n - done, 4096)
                 padding, experts, layers, topk = self.args
                 dst[done : done + m] = padding_rows(
-                    np.arange(start + done, start + done + m), layers, topk,
-                    padding=padding, num_experts=experts, dtype=self.dtype,
+                    np.arange(start + done, start + done + m),
+                    layers,
+                    topk,
+                    padding=padding,
+                    num_experts=experts,
+                    dtype=self.dtype,
                 )
             else:
                 o = (start + done) % self.period

@@ -42,9 +42,7 @@ def _seq_to_numpy(value: Any, i: int, key: str, *, integer: bool) -> np.ndarray:
         # torch.as_tensor's rules: Python ints -> int64, floats -> default dtype.
         arr = torch.as_tensor(value).numpy() if value else np.zeros(0, dtype=np.int64)
     else:
-        raise TypeError(
-            f"sample {i}: {key!r} must be a list, NumPy array or 1-D tensor, got {type(value).__name__}"
-        )
+        raise TypeError(f"sample {i}: {key!r} must be a list, NumPy array or 1-D tensor, got {type(value).__name__}")
     if arr.ndim != 1:
         raise ValueError(f"sample {i}: {key!r} must be 1-D, got shape {arr.shape}")
     if integer and arr.dtype.kind not in "iu":
@@ -52,9 +50,7 @@ def _seq_to_numpy(value: Any, i: int, key: str, *, integer: bool) -> np.ndarray:
     if arr.dtype.kind not in "biuf":
         raise TypeError(f"sample {i}: {key!r} must be numeric, got dtype {arr.dtype}")
     if arr.dtype == np.uint64 and arr.size and int(arr.max()) >= _INT64_END:
-        raise ValueError(
-            f"sample {i}: {key!r} holds {int(arr.max())}, which does not fit torch.long (must be < 2**63)"
-        )
+        raise ValueError(f"sample {i}: {key!r} holds {int(arr.max())}, which does not fit torch.long (must be < 2**63)")
     return arr
 
 
@@ -132,8 +128,7 @@ def _check_extra(samples: Sequence[Mapping[str, Any]], key: str) -> None:
     for i, v in enumerate(values):
         if v is None:
             raise TypeError(
-                f"sample {i}: key {key!r} is None, which default_collate cannot batch; "
-                f"give it a value or drop the key"
+                f"sample {i}: key {key!r} is None, which default_collate cannot batch; give it a value or drop the key"
             )
     first = _layout_of(values[0])
     for i, v in enumerate(values[1:], start=1):

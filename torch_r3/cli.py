@@ -54,15 +54,20 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
     from torch_r3.bench import DISTRIBUTIONS, PRESETS, STRATEGIES
 
     shape = p.add_argument_group("batch shape (default: the headline shape, --preset default)")
-    shape.add_argument("--preset", choices=sorted(PRESETS), default="default",
-                       help="a named shape; explicit options below override it (production: 1024 sequences, "
-                            "max 32768 tokens, topk 22, int16; checks that the memory it needs is available)")
+    shape.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="default",
+        help="a named shape; explicit options below override it (production: 1024 sequences, "
+        "max 32768 tokens, topk 22, int16; checks that the memory it needs is available)",
+    )
     shape.add_argument("--num-sequences", type=_positive_int, help="trajectories per batch (default 256)")
     shape.add_argument("--max-seqlen", type=_positive_int, help="longest trajectory, tokens (default 8192)")
     shape.add_argument("--num-layers", type=_positive_int, help="MoE layers (default 40)")
     shape.add_argument("--topk", type=_positive_int, help="experts per token (default 8)")
-    shape.add_argument("--num-experts", type=_positive_int,
-                       help="experts per layer (default 128 for uint8; 256 or more forces int16)")
+    shape.add_argument(
+        "--num-experts", type=_positive_int, help="experts per layer (default 128 for uint8; 256 or more forces int16)"
+    )
     shape.add_argument("--dtype", choices=("uint8", "int16", "int32"), help="route dtype (default: from --num-experts)")
     shape.add_argument("--distribution", choices=DISTRIBUTIONS, help="trajectory length distribution (default uniform)")
     shape.add_argument("--mixed-dtypes", action="store_true", help="mix uint8 and int16 senders in one batch")
@@ -71,29 +76,54 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
     timing.add_argument("--repeats", type=_positive_int, help="timed runs per strategy (default 5)")
     timing.add_argument("--warmup", type=_positive_int, help="untimed runs per strategy first (default 1)")
     timing.add_argument("--workers", type=_positive_int, help="pool workers (default: torch_r3.cpu.pool_workers())")
-    timing.add_argument("--strategies", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
-                        help="comma-separated subset of: " + ", ".join(STRATEGIES))
-    timing.add_argument("--no-packed-compare", action="store_true",
-                        help="skip the typical_rl packed-vs-padded comparison")
-    timing.add_argument("--dataloader", action="store_true",
-                        help="also time a real DataLoader with R3Collator: num_workers 0 and 2, pin_memory off "
-                             "and on, fresh and recycled outputs, beside the memcpy and gather floors")
-    timing.add_argument("--batch-size", type=_positive_int,
-                        help="trajectories per DataLoader batch for --dataloader (default 32)")
-    timing.add_argument("--check-targets", action="store_true",
-                        help="judge the project's speed targets on the default shape (implies --dataloader); "
-                             "exit 1 when one is missed")
+    timing.add_argument(
+        "--strategies",
+        type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
+        help="comma-separated subset of: " + ", ".join(STRATEGIES),
+    )
+    timing.add_argument(
+        "--no-packed-compare", action="store_true", help="skip the typical_rl packed-vs-padded comparison"
+    )
+    timing.add_argument(
+        "--dataloader",
+        action="store_true",
+        help="also time a real DataLoader with R3Collator: num_workers 0 and 2, pin_memory off "
+        "and on, fresh and recycled outputs, beside the memcpy and gather floors",
+    )
+    timing.add_argument(
+        "--batch-size", type=_positive_int, help="trajectories per DataLoader batch for --dataloader (default 32)"
+    )
+    timing.add_argument(
+        "--check-targets",
+        action="store_true",
+        help="judge the project's speed targets on the default shape (implies --dataloader); exit 1 when one is missed",
+    )
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="PATH", help="write the full results as JSON")
-    out.add_argument("--plot", metavar="PATH",
-                     help="write a PNG chart of time per strategy across a sweep of --num-sequences (needs matplotlib)")
-    out.add_argument("--sweep", type=_int_list, metavar="N,N,...",
-                     help="num_sequences points for --plot (default: n/8, n/4, n/2, n)")
+    out.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="write a PNG chart of time per strategy across a sweep of --num-sequences (needs matplotlib)",
+    )
+    out.add_argument(
+        "--sweep", type=_int_list, metavar="N,N,...", help="num_sequences points for --plot (default: n/8, n/4, n/2, n)"
+    )
     out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
-_SHAPE_KEYS = ("num_sequences", "max_seqlen", "num_layers", "topk", "num_experts", "dtype", "distribution", "seed",
-               "repeats", "warmup", "workers")
+_SHAPE_KEYS = (
+    "num_sequences",
+    "max_seqlen",
+    "num_layers",
+    "topk",
+    "num_experts",
+    "dtype",
+    "distribution",
+    "seed",
+    "repeats",
+    "warmup",
+    "workers",
+)
 
 
 def _bench_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -140,8 +170,11 @@ def _bench_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     try:
         bench.check_memory(need, config.label)
         print(f"torch-r3 bench: {config.label}; needs about {need / 2**30:.1f} GiB of memory", file=sys.stderr)
-        result = bench.run(run_plan, dataloader_batch_size=batch_size if dataloader else None,
-                           progress=False if args.no_progress else None)
+        result = bench.run(
+            run_plan,
+            dataloader_batch_size=batch_size if dataloader else None,
+            progress=False if args.no_progress else None,
+        )
     except bench.InsufficientMemoryError as e:
         print(f"torch-r3 bench: refused: {e}", file=sys.stderr)
         return EXIT_MEMORY
@@ -185,9 +218,15 @@ def _accelerator() -> dict[str, Any]:
     if available and torch.cuda.is_available():
         devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     pinned, pinned_note = _pinned_memory(available)
-    return {"available": available, "type": None if current is None else current.type, "devices": devices,
-            "cuda_build": torch.version.cuda, "hip_build": torch.version.hip, "pinned_memory": pinned,
-            "pinned_memory_note": pinned_note}
+    return {
+        "available": available,
+        "type": None if current is None else current.type,
+        "devices": devices,
+        "cuda_build": torch.version.cuda,
+        "hip_build": torch.version.hip,
+        "pinned_memory": pinned,
+        "pinned_memory_note": pinned_note,
+    }
 
 
 def _pinned_memory(accelerator: bool) -> tuple[bool, str]:
@@ -219,13 +258,17 @@ def _warnings(accelerator: dict[str, Any], cpus: dict[str, Any]) -> list[str]:
     out = []
     if cpus["torch_num_threads"] > usable:
         # torch sizes its pool from the affinity mask; a CFS quota below it throttles every op.
-        out.append(f"torch runs {cpus['torch_num_threads']} intra-op threads on {usable:g} usable CPUs: the "
-                   f"threads are throttled; set OMP_NUM_THREADS={fit} (or torch.set_num_threads({fit}))")
+        out.append(
+            f"torch runs {cpus['torch_num_threads']} intra-op threads on {usable:g} usable CPUs: the "
+            f"threads are throttled; set OMP_NUM_THREADS={fit} (or torch.set_num_threads({fit}))"
+        )
     if cpus["pool_workers_error"]:
         out.append(cpus["pool_workers_error"])
     elif cpus[ENV_NUM_WORKERS] and cpus["pool_workers"] > usable:
-        out.append(f"{ENV_NUM_WORKERS}={cpus[ENV_NUM_WORKERS]} asks for more collation threads than the "
-                   f"{usable:g} usable CPUs: unset it (the default is min({DEFAULT_POOL_CAP}, {fit})) or lower it")
+        out.append(
+            f"{ENV_NUM_WORKERS}={cpus[ENV_NUM_WORKERS]} asks for more collation threads than the "
+            f"{usable:g} usable CPUs: unset it (the default is min({DEFAULT_POOL_CAP}, {fit})) or lower it"
+        )
     if accelerator["available"] and not accelerator["pinned_memory"]:
         out.append(accelerator["pinned_memory_note"])
     return out
@@ -264,8 +307,10 @@ def _doctor_text(r: dict[str, Any]) -> str:
     build = ", ".join(f"{k} {v}" for k, v in (("CUDA", acc["cuda_build"]), ("HIP", acc["hip_build"])) if v)
     lines += [
         "accelerator",
-        row("available", f"yes ({acc['type']}: {', '.join(acc['devices']) or 'no device names'})"
-            if acc["available"] else "no"),
+        row(
+            "available",
+            f"yes ({acc['type']}: {', '.join(acc['devices']) or 'no device names'})" if acc["available"] else "no",
+        ),
         row("torch built with", build or "no CUDA or HIP (CPU build)"),
         row("pinned memory", f"{'yes' if acc['pinned_memory'] else 'no'}: {acc['pinned_memory_note']}"),
         "CPU (what the collation pool sees)",
@@ -276,13 +321,19 @@ def _doctor_text(r: dict[str, Any]) -> str:
     if not cpus["cgroup_quotas"]:
         lines.append(row("cgroup quota", "none found (no cpu.max / cpu.cfs_quota_us limit on this cgroup path)"))
     workers = cpus["pool_workers"]
-    source = (f"from {ENV_NUM_WORKERS}={cpus[ENV_NUM_WORKERS]}" if cpus[ENV_NUM_WORKERS]
-              else f"min({DEFAULT_POOL_CAP}, floor(usable CPUs))")
+    source = (
+        f"from {ENV_NUM_WORKERS}={cpus[ENV_NUM_WORKERS]}"
+        if cpus[ENV_NUM_WORKERS]
+        else f"min({DEFAULT_POOL_CAP}, floor(usable CPUs))"
+    )
     lines += [
         row("usable CPUs", f"{cpus['usable_cpus']:g} (min of affinity mask and cgroup quota)"),
         row("pool workers", f"{workers} ({source})" if workers is not None else f"invalid ({source})"),
-        row("torch threads", f"{cpus['torch_num_threads']} intra-op, {cpus['torch_interop_threads']} inter-op "
-            f"(OMP_NUM_THREADS={cpus['OMP_NUM_THREADS'] or 'unset'})"),
+        row(
+            "torch threads",
+            f"{cpus['torch_num_threads']} intra-op, {cpus['torch_interop_threads']} inter-op "
+            f"(OMP_NUM_THREADS={cpus['OMP_NUM_THREADS'] or 'unset'})",
+        ),
     ]
     lines += [f"warning: {w}" for w in r["warnings"]] or ["ok: nothing to fix"]
     return "\n".join(lines)
@@ -331,8 +382,10 @@ def _demo_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 require(module, extra)
     except MissingExtraError as e:
         extras = ",".join(extra for _module, extra in _DEMO_NEEDS)
-        print(f"torch-r3 demo: {e.distribution} is not installed; the demo needs pip install "
-              f"'torch_r3[{extras}]'", file=sys.stderr)
+        print(
+            f"torch-r3 demo: {e.distribution} is not installed; the demo needs pip install 'torch_r3[{extras}]'",
+            file=sys.stderr,
+        )
         return 2
     with demo.quiet_third_party_warnings():
         return demo.run_from_args(args)
@@ -360,9 +413,16 @@ Runner = Callable[[argparse.Namespace, argparse.ArgumentParser], int]
 #: name -> (one-line help, add_arguments(parser), run(args, parser) -> exit code).
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Runner]] = {
     "bench": ("time route collation strategies on a synthetic batch", _bench_arguments, _bench_run),
-    "doctor": ("show versions, accelerator, pinned memory and the CPUs the collator sees", _doctor_arguments,
-               _doctor_run),
-    "demo": ("one RL step with R3 end to end: bf16 rollouts, R3Collator, fp32 Megatron step", _demo_arguments, _demo_run),
+    "doctor": (
+        "show versions, accelerator, pinned memory and the CPUs the collator sees",
+        _doctor_arguments,
+        _doctor_run,
+    ),
+    "demo": (
+        "one RL step with R3 end to end: bf16 rollouts, R3Collator, fp32 Megatron step",
+        _demo_arguments,
+        _demo_run,
+    ),
 }
 
 

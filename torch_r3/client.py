@@ -259,7 +259,11 @@ class RemoteGenerateClient:
         if not isinstance(return_routed_experts, bool):
             raise TypeError(f"return_routed_experts must be a bool, got {type(return_routed_experts).__name__}")
         start = _check_start(routed_experts_prompt_start, len(prompt), return_routed_experts)
-        if return_routed_experts and protocol.needs_route_shape and (self.limits.num_layers is None or self.limits.topk is None):
+        if (
+            return_routed_experts
+            and protocol.needs_route_shape
+            and (self.limits.num_layers is None or self.limits.topk is None)
+        ):
             raise ValueError(
                 f"server={self.server!r} sends routes without their shape: give the client num_layers= "
                 "(the model's num_hidden_layers) and topk= (num_experts_per_tok)"
@@ -279,7 +283,9 @@ class RemoteGenerateClient:
         try:
             parsed = protocol.parse_response(raw, call, self.limits)
         except (TypeError, ValueError, MemoryError, OverflowError) as exc:
-            raise RemoteGenerateError(f"POST {url}: response breaks the {self.server} format: {exc}", url=url, status=200) from exc
+            raise RemoteGenerateError(
+                f"POST {url}: response breaks the {self.server} format: {exc}", url=url, status=200
+            ) from exc
         if parsed.routed_experts is not None and self.moe_layers:
             _warn_zero_layers(parsed.routed_experts, self.moe_layers, url)
         return RemoteGenerateResult(**vars(parsed), raw=raw)
@@ -298,15 +304,21 @@ class RemoteGenerateClient:
                 answer lacks those integer fields.
         """
         if self.server != "torch_r3":
-            raise ValueError(f"model_info() is the torch_r3 server's endpoint; for server={self.server!r} read the model's config")
+            raise ValueError(
+                f"model_info() is the torch_r3 server's endpoint; for server={self.server!r} read the model's config"
+            )
         raw = await self._transport.request("GET", MODEL_INFO_PATH)
         url = self.base_url + MODEL_INFO_PATH
         if not isinstance(raw, Mapping):
-            raise RemoteGenerateError(f"GET {url}: expected a JSON object, got {type(raw).__name__}", url=url, status=200)
+            raise RemoteGenerateError(
+                f"GET {url}: expected a JSON object, got {type(raw).__name__}", url=url, status=200
+            )
         for key in ("num_layers", "num_experts", "topk"):
             value = raw.get(key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise RemoteGenerateError(f"GET {url}: {key!r} must be a positive int, got {value!r}", url=url, status=200)
+                raise RemoteGenerateError(
+                    f"GET {url}: {key!r} must be a positive int, got {value!r}", url=url, status=200
+                )
         return dict(raw)
 
 
@@ -325,7 +337,9 @@ def _check_base_url(base_url: Any) -> str:
     if url.user is not None or url.password is not None:
         raise ValueError("base_url must not hold credentials (user:password@); send them with headers= instead")
     if url.query_string:
-        raise ValueError(f"base_url must not have a query string ({url.query_string!r}): the endpoint path is appended to it")
+        raise ValueError(
+            f"base_url must not have a query string ({url.query_string!r}): the endpoint path is appended to it"
+        )
     if url.fragment:
         raise ValueError(f"base_url must not have a fragment ({url.fragment!r})")
     if port is None:  # pragma: no cover - yarl fills the scheme's default
@@ -361,7 +375,9 @@ def _check_salt(salt: Any) -> str | None:
     if not isinstance(salt, str):
         raise TypeError(f"cache_salt must be a str, got {type(salt).__name__}")
     if not salt:
-        raise ValueError("cache_salt must be a non-empty string (servers refuse or ignore an empty salt); pass None for none")
+        raise ValueError(
+            "cache_salt must be a non-empty string (servers refuse or ignore an empty salt); pass None for none"
+        )
     return salt
 
 

@@ -166,10 +166,14 @@ def decode_routes(
                 f"{name}: list-form routes are not accepted; expected the envelope "
                 '{"data": <base64>, "shape": [rows, layers, topk], "dtype": <str>}'
             )
-        raise WireFormatError(f"{name}: expected an envelope mapping with keys data/shape/dtype, got {type(envelope).__name__}")
+        raise WireFormatError(
+            f"{name}: expected an envelope mapping with keys data/shape/dtype, got {type(envelope).__name__}"
+        )
     missing = [key for key in _REQUIRED_KEYS if key not in envelope]
     if missing:
-        raise WireFormatError(f"{name}: envelope is missing required key(s) {missing}; expected keys {list(_REQUIRED_KEYS)}")
+        raise WireFormatError(
+            f"{name}: envelope is missing required key(s) {missing}; expected keys {list(_REQUIRED_KEYS)}"
+        )
     dtype = _check_dtype(envelope["dtype"], name)
     shape = _check_shape(envelope["shape"], f"{name}.shape")
     _check_row_shape(shape, num_layers, topk, name)
@@ -249,12 +253,16 @@ def decode_sglang_routes(
             if not isinstance(data, Mapping):
                 raise WireFormatError(f"{name}: expected meta_info to be a mapping, got {type(data).__name__}")
         if "routed_experts" not in data:
-            raise WireFormatError(f"{name}: no 'routed_experts' key in meta_info (was the request sent with return_routed_experts=True?)")
+            raise WireFormatError(
+                f"{name}: no 'routed_experts' key in meta_info (was the request sent with return_routed_experts=True?)"
+            )
         advertised = data.get("routed_experts_dtype")
         if dtype is None:
             dtype = advertised
         elif advertised is not None and advertised != dtype:
-            raise WireFormatError(f"{name}: meta_info advertises routed_experts_dtype {advertised!r}, but dtype={dtype!r} was given")
+            raise WireFormatError(
+                f"{name}: meta_info advertises routed_experts_dtype {advertised!r}, but dtype={dtype!r} was given"
+            )
         data = data["routed_experts"]
     if dtype is None:
         dtype = "int32"
@@ -333,7 +341,9 @@ def decode_vllm_routes(
     _check_cap(max_bytes, name)
     _check_num_experts(num_experts, name)
     if value is None:
-        raise WireFormatError(f"{name}: is null (server started without --enable-return-routed-experts, or the request was aborted)")
+        raise WireFormatError(
+            f"{name}: is null (server started without --enable-return-routed-experts, or the request was aborted)"
+        )
     nbytes = base64_decoded_length(value, name=name)
     _check_size(nbytes, max_bytes + 10 + _NPY_MAX_HEADER, name, "a .npy file")
     raw = np.empty(nbytes, dtype=np.uint8)
@@ -342,7 +352,9 @@ def decode_vllm_routes(
     if array.ndim == 1 and num_layers is not None:
         row = int(num_layers) * int(topk)
         if array.shape[0] % row:
-            raise WireFormatError(f"{name}: {array.shape[0]} flat ids are not a whole number of [{num_layers}, {topk}] rows")
+            raise WireFormatError(
+                f"{name}: {array.shape[0]} flat ids are not a whole number of [{num_layers}, {topk}] rows"
+            )
         array = array.reshape(-1, int(num_layers), int(topk))
     if array.ndim != 3:
         raise WireFormatError(f"{name}: expected a .npy array [tokens, layers, topk], got shape {array.shape}")
@@ -401,13 +413,17 @@ def decode_npy(data: Any, *, max_bytes: int = DEFAULT_MAX_ROUTE_BYTES, name: str
     else:
         raise WireFormatError(f"{name}: unsupported .npy format version {major}.{buf[7]}")
     if length > _NPY_MAX_HEADER or start + length > len(buf):
-        raise WireFormatError(f"{name}: .npy header of {length} bytes is too long or truncated (file has {len(buf)} bytes)")
+        raise WireFormatError(
+            f"{name}: .npy header of {length} bytes is too long or truncated (file has {len(buf)} bytes)"
+        )
     dtype, fortran, shape = _parse_npy_header(bytes(buf[start : start + length]), major, name)
     nbytes = math.prod(shape) * dtype.itemsize
     _check_size(nbytes, max_bytes, name, f".npy data {dtype.str} {list(shape)}")
     offset = start + length
     if len(buf) - offset != nbytes:
-        raise WireFormatError(f"{name}: .npy header declares {nbytes} data bytes ({dtype.str} {list(shape)}), but {len(buf) - offset} follow it")
+        raise WireFormatError(
+            f"{name}: .npy header declares {nbytes} data bytes ({dtype.str} {list(shape)}), but {len(buf) - offset} follow it"
+        )
     array = np.frombuffer(buf, dtype=dtype, count=math.prod(shape), offset=offset)
     return array.reshape(shape, order="F" if fortran else "C")
 
@@ -473,7 +489,9 @@ def _check_size(nbytes: int, max_bytes: int, name: str, described: str) -> None:
 def _check_dtype(value: Any, name: str) -> np.dtype:
     dtype = _DTYPES_BY_NAME.get(value) if isinstance(value, str) else None
     if dtype is None:
-        raise WireFormatError(f"{name}.dtype: expected one of the canonical dtypes {sorted(_DTYPES_BY_NAME)}, got {value!r}")
+        raise WireFormatError(
+            f"{name}.dtype: expected one of the canonical dtypes {sorted(_DTYPES_BY_NAME)}, got {value!r}"
+        )
     return dtype
 
 
@@ -501,7 +519,9 @@ def _check_row_shape(shape: tuple[int, ...], num_layers: Any, topk: Any, name: s
         if known is not None:
             _check_int_arg(known, field, name, minimum=1)
             if got != known:
-                raise WireFormatError(f"{name}: rows of [{shape[1]}, {shape[2]}] (layers, topk), but the model has {field}={known}")
+                raise WireFormatError(
+                    f"{name}: rows of [{shape[1]}, {shape[2]}] (layers, topk), but the model has {field}={known}"
+                )
 
 
 def _check_b64_length(data: Any, nbytes: int, what: str, described: str) -> None:
@@ -525,7 +545,9 @@ def _parse_npy_header(header: bytes, major: int, name: str) -> tuple[np.dtype, b
         raise WireFormatError(f"{name}: .npy dtype must be an integer dtype, got {descr!r:.40}")
     if not isinstance(fortran, bool):
         raise WireFormatError(f"{name}: .npy fortran_order must be a bool, got {fortran!r:.40}")
-    if not isinstance(shape, tuple) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+    if not isinstance(shape, tuple) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
         raise WireFormatError(f"{name}: .npy shape must be a tuple of non-negative ints, got {shape!r:.60}")
     return np.dtype(descr), fortran, shape
 

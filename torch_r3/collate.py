@@ -133,9 +133,7 @@ def _check_batch(routes: Any, token_counts: Any):
         raise ValueError(f"routes[0]: layers and topk must be > 0, got shape {arrays[0].shape}")
     for i, (a, n) in enumerate(zip(arrays, counts)):
         if a.shape[1:] != (num_layers, topk):
-            raise ValueError(
-                f"routes[{i}]: expected [rows, {num_layers}, {topk}] like routes[0], got shape {a.shape}"
-            )
+            raise ValueError(f"routes[{i}]: expected [rows, {num_layers}, {topk}] like routes[0], got shape {a.shape}")
         if a.shape[0] > n:
             raise ValueError(
                 f"routes[{i}]: {a.shape[0]} route rows for {n} tokens; captured rows must be a prefix "
@@ -189,8 +187,9 @@ def _check_out(out: Any, want: dict[str, tuple[tuple[int, ...], torch.dtype]]) -
                 f"got shape {list(t.shape)} and dtype {t.dtype}"
             )
         if t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError(f"out[{key!r}]: expected a contiguous CPU tensor, got device {t.device}, "
-                             f"contiguous={t.is_contiguous()}")
+            raise ValueError(
+                f"out[{key!r}]: expected a contiguous CPU tensor, got device {t.device}, contiguous={t.is_contiguous()}"
+            )
     return dict(out)
 
 
@@ -252,14 +251,21 @@ def _collate(arrays, counts, opts: _Options, *, out=None, buffers=None, fields=(
     row_shape, tdtype = (num_layers, topk), _NP_TO_TORCH[dtype]
     if opts.layout == "padded":
         T = padded_length(counts, opts.pad_to_multiple_of)
-        want = {ROUTES: ((B, T) + row_shape, tdtype), ROUTER_MASK: ((B, T), torch.bool),
-                ATTENTION_MASK: ((B, T), torch.long)}
+        want = {
+            ROUTES: ((B, T) + row_shape, tdtype),
+            ROUTER_MASK: ((B, T), torch.bool),
+            ATTENTION_MASK: ((B, T), torch.long),
+        }
         want.update({f.key: ((B, T), f.dtype) for f in fields})
     else:
         N = sum(counts)
         if N >= 2**31:
             raise ValueError(f"packed batch of {N} tokens does not fit int32 cu_seqlens")
-        want = {ROUTES: ((N,) + row_shape, tdtype), ROUTER_MASK: ((N,), torch.bool), CU_SEQLENS: ((B + 1,), torch.int32)}
+        want = {
+            ROUTES: ((N,) + row_shape, tdtype),
+            ROUTER_MASK: ((N,), torch.bool),
+            CU_SEQLENS: ((B + 1,), torch.int32),
+        }
         want.update({f.key: ((N,), f.dtype) for f in fields})
 
     result = _check_out(out, want)
@@ -344,8 +350,12 @@ def collate_routes(
         [[0, 1, 1], [1, 1, 1]]
     """
     opts = _Options(
-        layout=layout, pad_to_multiple_of=pad_to_multiple_of, padding=padding,
-        num_experts=num_experts, workers=workers, pin_memory=pin_memory,
+        layout=layout,
+        pad_to_multiple_of=pad_to_multiple_of,
+        padding=padding,
+        num_experts=num_experts,
+        workers=workers,
+        pin_memory=pin_memory,
     )
     if buffers is not None and not isinstance(buffers, BufferPool):
         raise TypeError(f"buffers must be None or a torch_r3.BufferPool, got {type(buffers).__name__}")
@@ -426,8 +436,12 @@ class R3Collator:
         cache_bytes: int | None = None,
     ) -> None:
         self._options = _Options(
-            layout=layout, pad_to_multiple_of=pad_to_multiple_of, padding=padding,
-            num_experts=num_experts, workers=workers, pin_memory=pin_memory,
+            layout=layout,
+            pad_to_multiple_of=pad_to_multiple_of,
+            padding=padding,
+            num_experts=num_experts,
+            workers=workers,
+            pin_memory=pin_memory,
         )
         self.pad_token_id = as_int(pad_token_id, "pad_token_id")
         if not -(2**63) <= self.pad_token_id < 2**63:

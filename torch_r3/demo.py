@@ -49,7 +49,6 @@ from torch_r3.keys import ATTENTION_MASK, ROUTER_MASK, ROUTES
 from torch_r3.testing.model import GenerateOutput, ServedModel
 
 
-
 class DemoError(RuntimeError):
     """A condition that stops the demo with a clear message (exit status 2)."""
 
@@ -315,8 +314,12 @@ async def rollout(url: str, cfg: DemoConfig, retries: int, quiet: bool) -> list[
                 routed_experts_prompt_start=trace.prompt_start,
                 session_id=f"trajectory-{i}",
             )
-            trace.record(prompt_len=len(tokens), generated_len=len(result.response_ids), routes=result.routed_experts,
-                         weight_version=result.weight_version)  # turns from two policy versions are refused
+            trace.record(
+                prompt_len=len(tokens),
+                generated_len=len(result.response_ids),
+                routes=result.routed_experts,
+                weight_version=result.weight_version,
+            )  # turns from two policy versions are refused
             tokens += result.response_ids
             loss_mask += [1.0] * len(result.response_ids)
             rollout_lp += list(result.response_logprobs)
@@ -551,6 +554,7 @@ def add_reference_logprobs(samples: list[dict[str, Any]], served: MegatronServed
 # Main
 # ---------------------------------------------------------------------------
 
+
 def _row(label: str, values: Sequence[Any], fmt: str) -> str:
     cells = "".join(f"{'n/a' if v is None else format(v, fmt):>17}" for v in values)
     return f"{label:36}{cells}"
@@ -637,12 +641,21 @@ def _run(cfg: DemoConfig, *, server_url: str | None, retries: int, num_workers: 
         # Another server's weights are not this bf16 copy's: no reference then.
         add_reference_logprobs(samples, served if server_url is None else None)
 
-        per_token = ("loss_mask", "rollout_logprobs", "has_rollout_logprob", "reference_logprobs", "has_reference_logprob")
+        per_token = (
+            "loss_mask",
+            "rollout_logprobs",
+            "has_rollout_logprob",
+            "reference_logprobs",
+            "has_reference_logprob",
+        )
         collator = R3Collator(pad_token_id=0, pad_keys={key: 0.0 for key in per_token})
         loader = DataLoader(samples, batch_size=cfg.micro_batch_size, collate_fn=collator, num_workers=num_workers)
         microbatches = list(loader)
-        _progress(f"collated {len(samples)} trajectories into {len(microbatches)} microbatches "
-                  f"({num_workers} DataLoader workers)", quiet)
+        _progress(
+            f"collated {len(samples)} trajectories into {len(microbatches)} microbatches "
+            f"({num_workers} DataLoader workers)",
+            quiet,
+        )
         uncaptured = sum(int(loss_active_uncaptured(mb).sum()) for mb in microbatches)
         if uncaptured:
             warnings.warn(
@@ -669,7 +682,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument(
         "--server-url", metavar="URL", help="use this inference server instead of starting the loopback one"
     )
-    parser.add_argument("--retries", type=int, default=3, help="HTTP retries per request after the first attempt (default 3)")
+    parser.add_argument(
+        "--retries", type=int, default=3, help="HTTP retries per request after the first attempt (default 3)"
+    )
     parser.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes (default 2)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     return parser
@@ -687,7 +702,9 @@ def run_from_args(args: argparse.Namespace) -> int:
             return 2
     cfg = DemoConfig(seed=args.seed, trajectories=args.trajectories, turns=args.turns)
     try:
-        results = run(cfg, server_url=args.server_url, retries=args.retries, num_workers=args.num_workers, quiet=args.quiet)
+        results = run(
+            cfg, server_url=args.server_url, retries=args.retries, num_workers=args.num_workers, quiet=args.quiet
+        )
     except DemoError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

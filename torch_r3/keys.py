@@ -34,4 +34,3 @@ OUTPUT_KEYS = frozenset({ROUTES, ROUTER_MASK, ATTENTION_MASK, CU_SEQLENS, INPUT_
 
 SAMPLE_ROUTES = "routes"
 """`R3Collator`'s default key for a sample's routes."""
-

@@ -146,6 +146,7 @@ def _as_rows(chunk: Any, what: str) -> np.ndarray:
     # Any rank: compaction only looks at values, so a [values, 1, 1] view serves.
     return compact_routes(chunk.reshape(-1, 1, 1), name=what).reshape(chunk.shape)
 
+
 class RoutedExpertTrace:
     """One trajectory's routes over a multi-turn rollout.
 
@@ -242,7 +243,9 @@ class RoutedExpertTrace:
         """
         return tuple(self._versions)
 
-    def record(self, *, prompt_len: int, generated_len: int, routes: Any, weight_version: str | int | None = None) -> None:
+    def record(
+        self, *, prompt_len: int, generated_len: int, routes: Any, weight_version: str | int | None = None
+    ) -> None:
         """Append one turn's routes, checking that exactly the expected rows arrived.
 
         On any error the trace is left as it was.
@@ -333,5 +336,7 @@ class RoutedExpertTrace:
         """
         token_count = _check_count(token_count, "token_count")
         if self.prompt_start > token_count:
-            raise ValueError(f"routes: {self.prompt_start} rows captured but the trajectory has only {token_count} tokens")
+            raise ValueError(
+                f"routes: {self.prompt_start} rows captured but the trajectory has only {token_count} tokens"
+            )
         return self._rows.finalize()

@@ -231,7 +231,9 @@ class HttpTransport:
             if not isinstance(session, aiohttp.ClientSession):
                 raise TypeError(f"session must be an aiohttp.ClientSession, got {type(session).__name__}")
             if ssl is not True or trace_configs is not None:
-                raise ValueError("ssl and trace_configs configure the client's own sessions; set them on your session instead")
+                raise ValueError(
+                    "ssl and trace_configs configure the client's own sessions; set them on your session instead"
+                )
         self.base_url = base_url
         self.config = config
         self.headers = dict(headers or {})
@@ -330,7 +332,9 @@ class HttpTransport:
             extra["Content-Type"] = "application/json"
         state = await self.state()
         if state.session.closed:
-            raise RemoteGenerateError(f"{method} {url}: the aiohttp session is closed", url=url, status=None, attempts=0)
+            raise RemoteGenerateError(
+                f"{method} {url}: the aiohttp session is closed", url=url, status=None, attempts=0
+            )
         if not state.owned:
             extra = {**self.headers, **extra}
         # Per request, so that a user's session gets the same limits.
@@ -344,7 +348,9 @@ class HttpTransport:
             attempts += 1
             try:
                 async with state.semaphore:
-                    async with state.session.request(method, url, data=data, headers=extra, timeout=timeout) as response:
+                    async with state.session.request(
+                        method, url, data=data, headers=extra, timeout=timeout
+                    ) as response:
                         status = response.status
                         retry_after = response.headers.get("Retry-After") if status in RETRYABLE_STATUSES else None
                         ok = 200 <= status < 300
@@ -357,15 +363,21 @@ class HttpTransport:
             except MemoryError:
                 raise RemoteGenerateError(
                     f"{method} {url}: out of memory reading the response body (lower max_response_bytes?)",
-                    url=url, status=status, attempts=attempts,
+                    url=url,
+                    status=status,
+                    attempts=attempts,
                 ) from None
             except aiohttp.TooManyRedirects as exc:
                 raise RemoteGenerateError(
                     f"{method} {url}: too many redirects ({len(exc.history)} followed, last to {exc.request_info.real_url})",
-                    url=url, status=exc.status, attempts=attempts,
+                    url=url,
+                    status=exc.status,
+                    attempts=attempts,
                 ) from exc
             except aiohttp.ClientError as exc:  # invalid URL or response, ...: not transient
-                raise RemoteGenerateError(f"{method} {url} failed: {_describe(exc)}", url=url, attempts=attempts) from exc
+                raise RemoteGenerateError(
+                    f"{method} {url} failed: {_describe(exc)}", url=url, attempts=attempts
+                ) from exc
             except RuntimeError as exc:
                 if state.owned:
                     raise
@@ -373,7 +385,8 @@ class HttpTransport:
                 raise RemoteGenerateError(
                     f"{method} {url}: the given aiohttp session cannot be used here ({exc}); "
                     "use it on the event loop that created it",
-                    url=url, attempts=attempts,
+                    url=url,
+                    attempts=attempts,
                 ) from exc
             if status in RETRYABLE_STATUSES:
                 last_cause, last_status, last_exc = f"HTTP {status}: {server_message(payload)}", status, None
@@ -381,28 +394,38 @@ class HttpTransport:
             if not ok:
                 raise RemoteGenerateError(
                     f"{method} {url} failed with HTTP {status}: {server_message(payload)}",
-                    url=url, status=status, attempts=attempts,
+                    url=url,
+                    status=status,
+                    attempts=attempts,
                 )
             try:
                 return json.loads(payload)
             except MemoryError:
                 raise RemoteGenerateError(
                     f"{method} {url}: out of memory parsing a JSON body of {len(payload)} bytes",
-                    url=url, status=status, attempts=attempts,
+                    url=url,
+                    status=status,
+                    attempts=attempts,
                 ) from None
             except RecursionError:
                 raise RemoteGenerateError(
                     f"{method} {url} answered {status} with JSON nested too deeply to parse ({len(payload)} bytes)",
-                    url=url, status=status, attempts=attempts,
+                    url=url,
+                    status=status,
+                    attempts=attempts,
                 ) from None
             except ValueError as exc:
                 raise RemoteGenerateError(
                     f"{method} {url} answered {status} with a body that is not valid JSON ({len(payload)} bytes): {exc}",
-                    url=url, status=status, attempts=attempts,
+                    url=url,
+                    status=status,
+                    attempts=attempts,
                 ) from exc
         raise RemoteGenerateError(
             f"{method} {url} failed after {attempts} attempt(s); last cause: {last_cause}",
-            url=url, status=last_status, attempts=attempts,
+            url=url,
+            status=last_status,
+            attempts=attempts,
         ) from last_exc
 
 

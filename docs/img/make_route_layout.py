@@ -32,10 +32,19 @@ mask = padded["router_padding_mask"].numpy()
 for i in range(len(counts)):
     kinds = ["left" if att[i, t] == 0 else ("tail" if mask[i, t] else "route") for t in range(T)]
     draw_cells(a1, len(counts) - 1 - i, kinds)
-    a1.text(-0.4, len(counts) - 1 - i + 0.4, f"trajectory {i}: n={counts[i]}, r={rows[i]}", ha="right", va="center", fontsize=9)
+    a1.text(
+        -0.4,
+        len(counts) - 1 - i + 0.4,
+        f"trajectory {i}: n={counts[i]}, r={rows[i]}",
+        ha="right",
+        va="center",
+        fontsize=9,
+    )
 a1.set_xlim(-7, T + 0.5)
 a1.set_ylim(-0.3, len(counts))
-a1.set_title('layout="padded": rollout_expert_indices [B, T, L, K], right-aligned like a left-padded token batch', fontsize=10)
+a1.set_title(
+    'layout="padded": rollout_expert_indices [B, T, L, K], right-aligned like a left-padded token batch', fontsize=10
+)
 a1.axis("off")
 
 cu = packed["cu_seqlens"].tolist()

@@ -199,7 +199,9 @@ def own_choice(router, hidden):
         allowed = range(len(s))
         if group_topk:
             size = len(s) // groups
-            strength = [sum(sorted(s[g * size : (g + 1) * size], reverse=True)[: k // group_topk]) for g in range(groups)]
+            strength = [
+                sum(sorted(s[g * size : (g + 1) * size], reverse=True)[: k // group_topk]) for g in range(groups)
+            ]
             best = sorted(range(groups), key=lambda g: -strength[g])[:group_topk]
             allowed = [e for g in best for e in range(g * size, (g + 1) * size)]
         for e in sorted(allowed, key=lambda e: -s[e])[:k]:

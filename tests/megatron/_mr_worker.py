@@ -234,8 +234,9 @@ class StepLog:
             last = torch.zeros_like(ids, dtype=torch.bool)
             last[0, cu[1:] - 1] = True
             labels = torch.roll(ids, -1, dims=1)
-            fields = dict(tokens=ids, labels=labels, positions=positions, keep=~last,
-                          keys=torch.stack([owner, positions], -1))
+            fields = dict(
+                tokens=ids, labels=labels, positions=positions, keep=~last, keys=torch.stack([owner, positions], -1)
+            )
             max_len = torch.tensor([max(lengths)], device=self.device)
             fields, packed_seq_params = get_thd_batch_on_this_cp_rank(fields, cu, cu, max_len)
             return fields, packed_seq_params
@@ -245,8 +246,13 @@ class StepLog:
         # The loss is over predictions of real tokens: position t predicts t + 1.
         keep = torch.zeros_like(attention, dtype=torch.bool)
         keep[:, :-1] = attention[:, :-1].bool()
-        fields = dict(tokens=ids, labels=torch.roll(ids, -1, dims=1), positions=columns, keep=keep,
-                      keys=torch.stack([sid[:, None].expand(b, s), columns], -1))
+        fields = dict(
+            tokens=ids,
+            labels=torch.roll(ids, -1, dims=1),
+            positions=columns,
+            keep=keep,
+            keys=torch.stack([sid[:, None].expand(b, s), columns], -1),
+        )
         return get_batch_on_this_cp_rank(fields), None
 
 
@@ -327,7 +333,10 @@ def load_reference_weights(model, full_state: dict) -> None:
 
 
 def _local_grads(model) -> dict[str, torch.Tensor]:
-    return {name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().cpu() for name, p in model.named_parameters()}
+    return {
+        name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().cpu()
+        for name, p in model.named_parameters()
+    }
 
 
 def _full_grads(model) -> dict[str, torch.Tensor]:

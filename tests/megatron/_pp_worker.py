@@ -80,11 +80,14 @@ def run(rank, world_size, port, out_dir):
         parallel_state.destroy_model_parallel()
 
         # --- VPP=2: refused before any step; a naive hook desynchronises.
-        parallel_state.initialize_model_parallel(
-            pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2
+        parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+        vpp = dict(
+            num_layers=4,
+            pipeline_model_parallel_size=2,
+            virtual_pipeline_model_parallel_size=2,
+            batch_p2p_comm=False,
+            **recompute,
         )
-        vpp = dict(num_layers=4, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
-                   batch_p2p_comm=False, **recompute)
         torch.manual_seed(0)
         chunks = [build_model(vp_stage=v, **vpp) for v in range(2)]
         refusals = []

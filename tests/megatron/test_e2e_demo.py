@@ -24,7 +24,11 @@ pytestmark = pytest.mark.slow
 
 def run_demo(*args: str, cwd, timeout: float = 400) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "torch_r3.demo", "--quiet", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd
+        [sys.executable, "-m", "torch_r3.demo", "--quiet", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
     )
 
 
@@ -107,7 +111,10 @@ def test_unreachable_server_stops_with_a_clear_message(tmp_path):
     # Through the command line this time: `torch-r3 demo` runs the same example.
     proc = subprocess.run(
         [sys.executable, "-m", "torch_r3", "demo", "--quiet", "--server-url", url, "--retries", "2"],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
     )
     assert proc.returncode == 2
     assert f"the inference server at {url} is unreachable" in proc.stderr

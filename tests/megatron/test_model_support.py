@@ -34,8 +34,9 @@ def _captured_rows_replayed(recorder, batches, layers):
 
 
 def test_expert_bias_sigmoid_router_replays_exactly_and_counts_captured_tokens_only(make_model):
-    model = make_model(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-                       moe_router_load_balancing_type="none")
+    model = make_model(
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_load_balancing_type="none"
+    )
     routers = [m for m in model.modules() if getattr(m, "enable_expert_bias", False)]
     with torch.no_grad():
         for r in routers:
@@ -140,7 +141,9 @@ def test_cuda_graphs_that_capture_the_router_are_refused(make_model, impl, scope
     model = make_model()
     config = _with(model.config, cuda_graph_impl=impl, cuda_graph_scope=[CudaGraphScope[s] for s in scope])
     if refused:
-        with pytest.raises(ValueError, match=rf"cuda_graph_impl='{impl}' with cuda_graph_scope=\[.*\] captures the router"):
+        with pytest.raises(
+            ValueError, match=rf"cuda_graph_impl='{impl}' with cuda_graph_scope=\[.*\] captures the router"
+        ):
             ReplayHook(model, config)
     else:
         ReplayHook(model, config).close()

@@ -26,7 +26,7 @@ def test_routers_select_exactly_the_installed_routes_even_after_perturbing_weigh
     recorder = RouteRecorder(model)
     run_step(hook, model, [batch], forward_only=True)
     for layer, calls in recorder.calls.items():
-        (action, routing_map), = calls
+        ((action, routing_map),) = calls
         assert _real_rows_match(routing_map, batch["rollout_expert_indices"][:, :, layer], batch["router_padding_mask"])
 
     with torch.no_grad():
@@ -39,7 +39,9 @@ def test_routers_select_exactly_the_installed_routes_even_after_perturbing_weigh
     for layer, calls in recorder.calls.items():
         assert calls, "router never ran"
         for _, routing_map in calls:
-            assert _real_rows_match(routing_map, batch["rollout_expert_indices"][:, :, layer], batch["router_padding_mask"])
+            assert _real_rows_match(
+                routing_map, batch["rollout_expert_indices"][:, :, layer], batch["router_padding_mask"]
+            )
     recorder.close()
 
 
@@ -53,7 +55,9 @@ def test_without_the_hook_the_router_picks_its_own_experts(make_model):
     recorder.close()
     for layer, ((action, routing_map),) in recorder.calls.items():
         assert action is None
-        assert not _real_rows_match(routing_map, batch["rollout_expert_indices"][:, :, layer], batch["router_padding_mask"])
+        assert not _real_rows_match(
+            routing_map, batch["rollout_expert_indices"][:, :, layer], batch["router_padding_mask"]
+        )
 
 
 def test_full_recompute_drains_every_fifo_with_the_matching_microbatch(make_model):
@@ -92,8 +96,12 @@ def test_a_fifo_that_is_not_drained_exactly_raises(make_model):
 
     with pytest.raises(RuntimeError, match=r"layer 0: 2 routes left in the backward FIFO after 2 forwards, expected 0"):
         hook.forward_backward(
-            forward_step_func=pushes_one_more, data_iterator=iter([make_batch(), make_batch()]),
-            model=[model], num_microbatches=2, seq_length=16, micro_batch_size=2,
+            forward_step_func=pushes_one_more,
+            data_iterator=iter([make_batch(), make_batch()]),
+            model=[model],
+            num_microbatches=2,
+            seq_length=16,
+            micro_batch_size=2,
         )
     assert router.replay.replay_backward_list == []  # cleared even on failure
 
@@ -165,8 +173,15 @@ def test_only_this_models_routers_are_touched_not_orphans(make_model):
         seen.append([len(r.router_replay.replay_backward_list) for r in _routers(orphan)])
         return out
 
-    hook.forward_backward(forward_step_func=capture, data_iterator=iter([make_batch()]), model=[model],
-                          num_microbatches=1, seq_length=16, micro_batch_size=2, forward_only=True)
+    hook.forward_backward(
+        forward_step_func=capture,
+        data_iterator=iter([make_batch()]),
+        model=[model],
+        num_microbatches=1,
+        seq_length=16,
+        micro_batch_size=2,
+        forward_only=True,
+    )
     assert seen == [[0, 0]]
 
 
@@ -181,8 +196,13 @@ def _routers(model):
 
 def test_refuses_vpp_from_config(make_model):
     model = make_model()
-    config = dataclasses.replace(model.config, virtual_pipeline_model_parallel_size=2, pipeline_model_parallel_size=2, num_layers=4)
-    with pytest.raises(InterleavedPipelineError, match=r"virtual_pipeline_model_parallel_size=2: .*FIFO.*virtual_pipeline_model_parallel_size=None or 1"):
+    config = dataclasses.replace(
+        model.config, virtual_pipeline_model_parallel_size=2, pipeline_model_parallel_size=2, num_layers=4
+    )
+    with pytest.raises(
+        InterleavedPipelineError,
+        match=r"virtual_pipeline_model_parallel_size=2: .*FIFO.*virtual_pipeline_model_parallel_size=None or 1",
+    ):
         ReplayHook(model, config)
 
 
@@ -227,10 +247,26 @@ def test_refuses_non_modules():
     "change, error, message",
     [
         (lambda b: b.pop("rollout_expert_indices"), ValueError, "missing key 'rollout_expert_indices'"),
-        (lambda b: b.update(rollout_expert_indices=b["rollout_expert_indices"].float()), TypeError, "rollout_expert_indices: expected a uint8/int16/int32/int64"),
-        (lambda b: b.update(router_padding_mask=b["router_padding_mask"].long()), TypeError, "router_padding_mask: expected a torch.bool tensor, got torch.int64"),
-        (lambda b: b.update(rollout_expert_indices=b["rollout_expert_indices"][..., :1]), ValueError, r"padded layout expects \[B, T, L, K=2\]"),
-        (lambda b: b.update(router_padding_mask=b["router_padding_mask"][:, 1:]), ValueError, r"router_padding_mask: expected \[B, T\] = \[2, 16\], got \[2, 15\]"),
+        (
+            lambda b: b.update(rollout_expert_indices=b["rollout_expert_indices"].float()),
+            TypeError,
+            "rollout_expert_indices: expected a uint8/int16/int32/int64",
+        ),
+        (
+            lambda b: b.update(router_padding_mask=b["router_padding_mask"].long()),
+            TypeError,
+            "router_padding_mask: expected a torch.bool tensor, got torch.int64",
+        ),
+        (
+            lambda b: b.update(rollout_expert_indices=b["rollout_expert_indices"][..., :1]),
+            ValueError,
+            r"padded layout expects \[B, T, L, K=2\]",
+        ),
+        (
+            lambda b: b.update(router_padding_mask=b["router_padding_mask"][:, 1:]),
+            ValueError,
+            r"router_padding_mask: expected \[B, T\] = \[2, 16\], got \[2, 15\]",
+        ),
     ],
 )
 def test_refuses_bad_microbatches_before_installing(make_model, change, error, message):

@@ -30,7 +30,9 @@ def _reference_rank_view(routes, cp_size, cp_rank, tp_size, tp_rank, sp):
     return torch.stack([routes[bi, p] for p in cp_local for bi in range(b)])
 
 
-@pytest.mark.parametrize("cp_size, tp_size, sp", [(1, 1, False), (2, 1, False), (1, 2, True), (2, 2, True), (4, 2, True), (2, 2, False)])
+@pytest.mark.parametrize(
+    "cp_size, tp_size, sp", [(1, 1, False), (2, 1, False), (1, 2, True), (2, 2, True), (4, 2, True), (2, 2, False)]
+)
 def test_every_rank_sees_its_cp_chunks_and_sp_share(cp_size, tp_size, sp):
     b, t, layers, k = 3, 16, 2, 2
     routes = torch.arange(b * t * layers * k, dtype=torch.int32).reshape(b, t, layers, k)
@@ -87,7 +89,9 @@ def test_packed_slice_with_sequence_parallel_keeps_token_order():
     routes = torch.arange(16 * 2).reshape(16, 1, 2)
     mask = torch.zeros(16, dtype=torch.bool)
     cu = torch.tensor([0, 8, 16])
-    local, local_mask = slice_for_rank(routes, mask, RankSlice(2, 1, 2, 1, True), cu_seqlens=cu, model_scatters_mask=False)
+    local, local_mask = slice_for_rank(
+        routes, mask, RankSlice(2, 1, 2, 1, True), cu_seqlens=cu, model_scatters_mask=False
+    )
     tokens = [p for p in packed_positions(cu, 2, 1).tolist()][4:]
     assert torch.equal(router_indices(local, 0), routes[tokens, 0])
     assert local_mask.shape == (1, 4)

@@ -78,7 +78,9 @@ def test_last_stats_count_drift_and_tokens_like_an_independent_reference(make_mo
             model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)
     for layer in (0,):
         own = recorder.calls[layer][0][1].view(16, 2, -1).transpose(0, 1)  # [B, S, E]
-        batches[0]["rollout_expert_indices"][:, :8, layer] = own[:, :8].nonzero()[:, -1].view(2, 8, TOPK).to(torch.uint8)
+        batches[0]["rollout_expert_indices"][:, :8, layer] = (
+            own[:, :8].nonzero()[:, -1].view(2, 8, TOPK).to(torch.uint8)
+        )
     recorder.clear()
 
     run_step(hook, model, batches)

@@ -33,7 +33,9 @@ def _set_expert(batch, row, token, layer, slot, value):
         ("duplicate", torch.int32, r"expert id \d+ twice in one route"),
     ],
 )
-def test_bad_expert_ids_are_refused_naming_microbatch_layer_and_position_before_the_model_runs(make_model, value, dtype, what):
+def test_bad_expert_ids_are_refused_naming_microbatch_layer_and_position_before_the_model_runs(
+    make_model, value, dtype, what
+):
     model = make_model()
     hook = ReplayHook(model)
     batches = _two_microbatches(dtype)
@@ -122,7 +124,10 @@ def test_routes_one_token_short_are_refused_at_the_router_when_the_model_gets_de
         checked.append(hidden.shape)
         return m(None, None, None, decoder_input=hidden), lambda out: (out.sum(), {})
 
-    with pytest.raises(ValueError, match=r"microbatch 0, layer 0: the router sees 32 tokens, the routes cover 30 \(2 rows x 15 positions"):
+    with pytest.raises(
+        ValueError,
+        match=r"microbatch 0, layer 0: the router sees 32 tokens, the routes cover 30 \(2 rows x 15 positions",
+    ):
         run_step(hook, model, [_one_token_short(make_batch())], step=step_with_decoder_input, forward_only=True)
     assert checked  # the model ran up to the router
     assert all(r.replay.replay_backward_list == [] for r in hook._routers)

@@ -25,7 +25,15 @@ Examples:
     [('baseline', None), ('torch_r3 fresh', 'baseline')]
 """
 
-from torch_r3.bench.config import DISTRIBUTIONS, PRESETS, Batch, BenchConfig, is_default_shape, make_batch, sequence_lengths
+from torch_r3.bench.config import (
+    DISTRIBUTIONS,
+    PRESETS,
+    Batch,
+    BenchConfig,
+    is_default_shape,
+    make_batch,
+    sequence_lengths,
+)
 from torch_r3.bench.dataloader import DEFAULT_BATCH_SIZE, run_dataloader
 from torch_r3.bench.memory import InsufficientMemoryError, available_memory, check_memory, estimate_memory
 from torch_r3.bench.report import format_report, format_table, plot_sweep

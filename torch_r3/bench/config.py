@@ -83,9 +83,12 @@ class BenchConfig:
             if v < (0 if name == "seed" else 1):
                 raise ValueError(f"{name} must be >= {0 if name == 'seed' else 1}, got {v}")
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 1:
-            raise ValueError(f"warmup must be an int >= 1 (the first call is checked, never timed), got {self.warmup!r}")
-        if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)
-                                         or self.workers < 1):
+            raise ValueError(
+                f"warmup must be an int >= 1 (the first call is checked, never timed), got {self.warmup!r}"
+            )
+        if self.workers is not None and (
+            isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1
+        ):
             raise ValueError(f"workers must be a positive int, got {self.workers!r}")
         if self.distribution not in DISTRIBUTIONS:
             raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {self.distribution!r}")
@@ -101,13 +104,16 @@ class BenchConfig:
         if dtype is None:
             dtype = needed
         elif _order(needed) > _order(dtype):
-            raise ValueError(f"num_experts={experts} needs expert ids up to {experts - 1}, which need {needed}, "
-                             f"not {dtype}")
+            raise ValueError(
+                f"num_experts={experts} needs expert ids up to {experts - 1}, which need {needed}, not {dtype}"
+            )
         if self.mixed_dtypes and dtype == "uint8":
             raise ValueError("mixed_dtypes mixes uint8 and int16 senders, so the batch dtype is int16, not uint8")
         if self.topk > experts:
-            raise ValueError(f"topk={self.topk} needs at least that many experts (a route is topk distinct "
-                             f"experts), got num_experts={experts}")
+            raise ValueError(
+                f"topk={self.topk} needs at least that many experts (a route is topk distinct "
+                f"experts), got num_experts={experts}"
+            )
         object.__setattr__(self, "num_experts", experts)
         object.__setattr__(self, "dtype", dtype)
 
@@ -115,8 +121,10 @@ class BenchConfig:
     def label(self) -> str:
         """The shape in one line, as the report and the status lines print it."""
         mixed = ", mixed uint8/int16" if self.mixed_dtypes else ""
-        return (f"{self.num_sequences} seqs x max {self.max_seqlen} tokens, {self.num_layers} layers, "
-                f"topk {self.topk}, {self.num_experts} experts, {self.dtype}{mixed}, {self.distribution}")
+        return (
+            f"{self.num_sequences} seqs x max {self.max_seqlen} tokens, {self.num_layers} layers, "
+            f"topk {self.topk}, {self.num_experts} experts, {self.dtype}{mixed}, {self.distribution}"
+        )
 
 
 def _order(dtype: str) -> int:
@@ -137,8 +145,19 @@ def is_default_shape(config: BenchConfig | dict[str, Any]) -> bool:
         (True, False)
     """
     if isinstance(config, BenchConfig):
-        config = {k: getattr(config, k) for k in ("num_sequences", "max_seqlen", "num_layers", "topk", "dtype",
-                                                  "distribution", "mixed_dtypes", "num_experts")}
+        config = {
+            k: getattr(config, k)
+            for k in (
+                "num_sequences",
+                "max_seqlen",
+                "num_layers",
+                "topk",
+                "dtype",
+                "distribution",
+                "mixed_dtypes",
+                "num_experts",
+            )
+        }
     want = dict(PRESETS["default"], distribution="uniform", mixed_dtypes=False, num_experts=128)
     return all(config.get(k) == v for k, v in want.items())
 

@@ -133,8 +133,11 @@ def _floor(sizes: list[int], workers: int, epochs: int) -> tuple[float, float]:
     src = np.ones(max(sizes), dtype=np.uint8)
     dst = np.zeros(max(sizes), dtype=np.uint8)
     with ThreadPoolExecutor(max(1, workers - 1), thread_name_prefix="torch_r3-bench-floor") as pool:
-        return _time_floor(lambda k: parallel_copy(dst[: sizes[k]], src[: sizes[k]], workers,
-                                                   pool if workers > 1 else None), len(sizes), epochs)
+        return _time_floor(
+            lambda k: parallel_copy(dst[: sizes[k]], src[: sizes[k]], workers, pool if workers > 1 else None),
+            len(sizes),
+            epochs,
+        )
 
 
 class GatherFloor:
@@ -176,11 +179,15 @@ class GatherFloor:
         _, self.L, self.K = self.routes[0].shape
         row = self.L * self.K * self.dtype.itemsize
         self.template = np.ascontiguousarray(
-            np.broadcast_to(np.arange(self.K, dtype=self.dtype), (max(1, _TEMPLATE_BYTES // row), self.L, self.K)))
+            np.broadcast_to(np.arange(self.K, dtype=self.dtype), (max(1, _TEMPLATE_BYTES // row), self.L, self.K))
+        )
         self.T, self.sizes = _batch_layout([t.shape[0] for t in self.tokens], batch_size, row)
         self.buffer = np.zeros(max(self.sizes), dtype=np.uint8)  # mapped, and made warm by the first copies
-        self.pool = (ThreadPoolExecutor(self.workers - 1, thread_name_prefix="torch_r3-bench-gather")
-                     if self.workers > 1 else None)
+        self.pool = (
+            ThreadPoolExecutor(self.workers - 1, thread_name_prefix="torch_r3-bench-gather")
+            if self.workers > 1
+            else None
+        )
 
     def __enter__(self) -> GatherFloor:
         return self
@@ -201,7 +208,8 @@ class GatherFloor:
         bt = B * T
         buf = self.buffer
         return {
-            ROUTES: buf[16 * bt : 16 * bt + bt * self.L * self.K * self.dtype.itemsize].view(self.dtype)
+            ROUTES: buf[16 * bt : 16 * bt + bt * self.L * self.K * self.dtype.itemsize]
+            .view(self.dtype)
             .reshape(B, T, self.L, self.K),
             ROUTER_MASK: buf[self.sizes[k] - bt : self.sizes[k]].view(np.bool_).reshape(B, T),
             ATTENTION_MASK: buf[8 * bt : 16 * bt].view(np.int64).reshape(B, T),
@@ -253,8 +261,9 @@ def _check_epoch(loader: DataLoader, batch: Batch, batch_size: int, name: str) -
     """The warm-up epoch: every batch must equal `collate_routes` on the same samples."""
     for k, got in enumerate(loader):
         lo = k * batch_size
-        want = collate_routes(batch.routes[lo : lo + batch_size], batch.token_counts[lo : lo + batch_size],
-                              pin_memory=False)
+        want = collate_routes(
+            batch.routes[lo : lo + batch_size], batch.token_counts[lo : lo + batch_size], pin_memory=False
+        )
         check_identical(name, got, want, "collate_routes")
 
 
@@ -273,15 +282,29 @@ def _time_epochs(loader: DataLoader, epochs: int) -> tuple[list[float], list[flo
     return per_batch, per_epoch
 
 
-def _row(dataset: RouteSamples, batch: Batch, batch_size: int, num_workers: int, pin_memory: bool,
-         collator: str, epochs: int, workers: int | None) -> DataLoaderRow:
+def _row(
+    dataset: RouteSamples,
+    batch: Batch,
+    batch_size: int,
+    num_workers: int,
+    pin_memory: bool,
+    collator: str,
+    epochs: int,
+    workers: int | None,
+) -> DataLoaderRow:
     row = DataLoaderRow(num_workers=num_workers, pin_memory=pin_memory, collator=collator)
     if pin_memory and not accelerator_available():
         row.skipped = "no accelerator, pin_memory does nothing"
         return row
     collate_fn = R3Collator(cache_bytes=0 if collator == "fresh" else None, workers=workers)
-    loader = DataLoader(dataset, batch_size=batch_size, collate_fn=collate_fn, num_workers=num_workers,
-                        pin_memory=pin_memory, persistent_workers=num_workers > 0)
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        collate_fn=collate_fn,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=num_workers > 0,
+    )
     name = f"DataLoader(num_workers={num_workers}, pin_memory={pin_memory}) {collator}"
     _check_epoch(loader, batch, batch_size, name)
     row.batch_times_s, row.epoch_times_s = _time_epochs(loader, epochs)
@@ -292,8 +315,9 @@ def _row(dataset: RouteSamples, batch: Batch, batch_size: int, num_workers: int,
     return row
 
 
-def run_dataloader(config: BenchConfig, batch_size: int = DEFAULT_BATCH_SIZE, progress: Any = None,
-                   epochs: int = _EPOCHS) -> DataLoaderResult:
+def run_dataloader(
+    config: BenchConfig, batch_size: int = DEFAULT_BATCH_SIZE, progress: Any = None, epochs: int = _EPOCHS
+) -> DataLoaderResult:
     """Time every DataLoader configuration on the trajectories of `config`'s batch.
 
     Args:
@@ -310,8 +334,7 @@ def run_dataloader(config: BenchConfig, batch_size: int = DEFAULT_BATCH_SIZE, pr
         AssertionError: a DataLoader batch differs from `collate_routes`'s.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= config.num_sequences:
-        raise ValueError(f"batch_size must be an int in [1, num_sequences={config.num_sequences}], "
-                         f"got {batch_size!r}")
+        raise ValueError(f"batch_size must be an int in [1, num_sequences={config.num_sequences}], got {batch_size!r}")
     batch = make_batch(config)
     dataset = RouteSamples(batch, config.seed)
     _, sizes = _batch_layout(list(batch.token_counts), batch_size, batch.num_layers * batch.topk * batch.dtype.itemsize)
@@ -328,6 +351,14 @@ def run_dataloader(config: BenchConfig, batch_size: int = DEFAULT_BATCH_SIZE, pr
         rows.append(row)
         if progress:
             progress.step(f"DataLoader {num_workers} workers {collator}")
-    return DataLoaderResult(batch_size=batch_size, num_batches=len(sizes), batch_bytes=int(np.mean(sizes)),
-                            floor_batch_s=floor_batch, floor_epoch_s=floor_epoch, epochs=epochs, rows=rows,
-                            gather_floor_batch_s=gather_batch, gather_floor_epoch_s=gather_epoch)
+    return DataLoaderResult(
+        batch_size=batch_size,
+        num_batches=len(sizes),
+        batch_bytes=int(np.mean(sizes)),
+        floor_batch_s=floor_batch,
+        floor_epoch_s=floor_epoch,
+        epochs=epochs,
+        rows=rows,
+        gather_floor_batch_s=gather_batch,
+        gather_floor_epoch_s=gather_epoch,
+    )

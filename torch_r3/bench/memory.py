@@ -89,8 +89,12 @@ def available_memory() -> dict[str, Any]:
         pass
     room, cgroup = cgroup_memory_room()
     known = [v for v in (mem_available, room) if v is not None]
-    return {"mem_available": mem_available, "cgroup_room": room, "cgroup": cgroup,
-            "available": min(known) if known else None}
+    return {
+        "mem_available": mem_available,
+        "cgroup_room": room,
+        "cgroup": cgroup,
+        "available": min(known) if known else None,
+    }
 
 
 def check_memory(need: int, what: str, probe: Callable[[], dict[str, Any]] | None = None) -> None:

@@ -50,30 +50,55 @@ def format_table(shape: ShapeResult) -> str:
     """
     strategies = shape.strategies
     t_name, t_scale = time_unit([s.min_s for s in strategies])
-    head = ("strategy", f"median {t_name}", f"min {t_name}", f"max {t_name}", "throughput", "vs baseline",
-            "vs memcpy", "peak memory", "peak/(in+out)", "checked")
+    head = (
+        "strategy",
+        f"median {t_name}",
+        f"min {t_name}",
+        f"max {t_name}",
+        "throughput",
+        "vs baseline",
+        "vs memcpy",
+        "peak memory",
+        "peak/(in+out)",
+        "checked",
+    )
     rows = []
     for s in strategies:
         check = "-" if s.name == MEMCPY else ("reference" if s.checked_against is None else "identical")
         peak = format_bytes(s.peak_bytes) + (f" ({s.loop_calls} calls)" if s.loop_calls > 1 else "")
-        rows.append((s.name, number(s.median_s / t_scale), number(s.min_s / t_scale), number(s.max_s / t_scale),
-                     format_rate(s.gb_per_s * 1e9), format_ratio(s.speedup_vs_baseline), format_ratio(s.ratio_to_memcpy),
-                     peak, format_ratio(s.peak_ratio), check))
+        rows.append(
+            (
+                s.name,
+                number(s.median_s / t_scale),
+                number(s.min_s / t_scale),
+                number(s.max_s / t_scale),
+                format_rate(s.gb_per_s * 1e9),
+                format_ratio(s.speedup_vs_baseline),
+                format_ratio(s.ratio_to_memcpy),
+                peak,
+                format_ratio(s.peak_ratio),
+                check,
+            )
+        )
     return _table(head, rows)
 
 
 def _describe(shape: ShapeResult) -> str:
-    return (f"{shape.label}: T={shape.T}, {shape.tokens:,} tokens; input {format_bytes(shape.input_bytes)}, "
-            f"padded output {format_bytes(shape.padded_bytes)}, packed output {format_bytes(shape.packed_bytes)}; "
-            f"{shape.workers} pool workers")
+    return (
+        f"{shape.label}: T={shape.T}, {shape.tokens:,} tokens; input {format_bytes(shape.input_bytes)}, "
+        f"padded output {format_bytes(shape.padded_bytes)}, packed output {format_bytes(shape.packed_bytes)}; "
+        f"{shape.workers} pool workers"
+    )
 
 
 def _too_small(shape: ShapeResult) -> list[str]:
     if shape.padded_bytes >= TOO_SMALL_BYTES:
         return []
-    return [f"note: this shape is too small to time: its padded output is {format_bytes(shape.padded_bytes)}, "
-            f"under {format_bytes(TOO_SMALL_BYTES)}, so fixed per-call costs dominate and the ratios say little; "
-            f"use a larger shape (the default writes 688 MB)"]
+    return [
+        f"note: this shape is too small to time: its padded output is {format_bytes(shape.padded_bytes)}, "
+        f"under {format_bytes(TOO_SMALL_BYTES)}, so fixed per-call costs dominate and the ratios say little; "
+        f"use a larger shape (the default writes 688 MB)"
+    ]
 
 
 #: Row labels of the two floors in the DataLoader table.
@@ -106,33 +131,81 @@ def format_dataloader_table(loader: DataLoaderResult) -> str:
     """
     done = [r for r in loader.rows if r.skipped is None]
     gather = loader.gather_floor_batch_s
-    t_name, t_scale = time_unit([r.batch_min_s for r in done] + [loader.floor_batch_s]
-                                + ([gather] if gather is not None else []))
+    t_name, t_scale = time_unit(
+        [r.batch_min_s for r in done] + [loader.floor_batch_s] + ([gather] if gather is not None else [])
+    )
     e_name, e_scale = time_unit([r.epoch_s for r in done] + [loader.floor_epoch_s])
-    head = ("num_workers", "pin_memory", "collator", f"per batch {t_name}", f"min {t_name}", f"max {t_name}",
-            "vs memcpy floor", "vs gather floor", f"epoch {e_name}")
-    rows = [(str(r.num_workers), "on" if r.pin_memory else "off", r.collator, number(r.batch_s / t_scale),
-             number(r.batch_min_s / t_scale), number(r.batch_max_s / t_scale), format_ratio(r.ratio_to_floor),
-             format_ratio(r.ratio_to_gather_floor), number(r.epoch_s / e_scale)) for r in done]
-    rows.append((MEMCPY_FLOOR_LABEL, "", "", number(loader.floor_batch_s / t_scale), "", "", "1.00x",
-                 format_ratio(loader.floor_batch_s / gather) if gather else "-",
-                 number(loader.floor_epoch_s / e_scale)))
+    head = (
+        "num_workers",
+        "pin_memory",
+        "collator",
+        f"per batch {t_name}",
+        f"min {t_name}",
+        f"max {t_name}",
+        "vs memcpy floor",
+        "vs gather floor",
+        f"epoch {e_name}",
+    )
+    rows = [
+        (
+            str(r.num_workers),
+            "on" if r.pin_memory else "off",
+            r.collator,
+            number(r.batch_s / t_scale),
+            number(r.batch_min_s / t_scale),
+            number(r.batch_max_s / t_scale),
+            format_ratio(r.ratio_to_floor),
+            format_ratio(r.ratio_to_gather_floor),
+            number(r.epoch_s / e_scale),
+        )
+        for r in done
+    ]
+    rows.append(
+        (
+            MEMCPY_FLOOR_LABEL,
+            "",
+            "",
+            number(loader.floor_batch_s / t_scale),
+            "",
+            "",
+            "1.00x",
+            format_ratio(loader.floor_batch_s / gather) if gather else "-",
+            number(loader.floor_epoch_s / e_scale),
+        )
+    )
     if gather is not None:
-        rows.append((GATHER_FLOOR_LABEL, "", "", number(gather / t_scale), "", "",
-                     format_ratio(gather / loader.floor_batch_s), "1.00x",
-                     number(loader.gather_floor_epoch_s / e_scale)))
-    skipped = [f"skipped: num_workers={r.num_workers}, pin_memory={'on' if r.pin_memory else 'off'}, "
-               f"{r.collator}: {r.skipped}" for r in loader.rows if r.skipped is not None]
+        rows.append(
+            (
+                GATHER_FLOOR_LABEL,
+                "",
+                "",
+                number(gather / t_scale),
+                "",
+                "",
+                format_ratio(gather / loader.floor_batch_s),
+                "1.00x",
+                number(loader.gather_floor_epoch_s / e_scale),
+            )
+        )
+    skipped = [
+        f"skipped: num_workers={r.num_workers}, pin_memory={'on' if r.pin_memory else 'off'}, {r.collator}: {r.skipped}"
+        for r in loader.rows
+        if r.skipped is not None
+    ]
     return "\n".join([_table(head, rows), *skipped])
 
 
 def _floors_note(loader: DataLoaderResult) -> list[str]:
-    lines = ["memcpy floor: per batch, one contiguous copy of as many bytes as its output, the same warm source "
-             "and destination every batch (where the last-level cache holds them, it never reaches memory)"]
+    lines = [
+        "memcpy floor: per batch, one contiguous copy of as many bytes as its output, the same warm source "
+        "and destination every batch (where the last-level cache holds them, it never reaches memory)"
+    ]
     if loader.gather_floor_batch_s is not None:
-        lines.append("gather floor: per batch, its own route and token arrays, in their own memory as the DataLoader "
-                     "hands them over, copied into a warm buffer in the padded layout, padding from a small "
-                     "template: the least a collator can cost for these bytes from where they live")
+        lines.append(
+            "gather floor: per batch, its own route and token arrays, in their own memory as the DataLoader "
+            "hands them over, copied into a warm buffer in the padded layout, padding from a small "
+            "template: the least a collator can cost for these bytes from where they live"
+        )
     return lines
 
 
@@ -167,11 +240,18 @@ def format_report(result: BenchResult) -> str:
         lines += ["", "packed vs padded on typical_rl:", _describe(pair), format_table(pair)]
     if result.dataloader is not None:
         d = result.dataloader
-        lines += ["", f"DataLoader: {d.num_batches} batches of {d.batch_size} trajectories per epoch "
-                  f"(about {format_bytes(d.batch_bytes)} per batch), median of {d.epochs} timed epochs after one warm-up:",
-                  format_dataloader_table(d), *_floors_note(d)]
-    lines += ["", f"wall {result.wall_s:.1f} s, process peak RSS "
-              f"{format_gib(result.peak_rss_bytes) if result.peak_rss_bytes else '?'}"]
+        lines += [
+            "",
+            f"DataLoader: {d.num_batches} batches of {d.batch_size} trajectories per epoch "
+            f"(about {format_bytes(d.batch_bytes)} per batch), median of {d.epochs} timed epochs after one warm-up:",
+            format_dataloader_table(d),
+            *_floors_note(d),
+        ]
+    lines += [
+        "",
+        f"wall {result.wall_s:.1f} s, process peak RSS "
+        f"{format_gib(result.peak_rss_bytes) if result.peak_rss_bytes else '?'}",
+    ]
     return "\n".join(lines)
 
 
@@ -201,9 +281,12 @@ def plot_sweep(result: BenchResult, path: str | os.PathLike) -> None:
     ax.set_xlabel("num_sequences")
     ax.set_ylabel("time per batch, ms (median, bars: min-max)")
     c = result.main.config
-    ax.set_title(f"route collation: max {c['max_seqlen']} tokens, {c['num_layers']} layers, topk {c['topk']}, "
-                 f"{c['dtype']}, {c['distribution']}\n{result.topology['usable_cpus']:g} usable CPUs, "
-                 f"{result.main.workers} pool workers", fontsize=9)
+    ax.set_title(
+        f"route collation: max {c['max_seqlen']} tokens, {c['num_layers']} layers, topk {c['topk']}, "
+        f"{c['dtype']}, {c['distribution']}\n{result.topology['usable_cpus']:g} usable CPUs, "
+        f"{result.main.workers} pool workers",
+        fontsize=9,
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

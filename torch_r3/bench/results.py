@@ -113,8 +113,10 @@ class DataLoaderResult:
 
     def get(self, num_workers: int, pin_memory: bool, collator: str) -> DataLoaderRow | None:
         """The row of one configuration, or None if it was not part of the run."""
-        return next((r for r in self.rows if (r.num_workers, r.pin_memory, r.collator)
-                     == (num_workers, pin_memory, collator)), None)
+        return next(
+            (r for r in self.rows if (r.num_workers, r.pin_memory, r.collator) == (num_workers, pin_memory, collator)),
+            None,
+        )
 
 
 @dataclass

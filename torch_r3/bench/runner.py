@@ -59,8 +59,9 @@ class Progress:
         width = 28
         filled = int(width * min(self.done, self.total) / self.total)
         elapsed = time.perf_counter() - self.t0
-        self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
-                          f"{elapsed:5.0f}s  {label[:40]:<40}")
+        self.stream.write(
+            f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {elapsed:5.0f}s  {label[:40]:<40}"
+        )
         self.stream.flush()
 
     def close(self) -> None:
@@ -113,8 +114,9 @@ def _warm_up(ctx: Context, strategies: Sequence[str], warmup: int, progress: Pro
     return _Checked(peak_extra, checked, method)
 
 
-def _time_rounds(ctx: Context, strategies: Sequence[str], repeats: int,
-                 progress: Progress | None) -> dict[str, list[float]]:
+def _time_rounds(
+    ctx: Context, strategies: Sequence[str], repeats: int, progress: Progress | None
+) -> dict[str, list[float]]:
     """`repeats` rounds, each timing every strategy once (interleaved, so load from elsewhere hits all alike)."""
     times: dict[str, list[float]] = {s: [] for s in strategies}
     calls = [(name, get_strategy(name).call) for name in strategies]
@@ -130,8 +132,9 @@ def _time_rounds(ctx: Context, strategies: Sequence[str], repeats: int,
     return times
 
 
-def _summarise(config: BenchConfig, ctx: Context, strategies: Sequence[str], times: dict[str, list[float]],
-               checked: _Checked) -> ShapeResult:
+def _summarise(
+    config: BenchConfig, ctx: Context, strategies: Sequence[str], times: dict[str, list[float]], checked: _Checked
+) -> ShapeResult:
     batch = ctx.batch
     results = []
     for name in strategies:
@@ -141,12 +144,22 @@ def _summarise(config: BenchConfig, ctx: Context, strategies: Sequence[str], tim
         written = batch.packed_bytes if strategy.layout == "packed" else batch.padded_bytes
         out_bytes = written if strategy.layout is not None else 0
         peak_bytes = batch.input_bytes + checked.peak_extra[name]
-        results.append(StrategyResult(
-            name=name, times_s=ts, median_s=med, min_s=min(ts), max_s=max(ts), bytes_written=written,
-            gb_per_s=written / med / 1e9, peak_extra_bytes=checked.peak_extra[name], peak_bytes=peak_bytes,
-            peak_ratio=peak_bytes / (batch.input_bytes + out_bytes) if out_bytes else None,
-            loop_calls=strategy.loop_calls, checked_against=checked.checked_against.get(name),
-        ))
+        results.append(
+            StrategyResult(
+                name=name,
+                times_s=ts,
+                median_s=med,
+                min_s=min(ts),
+                max_s=max(ts),
+                bytes_written=written,
+                gb_per_s=written / med / 1e9,
+                peak_extra_bytes=checked.peak_extra[name],
+                peak_bytes=peak_bytes,
+                peak_ratio=peak_bytes / (batch.input_bytes + out_bytes) if out_bytes else None,
+                loop_calls=strategy.loop_calls,
+                checked_against=checked.checked_against.get(name),
+            )
+        )
     by_name = {s.name: s for s in results}
     for s in results:
         if BASELINE in by_name:
@@ -154,9 +167,16 @@ def _summarise(config: BenchConfig, ctx: Context, strategies: Sequence[str], tim
         if MEMCPY in by_name:
             s.ratio_to_memcpy = s.median_s / by_name[MEMCPY].median_s
     return ShapeResult(
-        config=dataclasses.asdict(config), label=config.label, T=batch.T, tokens=sum(batch.token_counts),
-        input_bytes=batch.input_bytes, padded_bytes=batch.padded_bytes, packed_bytes=batch.packed_bytes,
-        workers=ctx.workers, peak_method=checked.method, strategies=results,
+        config=dataclasses.asdict(config),
+        label=config.label,
+        T=batch.T,
+        tokens=sum(batch.token_counts),
+        input_bytes=batch.input_bytes,
+        padded_bytes=batch.padded_bytes,
+        packed_bytes=batch.packed_bytes,
+        workers=ctx.workers,
+        peak_method=checked.method,
+        strategies=results,
     )
 
 
@@ -226,8 +246,7 @@ class Plan:
     @property
     def sweep_shapes(self) -> list[BenchConfig]:
         """The sweep's shapes other than the main one."""
-        return [dataclasses.replace(self.config, num_sequences=n) for n in self.sweep
-                if n != self.config.num_sequences]
+        return [dataclasses.replace(self.config, num_sequences=n) for n in self.sweep if n != self.config.num_sequences]
 
     @property
     def shapes(self) -> list[BenchConfig]:
@@ -258,8 +277,9 @@ def plan(
     Returns:
         The `Plan`.
     """
-    pair_is_main = (packed_vs_padded and config.distribution == "typical_rl"
-                    and FRESH in strategies and PACKED in strategies)
+    pair_is_main = (
+        packed_vs_padded and config.distribution == "typical_rl" and FRESH in strategies and PACKED in strategies
+    )
     pair = dataclasses.replace(config, distribution="typical_rl") if packed_vs_padded and not pair_is_main else None
     return Plan(config, tuple(strategies), pair, pair_is_main, tuple(sweep or ()))
 
@@ -318,9 +338,19 @@ def run(
     from torch_r3 import __version__
 
     return BenchResult(
-        main=main, packed_vs_padded=pair, sweep=points, dataloader=loader, topology=topology,
-        memory_needed_bytes=need, wall_s=time.perf_counter() - t0, peak_rss_bytes=process_peak_rss() or None,
-        versions={"torch_r3": __version__, "torch": torch.__version__, "numpy": np.__version__,
-                  "python": sys.version.split()[0]},
+        main=main,
+        packed_vs_padded=pair,
+        sweep=points,
+        dataloader=loader,
+        topology=topology,
+        memory_needed_bytes=need,
+        wall_s=time.perf_counter() - t0,
+        peak_rss_bytes=process_peak_rss() or None,
+        versions={
+            "torch_r3": __version__,
+            "torch": torch.__version__,
+            "numpy": np.__version__,
+            "python": sys.version.split()[0],
+        },
         timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"),
     )

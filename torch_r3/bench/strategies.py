@@ -93,8 +93,11 @@ class Context:
             # to write shows up in the bit-identical check.
             B, T = len(batch.routes), batch.T
             self.out = {
-                ROUTES: torch.full((B, T, batch.num_layers, batch.topk), -1 if batch.dtype.kind == "i" else 255,
-                                   dtype=TORCH_DTYPES[batch.dtype.name]),
+                ROUTES: torch.full(
+                    (B, T, batch.num_layers, batch.topk),
+                    -1 if batch.dtype.kind == "i" else 255,
+                    dtype=TORCH_DTYPES[batch.dtype.name],
+                ),
                 ROUTER_MASK: torch.ones((B, T), dtype=torch.bool),
                 ATTENTION_MASK: torch.full((B, T), 7, dtype=torch.long),
             }
@@ -219,18 +222,21 @@ class Strategy:
     loop_calls: int = 1
 
 
-_REGISTRY: dict[str, Strategy] = {s.name: s for s in (
-    Strategy(BASELINE, _baseline, "padded"),
-    Strategy(SERIAL, _serial, "padded"),
-    Strategy(FRESH, _fresh, "padded"),
-    Strategy(REUSED, _reused, "padded"),
-    # Four calls: the pool's first buffer, a second while the first is held,
-    # then two that reuse them. The peak must stay at two batches.
-    Strategy(STEADY, _steady, "padded", loop_calls=4),
-    Strategy(PACKED, _packed, "packed"),
-    Strategy(MEMCPY, _memcpy, None),
-    Strategy(PAD_SEQUENCE, _pad_sequence, "padded"),
-)}
+_REGISTRY: dict[str, Strategy] = {
+    s.name: s
+    for s in (
+        Strategy(BASELINE, _baseline, "padded"),
+        Strategy(SERIAL, _serial, "padded"),
+        Strategy(FRESH, _fresh, "padded"),
+        Strategy(REUSED, _reused, "padded"),
+        # Four calls: the pool's first buffer, a second while the first is held,
+        # then two that reuse them. The peak must stay at two batches.
+        Strategy(STEADY, _steady, "padded", loop_calls=4),
+        Strategy(PACKED, _packed, "packed"),
+        Strategy(MEMCPY, _memcpy, None),
+        Strategy(PAD_SEQUENCE, _pad_sequence, "padded"),
+    )
+}
 
 #: Every strategy, in the order they are run and reported.
 STRATEGIES = tuple(_REGISTRY)

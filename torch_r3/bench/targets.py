@@ -39,8 +39,12 @@ class Target:
 TARGETS = (
     Target("steady_vs_memcpy", "torch_r3 steady median / memcpy limit median", "<=", 1.25),
     Target("steady_vs_baseline", "torch_r3 steady speed-up over baseline (medians)", ">=", 7.0),
-    Target("dataloader_vs_floor", "DataLoader num_workers=0, recycled collator, pin_memory off: "
-           "median per batch / memcpy floor per batch", "<=", 1.5),
+    Target(
+        "dataloader_vs_floor",
+        "DataLoader num_workers=0, recycled collator, pin_memory off: median per batch / memcpy floor per batch",
+        "<=",
+        1.5,
+    ),
     Target("steady_peak_memory", "peak memory of the steady loop / (input + 2 batches + 1 MiB)", "<=", 1.0),
 )
 # Resident memory the steady loop may add beyond its two batches: the
@@ -61,8 +65,9 @@ def _measure(result: BenchResult) -> dict[str, float | None]:
         "steady_vs_memcpy": steady.median_s / floor.median_s if steady and floor else None,
         "steady_vs_baseline": base.median_s / steady.median_s if steady and base else None,
         "dataloader_vs_floor": loader.ratio_to_floor if loader else None,
-        "steady_peak_memory": (steady.peak_bytes / (main.input_bytes + 2 * main.padded_bytes + _BOOKKEEPING)
-                               if steady else None),
+        "steady_peak_memory": (
+            steady.peak_bytes / (main.input_bytes + 2 * main.padded_bytes + _BOOKKEEPING) if steady else None
+        ),
     }
 
 
@@ -72,12 +77,14 @@ def _beside(result: BenchResult) -> dict[str, dict[str, Any]]:
     loader = _judged_loader(result)
     if loader is None or loader.batch_s is None:
         return {}
-    return {"dataloader_vs_floor": {
-        "vs_gather_floor": loader.ratio_to_gather_floor,
-        "batch_s": loader.batch_s,
-        "memcpy_floor_s": d.floor_batch_s,
-        "gather_floor_s": d.gather_floor_batch_s,
-    }}
+    return {
+        "dataloader_vs_floor": {
+            "vs_gather_floor": loader.ratio_to_gather_floor,
+            "batch_s": loader.batch_s,
+            "memcpy_floor_s": d.floor_batch_s,
+            "gather_floor_s": d.gather_floor_batch_s,
+        }
+    }
 
 
 def check_targets(result: BenchResult) -> list[dict[str, Any]]:
@@ -104,8 +111,7 @@ def check_targets(result: BenchResult) -> list[dict[str, Any]]:
     for t in TARGETS:
         value = values[t.name]
         met = value is not None and (value <= t.threshold if t.op == "<=" else value >= t.threshold)
-        out.append({"name": t.name, "what": t.what, "op": t.op, "threshold": t.threshold, "value": value,
-                    "met": met})
+        out.append({"name": t.name, "what": t.what, "op": t.op, "threshold": t.threshold, "value": value, "met": met})
         if t.name in beside:
             out[-1]["beside"] = beside[t.name]
     return out
@@ -156,8 +162,9 @@ def format_targets(checked: list[dict[str, Any]]) -> str:
     lines = ["targets (default shape, quiet 2-core machine, medians of one run):"]
     for t in checked:
         value = "not measured" if t["value"] is None else f"{t['value']:.2f}"
-        lines.append(f"  [{'met' if t['met'] else 'MISSED'}] {t['what']}: {value} (target {t['op']} "
-                     f"{t['threshold']:g})")
+        lines.append(
+            f"  [{'met' if t['met'] else 'MISSED'}] {t['what']}: {value} (target {t['op']} {t['threshold']:g})"
+        )
         if "beside" in t:
             lines += _gap_lines(t["beside"])
     return "\n".join(lines)

@@ -42,7 +42,7 @@ from torch_r3.megatron.slicing import (
     slice_for_rank,
     stage_layer_range,
 )
-from torch_r3.megatron.stats import ReplayStats, TokenCounts
+from torch_r3.stats import ReplayStats, TokenCounts
 from torch_r3.megatron.validate import check_route_values
 
 __all__ = [

@@ -96,8 +96,7 @@ def check_config(config: Any) -> None:
         )
     if getattr(config, "moe_router_fusion", False):
         raise ValueError(
-            "config.moe_router_fusion is True: Megatron's fused router bypasses replay; "
-            "set moe_router_fusion=False"
+            "config.moe_router_fusion is True: Megatron's fused router bypasses replay; set moe_router_fusion=False"
         )
     if getattr(config, "moe_router_load_balancing_type", None) == "sinkhorn":
         raise ValueError(

@@ -23,7 +23,7 @@ from torch_r3.megatron.slicing import (
     slice_for_rank,
     stage_layer_range,
 )
-from torch_r3.megatron.stats import ReplayStats, StatsCollector
+from torch_r3.stats import ReplayStats, StatsCollector
 from torch_r3.megatron.validate import check_microbatch, check_model_input, check_route_values
 
 __all__ = ["InterleavedPipelineError", "ReplayHook"]
@@ -248,8 +248,7 @@ class ReplayHook:
                 )
             if isinstance(data_iterator, (list, tuple)):
                 raise TypeError(
-                    "data_iterator: expected one iterator, got a list (interleaved schedules "
-                    "are not supported)"
+                    "data_iterator: expected one iterator, got a list (interleaved schedules are not supported)"
                 )
             batch = self._next_microbatch(data_iterator)
             self._install(batch)
@@ -339,13 +338,19 @@ class ReplayHook:
         layers = [(r.layer, j) for j, r in enumerate(self._routers)]  # (global layer, index into routes)
         live = self.uncaptured == "live"
         check_route_values(
-            routes, ~mask if live else torch.ones_like(mask), layers, self._num_experts,
-            microbatch=microbatch, cu_seqlens=cu_seqlens,
+            routes,
+            ~mask if live else torch.ones_like(mask),
+            layers,
+            self._num_experts,
+            microbatch=microbatch,
+            cu_seqlens=cu_seqlens,
         )
         rank = self._rank()
         # Only the first stage's GPTModel scatters padding_mask for sequence
         # parallelism; later stages hand it to the MoE layers as given.
-        routes, model_mask = slice_for_rank(routes, mask, rank, cu_seqlens=cu_seqlens, model_scatters_mask=self._pre_process)
+        routes, model_mask = slice_for_rank(
+            routes, mask, rank, cu_seqlens=cu_seqlens, model_scatters_mask=self._pre_process
+        )
         # One host-to-device copy for all layers, widened to int64 because the
         # router gathers and scatters with these indices (uint8/int16 would not index);
         # one copy of the mask, from which the routers' view is cut on the device.
@@ -359,8 +364,11 @@ class ReplayHook:
         grad = torch.is_grad_enabled()
         for r, (_, j) in zip(self._routers, layers):
             target = RouterTarget(
-                indices=router_indices(local, j).contiguous(), uncaptured=uncaptured,
-                live=live, microbatch=microbatch, batch_rows=local.shape[0],
+                indices=router_indices(local, j).contiguous(),
+                uncaptured=uncaptured,
+                live=live,
+                microbatch=microbatch,
+                batch_rows=local.shape[0],
             )
             r.push(target, expect_pop=r.recomputed and grad and r.module.training and not self._forward_only)
         self._stats.add_microbatch(uncaptured, live=live)

@@ -29,7 +29,7 @@ import torch
 
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
-from torch_r3.megatron.stats import StatsCollector
+from torch_r3.stats import StatsCollector
 from torch_r3.megatron.validate import check_router_rows
 
 __all__ = ["ReplayedRouter", "RouterTarget", "find_routers"]
@@ -129,12 +129,13 @@ class ReplayedRouter:
             target = self.queue.pop(0)
             self.replay.replay_backward_list.pop(0)  # keep Megatron's FIFO in step with ours
         else:  # not ours to replay (no step running, or someone else's action): Megatron's logic
-            return RouterReplay.get_replay_topk(
-                self.replay, scores, topk, num_groups, group_topk, default_compute_topk
-            )
+            return RouterReplay.get_replay_topk(self.replay, scores, topk, num_groups, group_topk, default_compute_topk)
         check_router_rows(
-            scores.shape[0], target.indices.shape[0], target.batch_rows,
-            microbatch=target.microbatch, layer=self.layer,
+            scores.shape[0],
+            target.indices.shape[0],
+            target.batch_rows,
+            microbatch=target.microbatch,
+            layer=self.layer,
         )
         chosen = target.indices
         if forward:
@@ -185,9 +186,7 @@ def find_routers(
     modules = getattr(config, "recompute_modules", None) or ()
     method = getattr(config, "recompute_method", None)
     selective_moe = (
-        granularity == "selective"
-        and "moe" in modules
-        and getattr(config, "cuda_graph_impl", "none") != "local"
+        granularity == "selective" and "moe" in modules and getattr(config, "cuda_graph_impl", "none") != "local"
     )
     replayed, live = [], []
     for name, module in chunk.named_modules():

@@ -243,9 +243,7 @@ def moe_layer_pattern(config: Any) -> tuple[bool, ...]:
         return tuple(i % freq == 0 for i in range(num_layers))
     if isinstance(freq, (list, tuple)):
         if len(freq) != num_layers:
-            raise ValueError(
-                f"moe_layer_freq has {len(freq)} entries, expected num_layers = {num_layers}"
-            )
+            raise ValueError(f"moe_layer_freq has {len(freq)} entries, expected num_layers = {num_layers}")
         return tuple(bool(x) for x in freq)
     raise ValueError(f"moe_layer_freq must be an int or a list of 0/1, got {type(freq).__name__}")
 

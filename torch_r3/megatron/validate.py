@@ -32,9 +32,7 @@ __all__ = [
 ROUTE_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
-def check_microbatch(
-    batch: Any, topk: int
-) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+def check_microbatch(batch: Any, topk: int) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Check a microbatch dict's route keys, dtypes and shapes.
 
     Args:
@@ -63,9 +61,7 @@ def check_microbatch(
     cu_seqlens = batch.get(CU_SEQLENS)
     if cu_seqlens is not None:
         if routes.ndim != 3 or routes.shape[-1] != topk:
-            raise ValueError(
-                f"{ROUTES}: packed layout expects [sum(n), L, K={topk}], got {list(routes.shape)}"
-            )
+            raise ValueError(f"{ROUTES}: packed layout expects [sum(n), L, K={topk}], got {list(routes.shape)}")
         if mask.shape != routes.shape[:1]:
             raise ValueError(f"{ROUTER_MASK}: packed layout expects [{routes.shape[0]}], got {list(mask.shape)}")
     else:
@@ -131,8 +127,7 @@ def check_route_values(
         )
     twice = [e for e in route if route.count(e) > 1][0]
     raise ValueError(
-        prefix + f"expert id {twice} twice in one route {route}; the K={len(route)} experts of a "
-        "token must be distinct"
+        prefix + f"expert id {twice} twice in one route {route}; the K={len(route)} experts of a token must be distinct"
     )
 
 
@@ -191,9 +186,7 @@ def check_model_input(mask_shape: Sequence[int], input_shape: Sequence[int], *, 
         return
     prefix = f"microbatch {microbatch}, layer {layer}: "
     if len(input_shape) != 2 or mask_shape[0] != input_shape[0]:
-        raise ValueError(
-            prefix + f"the routes have {mask_shape[0]} rows, input_ids has shape {list(input_shape)}"
-        )
+        raise ValueError(prefix + f"the routes have {mask_shape[0]} rows, input_ids has shape {list(input_shape)}")
     have, want = mask_shape[1], input_shape[1]
     if have < want:
         raise ValueError(

@@ -185,7 +185,11 @@ class ChoicesProtocol(ServerProtocol):
         return params_with_start(call)
 
     def request_body(self, call: GenerateCall) -> dict[str, Any]:
-        body: dict[str, Any] = {"token_ids": call.prompt, "sampling_params": self.sampling_params(call), **self.flags(call)}
+        body: dict[str, Any] = {
+            "token_ids": call.prompt,
+            "sampling_params": self.sampling_params(call),
+            **self.flags(call),
+        }
         if call.model is not None:
             body["model"] = call.model
         return self.salted(body, call)
@@ -193,7 +197,9 @@ class ChoicesProtocol(ServerProtocol):
     def parse_response(self, raw: Any, call: GenerateCall, limits: RouteLimits) -> ParsedResponse:
         choice = first_choice(raw)
         ids = token_ids(get_field(choice, "token_ids", "choices[0]", list), "choices[0].token_ids")
-        reason = finish_reason(get_field(choice, "finish_reason", "choices[0]", str, required=False), "choices[0].finish_reason")
+        reason = finish_reason(
+            get_field(choice, "finish_reason", "choices[0]", str, required=False), "choices[0].finish_reason"
+        )
         logprobs = self.read_logprobs(choice, ids)
         routes = None
         if call.return_routed_experts:
@@ -201,10 +207,15 @@ class ChoicesProtocol(ServerProtocol):
             if payload is None and not ids:
                 reason = "abort"  # aborted before any forward pass: no row to replay
             elif payload is None:
-                raise WireFormatError(f"routes were requested but choices[0].routed_experts is null or missing{self.null_routes_hint}")
+                raise WireFormatError(
+                    f"routes were requested but choices[0].routed_experts is null or missing{self.null_routes_hint}"
+                )
             else:
                 routes = slice_to_start(
-                    self.decode(payload, limits), call, len(ids), "choices[0].routed_experts",
+                    self.decode(payload, limits),
+                    call,
+                    len(ids),
+                    "choices[0].routed_experts",
                     start_may_be_ignored=self.start_may_be_ignored,
                 )
         return ParsedResponse(ids, logprobs, reason, routes, self.read_weight_version(raw))
@@ -256,8 +267,9 @@ def params_with_start(call: GenerateCall) -> dict[str, Any]:
     """
     params = dict(call.sampling_params)
     if PROMPT_START_PARAM in params:
-        raise ValueError(f"pass {PROMPT_START_PARAM} as the keyword argument routed_experts_prompt_start, "
-                         "not inside sampling_params")
+        raise ValueError(
+            f"pass {PROMPT_START_PARAM} as the keyword argument routed_experts_prompt_start, not inside sampling_params"
+        )
     if call.return_routed_experts and call.start:
         params[PROMPT_START_PARAM] = call.start
     return params
@@ -337,7 +349,9 @@ def expected_rows(prompt_len: int, generated: int, start: int) -> int:
     return max(0, prompt_len + generated - 1 - start)
 
 
-def slice_to_start(routes: np.ndarray, call: GenerateCall, generated: int, where: str, *, start_may_be_ignored: bool) -> np.ndarray:
+def slice_to_start(
+    routes: np.ndarray, call: GenerateCall, generated: int, where: str, *, start_may_be_ignored: bool
+) -> np.ndarray:
     """Check the row count of `routes` against the positions asked for.
 
     Args:

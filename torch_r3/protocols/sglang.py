@@ -56,18 +56,24 @@ class SGLangProtocol(ServerProtocol):
         if call.return_routed_experts and call.start:
             body["routed_experts_start_len"] = call.start
         if call.model is not None:
-            raise ValueError("SGLang's /generate has no model field: it serves one model (model= is for the other servers)")
+            raise ValueError(
+                "SGLang's /generate has no model field: it serves one model (model= is for the other servers)"
+            )
         return self.salted(body, call)
 
     def parse_response(self, raw: Any, call: GenerateCall, limits: RouteLimits) -> ParsedResponse:
         ids = base.token_ids(base.get_field(raw, "output_ids", "response", list), "response.output_ids")
         meta = base.get_field(raw, "meta_info", "response", dict)
-        reason = base.finish_reason(base.get_field(meta, "finish_reason", "meta_info", (dict, str), required=False), "meta_info.finish_reason")
+        reason = base.finish_reason(
+            base.get_field(meta, "finish_reason", "meta_info", (dict, str), required=False), "meta_info.finish_reason"
+        )
         logprobs = None
         entries = base.get_field(meta, "output_token_logprobs", "meta_info", list, required=False)
         if entries is not None:
             if len(entries) != len(ids):
-                raise WireFormatError(f"meta_info.output_token_logprobs has {len(entries)} entries for {len(ids)} tokens")
+                raise WireFormatError(
+                    f"meta_info.output_token_logprobs has {len(entries)} entries for {len(ids)} tokens"
+                )
             values = []
             for i, entry in enumerate(entries):
                 where = f"meta_info.output_token_logprobs[{i}]"
@@ -90,10 +96,16 @@ class SGLangProtocol(ServerProtocol):
                         "(is the server started with --enable-return-routed-experts?)"
                     )
                 routes = decode_sglang_routes(
-                    meta, num_layers=limits.num_layers, topk=limits.topk, num_experts=limits.num_experts,
-                    max_bytes=limits.max_bytes, name="meta_info.routed_experts",
+                    meta,
+                    num_layers=limits.num_layers,
+                    topk=limits.topk,
+                    num_experts=limits.num_experts,
+                    max_bytes=limits.max_bytes,
+                    name="meta_info.routed_experts",
                 )
-                routes = base.slice_to_start(routes, call, len(ids), "meta_info.routed_experts", start_may_be_ignored=True)
+                routes = base.slice_to_start(
+                    routes, call, len(ids), "meta_info.routed_experts", start_may_be_ignored=True
+                )
         version = base.weight_version(meta.get("weight_version"), "meta_info.weight_version")
         return ParsedResponse(ids, logprobs, reason, routes, version)
 

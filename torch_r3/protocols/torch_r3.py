@@ -49,8 +49,12 @@ class TorchR3Protocol(ChoicesProtocol):
 
     def decode(self, payload: Any, limits: RouteLimits) -> np.ndarray:
         return decode_routes(
-            payload, name="choices[0].routed_experts", max_bytes=limits.max_bytes,
-            num_layers=limits.num_layers, topk=limits.topk, num_experts=limits.num_experts,
+            payload,
+            name="choices[0].routed_experts",
+            max_bytes=limits.max_bytes,
+            num_layers=limits.num_layers,
+            topk=limits.topk,
+            num_experts=limits.num_experts,
         )
 
     def read_weight_version(self, raw: Mapping[str, Any]) -> str | None:

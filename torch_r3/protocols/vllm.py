@@ -70,8 +70,12 @@ class VLLMProtocol(ChoicesProtocol):
     def decode(self, payload: Any, limits: RouteLimits) -> np.ndarray:
         known = limits.num_layers is not None and limits.topk is not None
         return decode_vllm_routes(
-            payload, num_layers=limits.num_layers if known else None, topk=limits.topk if known else None,
-            num_experts=limits.num_experts, max_bytes=limits.max_bytes, name="choices[0].routed_experts",
+            payload,
+            num_layers=limits.num_layers if known else None,
+            topk=limits.topk if known else None,
+            num_experts=limits.num_experts,
+            max_bytes=limits.max_bytes,
+            name="choices[0].routed_experts",
         )
 
 

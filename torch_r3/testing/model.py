@@ -127,7 +127,15 @@ class TinyMoELM(ServedModel):
     """
 
     _SAMPLING_KEYS = frozenset(
-        {"max_new_tokens", "max_tokens", "temperature", "seed", "stop_token_ids", "ignore_eos", "routed_experts_prompt_start"}
+        {
+            "max_new_tokens",
+            "max_tokens",
+            "temperature",
+            "seed",
+            "stop_token_ids",
+            "ignore_eos",
+            "routed_experts_prompt_start",
+        }
     )
 
     def __init__(

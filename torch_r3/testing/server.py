@@ -253,7 +253,9 @@ class LoopbackServer:
         if protocol == "sglang":
             options.update(ignores_start=sglang_ignores_start, routes_dtype=sglang_routes_dtype)
         elif sglang_ignores_start or sglang_routes_dtype is not None:
-            raise ValueError(f"sglang_ignores_start and sglang_routes_dtype apply to protocol='sglang', not {protocol!r}")
+            raise ValueError(
+                f"sglang_ignores_start and sglang_routes_dtype apply to protocol='sglang', not {protocol!r}"
+            )
         self.wire = make_protocol(protocol, **options)
         cache = PrefixCache(block_size or self.wire.default_block_size, cache_blocks) if prefix_cache else None
         self.engine = Engine(self.model, cache)
@@ -404,7 +406,9 @@ class LoopbackServer:
     def restart(self, downtime: float = 0.0) -> None:
         """Thread mode: like `arestart`, blocking the caller until the server is back."""
         if self._loop is None:
-            raise RuntimeError("restart() is for thread mode (with LoopbackServer()); use await arestart() in async mode")
+            raise RuntimeError(
+                "restart() is for thread mode (with LoopbackServer()); use await arestart() in async mode"
+            )
         asyncio.run_coroutine_threadsafe(self.arestart(downtime), self._loop).result(timeout=60 + downtime)
 
     def __enter__(self) -> LoopbackServer:

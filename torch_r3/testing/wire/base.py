@@ -17,7 +17,16 @@ import numpy as np
 from torch_r3.testing.engine import GenerateRequest, Generation
 from torch_r3.testing.model import ServedModel
 
-__all__ = ["WireProtocol", "check_body", "check_bool", "check_int", "check_known", "check_object", "check_salt", "check_token_ids"]
+__all__ = [
+    "WireProtocol",
+    "check_body",
+    "check_bool",
+    "check_int",
+    "check_known",
+    "check_object",
+    "check_salt",
+    "check_token_ids",
+]
 
 
 class WireProtocol(abc.ABC):

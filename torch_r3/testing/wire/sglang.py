@@ -78,7 +78,9 @@ class SGLangWire(WireProtocol):
     flush_cache_path = FLUSH_CACHE_PATH
     default_block_size = 1  # a radix tree with page size 1 matches any prefix length
 
-    def __init__(self, *, routes_enabled: bool = True, ignores_start: bool = False, routes_dtype: str | None = None) -> None:
+    def __init__(
+        self, *, routes_enabled: bool = True, ignores_start: bool = False, routes_dtype: str | None = None
+    ) -> None:
         super().__init__(routes_enabled=routes_enabled)
         self.ignores_start = check_bool(ignores_start, "ignores_start")
         if routes_dtype is not None and routes_dtype not in _NARROW:

@@ -48,7 +48,9 @@ class TorchR3Wire(WireProtocol):
         if "routed_experts_prompt_start" in params and not want_routes:
             raise ValueError("routed_experts_prompt_start requires return_routed_experts=true")
         salt = check_salt(body.get("cache_salt"), "cache_salt")
-        return GenerateRequest(prompt=prompt, sampling_params=dict(params), return_routes=want_routes, start=start, salt=salt)
+        return GenerateRequest(
+            prompt=prompt, sampling_params=dict(params), return_routes=want_routes, start=start, salt=salt
+        )
 
     def render(
         self, request: GenerateRequest, generation: Generation, model: ServedModel, *, malformed: bool = False

@@ -32,7 +32,15 @@ import numpy as np
 from torch_r3.protocols.vllm import GENERATE_PATH, RESET_PREFIX_CACHE_PATH
 from torch_r3.testing.engine import GenerateRequest, Generation
 from torch_r3.testing.model import ServedModel
-from torch_r3.testing.wire.base import WireProtocol, check_body, check_bool, check_int, check_known, check_object, check_salt
+from torch_r3.testing.wire.base import (
+    WireProtocol,
+    check_body,
+    check_bool,
+    check_int,
+    check_known,
+    check_object,
+    check_salt,
+)
 
 __all__ = ["VLLMWire", "npy_bytes"]
 
@@ -93,12 +101,15 @@ class VLLMWire(WireProtocol):
         if self.routes_enabled and generation.routes is not None:
             dtype = np.dtype("<u1") if model.num_experts <= 256 else np.dtype("<u2")
             rows = np.ascontiguousarray(generation.routes[request.start :], dtype=dtype)
-            payload = base64.b64encode(npy_bytes(rows, claim_rows=rows.shape[0] + 1 if malformed else None)).decode("ascii")
+            payload = base64.b64encode(npy_bytes(rows, claim_rows=rows.shape[0] + 1 if malformed else None)).decode(
+                "ascii"
+            )
         logprobs = None
         if request.options["logprobs"]:
             logprobs = {
                 "content": [
-                    {"token_id": t, "logprob": lp, "rank": None, "top_logprobs": []} for t, lp in zip(out, generation.logprobs)
+                    {"token_id": t, "logprob": lp, "rank": None, "top_logprobs": []}
+                    for t, lp in zip(out, generation.logprobs)
                 ]
             }
         choice = {
@@ -121,7 +132,9 @@ class VLLMWire(WireProtocol):
         return body, rows
 
     def error(self, status: int, message: str) -> dict[str, Any]:
-        return {"error": {"message": message, "type": "BadRequestError" if status == 400 else "ServerError", "code": status}}
+        return {
+            "error": {"message": message, "type": "BadRequestError" if status == 400 else "ServerError", "code": status}
+        }
 
 
 def npy_bytes(array: np.ndarray, *, claim_rows: int | None = None) -> bytes:

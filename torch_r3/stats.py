@@ -1,4 +1,4 @@
-"""Per-step replay statistics: how far the routers would have drifted, and what routed live."""
+"""Per-step replay statistics, shared by the Megatron and transformers hooks: how far the routers would have drifted, and what routed live."""
 
 from __future__ import annotations
 
