@@ -10,6 +10,13 @@ layout page of the documentation:
 * `packed`: `rollout_expert_indices [sum(n), L, K]`, `router_padding_mask
   [sum(n)]` and `cu_seqlens [B + 1]` for THD training.
 
+Argument rules of the batch's geometry (`seq_len`, `dtype`, `layers`,
+`sample_ids`, the output-size bound) live in `torch_r3.layout`, the samples'
+side of `R3Collator` in `torch_r3._samples`. What remains here, past the usual
+500 lines, is the kernel: the checks that must all pass before the first byte
+is written and the two writers that then write each byte once; splitting them
+would spread one invariant over two modules.
+
 How it stays fast: the output is allocated uninitialised (or recycled, see
 `torch_r3.BufferPool`) and every byte is written exactly once, row by row, by
 the copy threads of `torch_r3._pool`. Padding regions are copied from a small
@@ -23,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -39,10 +45,10 @@ from torch_r3.layout import (
     check_layers,
     check_layers_in_range,
     check_max_output_bytes,
+    check_output_size,
     check_route_dtype,
     check_sample_ids,
     check_seq_len,
-    default_max_output_bytes,
     padded_length,
 )
 from torch_r3.routes import CANONICAL_DTYPES, canonical_dtype_for, compact_routes, widest
@@ -116,7 +122,7 @@ _COMPACT_ADVICE = (
 )
 
 
-def _as_route_array(sample: Any, i: int, compact: bool = False) -> np.ndarray | None:
+def _as_route_array(sample: Any, i: int, compact: bool = False, num_experts: int | None = None) -> np.ndarray | None:
     """The sample's routes as a canonical array; `None` for an empty sample to reshape once `[L, K]` is known."""
     if isinstance(sample, torch.Tensor):
         if sample.device.type != "cpu":
@@ -138,7 +144,7 @@ def _as_route_array(sample: Any, i: int, compact: bool = False) -> np.ndarray | 
         if sample.dtype not in CANONICAL_DTYPES:
             if sample.dtype.kind not in "iu":
                 raise TypeError(f"routes[{i}]: compact=True needs integer expert ids, got dtype {sample.dtype}")
-            return compact_routes(sample, name=f"routes[{i}]")
+            return compact_routes(sample, name=f"routes[{i}]", num_experts=num_experts)
     if sample.dtype not in CANONICAL_DTYPES:
         raise ValueError(
             f"routes[{i}]: expected a canonical dtype (native uint8, int16 or int32), got {sample.dtype.str} "
@@ -160,7 +166,8 @@ def _as_count(value: Any, i: int) -> int:
     return count
 
 
-def _check_batch(routes: Any, token_counts: Any, compact: bool = False):
+def _check_batch(routes: Any, token_counts: Any, opts: _Options | None = None):
+    compact = opts is not None and opts.compact
     if isinstance(routes, (np.ndarray, torch.Tensor)) or not isinstance(routes, Sequence):
         raise TypeError(f"routes: expected a sequence of per-trajectory arrays, got {type(routes).__name__}")
     if len(routes) == 0:
@@ -173,7 +180,8 @@ def _check_batch(routes: Any, token_counts: Any, compact: bool = False):
         raise TypeError(f"token_counts: expected a sequence of ints, got {type(token_counts).__name__}")
     if len(token_counts) != len(routes):
         raise ValueError(f"token_counts: expected {len(routes)} counts (one per sample), got {len(token_counts)}")
-    arrays = [_as_route_array(r, i, compact) for i, r in enumerate(routes)]
+    experts = None if opts is None else opts.num_experts
+    arrays = [_as_route_array(r, i, compact, experts) for i, r in enumerate(routes)]
     counts = [_as_count(c, i) for i, c in enumerate(token_counts)]
     if compact:
         shaped = next((a for a in arrays if a is not None), None)
@@ -214,19 +222,6 @@ def _output_dtype(arrays: list[np.ndarray], topk: int, opts: _Options) -> np.dty
             f"use dtype={pad_dtype}"
         )
     return opts.dtype
-
-
-def _check_size(needed: dict[str, tuple[tuple[int, ...], torch.dtype]], opts: _Options) -> None:
-    """Refuse, before allocating, an output larger than the bound (by default the physical memory)."""
-    total = sum(math.prod(shape) * dt.itemsize for shape, dt in needed.values())
-    bound = default_max_output_bytes() if opts.max_output_bytes is None else opts.max_output_bytes
-    if total > bound:
-        shapes = ", ".join(f"{k} {list(shape)}" for k, (shape, _) in needed.items())
-        raise ValueError(
-            f"the batch would allocate {total} bytes ({total / 2**30:.1f} GiB: {shapes}), more than the bound of "
-            f"{bound} bytes; check the token counts, seq_len and pad_to_multiple_of, or raise the bound with "
-            f"max_output_bytes= (or TORCH_R3_MAX_OUTPUT_BYTES)"
-        )
 
 
 def _check_aliasing(result: dict[str, torch.Tensor], arrays, fields) -> None:
@@ -377,7 +372,7 @@ def _collate(
     _check_aliasing(result, arrays, fields)
     kind = _memory.memory_kind(opts.pin_memory)
     needed = {k: spec for k, spec in want.items() if k not in result}
-    _check_size(needed, opts)
+    check_output_size(needed, opts.max_output_bytes)
     if buffers is not None and kind != "shared":  # never recycled in a worker: see BufferPool
         result.update(buffers.empty_batch(needed, pinned=kind == "pinned"))
     else:
@@ -498,7 +493,7 @@ def collate_routes(
     )
     if buffers is not None and not isinstance(buffers, BufferPool):
         raise TypeError(f"buffers must be None or a torch_r3.BufferPool, got {type(buffers).__name__}")
-    arrays, counts = _check_batch(routes, token_counts, opts.compact)
+    arrays, counts = _check_batch(routes, token_counts, opts)
     return _collate(arrays, counts, opts, out=out, buffers=buffers, sample_ids=sample_ids)
 
 
@@ -628,9 +623,7 @@ class R3Collator:
             samples, self.routes_key, self.tokens_key, self.pad_token_id, self.pad_keys
         )
         try:
-            arrays, counts = _check_batch(
-                routes, [tokens.shape[0] for tokens in fields[0].arrays], self._options.compact
-            )
+            arrays, counts = _check_batch(routes, [tokens.shape[0] for tokens in fields[0].arrays], self._options)
         except (TypeError, ValueError) as e:
             raise type(e)(f"{e} [key {self.routes_key!r}]") from None
         extra_batch = collate_extra(samples, extra)

@@ -11,6 +11,7 @@ and the output-size bound) live here, one rule per kind of argument.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -27,6 +28,7 @@ __all__ = [
     "check_layers",
     "check_layers_in_range",
     "check_max_output_bytes",
+    "check_output_size",
     "check_route_dtype",
     "check_sample_ids",
     "check_seq_len",
@@ -139,6 +141,27 @@ def check_max_output_bytes(value: Any) -> int | None:
     if value < 1:
         raise ValueError(f"max_output_bytes must be >= 1, got {value}")
     return value
+
+
+def check_output_size(needed: dict[str, tuple[tuple[int, ...], torch.dtype]], bound: int | None) -> None:
+    """Refuse, before allocating, outputs larger than `bound` (`None`: `default_max_output_bytes()`).
+
+    Args:
+        needed: `{key: (shape, dtype)}` of the tensors about to be allocated.
+        bound: the most bytes, or `None` for the default.
+
+    Raises:
+        ValueError: naming the size, the shapes and how to raise the bound.
+    """
+    total = sum(math.prod(shape) * dt.itemsize for shape, dt in needed.values())
+    limit = default_max_output_bytes() if bound is None else bound
+    if total > limit:
+        shapes = ", ".join(f"{k} {list(shape)}" for k, (shape, _) in needed.items())
+        raise ValueError(
+            f"the batch would allocate {total} bytes ({total / 2**30:.1f} GiB: {shapes}), more than the bound of "
+            f"{limit} bytes; check the token counts, seq_len and pad_to_multiple_of, or raise the bound with "
+            f"max_output_bytes= (or {MAX_OUTPUT_BYTES_ENV})"
+        )
 
 
 def padded_length(token_counts: Sequence[int], pad_to_multiple_of: int | None = None) -> int:
