@@ -181,13 +181,12 @@ def _check_batch(routes: Any, token_counts: Any, opts: _Options | None = None):
     if len(token_counts) != len(routes):
         raise ValueError(f"token_counts: expected {len(routes)} counts (one per sample), got {len(token_counts)}")
     experts = None if opts is None else opts.num_experts
-    arrays = [_as_route_array(r, i, compact, experts) for i, r in enumerate(routes)]
+    found = [_as_route_array(r, i, compact, experts) for i, r in enumerate(routes)]
     counts = [_as_count(c, i) for i, c in enumerate(token_counts)]
-    if compact:
-        shaped = next((a for a in arrays if a is not None), None)
-        if shaped is None:
-            raise ValueError("routes: every sample is empty, so [layers, topk] is unknown; give one [0, L, K] array")
-        arrays = [np.zeros((0,) + shaped.shape[1:], np.uint8) if a is None else a for a in arrays]
+    shaped = next((a for a in found if a is not None), None)
+    if shaped is None:  # only compact=True returns None, for an empty sample
+        raise ValueError("routes: every sample is empty, so [layers, topk] is unknown; give one [0, L, K] array")
+    arrays = [np.zeros((0,) + shaped.shape[1:], np.uint8) if a is None else a for a in found]
     _, num_layers, topk = arrays[0].shape
     if num_layers == 0 or topk == 0:
         raise ValueError(f"routes[0]: layers and topk must be > 0, got shape {arrays[0].shape}")
@@ -205,7 +204,8 @@ def _check_batch(routes: Any, token_counts: Any, opts: _Options | None = None):
 def _output_dtype(arrays: list[np.ndarray], topk: int, opts: _Options) -> np.dtype:
     # Promotion by dtype alone (the sender compacted, no value is rescanned),
     # widened where a padding expert id would not fit the inputs' dtype.
-    largest_pad_id = topk - 1 if opts.padding == "arange" else opts.num_experts - 1
+    experts = opts.num_experts  # set whenever padding is balanced (checked by _Options)
+    largest_pad_id = experts - 1 if opts.padding == "balanced" and experts is not None else topk - 1
     pad_dtype = canonical_dtype_for(largest_pad_id)
     if opts.dtype is None:
         return widest({a.dtype for a in arrays} | {pad_dtype})

@@ -40,7 +40,11 @@ __all__ = [
 #: Environment variable overriding the default output-size bound (bytes).
 MAX_OUTPUT_BYTES_ENV = "TORCH_R3_MAX_OUTPUT_BYTES"
 
-_TORCH_TO_NP = {torch.uint8: np.dtype(np.uint8), torch.int16: np.dtype(np.int16), torch.int32: np.dtype(np.int32)}
+_TORCH_TO_NP: dict[torch.dtype, np.dtype] = {
+    torch.uint8: np.dtype(np.uint8),
+    torch.int16: np.dtype(np.int16),
+    torch.int32: np.dtype(np.int32),
+}
 
 
 def check_route_dtype(dtype: Any, name: str = "dtype") -> np.dtype:
@@ -259,7 +263,7 @@ def global_layout(
     if not found:
         raise ValueError("dtypes: expected at least one route dtype, got none")
     num_experts = check_padding(padding, num_experts, 1)
-    if padding == "balanced":
+    if num_experts is not None and padding == "balanced":
         found.add(canonical_dtype_for(num_experts - 1))
     return BatchLayout(
         seq_len=padded_length(counts, pad_to_multiple_of),

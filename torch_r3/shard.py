@@ -49,7 +49,9 @@ def _positive(value: Any, name: str) -> int | None:
     return value
 
 
-def _split_rank(members, counts, m, micro_batch_size, max_tokens):
+def _split_rank(
+    members: list[int], counts: list[int], m: int, micro_batch_size: int | None, max_tokens: int | None
+) -> list[list[int]] | None:
     """`members` into `m` non-empty micro-batches balanced by tokens; `None` if the limits do not allow it."""
     bins: list[list[int]] = [[] for _ in range(m)]
     load = [0] * m
