@@ -19,7 +19,7 @@ import pytest
 import torch
 from reference_collate import assert_batch_equal, reference_r3_collator
 
-from torch_r3 import R3Collator, ShardCollator, global_layout, plan_microbatches
+from torch_r3 import BufferPool, R3Collator, ShardCollator, global_layout, plan_microbatches
 
 L, K, EXPERTS = 4, 2, 7
 STAGES = ([0, 1], [2, 3])  # PP 2: each stage's MoE layers
@@ -265,3 +265,24 @@ def test_plan_refuses_what_it_cannot_plan(kwargs, exc, match):
         return
     with pytest.raises(exc, match=match):
         plan_microbatches(**kwargs)
+
+
+def test_buffers_shared_by_the_shard_collators_of_successive_steps_are_reused():
+    samples = make_global(9, wide=False)
+    counts = [len(s["input_ids"]) for s in samples]
+    geometry = global_layout(counts, {np.uint8})
+    pool = BufferPool()
+    for step in range(3):
+        plan = plan_microbatches(counts[step:], dp_size=1, micro_batch_size=2)[0]
+        plan = [[i + step for i in mb] for mb in plan]
+        shard = ShardCollator(
+            lambda idx: [samples[i] for i in idx], plan, seq_len=geometry.seq_len, pad_keys=["loss_mask"], buffers=pool
+        )
+        assert shard.collator.buffers is pool
+        for _ in shard:
+            pass
+        if step == 0:
+            misses = pool.stats()["misses"]
+    assert pool.stats()["misses"] == misses  # steps 1 and 2 mapped nothing new
+    with pytest.raises(TypeError, match="buffers must be None or a torch_r3.BufferPool"):
+        ShardCollator(lambda idx: [], [[0]], buffers={})

@@ -119,7 +119,7 @@ def _template(padding: str, num_experts: int | None, num_layers: int, topk: int,
 
 
 class PadFill:
-    """Writes the padding routes of a region `[start, start + n)` of the token axis."""
+    """Writes the padding routes of filler positions `[start, start + n)` into a region of the token axis."""
 
     def __init__(self, padding: str, num_experts: int | None, num_layers: int, topk: int, dtype: np.dtype):
         self.args = (padding, num_experts, num_layers, topk)

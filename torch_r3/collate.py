@@ -247,8 +247,15 @@ def _row_copier(layers: tuple[int, ...] | None):
         sel = slice(layers[0], None if stop < 0 else stop, step)  # a view: one strided copy
         return lambda dst, src: np.copyto(dst, src[:, sel], casting="safe")
 
+    index = np.asarray(layers, dtype=np.intp)
+
     def copy_each(dst: np.ndarray, src: np.ndarray) -> None:
-        for k, layer in enumerate(layers):
+        if src.dtype == dst.dtype:
+            # Straight into dst: the indices were range-checked, and mode="clip"
+            # skips the buffered copy that mode="raise" makes.
+            np.take(src, index, axis=1, out=dst, mode="clip")
+            return
+        for k, layer in enumerate(layers):  # widening: one strided copy per layer
             np.copyto(dst[:, k], src[:, layer], casting="safe")
 
     return copy_each
@@ -422,8 +429,10 @@ def collate_routes(
         layout: `"padded"` (left-padded `[B, T, L, K]`) or `"packed"`
             (`[sum(n), L, K]` with `cu_seqlens`).
         pad_to_multiple_of: round `T` up to a multiple (padded layout only).
-        padding: `"arange"` (experts `0..K-1`) or `"balanced"` (row `t`
-            uses `(t*K + j) % num_experts`; needs `num_experts >= K`).
+        padding: `"arange"` (experts `0..K-1`) or `"balanced"` (position
+            `s = g + p` uses `(s*K + j) % num_experts`, for the sample's
+            global row `g` and the position `p` from its first token, so a
+            subset gets the global batch's padding; needs `num_experts >= K`).
         num_experts: the model's expert count, for `balanced`.
         workers: copy threads, at most `MAX_WORKERS`; default
             `torch_r3.cpu.pool_workers()` (in a DataLoader worker, its share of
@@ -613,9 +622,15 @@ class R3Collator:
 
     def __repr__(self) -> str:
         o = self._options
+        geometry = "".join(
+            f", {name}={value!r}"
+            for name, value in (("seq_len", o.seq_len), ("dtype", o.dtype), ("layers", o.layers))
+            if value is not None
+        )
         return (
             f"R3Collator(layout={o.layout!r}, routes_key={self.routes_key!r}, tokens_key={self.tokens_key!r}, "
-            f"pad_keys={self.pad_keys!r}, padding={o.padding!r}, cache_bytes={self.buffers.max_cached_bytes!r})"
+            f"pad_keys={self.pad_keys!r}, padding={o.padding!r}{geometry}, "
+            f"cache_bytes={self.buffers.max_cached_bytes!r})"
         )
 
     def __call__(self, samples: Sequence[Mapping[str, Any]], sample_ids: Sequence[int] | None = None) -> dict[str, Any]:
