@@ -134,27 +134,42 @@ def test_a_for_loop_keeps_two_microbatches_of_buffers():
 
 def test_prefetch_fetches_the_next_microbatch_while_the_current_one_is_held():
     samples = make_global(6, wide=False)
-    started = []
-    release = threading.Event()
+    fetching_next, release = threading.Event(), threading.Event()
 
     def fetch(indices):
-        started.append(indices[0])
-        if indices[0] == 1:
-            release.wait(timeout=30)
+        if indices == [1]:
+            fetching_next.set()
+            release.wait(timeout=60)
         return [samples[i] for i in indices]
 
     shard = ShardCollator(fetch, [[0], [1], [2]], prefetch=True, pad_keys=["loss_mask"])
     it = iter(shard)
     first = next(it)
-    # While the caller holds micro-batch 0, the fetch of micro-batch 1 has begun.
-    for _ in range(3000):
-        if 1 in started:
-            break
-        threading.Event().wait(0.01)
-    assert started[:2] == [0, 1]
+    # The caller holds micro-batch 0 and has not asked for more: the fetch of 1 has begun anyway.
+    assert fetching_next.wait(timeout=60)
     release.set()
     rest = list(it)
     assert [b["input_ids"][0, -1].item() for b in [first, *rest]] == [s["input_ids"][-1] for s in samples[:3]]
+
+
+def test_prefetch_raises_the_fetch_s_error_and_leaves_no_thread_behind():
+    samples = make_global(6, wide=False)
+
+    def fetch(indices):
+        if indices == [2]:
+            raise KeyError("trajectory 2 is gone")
+        return [samples[i] for i in indices]
+
+    shard = ShardCollator(fetch, [[0], [1], [2]], prefetch=True, pad_keys=["loss_mask"])
+    it = iter(shard)
+    next(it)
+    next(it)
+    with pytest.raises(KeyError, match="trajectory 2 is gone"):
+        next(it)
+    it = iter(shard)
+    next(it)
+    it.close()  # a loop that breaks early
+    assert not [t for t in threading.enumerate() if t.name.startswith("torch_r3-prefetch")]
 
 
 def test_a_framework_s_own_index_lists_work_like_a_plan():
