@@ -794,3 +794,9 @@ def test_compact_true_still_refuses_bad_expert_ids_naming_the_sample():
     samples = [{"input_ids": [1, 2], "routes": np.array([[[0, 1]], [[3, 9]]])}]
     with pytest.raises(ValueError, match=r"routes\[0\]: expert ids must be in \[0, num_experts\)"):
         R3Collator(compact=True, padding="balanced", num_experts=8)(samples)
+    samples = [{"input_ids": [1, 2], "routes": [[[0, 1]], [[3]]]}]
+    with pytest.raises(ValueError, match=r"routes\[0\]: expected nested lists \[rows\]\[layers\]\[topk\]"):
+        R3Collator(compact=True)(samples)
+    samples = [{"input_ids": [1, 2], "routes": [[[0.5, 1]]]}]
+    with pytest.raises(TypeError, match=r"routes\[0\]: compact=True needs integer expert ids, got dtype float64"):
+        R3Collator(compact=True)(samples)

@@ -132,7 +132,10 @@ def _as_route_array(sample: Any, i: int, compact: bool = False, num_experts: int
             )
         sample = sample.detach().numpy()
     if compact and isinstance(sample, (list, tuple)):
-        sample = np.asarray(sample) if len(sample) else np.zeros(0, np.uint8)
+        try:
+            sample = np.asarray(sample) if len(sample) else np.zeros(0, np.uint8)
+        except (ValueError, OverflowError) as e:  # ragged nesting
+            raise ValueError(f"routes[{i}]: expected nested lists [rows][layers][topk] of ints: {e}") from None
     if not isinstance(sample, np.ndarray):
         raise TypeError(
             f"routes[{i}]: expected a NumPy array [rows, layers, topk] of uint8/int16/int32, "
