@@ -151,3 +151,21 @@ def test_global_layout_is_what_collate_routes_chooses():
 def test_global_layout_refuses_bad_metadata(args, kwargs, exc, match):
     with pytest.raises(exc, match=match):
         global_layout(*args, **kwargs)
+
+
+@pytest.mark.parametrize("layers", [[1, 2], [3, 0, 2]])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_every_output_byte_is_written_with_seq_len_dtype_and_layers(layers, layout):
+    # Caller-owned buffers full of garbage: nothing of it may survive the single write.
+    rng = np.random.default_rng(12)
+    routes = [rng.integers(0, 30, size=(r, 4, 2)).astype(np.uint8) for r in (2, 0, 5)]
+    counts, ids = [3, 4, 6], [7, 2, 40]
+    kw = {"layout": layout, "layers": layers, "dtype": np.int16, "padding": "balanced", "num_experts": 5}
+    if layout == "padded":
+        kw["seq_len"] = 9
+    first = collate_routes(routes, counts, sample_ids=ids, **kw)
+    out = {k: torch.full_like(v, 77) if v.dtype != torch.bool else torch.ones_like(v) for k, v in first.items()}
+    got = collate_routes(routes, counts, sample_ids=ids, out=out, **kw)
+    kw.pop("dtype")
+    want = reference_collate_routes(routes, counts, dtype=np.int16, sample_ids=ids, **kw)
+    assert_batch_equal(got, want)
