@@ -800,3 +800,35 @@ def test_compact_true_still_refuses_bad_expert_ids_naming_the_sample():
     samples = [{"input_ids": [1, 2], "routes": [[[0.5, 1]]]}]
     with pytest.raises(TypeError, match=r"routes\[0\]: compact=True needs integer expert ids, got dtype float64"):
         R3Collator(compact=True)(samples)
+
+
+_ALLOCATION_FAILS = """
+import resource, sys
+import numpy as np
+import torch_r3
+from torch_r3 import R3Collator, collate_routes
+with open("/proc/self/status") as f:
+    vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.RLIM_INFINITY))
+routes = [np.zeros((1, 16, 16), np.uint8)]
+try:
+    if sys.argv[1] == "pool":
+        R3Collator(max_output_bytes=1 << 40)([{"input_ids": [1] * 2**24, "routes": routes[0]}])
+    else:
+        collate_routes(routes, [2**24], max_output_bytes=1 << 40, pin_memory=False)
+except MemoryError as e:
+    print("MemoryError:", e)
+"""
+
+
+@pytest.mark.parametrize("path", ["pool", "fresh"])
+def test_a_failed_allocation_is_a_memory_error_naming_the_size(path):
+    # Item 12: a failed mapping gave a bare OSError [Errno 12] naming no size.
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", _ALLOCATION_FAILS, path], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert "MemoryError: could not allocate" in run.stdout, run.stdout + run.stderr
+    assert "rollout_expert_indices [1, 16777216, 16, 16]" in run.stdout

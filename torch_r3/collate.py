@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -383,10 +384,15 @@ def _collate(
     kind = _memory.memory_kind(opts.pin_memory)
     needed = {k: spec for k, spec in want.items() if k not in result}
     check_output_size(needed, opts.max_output_bytes)
-    if buffers is not None and kind != "shared":  # never recycled in a worker: see BufferPool
-        result.update(buffers.empty_batch(needed, pinned=kind == "pinned"))
-    else:
-        result.update({k: _memory.empty(shape, dt, kind) for k, (shape, dt) in needed.items()})
+    try:
+        if buffers is not None and kind != "shared":  # never recycled in a worker: see BufferPool
+            result.update(buffers.empty_batch(needed, pinned=kind == "pinned"))
+        else:
+            result.update({k: _memory.empty(shape, dt, kind) for k, (shape, dt) in needed.items()})
+    except (OSError, RuntimeError, MemoryError) as e:  # mmap's ENOMEM, torch's allocator, NumPy
+        total = sum(math.prod(shape) * dt.itemsize for shape, dt in needed.values())
+        shapes = ", ".join(f"{k} {list(shape)}" for k, (shape, _) in needed.items())
+        raise MemoryError(f"could not allocate {total} bytes of {kind} memory for the batch ({shapes}): {e}") from e
     result = {k: result[k] for k in want}  # the layout's key order, whoever supplied each
     views = {k: v.numpy() for k, v in result.items()}
     fill_pad = PadFill(opts.padding, opts.num_experts, out_layers, topk, dtype)
