@@ -19,7 +19,7 @@ import pytest
 import torch
 from reference_collate import assert_batch_equal, reference_r3_collator
 
-from torch_r3 import BufferPool, R3Collator, ShardCollator, global_layout, plan_microbatches
+from torch_r3 import BufferPool, R3Collator, ShardCollator, collate_routes, global_layout, plan_microbatches
 
 L, K, EXPERTS = 4, 2, 7
 STAGES = ([0, 1], [2, 3])  # PP 2: each stage's MoE layers
@@ -80,6 +80,11 @@ def test_every_microbatch_of_every_rank_equals_its_part_of_the_global_batch(seed
         num_experts=opts["num_experts"],
     )
     assert_batch_equal(full, reference)  # the global batch itself is right
+    kernel = collate_routes(
+        [s["routes"] for s in samples], counts, layout=layout, padding=padding, num_experts=opts["num_experts"]
+    )
+    for key, value in kernel.items():  # R3Collator's routes are collate_routes' own
+        assert torch.equal(full[key], value), key
 
     geometry = global_layout(
         counts, {s["routes"].dtype for s in samples}, padding=padding, num_experts=opts["num_experts"]
