@@ -17,6 +17,8 @@ import threading
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from reference_collate import assert_batch_equal, reference_r3_collator
 
 from torch_r3 import BufferPool, R3Collator, ShardCollator, collate_routes, global_layout, plan_microbatches
@@ -306,3 +308,38 @@ def test_buffers_shared_by_the_shard_collators_of_successive_steps_are_reused():
     assert pool.stats()["misses"] == misses  # steps 1 and 2 mapped nothing new
     with pytest.raises(TypeError, match="buffers must be None or a torch_r3.BufferPool"):
         ShardCollator(lambda idx: [], [[0]], buffers={})
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_property_any_plan_and_stage_slices_the_global_batch(data):
+    seed = data.draw(st.integers(0, 2**32 - 1))
+    samples = make_global(seed, wide=data.draw(st.booleans()))
+    counts = [len(s["input_ids"]) for s in samples]
+    layout = data.draw(st.sampled_from(["padded", "packed"]))
+    padding = data.draw(st.sampled_from(["arange", "balanced"]))
+    dp = data.draw(st.integers(1, 4))
+    mbs = data.draw(st.none() | st.integers(1, 4))
+    if mbs == 1:
+        samples = samples[: len(samples) - len(samples) % dp]
+        counts = counts[: len(samples)]
+    layers = data.draw(st.permutations(range(L)).flatmap(lambda p: st.integers(1, L).map(lambda k: list(p[:k]))))
+    experts = EXPERTS if padding == "balanced" else None
+    opts = {"layout": layout, "padding": padding, "num_experts": experts, "pad_keys": {"loss_mask": 2.0}}
+    full = R3Collator(**opts)(samples)
+    geometry = global_layout(counts, {s["routes"].dtype for s in samples}, padding=padding, num_experts=experts)
+    seq_len = geometry.seq_len if layout == "padded" else None
+    plan = plan_microbatches(counts, dp_size=dp, micro_batch_size=mbs)
+    for rank in range(dp):
+        shard = ShardCollator(
+            lambda idx: [samples[i] for i in idx],
+            plan[rank],
+            seq_len=seq_len,
+            dtype=geometry.dtype,
+            layers=layers,
+            **opts,
+        )
+        for indices, batch in zip(plan[rank], shard):
+            want = expected_part(full, indices, layers, layout)
+            for key, value in want.items():
+                assert batch[key].dtype == value.dtype and torch.equal(batch[key], value), key
