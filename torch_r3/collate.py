@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -50,6 +49,7 @@ from torch_r3.layout import (
     check_route_dtype,
     check_sample_ids,
     check_seq_len,
+    output_size,
     padded_length,
 )
 from torch_r3.routes import CANONICAL_DTYPES, canonical_dtype_for, compact_routes, widest
@@ -390,8 +390,7 @@ def _collate(
         else:
             result.update({k: _memory.empty(shape, dt, kind) for k, (shape, dt) in needed.items()})
     except (OSError, RuntimeError, MemoryError) as e:  # mmap's ENOMEM, torch's allocator, NumPy
-        total = sum(math.prod(shape) * dt.itemsize for shape, dt in needed.values())
-        shapes = ", ".join(f"{k} {list(shape)}" for k, (shape, _) in needed.items())
+        total, shapes = output_size(needed)
         raise MemoryError(f"could not allocate {total} bytes of {kind} memory for the batch ({shapes}): {e}") from e
     result = {k: result[k] for k in want}  # the layout's key order, whoever supplied each
     views = {k: v.numpy() for k, v in result.items()}

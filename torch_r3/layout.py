@@ -34,6 +34,7 @@ __all__ = [
     "check_seq_len",
     "default_max_output_bytes",
     "global_layout",
+    "output_size",
     "padded_length",
 ]
 
@@ -147,6 +148,12 @@ def check_max_output_bytes(value: Any) -> int | None:
     return value
 
 
+def output_size(needed: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[int, str]:
+    """The bytes of tensors `{key: (shape, dtype)}`, and their shapes as text for messages."""
+    total = sum(math.prod(shape) * dt.itemsize for shape, dt in needed.values())
+    return total, ", ".join(f"{k} {list(shape)}" for k, (shape, _) in needed.items())
+
+
 def check_output_size(needed: dict[str, tuple[tuple[int, ...], torch.dtype]], bound: int | None) -> None:
     """Refuse, before allocating, outputs larger than `bound` (`None`: `default_max_output_bytes()`).
 
@@ -157,10 +164,9 @@ def check_output_size(needed: dict[str, tuple[tuple[int, ...], torch.dtype]], bo
     Raises:
         ValueError: naming the size, the shapes and how to raise the bound.
     """
-    total = sum(math.prod(shape) * dt.itemsize for shape, dt in needed.values())
+    total, shapes = output_size(needed)
     limit = default_max_output_bytes() if bound is None else bound
     if total > limit:
-        shapes = ", ".join(f"{k} {list(shape)}" for k, (shape, _) in needed.items())
         raise ValueError(
             f"the batch would allocate {total} bytes ({total / 2**30:.1f} GiB: {shapes}), more than the bound of "
             f"{limit} bytes; check the token counts, seq_len and pad_to_multiple_of, or raise the bound with "
