@@ -227,6 +227,21 @@ def test_every_page_parses_and_every_skip_names_its_reason(page):
         assert b.skip_reason is None or len(b.skip_reason) >= 8, f"{_name(page)}:{b.line}: say why it does not run"
 
 
+# A checkout path a page names (`torch_r3/demo.py`, `tests/gpu/multirank_nccl.sh`), not part of a URL.
+CHECKOUT_PATH = re.compile(r"(?<![\w/.-])(?:torch_r3|tests|examples|benchmarks|docs)/[\w./-]+\.(?:py|sh|md|toml|yml)\b")
+
+
+@pytest.mark.parametrize("page", pages(), ids=_name)
+def test_every_file_a_page_names_exists(page):
+    missing = sorted({p for p in CHECKOUT_PATH.findall(page.read_text()) if not (ROOT / p).exists()})
+    assert not missing, f"{_name(page)} names files the checkout does not have: {missing}"
+
+
+def test_the_path_pattern_finds_paths_but_not_urls():
+    text = "see `torch_r3/demo.py` and tests/gpu/x.sh, not https://github.com/o/torch_r3/blob/main/CHANGELOG.md"
+    assert CHECKOUT_PATH.findall(text) == ["torch_r3/demo.py", "tests/gpu/x.sh"]
+
+
 def test_parse_finds_indented_blocks_and_their_markers():
     text = (
         "intro\n"
