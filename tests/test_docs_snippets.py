@@ -8,7 +8,8 @@ are discovered, not listed: a new page is covered without an edit here.
 A block that ends in a run of whole-line comments after a `print(...)` states its output
 there; what it prints must be that text (compared with runs of whitespace collapsed, so a
 long line may wrap). A page passes when every block ran without an exception, printed what
-it states, and nothing it started is still running afterwards: no non-daemon thread (a loopback server left open) and no child process.
+it states, and nothing it started is still running afterwards: no non-daemon thread, no child process, and no listening socket (a
+loopback server left open, whose thread may be a daemon).
 A block with a top-level `await` is refused with a hint: a snippet must run as a script,
 so it calls `asyncio.run(...)`.
 
@@ -120,7 +121,29 @@ def _name(page: Path) -> str:
 # nothing the page started is left running. Writes its verdict as JSON to argv[1].
 RUNNER = textwrap.dedent(
     """
-    import ast, contextlib, gc, io, json, multiprocessing, sys, threading, traceback
+    import ast, contextlib, gc, io, json, multiprocessing, os, sys, threading, traceback
+
+    def listening_ports():
+        # A server a block left open (its thread may be a daemon): this process's listening TCP sockets.
+        if not os.path.isdir("/proc/self/fd"):
+            return []  # no /proc: not checked
+        inodes = set()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                inodes.add(os.readlink(f"/proc/self/fd/{fd}").removeprefix("socket:[").removesuffix("]"))
+            except OSError:
+                pass  # the descriptor listdir itself used, closed by now
+        ports = []
+        for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+            try:
+                rows = open(table).read().splitlines()[1:]
+            except OSError:
+                continue
+            for row in rows:
+                f = row.split()
+                if f[3] == "0A" and f[9] in inodes:  # 0A: LISTEN
+                    ports.append(int(f[1].rsplit(":", 1)[1], 16))
+        return sorted(ports)
 
     spec = json.load(sys.stdin)
     verdict = {"ran": 0, "error": None}
@@ -155,6 +178,9 @@ RUNNER = textwrap.dedent(
         threads = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
         if threads:
             raise RuntimeError(f"{spec['page']}: threads still running after the last block: {threads}")
+        listening = listening_ports()
+        if listening:
+            raise RuntimeError(f"{spec['page']}: still listening after the last block on TCP ports {listening}")
         children = multiprocessing.active_children()
         for child in children:
             child.terminate()  # it holds this interpreter's output pipes open
@@ -166,7 +192,6 @@ RUNNER = textwrap.dedent(
         json.dump(verdict, f)
     sys.stdout.flush()
     sys.stderr.flush()
-    import os
     os._exit(0)  # the verdict is written; do not let a leaked thread hang the interpreter's exit
     """
 )
@@ -306,6 +331,7 @@ def test_parse_refuses_a_marker_without_reason_a_stray_marker_and_an_open_fence(
         ),
         ("import multiprocessing, time\nmultiprocessing.Process(target=time.sleep, args=(60,)).start()\n", "child"),
         ("print(1 + 1)\n# 3\n", "states that it prints"),
+        ("from torch_r3.testing import LoopbackServer\nserver = LoopbackServer().start()\n", "still listening"),
     ],
 )
 def test_the_runner_reports_a_failure_a_top_level_await_a_leak_and_a_wrong_output(tmp_path, code, expected):
