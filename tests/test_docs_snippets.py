@@ -348,13 +348,15 @@ def test_the_runner_shares_one_namespace_per_page_in_order(tmp_path):
     assert (tmp_path / "here").exists()  # the working directory is the temporary one
 
 
-RUNNABLE = [p for p in pages() if _census(p)[0]]
+WITH_BLOCKS = [p for p in pages() if any(_census(p))]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("page", RUNNABLE, ids=_page_id)
+@pytest.mark.parametrize("page", WITH_BLOCKS, ids=_page_id)
 def test_page_snippets_run_as_written(page, tmp_path):
     run, skipped = _census(page)
+    if not run:
+        return  # every block is marked not run (the id says how many); nothing to start
     verdict = run_blocks(_name(page), run, tmp_path)
     assert verdict["error"] is None, (
         f"{_name(page)}: {verdict['ran']} of {len(run)} blocks ran before the failure\n"
