@@ -197,31 +197,38 @@ RUNNER = textwrap.dedent(
 )
 
 
-def run_blocks(name: str, blocks: list[Block], workdir: Path) -> dict:
+def run_blocks(name: str, blocks: list[Block], workdir: Path, timeout_s: float = PAGE_TIMEOUT_S) -> dict:
     """Run `blocks` in a fresh interpreter in `workdir`; returns {"ran", "error", "output"}."""
     verdict_path = workdir / ".snippet-verdict.json"
     spec = {"page": name, "blocks": [{"line": b.line, "code": b.code, "stated": b.stated_output} for b in blocks]}
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-    }
-    env["MPLBACKEND"] = "Agg"
-    done = subprocess.run(
-        [sys.executable, "-c", RUNNER, str(verdict_path)],
-        check=False,
-        input=json.dumps(spec),
-        capture_output=True,
-        text=True,
-        timeout=PAGE_TIMEOUT_S,
-        cwd=workdir,
-        env=env,
-    )
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "MPLBACKEND": "Agg"}
+    try:
+        done = _run_runner(spec, verdict_path, workdir, env, timeout_s)
+    except subprocess.TimeoutExpired as e:
+        output = "".join(x.decode() if isinstance(x, bytes) else x for x in (e.stdout or "", e.stderr or ""))
+        return {"ran": 0, "error": f"{name}: still running after {timeout_s} s", "output": output[-8000:]}
     output = (done.stdout + done.stderr)[-8000:]
     if not verdict_path.exists():
         return {"ran": 0, "error": f"the interpreter died (exit status {done.returncode})", "output": output}
     verdict = json.loads(verdict_path.read_text())
     verdict_path.unlink()
     return {**verdict, "output": output}
+
+
+def _run_runner(
+    spec: dict, verdict_path: Path, workdir: Path, env: dict[str, str], timeout_s: float
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", RUNNER, str(verdict_path)],
+        check=False,
+        input=json.dumps(spec),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=workdir,
+        env=env,
+    )
 
 
 def _census(page: Path) -> tuple[list[Block], list[Block]]:
@@ -338,6 +345,14 @@ def test_the_runner_reports_a_failure_a_top_level_await_a_leak_and_a_wrong_outpu
     block = Block(line=1, code=code, skip_reason=None, stated_output=stated_output(code.splitlines()))
     verdict = run_blocks("t.md", [block], tmp_path)
     assert verdict["error"] is not None and expected in verdict["error"], verdict
+
+
+@pytest.mark.slow
+def test_the_runner_stops_a_page_that_hangs(tmp_path):
+    verdict = run_blocks(
+        "t.md", [Block(1, "print('started', flush=True)\nimport time\ntime.sleep(60)\n", None)], tmp_path, 3
+    )
+    assert "still running after 3 s" in verdict["error"] and "started" in verdict["output"], verdict
 
 
 @pytest.mark.slow
