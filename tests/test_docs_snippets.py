@@ -8,10 +8,10 @@ are discovered, not listed: a new page is covered without an edit here.
 A block that ends in a run of whole-line comments after a `print(...)` states its output
 there; what it prints must be that text (compared with runs of whitespace collapsed, so a
 long line may wrap). A page passes when every block ran without an exception, printed what
-it states, and nothing it started is still running afterwards: no non-daemon thread, no child process, and no listening socket (a
-loopback server left open, whose thread may be a daemon).
-A block with a top-level `await` is refused with a hint: a snippet must run as a script,
-so it calls `asyncio.run(...)`.
+it states, and nothing it started is still running afterwards: no non-daemon thread, no
+child process, and no listening socket (a loopback server left open, whose thread may be a
+daemon). A block with a top-level `await` is refused with a hint: a snippet must run as a
+script, so it calls `asyncio.run(...)`.
 
 The parser and marker checks spawn nothing; running the pages does (one interpreter per
 page), so those tests are marked slow.
