@@ -22,7 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RST_ROLE = re.compile(r":(?:py:)?(?:func|class|meth|mod|attr|data|exc|obj|const):(?=\s*(?:<code|`))")
 # `>>> x` rendered as Markdown: three nested blockquotes, or one that starts with the prompt.
 BLOCKQUOTED_PROMPT = re.compile(r"<blockquote>\s*(?:<blockquote>\s*<blockquote>|<p>\s*&gt;&gt;&gt;)")
-SECTION = re.compile(r'doc-section-title">(?P<title>[^<]*)</span></p>\s*<table>.*?<tbody>(?P<rows>.*?)</tbody>', re.S)
+SECTION = re.compile(
+    r'doc-section-title">(?P<title>[^<]*)</span></p>\s*<table>.*?<tbody>(?P<rows>.*?)</tbody>', re.DOTALL
+)
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +35,7 @@ def site(tmp_path_factory) -> dict[str, str]:
     out = tmp_path_factory.mktemp("site")
     done = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--site-dir", str(out), "--config-file", str(ROOT / "mkdocs.yml")],
+        check=False,
         capture_output=True,
         text=True,
         timeout=300,
@@ -57,6 +60,13 @@ def test_no_page_shows_a_literal_rst_role(site):
 def test_no_page_renders_a_doctest_prompt_as_a_blockquote(site):
     offences = _offences(site, BLOCKQUOTED_PROMPT)
     assert not offences, f"'>>>' rendered as blockquotes (the docstring needs 'Examples:') per page: {offences}"
+
+
+def test_snippet_skip_markers_stay_invisible_html_comments(site):
+    # `<!-- not run: reason -->` before a fence (tests/test_docs_snippets.py) must not show as text.
+    shown = {page: n for page, html in sorted(site.items()) if (n := html.count("&lt;!-- not run"))}
+    assert not shown, f"skip markers rendered as text, per page: {shown}"
+    assert any("<!-- not run:" in html for html in site.values()), "no page carries a skip marker any more"
 
 
 def test_every_returns_section_is_one_entry(site):
@@ -97,5 +107,5 @@ def test_home_page_quickstart_prints_what_it_says():
     assert 0 < len(code.splitlines()) <= 12 and claimed, "a short quickstart that states its output"
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(code, "docs/index.md", "exec"), {})
+        exec(compile(code, "docs/index.md", "exec"), {})  # noqa: S102 - running the page's code is the test
     assert out.getvalue().splitlines() == claimed

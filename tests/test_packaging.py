@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -27,6 +28,7 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
     out = tmp_path_factory.mktemp("dist")
     done = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation", "-q", "-w", str(out)],
+        check=False,
         capture_output=True,
         text=True,
         timeout=240,
@@ -68,18 +70,96 @@ def test_wheel_metadata_names_version_license_extras_and_urls(wheel):
     assert "torch-r3 = torch_r3.cli:main" in entry_points
 
 
+INSTALL_PAGES = ("README.md", "docs/index.md", "docs/getting-started.md")
+
+
+def _index_line(version: str) -> re.Pattern:
+    return re.compile(rf"pip install 'torch_r3(\[[a-z,]+\])?=={re.escape(version)}'")
+
+
 def test_install_lines_pin_the_version_the_changelog_describes():
     changelog = (ROOT / "CHANGELOG.md").read_text()
     assert f"## [{torch_r3.__version__}]" in changelog
-    pinned = re.compile(rf"pip install 'torch_r3(\[[a-z,]+\])?=={re.escape(torch_r3.__version__)}'")
-    for page in ("README.md", "docs/index.md", "docs/getting-started.md"):
-        assert pinned.search((ROOT / page).read_text()), f"{page} has no install line pinned to this version"
+    for page in INSTALL_PAGES:
+        assert _index_line(torch_r3.__version__).search((ROOT / page).read_text()), (
+            f"{page} has no install line pinned to this version"
+        )
+
+
+def _install_section(page: str) -> str:
+    text = (ROOT / page).read_text()
+    start = text.index("## Install")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end > 0 else None]
+
+
+@pytest.mark.parametrize("page", INSTALL_PAGES)
+def test_install_sections_give_a_working_install_before_the_unpublished_index_line(page):
+    """The version is not on the package index: a page leads with what works, a checkout or a wheel."""
+    section = _install_section(page)
+    index_line = _index_line(torch_r3.__version__).search(section)
+    assert index_line, f"{page}: the Install section lost the index line"
+    working = re.search(r"pip install (-e )?'(\.|dist/torch_r3-[^']+\.whl)\[[a-z,]+\]'", section)
+    assert working and working.start() < index_line.start(), (
+        f"{page}: no checkout or wheel install before the index line"
+    )
+    assert "not on the package index yet" in section, f"{page}: say that the index line does not work yet"
+
+
+def test_the_documented_wheel_name_is_the_one_pip_builds(wheel):
+    built = Path(wheel.filename).name
+    for page in INSTALL_PAGES:
+        for named in re.findall(r"dist/(torch_r3-[^'\s\[]+\.whl)", (ROOT / page).read_text()):
+            assert named == built, f"{page} names {named}; make dist builds {built}"
+
+
+def test_the_wheel_installs_and_its_entry_point_runs_outside_the_checkout(wheel, tmp_path):
+    """`pip install` of the built wheel (no index, no dependencies: torch and numpy are here) into a fresh target."""
+    target = tmp_path / "site"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-index",
+            "--no-deps",
+            "-q",
+            "--target",
+            str(target),
+            wheel.filename,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(target)}
+    code = "import torch_r3, torch_r3.demo, torch_r3.cli; print(torch_r3.__version__, torch_r3.__file__)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    version, location = done.stdout.split()
+    assert version == torch_r3.__version__ and Path(location).is_relative_to(target)
+    done = subprocess.run(
+        [str(target / "bin" / "torch-r3"), "--help"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    assert all(command in done.stdout for command in ("bench", "doctor", "demo"))
 
 
 def _import_without(blocked: list[str], statement: str) -> subprocess.CompletedProcess:
     """Run `statement` in a fresh interpreter where the `blocked` modules cannot be imported."""
     code = f"import sys\nfor name in {blocked!r}:\n    sys.modules[name] = None\n{statement}"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
 
 
 def test_import_torch_r3_needs_neither_megatron_nor_aiohttp():
