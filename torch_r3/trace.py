@@ -16,6 +16,7 @@ token, a synthetic EOS) is left to the collator, which pads it and marks it in
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,21 @@ def _check_count(value: Any, what: str) -> int:
     if value < 0:
         raise ValueError(f"{what} must be >= 0, got {value}")
     return int(value)
+
+
+def _id_tuple(ids: Any, what: str) -> tuple[int, ...]:
+    if hasattr(ids, "detach") and hasattr(ids, "cpu"):  # a torch.Tensor, without importing torch
+        ids = ids.detach().cpu().numpy()
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise TypeError(f"{what}: expected a 1-D integer array, got {ids.ndim}-D {ids.dtype}")
+        return tuple(ids.tolist())
+    if not isinstance(ids, (list, tuple)):
+        raise TypeError(f"{what}: expected a list of token ids, got {type(ids).__name__}")
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            raise TypeError(f"{what}[{i}]: expected an int, got {type(t).__name__}")
+    return tuple(int(t) for t in ids)
 
 
 class TokenMetadataTrace:
@@ -170,6 +186,14 @@ class RoutedExpertTrace:
     `allow_mixed_versions=True`. A turn without a version (`None`) never
     conflicts.
 
+    The trace copies each turn's routes on `record`: a caller may refill one
+    buffer per turn. It cannot know what the tokens behind its rows were
+    unless told: a chat template that re-renders earlier turns (a changed
+    system prompt, stripped reasoning) changes tokens whose routes it already
+    holds, and the rows then describe another text. Pass each turn's
+    `prompt_ids` (and `response_ids`) to have that checked; without them the
+    trace checks only the lengths.
+
     Args:
         num_layers: Expected layers per row; taken from the first non-empty
             turn when `None`.
@@ -219,6 +243,8 @@ class RoutedExpertTrace:
         self._num_experts = None if num_experts is None else int(num_experts)
         self._allow_mixed = allow_mixed_versions
         self._versions: list[str | int | None] = []
+        # Token ids of the positions from 0 on, as far as the caller told us.
+        self._known_ids: tuple[int, ...] = ()
 
     @property
     def prompt_start(self) -> int:
@@ -244,7 +270,14 @@ class RoutedExpertTrace:
         return tuple(self._versions)
 
     def record(
-        self, *, prompt_len: int, generated_len: int, routes: Any, weight_version: str | int | None = None
+        self,
+        *,
+        prompt_len: int,
+        generated_len: int,
+        routes: Any,
+        weight_version: str | int | None = None,
+        prompt_ids: Sequence[int] | None = None,
+        response_ids: Sequence[int] | None = None,
     ) -> None:
         """Append one turn's routes, checking that exactly the expected rows arrived.
 
@@ -260,6 +293,12 @@ class RoutedExpertTrace:
                 `RemoteGenerateResult.routed_experts`.
             weight_version: The policy version that routed this turn, when the
                 server reports one (`str` or `int`).
+            prompt_ids: This turn's prompt token ids (`prompt_len` of them):
+                when given, the positions whose routes the trace already holds
+                must carry the tokens an earlier turn's `prompt_ids` /
+                `response_ids` gave for them (a re-rendered history is refused).
+            response_ids: This turn's generated token ids (`generated_len` of
+                them), remembered with `prompt_ids` for the next turn's check.
 
         Raises:
             TypeError: a length is not an `int`, `weight_version` is not a
@@ -269,13 +308,15 @@ class RoutedExpertTrace:
                 captured prefix), the row count is not the expected one, the row
                 shape differs from earlier turns, an expert id is negative or
                 `>= num_experts`, or `weight_version` differs from an earlier
-                turn's (unless `allow_mixed_versions`).
+                turn's (unless `allow_mixed_versions`), or `prompt_ids`
+                changes a token whose route is already held.
         """
         turn = f"turn {self.turns}"
         prompt_len = _check_count(prompt_len, f"{turn}: prompt_len")
         generated_len = _check_count(generated_len, f"{turn}: generated_len")
         self._check_version(weight_version, turn)
         start = self.prompt_start
+        known = self._check_token_ids(prompt_ids, response_ids, prompt_len, generated_len, start, turn)
         if prompt_len < start:
             raise ValueError(
                 f"{turn}: prompt_len {prompt_len} is shorter than the {start} rows already captured; "
@@ -300,8 +341,42 @@ class RoutedExpertTrace:
         # The trace is where routes from the caller enter: one range scan here
         # (only what the dtype leaves open) lets the collator trust the dtype.
         check_expert_ids(array, self._num_experts, name=label)
+        if is_canonical(array.dtype):
+            # Own the rows: the caller may refill its buffer for the next turn
+            # (a non-canonical array is compacted into a fresh one by append).
+            array = np.array(array, order="C", copy=True)
         self._rows.append(array, label=label)  # the row count is checked above
         self._versions.append(weight_version)
+        if known is not None:
+            self._known_ids = known
+
+    def _check_token_ids(
+        self, prompt_ids: Any, response_ids: Any, prompt_len: int, generated_len: int, start: int, turn: str
+    ) -> tuple[int, ...] | None:
+        """The token ids known after this turn, with the held positions checked; `None` when not given."""
+        if prompt_ids is None:
+            if response_ids is not None:
+                raise ValueError(f"{turn}: response_ids needs prompt_ids (the positions before it)")
+            return None
+        prompt = _id_tuple(prompt_ids, f"{turn}: prompt_ids")
+        if len(prompt) != prompt_len:
+            raise ValueError(f"{turn}: prompt_ids has {len(prompt)} tokens, but prompt_len is {prompt_len}")
+        response: tuple[int, ...] = ()
+        if response_ids is not None:
+            response = _id_tuple(response_ids, f"{turn}: response_ids")
+            if len(response) != generated_len:
+                raise ValueError(
+                    f"{turn}: response_ids has {len(response)} tokens, but generated_len is {generated_len}"
+                )
+        held = min(len(self._known_ids), start)
+        for i in range(held):
+            if prompt[i] != self._known_ids[i]:
+                raise ValueError(
+                    f"{turn}: prompt_ids[{i}] = {prompt[i]}, but the route held for position {i} was recorded "
+                    f"for token {self._known_ids[i]}: the conversation was re-rendered (a chat template "
+                    "rewrote earlier turns?); its routes no longer describe these tokens, start a new trace"
+                )
+        return prompt + response
 
     def _check_version(self, version: Any, turn: str) -> None:
         if version is not None and (isinstance(version, bool) or not isinstance(version, (str, int))):
