@@ -52,9 +52,6 @@ RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
 # An error body is read only this far: enough for the server's message.
 ERROR_BODY_BYTES = 64 << 10
 READ_CHUNK_BYTES = 1 << 20
-# aiohttp.ClientPayloadError: the connection broke while the body was read (it
-# is not a ClientConnectionError subclass, but it is the same failure).
-_TRANSIENT = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
 
 
 class RemoteGenerateError(RuntimeError):
@@ -321,15 +318,8 @@ class HttpTransport:
             ValueError: `body` holds a NaN or infinite number (nothing is sent).
             RemoteGenerateError: Every failure of the request, naming the URL.
         """
-        url, c = self.base_url + path, self.config
-        data = None
-        extra = dict(headers or {})
-        if body is not None:
-            try:
-                data = json.dumps(body, allow_nan=False).encode()
-            except (TypeError, ValueError) as exc:
-                raise type(exc)(f"{method} {url}: the request body cannot be sent as JSON: {exc}") from None
-            extra["Content-Type"] = "application/json"
+        url = self.base_url + path
+        data, extra = _encode_body(method, url, body, headers)
         state = await self.state()
         if state.session.closed:
             raise RemoteGenerateError(
@@ -337,96 +327,177 @@ class HttpTransport:
             )
         if not state.owned:
             extra = {**self.headers, **extra}
-        # Per request, so that a user's session gets the same limits.
-        timeout = aiohttp.ClientTimeout(total=c.timeout, connect=c.connect_timeout)
-        attempts, last_cause, last_status = 0, "none", None
+        call = _Call(method, url, data, extra, state)
+        answer = await self._with_retries(call)
+        return _parse_json(answer, call)
+
+    async def _with_retries(self, call: _Call) -> _Answer:
+        """The retry policy: attempts until a final answer, a final error, or the budget is spent."""
+        c = self.config
+        last_cause, last_status = "none", None
         last_exc: BaseException | None = None
         retry_after: str | None = None
-        for attempt in range(c.retries + 1):
-            if attempt:
-                await asyncio.sleep(c.delay(attempt, retry_after))
-            attempts += 1
+        for attempt in range(1, c.retries + 2):
+            if attempt > 1:
+                await asyncio.sleep(c.delay(attempt - 1, retry_after))
+            call.attempts = attempt
             try:
-                async with state.semaphore:
-                    async with state.session.request(
-                        method, url, data=data, headers=extra, timeout=timeout
-                    ) as response:
-                        status = response.status
-                        retry_after = response.headers.get("Retry-After") if status in RETRYABLE_STATUSES else None
-                        ok = 200 <= status < 300
-                        payload = await _read_capped(response, c.max_response_bytes if ok else ERROR_BODY_BYTES, ok)
-            except _TRANSIENT as exc:
+                answer = await self._attempt(call)
+            except Exception as exc:  # noqa: BLE001 - every exception is looked up in the table
+                outcome, message, status = _translate(exc, call)
+                if not outcome.retryable:
+                    raise RemoteGenerateError(
+                        f"{call.method} {call.url}{message}", url=call.url, status=status, attempts=attempt
+                    ) from (exc if outcome.chained else None)
                 last_cause, last_status, last_exc, retry_after = _describe(exc), None, exc, None
                 continue
-            except _BodyTooLarge as exc:
-                raise RemoteGenerateError(f"{method} {url}: {exc}", url=url, status=status, attempts=attempts) from None
-            except MemoryError:
-                raise RemoteGenerateError(
-                    f"{method} {url}: out of memory reading the response body (lower max_response_bytes?)",
-                    url=url,
-                    status=status,
-                    attempts=attempts,
-                ) from None
-            except aiohttp.TooManyRedirects as exc:
-                raise RemoteGenerateError(
-                    f"{method} {url}: too many redirects ({len(exc.history)} followed, last to {exc.request_info.real_url})",
-                    url=url,
-                    status=exc.status,
-                    attempts=attempts,
-                ) from exc
-            except aiohttp.ClientError as exc:  # invalid URL or response, ...: not transient
-                raise RemoteGenerateError(
-                    f"{method} {url} failed: {_describe(exc)}", url=url, attempts=attempts
-                ) from exc
-            except RuntimeError as exc:
-                if state.owned:
-                    raise
-                # aiohttp's answer to a session used outside the loop that created it.
-                raise RemoteGenerateError(
-                    f"{method} {url}: the given aiohttp session cannot be used here ({exc}); "
-                    "use it on the event loop that created it",
-                    url=url,
-                    attempts=attempts,
-                ) from exc
-            if status in RETRYABLE_STATUSES:
-                last_cause, last_status, last_exc = f"HTTP {status}: {server_message(payload)}", status, None
-                continue
-            if not ok:
-                raise RemoteGenerateError(
-                    f"{method} {url} failed with HTTP {status}: {server_message(payload)}",
-                    url=url,
-                    status=status,
-                    attempts=attempts,
-                )
-            try:
-                return json.loads(payload)
-            except MemoryError:
-                raise RemoteGenerateError(
-                    f"{method} {url}: out of memory parsing a JSON body of {len(payload)} bytes",
-                    url=url,
-                    status=status,
-                    attempts=attempts,
-                ) from None
-            except RecursionError:
-                raise RemoteGenerateError(
-                    f"{method} {url} answered {status} with JSON nested too deeply to parse ({len(payload)} bytes)",
-                    url=url,
-                    status=status,
-                    attempts=attempts,
-                ) from None
-            except ValueError as exc:
-                raise RemoteGenerateError(
-                    f"{method} {url} answered {status} with a body that is not valid JSON ({len(payload)} bytes): {exc}",
-                    url=url,
-                    status=status,
-                    attempts=attempts,
-                ) from exc
+            if answer.status not in RETRYABLE_STATUSES:
+                return answer
+            last_cause, last_status, last_exc = (
+                f"HTTP {answer.status}: {server_message(answer.payload)}",
+                answer.status,
+                None,
+            )
+            retry_after = answer.retry_after
         raise RemoteGenerateError(
-            f"{method} {url} failed after {attempts} attempt(s); last cause: {last_cause}",
-            url=url,
+            f"{call.method} {call.url} failed after {call.attempts} attempt(s); last cause: {last_cause}",
+            url=call.url,
             status=last_status,
-            attempts=attempts,
+            attempts=call.attempts,
         ) from last_exc
+
+    async def _attempt(self, call: _Call) -> _Answer:
+        """One request and its body, read under the cap (`ERROR_BODY_BYTES` for an error status)."""
+        c = self.config
+        # Per request, so that a user's session gets the same limits.
+        timeout = aiohttp.ClientTimeout(total=c.timeout, connect=c.connect_timeout)
+        call.status = None
+        async with (
+            call.state.semaphore,
+            call.state.session.request(
+                call.method, call.url, data=call.data, headers=call.headers, timeout=timeout
+            ) as response,
+        ):
+            call.status = status = response.status
+            retry_after = response.headers.get("Retry-After") if status in RETRYABLE_STATUSES else None
+            ok = 200 <= status < 300
+            payload = await _read_capped(response, c.max_response_bytes if ok else ERROR_BODY_BYTES, ok)
+        return _Answer(status, payload, retry_after)
+
+
+@dataclass
+class _Call:
+    """One logical request across its attempts."""
+
+    method: str
+    url: str
+    data: bytes | None
+    headers: dict[str, str]
+    state: _LoopState
+    attempts: int = 0
+    status: int | None = None
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """What one attempt received: the status and the (capped) body."""
+
+    status: int
+    payload: bytearray
+    retry_after: str | None
+
+
+def _encode_body(
+    method: str, url: str, body: Any, headers: Mapping[str, str] | None
+) -> tuple[bytes | None, dict[str, str]]:
+    extra = dict(headers or {})
+    if body is None:
+        return None, extra
+    try:
+        data = json.dumps(body, allow_nan=False).encode()
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{method} {url}: the request body cannot be sent as JSON: {exc}") from None
+    extra["Content-Type"] = "application/json"
+    return data, extra
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """How one kind of exception from an attempt is translated."""
+
+    retryable: bool
+    message: str = ""  # after "METHOD URL"; {exc} and {cause} are filled in
+    keeps_status: bool = False  # report the status of the response being read
+    chained: bool = True  # keep the exception as __cause__
+
+
+# The one table that translates an attempt's exception. First match wins, so
+# subclasses come first. aiohttp.ClientPayloadError (the connection broke
+# while the body was read) is not a ClientConnectionError subclass, but it is
+# the same failure.
+_EXCEPTIONS: tuple[tuple[type[BaseException], _Outcome], ...] = (
+    (_BodyTooLarge, _Outcome(False, ": {exc}", keeps_status=True, chained=False)),
+    (
+        MemoryError,
+        _Outcome(
+            False,
+            ": out of memory reading the response body (lower max_response_bytes?)",
+            keeps_status=True,
+            chained=False,
+        ),
+    ),
+    (aiohttp.TooManyRedirects, _Outcome(False, ": too many redirects ({redirects} followed, last to {last_url})")),
+    (aiohttp.ClientConnectionError, _Outcome(True)),
+    (aiohttp.ClientPayloadError, _Outcome(True)),
+    (asyncio.TimeoutError, _Outcome(True)),
+    (aiohttp.ClientError, _Outcome(False, " failed: {cause}")),  # invalid URL or response, ...: not transient
+    # aiohttp's answer to a user's session used outside the loop that created it.
+    (
+        RuntimeError,
+        _Outcome(
+            False, ": the given aiohttp session cannot be used here ({exc}); use it on the event loop that created it"
+        ),
+    ),
+)
+
+
+def _translate(exc: Exception, call: _Call) -> tuple[_Outcome, str, int | None]:
+    """The table's outcome for an attempt's exception, its message and status; re-raises one it does not know."""
+    for kind, outcome in _EXCEPTIONS:
+        if not isinstance(exc, kind):
+            continue
+        if kind is RuntimeError and call.state.owned:
+            raise exc  # our own session: a bug, not the user's session on a wrong loop
+        if isinstance(exc, aiohttp.TooManyRedirects):
+            message = outcome.message.format(redirects=len(exc.history), last_url=exc.request_info.real_url)
+            return outcome, message, exc.status
+        status = call.status if outcome.keeps_status else None
+        return outcome, outcome.message.format(exc=exc, cause=_describe(exc)), status
+    raise exc
+
+
+def _parse_json(answer: _Answer, call: _Call) -> Any:
+    """The parsed JSON of a final answer; an error status or a body that is not JSON is an error."""
+    status, payload = answer.status, answer.payload
+    where = f"{call.method} {call.url}"
+    if not 200 <= status < 300:
+        raise RemoteGenerateError(
+            f"{where} failed with HTTP {status}: {server_message(payload)}",
+            url=call.url,
+            status=status,
+            attempts=call.attempts,
+        )
+    cause: ValueError | None = None
+    try:
+        return json.loads(payload)
+    except MemoryError:
+        problem = f": out of memory parsing a JSON body of {len(payload)} bytes"
+    except RecursionError:
+        problem = f" answered {status} with JSON nested too deeply to parse ({len(payload)} bytes)"
+    except ValueError as exc:
+        problem = f" answered {status} with a body that is not valid JSON ({len(payload)} bytes): {exc}"
+        cause = exc
+    raise RemoteGenerateError(f"{where}{problem}", url=call.url, status=status, attempts=call.attempts) from cause
 
 
 async def _read_capped(response: aiohttp.ClientResponse, cap: int, strict: bool) -> bytearray:
