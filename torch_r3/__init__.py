@@ -9,6 +9,7 @@ which extra installs it (`pip install 'torch_r3[megatron]'`, `'torch_r3[client]'
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING
 
 from torch_r3.routes import CANONICAL_DTYPES, canonical_dtype_for, check_expert_ids, compact_routes
@@ -17,6 +18,8 @@ from torch_r3._memory import accelerator_available
 from torch_r3.collate import R3Collator, collate_routes
 
 __version__ = "0.1.0"
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())  # silent unless the application configures logging
 
 # name -> module that defines it; imported lazily (PEP 562) so that the core
 # import never pulls in aiohttp.

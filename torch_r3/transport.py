@@ -16,10 +16,16 @@ What is retried, with exponential backoff and jitter:
   upstream may have started). A `Retry-After` header on these statuses sets the
   delay, capped at `max_backoff`.
 
-Never retried: any other status, a body over `max_response_bytes`, a redirect
-loop, or a body that is not JSON. The JSON is parsed here with a nesting guard,
-and the body is read in chunks under the cap, so a hostile server can neither
-exhaust memory nor raise anything but `RemoteGenerateError`.
+Never retried: any other status, a body over `max_response_bytes`, or a body
+that is not JSON. A redirect (`3xx`) is never followed: it is an error naming
+the URL and its `Location` (re-sending a POST elsewhere would carry its body
+and custom headers there). The JSON is parsed here with a nesting guard, and
+the body is read in chunks into a buffer that grows with the bytes received
+(never from a declared `Content-Length`) under the cap, so a hostile server
+can neither exhaust memory nor raise anything but `RemoteGenerateError`.
+
+Each retry is logged as a warning on the `torch_r3.transport` logger (silent
+unless the application configures logging).
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import json
+import logging
+import math
 import random
 import threading
 import time
@@ -49,6 +57,7 @@ __all__ = [
 # int32, 341 MiB as base64; four times that still fits.
 DEFAULT_MAX_RESPONSE_BYTES = 1 << 30
 RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
+log = logging.getLogger(__name__)
 # An error body is read only this far: enough for the server's message.
 ERROR_BODY_BYTES = 64 << 10
 READ_CHUNK_BYTES = 1 << 20
@@ -82,9 +91,11 @@ class TransportConfig:
         backoff: Base delay in seconds; retry `n` (from 1) waits
             `min(max_backoff, backoff * 2**(n-1))` scaled by a random factor in
             `[0.5, 1.0]` (jitter, so restarted servers are not hit in lockstep).
-        max_backoff: Cap on one delay, in seconds, a `Retry-After` included.
+        max_backoff: Cap on one delay, in seconds, a `Retry-After` included
+            (a larger `Retry-After` waits `max_backoff`, then retries). Must
+            be finite: `inf` would let one header park a call for years.
         timeout: Seconds one attempt may take in total (connect, send, generate,
-            read); `None` for no limit. Generation can be slow: keep it generous.
+            read); `None` for no limit (not `inf`). Generation can be slow: keep it generous.
         connect_timeout: Seconds to establish a connection; `None` for no
             separate limit.
         max_concurrency: Requests in flight at once per event loop (also the
@@ -115,12 +126,15 @@ class TransportConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("backoff", "max_backoff", "timeout", "connect_timeout"):
             value = getattr(self, name)
-            if value is None and name in ("timeout", "connect_timeout"):
+            is_timeout = name.endswith("timeout")
+            if value is None and is_timeout:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
-            if not value >= 0 or (name.endswith("timeout") and value == 0):
-                raise ValueError(f"{name} must be {'> 0' if name.endswith('timeout') else '>= 0'}, got {value}")
+            # Finite: max_backoff=inf would let one Retry-After park a call for years.
+            if not math.isfinite(value) or value < 0 or (is_timeout and value == 0):
+                bound = "> 0 and finite (None for no limit)" if is_timeout else ">= 0 and finite"
+                raise ValueError(f"{name} must be {bound}, got {value}")
 
     @property
     def max_route_bytes(self) -> int:
@@ -163,11 +177,13 @@ def parse_retry_after(value: str | None) -> float | None:
     if value is None:
         return None
     value = value.strip()
-    if value.isdigit():
+    # ASCII digits only (RFC 9110): str.isdigit() alone also accepts "³",
+    # which float() refuses. A huge number becomes inf, capped by the caller.
+    if value.isascii() and value.isdigit():
         return float(value)
     try:
         when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
+    except (TypeError, ValueError, IndexError, OverflowError):
         return None
     if when is None or when.tzinfo is None:
         return None
@@ -339,7 +355,17 @@ class HttpTransport:
         retry_after: str | None = None
         for attempt in range(1, c.retries + 2):
             if attempt > 1:
-                await asyncio.sleep(c.delay(attempt - 1, retry_after))
+                delay = c.delay(attempt - 1, retry_after)
+                log.warning(
+                    "%s %s: attempt %d of %d failed (%s); retry in %.3g s",
+                    call.method,
+                    call.url,
+                    attempt - 1,
+                    c.retries + 1,
+                    last_cause,
+                    delay,
+                )
+                await asyncio.sleep(delay)
             call.attempts = attempt
             try:
                 answer = await self._attempt(call)
@@ -374,15 +400,20 @@ class HttpTransport:
         call.status = None
         async with (
             call.state.semaphore,
+            # Redirects are never followed: a POST re-sent to another origin
+            # would carry its body and custom headers there (aiohttp strips
+            # only Authorization and Cookie), and a 302/303 would turn it into
+            # a GET whose answer is not the generation asked for.
             call.state.session.request(
-                call.method, call.url, data=call.data, headers=call.headers, timeout=timeout
+                call.method, call.url, data=call.data, headers=call.headers, timeout=timeout, allow_redirects=False
             ) as response,
         ):
             call.status = status = response.status
             retry_after = response.headers.get("Retry-After") if status in RETRYABLE_STATUSES else None
+            location = response.headers.get("Location") if 300 <= status < 400 else None
             ok = 200 <= status < 300
             payload = await _read_capped(response, c.max_response_bytes if ok else ERROR_BODY_BYTES, ok)
-        return _Answer(status, payload, retry_after)
+        return _Answer(status, payload, retry_after, location)
 
 
 @dataclass
@@ -405,6 +436,7 @@ class _Answer:
     status: int
     payload: bytearray
     retry_after: str | None
+    location: str | None = None
 
 
 def _encode_body(
@@ -446,7 +478,6 @@ _EXCEPTIONS: tuple[tuple[type[BaseException], _Outcome], ...] = (
             chained=False,
         ),
     ),
-    (aiohttp.TooManyRedirects, _Outcome(False, ": too many redirects ({redirects} followed, last to {last_url})")),
     (aiohttp.ClientConnectionError, _Outcome(True)),
     (aiohttp.ClientPayloadError, _Outcome(True)),
     (asyncio.TimeoutError, _Outcome(True)),
@@ -468,9 +499,6 @@ def _translate(exc: Exception, call: _Call) -> tuple[_Outcome, str, int | None]:
             continue
         if kind is RuntimeError and call.state.owned:
             raise exc  # our own session: a bug, not the user's session on a wrong loop
-        if isinstance(exc, aiohttp.TooManyRedirects):
-            message = outcome.message.format(redirects=len(exc.history), last_url=exc.request_info.real_url)
-            return outcome, message, exc.status
         status = call.status if outcome.keeps_status else None
         return outcome, outcome.message.format(exc=exc, cause=_describe(exc)), status
     raise exc
@@ -480,6 +508,15 @@ def _parse_json(answer: _Answer, call: _Call) -> Any:
     """The parsed JSON of a final answer; an error status or a body that is not JSON is an error."""
     status, payload = answer.status, answer.payload
     where = f"{call.method} {call.url}"
+    if 300 <= status < 400:
+        raise RemoteGenerateError(
+            f"{where} answered HTTP {status}, a redirect to {answer.location!r}, which is not followed "
+            "(re-sending the request elsewhere could leak its body and headers): set base_url to the "
+            "server that answers, or fix the proxy in front of it",
+            url=call.url,
+            status=status,
+            attempts=call.attempts,
+        )
     if not 200 <= status < 300:
         raise RemoteGenerateError(
             f"{where} failed with HTTP {status}: {server_message(payload)}",
@@ -505,18 +542,16 @@ async def _read_capped(response: aiohttp.ClientResponse, cap: int, strict: bool)
     declared = response.content_length
     if strict and declared is not None and declared > cap:
         raise _BodyTooLarge(f"response body of Content-Length {declared} exceeds max_response_bytes={cap}")
-    # With a declared length the buffer is allocated once at its final size.
-    buffer = bytearray(declared) if declared is not None and declared <= cap else bytearray()
-    size = 0
+    # The buffer grows with the bytes that arrived, never from the declared
+    # length: a server that declares 256 MiB and stalls costs nothing.
+    buffer = bytearray()
     async for chunk in response.content.iter_chunked(READ_CHUNK_BYTES):
-        if size + len(chunk) > cap:
+        if len(buffer) + len(chunk) > cap:
             if strict:
                 raise _BodyTooLarge(f"response body has more than max_response_bytes={cap} bytes")
-            return buffer[:size] + chunk[: cap - size]
-        buffer[size : size + len(chunk)] = chunk
-        size += len(chunk)
-    if len(buffer) != size:
-        del buffer[size:]  # fewer bytes than declared: aiohttp reports that as a payload error first
+            buffer += chunk[: cap - len(buffer)]
+            return buffer
+        buffer += chunk
     return buffer  # not copied to bytes: json.loads reads a bytearray as it is
 
 
