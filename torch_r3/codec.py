@@ -74,6 +74,7 @@ _STRICT = sys.version_info >= (3, 11)  # binascii strict_mode
 # .npy: magic, version, header length; NumPy itself refuses headers over 10000 bytes.
 _NPY_MAGIC = b"\x93NUMPY"
 _NPY_MAX_HEADER = 10_000
+_NPY_MAX_DIMS = 64  # NumPy's own limit on ndim
 _NPY_DESCR = re.compile(r"[<>|=]?[iu][1248]")
 
 
@@ -182,6 +183,12 @@ def decode_routes(
         raise WireFormatError(f"{name}.data: list-form routes are not accepted; expected a base64 string")
     nbytes = math.prod(shape) * dtype.itemsize
     described = f"shape {list(shape)} dtype {dtype.name}"
+    if nbytes == 0:
+        # Zero rows hold no data, but NumPy still refuses a shape whose other
+        # dims overflow; a row larger than the cap cannot be valid anyway.
+        _check_size(
+            shape[1] * shape[2] * dtype.itemsize, max_bytes, name, f"a row of shape {list(shape[1:])} {dtype.name}"
+        )
     _check_size(nbytes, max_bytes, name, described)
     _check_b64_length(data, nbytes, f"{name}.data", described)
     out = np.empty(shape, dtype=dtype.newbyteorder("<"))
@@ -418,6 +425,9 @@ def decode_npy(data: Any, *, max_bytes: int = DEFAULT_MAX_ROUTE_BYTES, name: str
         )
     dtype, fortran, shape = _parse_npy_header(bytes(buf[start : start + length]), major, name)
     nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:  # a zero dim: the others must still fit, or NumPy refuses the shape
+        extent = math.prod(d for d in shape if d) * dtype.itemsize
+        _check_size(extent, max_bytes, name, f"the non-zero dims of .npy shape {list(shape)} {dtype.str}")
     _check_size(nbytes, max_bytes, name, f".npy data {dtype.str} {list(shape)}")
     offset = start + length
     if len(buf) - offset != nbytes:
@@ -549,6 +559,8 @@ def _parse_npy_header(header: bytes, major: int, name: str) -> tuple[np.dtype, b
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
     ):
         raise WireFormatError(f"{name}: .npy shape must be a tuple of non-negative ints, got {shape!r:.60}")
+    if len(shape) > _NPY_MAX_DIMS:
+        raise WireFormatError(f"{name}: .npy shape has {len(shape)} dims, more than NumPy's {_NPY_MAX_DIMS}")
     return np.dtype(descr), fortran, shape
 
 
