@@ -119,19 +119,23 @@ def make_app(
             return error(400, f"request body is not JSON: {exc}")
         try:
             parsed = wire.parse(body, served)
-            generation = engine.aborted() if kind == "abort" else engine.generate(parsed)
+            samples = parsed.options.get("samples", 1)
+            generations = [engine.aborted() if kind == "abort" else engine.generate(parsed) for _ in range(samples)]
         except ModelOutputError as exc:  # a broken ServedModel, not a client error
             return error(500, str(exc))
         except (TypeError, ValueError) as exc:
             return error(400, str(exc))
-        payload, rows = wire.render(parsed, generation, served, malformed=kind == "malformed")
+        rendered = [wire.render(parsed, g, served, malformed=kind == "malformed") for g in generations]
+        # One sample: the server's object; several (SGLang's n > 1): a JSON list of them.
+        payload = rendered[0][0] if samples == 1 else [body for body, _ in rendered]
         text = json.dumps(payload).encode()
         stats.generations += 1
-        stats.cached_tokens += generation.cached_tokens
         stats.session_ids.append(request.headers.get("X-Session-ID"))
-        if rows is not None:
-            stats.route_rows += rows.shape[0]
-            stats.route_bytes += rows.nbytes
+        for generation, (_, rows) in zip(generations, rendered):
+            stats.cached_tokens += generation.cached_tokens
+            if rows is not None:
+                stats.route_rows += rows.shape[0]
+                stats.route_bytes += rows.nbytes
         if kind == "truncate":
             return web.Response(body=text[: len(text) // 2], content_type="application/json")
         if kind == "disconnect":
