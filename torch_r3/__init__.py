@@ -35,7 +35,7 @@ _LAZY = {
     "TokenMetadataTrace": "torch_r3.trace",
     "RemoteGenerateClient": "torch_r3.client",
     "RemoteGenerateResult": "torch_r3.client",
-    "RemoteGenerateError": "torch_r3.client",
+    "RemoteGenerateError": "torch_r3.errors",
     "ZeroRoutesWarning": "torch_r3.client",
 }
 
@@ -66,7 +66,8 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from torch_r3.client import RemoteGenerateClient, RemoteGenerateError, RemoteGenerateResult, ZeroRoutesWarning
+    from torch_r3.client import RemoteGenerateClient, RemoteGenerateResult, ZeroRoutesWarning
+    from torch_r3.errors import RemoteGenerateError
     from torch_r3.codec import (
         WireFormatError,
         base64_decoded_length,

@@ -45,11 +45,12 @@ from typing import Any
 
 import aiohttp
 
+from torch_r3.errors import RemoteGenerateError
+
 __all__ = [
     "DEFAULT_MAX_RESPONSE_BYTES",
     "RETRYABLE_STATUSES",
     "HttpTransport",
-    "RemoteGenerateError",
     "TransportConfig",
 ]
 
@@ -61,25 +62,6 @@ log = logging.getLogger(__name__)
 # An error body is read only this far: enough for the server's message.
 ERROR_BODY_BYTES = 64 << 10
 READ_CHUNK_BYTES = 1 << 20
-
-
-class RemoteGenerateError(RuntimeError):
-    """A generate call failed for good: a non-retryable answer, or retries exhausted.
-
-    The message names the URL and the last cause; the cause is also chained
-    (`__cause__`) when it was an exception.
-
-    Attributes:
-        url: The URL that was requested.
-        status: The last HTTP status, or `None` when no response arrived.
-        attempts: Attempts made.
-    """
-
-    def __init__(self, message: str, *, url: str, status: int | None = None, attempts: int = 1) -> None:
-        super().__init__(message)
-        self.url = url
-        self.status = status
-        self.attempts = attempts
 
 
 @dataclass(frozen=True)
