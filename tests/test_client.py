@@ -19,7 +19,7 @@ import sys
 import numpy as np
 import pytest
 
-from torch_r3.client import RemoteGenerateClient, RemoteGenerateError, RemoteGenerateResult
+from torch_r3.client import RemoteGenerateClient, RemoteGenerateError, RemoteGenerateResult, TransportConfig
 from torch_r3.routes import compact_routes
 from torch_r3.testing import LoopbackServer, TinyMoELM
 
@@ -262,7 +262,7 @@ def test_pickled_client_works_in_a_new_loop_and_a_new_process(server):
 
     blob = asyncio.run(warm())
     clone = pickle.loads(blob)
-    assert clone.transport == client.transport and clone.base_url == client.base_url
+    assert clone.transport_config == client.transport_config and clone.base_url == client.base_url
     assert list(generate_with(clone, [2, 3])) == reference([2, 3], {"max_new_tokens": 2})[0]
 
     code = (
@@ -334,3 +334,23 @@ def test_docstring_examples_of_the_client_modules_hold(module):
 
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_a_transport_config_object_configures_the_client_like_the_flat_keywords():
+    config = TransportConfig(retries=2, backoff=0.1, max_backoff=1.0, timeout=5.0, max_concurrency=3)
+    by_object = RemoteGenerateClient("http://127.0.0.1:9", transport_config=config)
+    by_keywords = RemoteGenerateClient(
+        "http://127.0.0.1:9", retries=2, backoff=0.1, max_backoff=1.0, timeout=5.0, max_concurrency=3
+    )
+    assert by_object.transport_config is config and by_object.transport_config == by_keywords.transport_config
+    assert by_object.limits == by_keywords.limits
+    with pytest.raises(ValueError, match=r"either transport_config= or the keywords \['retries'\]"):
+        RemoteGenerateClient("http://127.0.0.1:9", transport_config=config, retries=1)
+    with pytest.raises(TypeError, match="TransportConfig"):
+        RemoteGenerateClient("http://127.0.0.1:9", transport_config={"retries": 2})
+
+
+def test_the_old_transport_property_is_a_deprecated_alias():
+    client = RemoteGenerateClient("http://127.0.0.1:9")
+    with pytest.warns(DeprecationWarning, match="transport_config"):
+        assert client.transport == client.transport_config

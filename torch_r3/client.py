@@ -124,6 +124,9 @@ class RemoteGenerateClient:
         timeout: See `TransportConfig`.
         connect_timeout: See `TransportConfig`.
         max_concurrency: See `TransportConfig`.
+        transport_config: All of the above as one `TransportConfig` (e.g.
+            shared by several clients); then leave the flat keywords at
+            their defaults.
         headers: Extra headers sent with every request (e.g. authorization).
         session: Your own `aiohttp.ClientSession`, used on the event loop it
             belongs to and never closed by the client.
@@ -166,6 +169,7 @@ class RemoteGenerateClient:
         timeout: float | None = 600.0,
         connect_timeout: float | None = 30.0,
         max_concurrency: int = 64,
+        transport_config: TransportConfig | None = None,
         headers: Mapping[str, str] | None = None,
         session: aiohttp.ClientSession | None = None,
         ssl: Any = True,
@@ -180,15 +184,16 @@ class RemoteGenerateClient:
                 _check_count(value, name)
         self.moe_layers = _check_moe_layers(moe_layers, num_layers)
         self.cache_salt = _check_salt(cache_salt)
-        config = TransportConfig(
-            retries=retries,
-            backoff=backoff,
-            max_backoff=max_backoff,
-            timeout=timeout,
-            connect_timeout=connect_timeout,
-            max_concurrency=max_concurrency,
-            max_response_bytes=max_response_bytes,
-        )
+        flat = {
+            "retries": retries,
+            "backoff": backoff,
+            "max_backoff": max_backoff,
+            "timeout": timeout,
+            "connect_timeout": connect_timeout,
+            "max_concurrency": max_concurrency,
+            "max_response_bytes": max_response_bytes,
+        }
+        config = _transport_config(transport_config, flat)
         self.limits = RouteLimits(
             max_bytes=config.max_route_bytes,
             num_layers=None if num_layers is None else int(num_layers),
@@ -200,9 +205,17 @@ class RemoteGenerateClient:
         )
 
     @property
-    def transport(self) -> TransportConfig:
+    def transport_config(self) -> TransportConfig:
         """The retries, timeouts, concurrency and body cap in use."""
         return self._transport.config
+
+    @property
+    def transport(self) -> TransportConfig:
+        """Deprecated alias of `transport_config` (it returns the config, not a transport)."""
+        warnings.warn(
+            "RemoteGenerateClient.transport is deprecated: use transport_config", DeprecationWarning, stacklevel=2
+        )
+        return self.transport_config
 
     @property
     def url(self) -> str:
@@ -220,7 +233,7 @@ class RemoteGenerateClient:
         await self.close()
 
     def __repr__(self) -> str:
-        return f"RemoteGenerateClient({self.base_url!r}, server={self.server!r}, {self.transport})"
+        return f"RemoteGenerateClient({self.base_url!r}, server={self.server!r}, {self.transport_config})"
 
     async def generate(
         self,
@@ -357,6 +370,19 @@ _NOT_FOUND_HINTS = {
     "vllm": "; since vLLM 0.30 /inference/v1/generate exists only when vLLM runs with --enable-scale-out",
     "sglang": " (SGLang's native API, not its OpenAI-compatible /v1)",
 }
+
+
+def _transport_config(config: Any, flat: dict[str, Any]) -> TransportConfig:
+    """`config` when given (the flat keywords must then be left at their defaults), else one built from them."""
+    if config is None:
+        return TransportConfig(**flat)
+    if not isinstance(config, TransportConfig):
+        raise TypeError(f"transport_config must be a TransportConfig, got {type(config).__name__}")
+    defaults = TransportConfig()
+    changed = sorted(name for name, value in flat.items() if value != getattr(defaults, name))
+    if changed:
+        raise ValueError(f"give either transport_config= or the keywords {changed}, not both")
+    return config
 
 
 def _check_base_url(base_url: Any) -> str:
