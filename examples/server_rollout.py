@@ -43,6 +43,9 @@ async def rollout(client: RemoteGenerateClient, prompt: list[int], *, turns: int
             generated_len=len(result.response_ids),
             routes=result.routed_experts,
             weight_version=result.weight_version,
+            weight_versions=result.weight_versions,  # refuses a turn that straddled a weight update
+            prompt_ids=tokens,  # refuses a history the chat template re-rendered
+            response_ids=result.response_ids,
         )
         tokens += result.response_ids
         if result.finish_reason != "length" or turn == turns - 1:
