@@ -65,7 +65,7 @@ DEFAULT_MAX_ROUTE_BYTES = 1 << 30
 _DTYPES_BY_NAME = {dtype.name: dtype for dtype in CANONICAL_DTYPES}
 _REQUIRED_KEYS = ("data", "shape", "dtype")
 # SGLang sends int32 unless it advertises a narrower dtype.
-_SGLANG_DTYPES = {"int32": np.dtype("<i4"), "uint16": np.dtype("<u2"), "uint8": np.dtype("u1")}
+_SGLANG_DTYPES: dict[str, np.dtype] = {"int32": np.dtype("<i4"), "uint16": np.dtype("<u2"), "uint8": np.dtype("u1")}
 # Base64 text decoded per step: a multiple of 4 characters, so every chunk but
 # the last is whole quanta without padding. 4 MiB of text -> 3 MiB of bytes:
 # the transient chunk stays small next to the result, which is written once.
@@ -111,7 +111,7 @@ def encode_routes(array: Any) -> dict[str, Any]:
     if routes.dtype.byteorder == ">" or (routes.dtype.byteorder == "=" and sys.byteorder == "big"):
         routes = routes.astype(routes.dtype.newbyteorder("<"))  # pragma: no cover - big-endian hosts
     return {
-        "data": base64.b64encode(routes.reshape(-1).view(np.uint8)).decode("ascii"),
+        "data": base64.b64encode(routes.reshape(-1).view(np.uint8).data).decode("ascii"),
         "shape": [int(d) for d in routes.shape],
         "dtype": routes.dtype.name,
     }
@@ -356,7 +356,7 @@ def decode_vllm_routes(
     raw = np.empty(nbytes, dtype=np.uint8)
     _b64decode_into(value, raw, name)
     array = decode_npy(raw, max_bytes=max_bytes, name=name)
-    if array.ndim == 1 and num_layers is not None:
+    if array.ndim == 1 and num_layers is not None and topk is not None:
         row = int(num_layers) * int(topk)
         if array.shape[0] % row:
             raise WireFormatError(
@@ -405,7 +405,7 @@ def decode_npy(data: Any, *, max_bytes: int = DEFAULT_MAX_ROUTE_BYTES, name: str
     if isinstance(data, np.ndarray):
         if data.dtype != np.uint8 or data.ndim != 1 or not data.flags.c_contiguous:
             raise WireFormatError(f"{name}: expected .npy bytes, got an array of {data.dtype} shape {data.shape}")
-        buf = memoryview(data)
+        buf = data.data
     elif isinstance(data, (bytes, bytearray, memoryview)):
         buf = memoryview(data).cast("B")
     else:
@@ -566,7 +566,7 @@ def _parse_npy_header(header: bytes, major: int, name: str) -> tuple[np.dtype, b
 
 def _b64decode_into(data: Any, out: np.ndarray, what: str) -> None:
     """Decode base64 `data` into `out`'s buffer, whose size the caller has checked."""
-    target = memoryview(out.reshape(-1).view(np.uint8))
+    target = out.reshape(-1).view(np.uint8).data
     pos = 0
     try:
         for start in range(0, len(data), _CHUNK_CHARS):

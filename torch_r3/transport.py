@@ -541,7 +541,7 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-def server_message(payload: bytes) -> str:
+def server_message(payload: bytes | bytearray) -> str:
     """The server's `error.message` (or `error`, `detail`), else the start of its body.
 
     Args:

@@ -376,7 +376,8 @@ def params_with_start(call: GenerateCall) -> dict[str, Any]:
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:
     kinds = kind if isinstance(kind, tuple) else (kind,)
-    return " or ".join({dict: "an object", list: "a list", str: "a string"}.get(k, k.__name__) for k in kinds)
+    names: dict[type, str] = {dict: "an object", list: "a list", str: "a string"}
+    return " or ".join(names.get(k, k.__name__) for k in kinds)
 
 
 def token_ids(value: Any, where: str) -> tuple[int, ...]:

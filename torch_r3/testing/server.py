@@ -16,7 +16,7 @@ import socket
 import struct
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from torch_r3._extras import require
 
@@ -176,7 +176,7 @@ def _reset(transport: asyncio.BaseTransport | None) -> None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         except OSError:  # pragma: no cover - already gone
             pass
-    transport.abort()
+    cast(asyncio.Transport, transport).abort()  # a TCP transport: it has abort()
 
 
 class _Refused(asyncio.Protocol):
@@ -330,6 +330,7 @@ class LoopbackServer:
         )
         await runner.setup()
         handler_factory = runner.server
+        assert handler_factory is not None  # set by setup()
 
         def protocol() -> asyncio.Protocol:
             if self.faults.take_refusal():

@@ -68,7 +68,7 @@ _FIELDS = frozenset(
     }
 )
 # SGLang's sampling parameter -> the model's.
-_SAMPLING = {
+_SAMPLING: dict[str, str | None] = {
     "max_new_tokens": "max_new_tokens",
     "temperature": "temperature",
     "sampling_seed": "seed",
@@ -76,7 +76,7 @@ _SAMPLING = {
     "ignore_eos": "ignore_eos",
     "n": None,  # read here: samples per request
 }
-_NARROW = {"uint8": (np.dtype("<u1"), 256), "uint16": (np.dtype("<u2"), 65536)}
+_NARROW: dict[str, tuple[np.dtype, int]] = {"uint8": (np.dtype("<u1"), 256), "uint16": (np.dtype("<u2"), 65536)}
 
 
 class SGLangWire(WireProtocol):
@@ -109,7 +109,7 @@ class SGLangWire(WireProtocol):
         raw = body.get("sampling_params") or {}
         check_known(check_object(raw, "sampling_params"), _SAMPLING, "unsupported sampling_params")
         samples = check_int(raw.get("n", 1), "sampling_params.n", 1, 16)
-        params = {_SAMPLING[k]: v for k, v in raw.items() if _SAMPLING[k] is not None}
+        params = {name: v for k, v in raw.items() if (name := _SAMPLING[k]) is not None}
         # Prefill only: the model generates one token, which the response then drops
         # (with its route row), leaving the P - 1 rows SGLang returns for it.
         prefill_only = params.get("max_new_tokens") == 0 and not isinstance(params["max_new_tokens"], bool)

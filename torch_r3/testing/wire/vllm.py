@@ -50,7 +50,7 @@ __all__ = ["VLLMWire", "npy_bytes"]
 
 
 # vLLM's sampling parameter -> the model's (None: read here, not passed on).
-_SAMPLING = {
+_SAMPLING: dict[str, str | None] = {
     "max_tokens": "max_new_tokens",
     "temperature": "temperature",
     "seed": "seed",
@@ -79,7 +79,7 @@ class VLLMWire(WireProtocol):
         if logprobs is not None:
             check_int(logprobs, "logprobs", 0, 20)
         start = check_int(raw.get("routed_experts_prompt_start", 0), "routed_experts_prompt_start", 0, len(prompt))
-        params = {_SAMPLING[k]: v for k, v in raw.items() if _SAMPLING[k] is not None and v is not None}
+        params = {name: v for k, v in raw.items() if (name := _SAMPLING[k]) is not None and v is not None}
         request_id = body.get("request_id")
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
@@ -108,7 +108,7 @@ class VLLMWire(WireProtocol):
             payload = base64.b64encode(npy_bytes(rows, claim_rows=rows.shape[0] + 1 if malformed else None)).decode(
                 "ascii"
             )
-        logprobs = None
+        logprobs: dict[str, Any] | None = None
         if request.options["logprobs"]:
             logprobs = {
                 "content": [
