@@ -79,6 +79,10 @@ class RemoteGenerateResult:
             `()` when the server reports none. Pass them to
             `RoutedExpertTrace.record(weight_versions=)`, which refuses a turn
             routed by more than one version.
+        num_experts: The client's `num_experts`: every id in `routed_experts`
+            was checked to be below it on receipt (`None`: only checked to be
+            non-negative). `RoutedExpertTrace.record_result` relies on it to
+            skip a second scan.
         raw: The parsed JSON response without its route payload (the base64
             text, often far larger than the decoded `routed_experts`, is not
             kept); every other field as the server sent it.
@@ -90,6 +94,7 @@ class RemoteGenerateResult:
     routed_experts: np.ndarray | None
     weight_version: str | None
     weight_versions: tuple[WeightVersionSpan, ...]
+    num_experts: int | None
     raw: Any
 
 
@@ -331,7 +336,9 @@ class RemoteGenerateClient:
             ) from exc
         if parsed.routed_experts is not None and self.moe_layers:
             _warn_zero_layers(parsed.routed_experts, self.moe_layers, url)
-        return RemoteGenerateResult(**vars(parsed), raw=protocol.without_routes(raw))
+        return RemoteGenerateResult(
+            **vars(parsed), num_experts=self.limits.num_experts, raw=protocol.without_routes(raw)
+        )
 
     async def model_info(self) -> dict[str, Any]:
         """The served model's routing shape: `GET {base_url}/v1/model_info` (torch_r3 server only).

@@ -321,6 +321,63 @@ class RoutedExpertTrace:
                 turn's (unless `allow_mixed_versions`), or `prompt_ids`
                 changes a token whose route is already held.
         """
+        self._record(
+            prompt_len, generated_len, routes, weight_version, weight_versions, prompt_ids, response_ids, scan_ids=True
+        )
+
+    def record_result(self, result: Any, *, prompt_len: int, prompt_ids: Sequence[int] | None = None) -> None:
+        """Append the turn a `RemoteGenerateResult` answered, without scanning its ids again.
+
+        Shorthand for `record` with the result's routes, generated token count,
+        `weight_version` and `weight_versions` (and, with `prompt_ids`, its
+        `response_ids`). The client's decoder already range-checked the ids
+        (never negative, below the client's `num_experts` when it had one):
+        the trace trusts that check, and scans only when it knows a tighter
+        bound than the client did (its own `num_experts` below the client's,
+        or the client had none). The routes are still copied.
+
+        Args:
+            result: The `RemoteGenerateResult` of this turn.
+            prompt_len: Tokens in this turn's prompt.
+            prompt_ids: This turn's prompt token ids, as in `record`.
+
+        Raises:
+            TypeError: `result` is not a `RemoteGenerateResult`-like object
+                (`routed_experts`, `response_ids`, `weight_version`,
+                `weight_versions`, `num_experts`).
+            ValueError: As `record`.
+        """
+        try:
+            routes, ids = result.routed_experts, result.response_ids
+            version, spans, checked = result.weight_version, result.weight_versions, result.num_experts
+        except AttributeError:
+            raise TypeError(
+                f"turn {self.turns}: expected a RemoteGenerateResult, got {type(result).__name__}"
+            ) from None
+        bound_known = self._num_experts is None or (checked is not None and checked <= self._num_experts)
+        self._record(
+            prompt_len,
+            len(ids),
+            routes,
+            version,
+            spans,
+            prompt_ids,
+            ids if prompt_ids is not None else None,
+            scan_ids=not bound_known,
+        )
+
+    def _record(
+        self,
+        prompt_len: Any,
+        generated_len: Any,
+        routes: Any,
+        weight_version: Any,
+        weight_versions: Any,
+        prompt_ids: Any,
+        response_ids: Any,
+        *,
+        scan_ids: bool,
+    ) -> None:
         turn = f"turn {self.turns}"
         prompt_len = _check_count(prompt_len, f"{turn}: prompt_len")
         generated_len = _check_count(generated_len, f"{turn}: generated_len")
@@ -351,7 +408,8 @@ class RoutedExpertTrace:
             )
         # The trace is where routes from the caller enter: one range scan here
         # (only what the dtype leaves open) lets the collator trust the dtype.
-        check_expert_ids(array, self._num_experts, name=label)
+        if scan_ids:
+            check_expert_ids(array, self._num_experts, name=label)
         if is_canonical(array.dtype):
             # Own the rows: the caller may refill its buffer for the next turn
             # (a non-canonical array is compacted into a fresh one by append).
