@@ -12,6 +12,9 @@ Captured rows always form a prefix of the trajectory's tokens. The trace never
 pads or invents rows: the tail the engine never evaluated (the last sampled
 token, a synthetic EOS) is left to the collator, which pads it and marks it in
 `router_padding_mask`.
+
+The module is slightly over the usual size because `RoutedExpertTrace`'s
+per-turn checks (rows, versions and their spans, token ids) live with it.
 """
 
 from __future__ import annotations
