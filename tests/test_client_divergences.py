@@ -1,8 +1,8 @@
 """What the released servers really send, and the traps of a new user.
 
 The bodies in `tests/fixtures/divergences.json` have the shapes sglang 0.5.23's
-and vllm 0.33.0's own response builders produce (made by NumPy alone, see
-`make_fixtures.py`): SGLang's JSON list for `n > 1`, its `null` log-prob, and
+and vllm 0.33.0's own response builders produce, as reported by a review that
+ran them (written by hand with NumPy alone, not captured: see `make_fixtures.py`): SGLang's JSON list for `n > 1`, its `null` log-prob, and
 both servers' `weight_versions` spans. Each is read by the protocol directly
 and through `RemoteGenerateClient` from a real `aiohttp.web` server on 127.0.0.1.
 """
