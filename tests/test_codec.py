@@ -13,8 +13,15 @@ import pytest
 import torch
 
 from torch_r3 import canonical_dtype_for, check_expert_ids
-from torch_r3.codec import WireFormatError, base64_decoded_length, decode_npy, decode_routes
-from torch_r3.codec import decode_sglang_routes, decode_vllm_routes, encode_routes
+from torch_r3.codec import (
+    WireFormatError,
+    base64_decoded_length,
+    decode_npy,
+    decode_routes,
+    decode_sglang_routes,
+    decode_vllm_routes,
+    encode_routes,
+)
 
 
 def _envelope(array: np.ndarray) -> dict:
@@ -295,7 +302,7 @@ def test_a_duck_typed_array_whose_numpy_is_not_an_array_is_refused():
         encode_routes(_DeviceArray([[[1]]]))
 
 
-@pytest.mark.parametrize("n", range(0, 13))
+@pytest.mark.parametrize("n", range(13))
 def test_base64_decoded_length_matches_the_stdlib_decode(n):
     text = base64.b64encode(bytes(range(n))).decode()
     assert base64_decoded_length(text) == len(base64.b64decode(text)) == n

@@ -59,11 +59,13 @@ def test_a_custom_served_model_plugs_in():
 
 
 def test_a_model_returning_the_wrong_row_count_is_a_500():
-    with LoopbackServer(CountingModel(broken=True)) as server:
-        with pytest.raises(
+    with (
+        LoopbackServer(CountingModel(broken=True)) as server,
+        pytest.raises(
             RemoteGenerateError, match=r"HTTP 500: model returned routes of shape \(3, 3, 2\), expected \(4, 3, 2\)"
-        ):
-            _call(server.url, [1, 2], {"max_new_tokens": 3}, return_routed_experts=True)
+        ),
+    ):
+        _call(server.url, [1, 2], {"max_new_tokens": 3}, return_routed_experts=True)
 
 
 def test_only_served_models_are_accepted():
@@ -90,9 +92,8 @@ def test_the_server_answers_bad_requests_with_400_and_a_json_error(body, words):
     import aiohttp
 
     async def main(url):
-        async with aiohttp.ClientSession() as session:
-            async with session.post(url + "/v1/generate", json=body) as response:
-                return response.status, await response.json()
+        async with aiohttp.ClientSession() as session, session.post(url + "/v1/generate", json=body) as response:
+            return response.status, await response.json()
 
     with LoopbackServer() as server:
         status, payload = asyncio.run(main(server.url))
@@ -146,10 +147,9 @@ def _post(url, path, body):
     import aiohttp
 
     async def main():
-        async with aiohttp.ClientSession() as session:
-            async with session.post(url + path, json=body) as response:
-                text = await response.text()
-                return response.status, text
+        async with aiohttp.ClientSession() as session, session.post(url + path, json=body) as response:
+            text = await response.text()
+            return response.status, text
 
     status, text = asyncio.run(main())
     try:
@@ -308,9 +308,8 @@ def test_model_info_names_the_moe_layers():
         import aiohttp
 
         async def main():
-            async with aiohttp.ClientSession() as session:
-                async with session.get(server.url + "/v1/model_info") as response:
-                    return await response.json()
+            async with aiohttp.ClientSession() as session, session.get(server.url + "/v1/model_info") as response:
+                return await response.json()
 
         info = asyncio.run(main())
     assert info == {"num_layers": 4, "num_experts": 8, "topk": 2, "moe_layers": [2, 3]}

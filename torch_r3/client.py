@@ -17,19 +17,19 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 from torch_r3._extras import require
 
 require("aiohttp", "client")  # without aiohttp: name the extra that installs it
-import aiohttp  # noqa: E402
+import aiohttp
 import numpy as np
 import yarl
 
+from torch_r3.errors import RemoteGenerateError
 from torch_r3.protocols import PROTOCOLS, SERVERS, GenerateCall, RouteLimits, WeightVersionSpan
 from torch_r3.protocols.base import check_cache_salt
 from torch_r3.protocols.torch_r3 import MODEL_INFO_PATH
-from torch_r3.errors import RemoteGenerateError
 from torch_r3.transport import DEFAULT_MAX_RESPONSE_BYTES, HttpTransport, TransportConfig
 
 __all__ = [
@@ -233,7 +233,7 @@ class RemoteGenerateClient:
         """Close this event loop's own session (other loops' sessions, and yours, stay open)."""
         await self._transport.close()
 
-    async def __aenter__(self) -> RemoteGenerateClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -16,12 +16,12 @@ import socket
 import struct
 import threading
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Self, cast
 
 from torch_r3._extras import require
 
 require("aiohttp", "testing")  # without aiohttp: name the extra that installs it
-from aiohttp import web  # noqa: E402
+from aiohttp import web
 
 from torch_r3.protocols.torch_r3 import MODEL_INFO_PATH
 from torch_r3.testing.engine import Engine, ModelOutputError, PrefixCache
@@ -366,7 +366,7 @@ class LoopbackServer:
 
     # -- async mode: the current loop ----------------------------------------
 
-    async def __aenter__(self) -> LoopbackServer:
+    async def __aenter__(self) -> Self:
         if self._server is not None or self._thread is not None:
             raise RuntimeError("LoopbackServer is already running")
         await self._listen()
@@ -377,7 +377,7 @@ class LoopbackServer:
 
     # -- thread mode: its own loop in a background thread --------------------
 
-    def start(self) -> LoopbackServer:
+    def start(self) -> Self:
         """Thread mode: start the server on its own loop in a daemon thread; returns once it listens."""
         if self._server is not None or self._thread is not None:
             raise RuntimeError("LoopbackServer is already running")
@@ -416,7 +416,7 @@ class LoopbackServer:
             )
         asyncio.run_coroutine_threadsafe(self.arestart(downtime), self._loop).result(timeout=60 + downtime)
 
-    def __enter__(self) -> LoopbackServer:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
