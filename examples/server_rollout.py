@@ -38,12 +38,9 @@ async def rollout(client: RemoteGenerateClient, prompt: list[int], *, turns: int
         result = await client.generate(
             tokens, {max_key: 8}, return_routed_experts=True, routed_experts_prompt_start=trace.prompt_start
         )
-        trace.record(
-            prompt_len=len(tokens),
-            generated_len=len(result.response_ids),
-            routes=result.routed_experts,
-            weight_version=result.weight_version,
-        )
+        # Routes, generated count and weight versions (a turn that straddled a weight
+        # update is refused); prompt_ids refuses a history the chat template re-rendered.
+        trace.record_result(result, prompt_len=len(tokens), prompt_ids=tokens)
         tokens += result.response_ids
         if result.finish_reason != "length" or turn == turns - 1:
             break

@@ -19,7 +19,7 @@ import sys
 import numpy as np
 import pytest
 
-from torch_r3.client import RemoteGenerateClient, RemoteGenerateError, RemoteGenerateResult
+from torch_r3.client import RemoteGenerateClient, RemoteGenerateError, RemoteGenerateResult, TransportConfig
 from torch_r3.routes import compact_routes
 from torch_r3.testing import LoopbackServer, TinyMoELM
 
@@ -262,7 +262,7 @@ def test_pickled_client_works_in_a_new_loop_and_a_new_process(server):
 
     blob = asyncio.run(warm())
     clone = pickle.loads(blob)
-    assert clone.transport == client.transport and clone.base_url == client.base_url
+    assert clone.transport_config == client.transport_config and clone.base_url == client.base_url
     assert list(generate_with(clone, [2, 3])) == reference([2, 3], {"max_new_tokens": 2})[0]
 
     code = (
@@ -334,3 +334,84 @@ def test_docstring_examples_of_the_client_modules_hold(module):
 
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_a_transport_config_object_configures_the_client_like_the_flat_keywords():
+    config = TransportConfig(retries=2, backoff=0.1, max_backoff=1.0, timeout=5.0, max_concurrency=3)
+    by_object = RemoteGenerateClient("http://127.0.0.1:9", transport_config=config)
+    by_keywords = RemoteGenerateClient(
+        "http://127.0.0.1:9", retries=2, backoff=0.1, max_backoff=1.0, timeout=5.0, max_concurrency=3
+    )
+    assert by_object.transport_config is config and by_object.transport_config == by_keywords.transport_config
+    assert by_object.limits == by_keywords.limits
+    with pytest.raises(ValueError, match=r"either transport_config= or the keywords \['retries'\]"):
+        RemoteGenerateClient("http://127.0.0.1:9", transport_config=config, retries=1)
+    with pytest.raises(TypeError, match="TransportConfig"):
+        RemoteGenerateClient("http://127.0.0.1:9", transport_config={"retries": 2})
+
+
+def test_the_old_transport_property_is_a_deprecated_alias():
+    client = RemoteGenerateClient("http://127.0.0.1:9")
+    with pytest.warns(DeprecationWarning, match="transport_config"):
+        assert client.transport == client.transport_config
+
+
+# -- the ids are range-checked once on the client path ---------------------------------------
+
+
+def _rollout_results(url, turns=3, **client_kwargs):
+    async def main():
+        from torch_r3.trace import RoutedExpertTrace
+
+        trace, conversation, results = RoutedExpertTrace(), [11, 12, 13], []
+        async with RemoteGenerateClient(url, **FAST, **client_kwargs) as client:
+            for _ in range(turns):
+                result = await client.generate(
+                    conversation,
+                    {"max_new_tokens": 2},
+                    return_routed_experts=True,
+                    routed_experts_prompt_start=trace.prompt_start,
+                )
+                trace.record_result(result, prompt_len=len(conversation))
+                results.append((len(conversation), result))
+                conversation = conversation + list(result.response_ids) + [7]
+        return results
+
+    return asyncio.run(main())
+
+
+def test_record_result_records_what_record_does(server):
+    from torch_r3.trace import RoutedExpertTrace
+
+    results = _rollout_results(server.url, num_experts=8)
+    by_result, by_fields = RoutedExpertTrace(num_experts=8), RoutedExpertTrace(num_experts=8)
+    for prompt_len, r in results:
+        by_result.record_result(r, prompt_len=prompt_len)
+        by_fields.record(
+            prompt_len=prompt_len,
+            generated_len=len(r.response_ids),
+            routes=r.routed_experts,
+            weight_version=r.weight_version,
+            weight_versions=r.weight_versions,
+        )
+    assert by_result.weight_versions == by_fields.weight_versions and results[0][1].num_experts == 8
+    np.testing.assert_array_equal(by_result.finalize(token_count=12), by_fields.finalize(token_count=12))
+
+
+def test_record_result_trusts_the_clients_check_and_scans_only_for_a_tighter_bound(server):
+    import dataclasses
+
+    from torch_r3.trace import RoutedExpertTrace
+
+    (prompt_len, checked), *_ = _rollout_results(server.url, turns=1, num_experts=8)
+    claimed = dataclasses.replace(checked, routed_experts=np.full_like(checked.routed_experts, 7))
+    # The client's decoder checked ids < 8: a trace with the same bound does not scan again.
+    RoutedExpertTrace(num_experts=8).record_result(claimed, prompt_len=prompt_len)
+    # A tighter bound than the client's is checked by the trace itself.
+    with pytest.raises(ValueError, match=r"turn 0: routes: expert ids must be in \[0, num_experts\), found 7"):
+        RoutedExpertTrace(num_experts=7).record_result(claimed, prompt_len=prompt_len)
+    unchecked = dataclasses.replace(claimed, num_experts=None)
+    with pytest.raises(ValueError, match="found 7"):
+        RoutedExpertTrace(num_experts=6).record_result(unchecked, prompt_len=prompt_len)
+    with pytest.raises(TypeError, match="expected a RemoteGenerateResult"):
+        RoutedExpertTrace().record_result(checked.routed_experts, prompt_len=prompt_len)

@@ -13,8 +13,15 @@ import pytest
 import torch
 
 from torch_r3 import canonical_dtype_for, check_expert_ids
-from torch_r3.codec import WireFormatError, base64_decoded_length, decode_npy, decode_routes
-from torch_r3.codec import decode_sglang_routes, decode_vllm_routes, encode_routes
+from torch_r3.codec import (
+    WireFormatError,
+    base64_decoded_length,
+    decode_npy,
+    decode_routes,
+    decode_sglang_routes,
+    decode_vllm_routes,
+    encode_routes,
+)
 
 
 def _envelope(array: np.ndarray) -> dict:
@@ -295,7 +302,7 @@ def test_a_duck_typed_array_whose_numpy_is_not_an_array_is_refused():
         encode_routes(_DeviceArray([[[1]]]))
 
 
-@pytest.mark.parametrize("n", range(0, 13))
+@pytest.mark.parametrize("n", range(13))
 def test_base64_decoded_length_matches_the_stdlib_decode(n):
     text = base64.b64encode(bytes(range(n))).decode()
     assert base64_decoded_length(text) == len(base64.b64decode(text)) == n
@@ -447,3 +454,46 @@ def test_codec_docstring_examples_run():
 
     result = doctest.testmod(torch_r3.codec, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0 and result.attempted >= 6
+
+
+# -- item 16: overflowing zero-row shapes and over-deep .npy headers are wire errors --------
+
+
+def _npy_with_header(shape_text: str, data: bytes = b"") -> bytes:
+    header = ("{'descr': '|u1', 'fortran_order': False, 'shape': " + shape_text + ", }").encode() + b"\n"
+    return b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + data
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [
+        ([0, 2**62, 2**62], "uint8"),
+        ([0, 2**40, 2**40], "int32"),
+        ([0, 2**64, 1], "uint8"),
+        ([0, 2**31, 2**31], "int16"),
+    ],
+)
+def test_a_zero_row_envelope_with_overflowing_dims_is_a_wire_format_error(shape, dtype):
+    with pytest.raises(WireFormatError, match=r"routed_experts: a row of shape"):
+        decode_routes({"data": "", "shape": shape, "dtype": dtype})
+
+
+def test_a_zero_row_envelope_with_a_row_over_the_cap_is_refused_but_one_under_it_decodes():
+    with pytest.raises(WireFormatError, match="over the cap max_bytes=100"):
+        decode_routes({"data": "", "shape": [0, 10, 11], "dtype": "uint8"}, max_bytes=100)
+    assert decode_routes({"data": "", "shape": [0, 10, 10], "dtype": "uint8"}, max_bytes=100).shape == (0, 10, 10)
+
+
+@pytest.mark.parametrize("dims", [65, 200])
+def test_a_npy_header_of_more_than_64_dims_is_a_wire_format_error(dims):
+    raw = _npy_with_header("(" + "1," * dims + ")", b"\x00")
+    with pytest.raises(WireFormatError, match=f"{dims} dims"):
+        decode_npy(raw)
+    with pytest.raises(WireFormatError):
+        decode_vllm_routes(base64.b64encode(raw).decode())
+
+
+@pytest.mark.parametrize("shape_text", [f"(0, {2**62}, {2**62})", f"({2**64}, 0)", f"(0, {2**63})"])
+def test_a_zero_size_npy_with_overflowing_dims_is_a_wire_format_error(shape_text):
+    with pytest.raises(WireFormatError, match="npy"):
+        decode_npy(_npy_with_header(shape_text))

@@ -59,11 +59,13 @@ def test_a_custom_served_model_plugs_in():
 
 
 def test_a_model_returning_the_wrong_row_count_is_a_500():
-    with LoopbackServer(CountingModel(broken=True)) as server:
-        with pytest.raises(
+    with (
+        LoopbackServer(CountingModel(broken=True)) as server,
+        pytest.raises(
             RemoteGenerateError, match=r"HTTP 500: model returned routes of shape \(3, 3, 2\), expected \(4, 3, 2\)"
-        ):
-            _call(server.url, [1, 2], {"max_new_tokens": 3}, return_routed_experts=True)
+        ),
+    ):
+        _call(server.url, [1, 2], {"max_new_tokens": 3}, return_routed_experts=True)
 
 
 def test_only_served_models_are_accepted():
@@ -90,9 +92,8 @@ def test_the_server_answers_bad_requests_with_400_and_a_json_error(body, words):
     import aiohttp
 
     async def main(url):
-        async with aiohttp.ClientSession() as session:
-            async with session.post(url + "/v1/generate", json=body) as response:
-                return response.status, await response.json()
+        async with aiohttp.ClientSession() as session, session.post(url + "/v1/generate", json=body) as response:
+            return response.status, await response.json()
 
     with LoopbackServer() as server:
         status, payload = asyncio.run(main(server.url))
@@ -146,10 +147,9 @@ def _post(url, path, body):
     import aiohttp
 
     async def main():
-        async with aiohttp.ClientSession() as session:
-            async with session.post(url + path, json=body) as response:
-                text = await response.text()
-                return response.status, text
+        async with aiohttp.ClientSession() as session, session.post(url + path, json=body) as response:
+            text = await response.text()
+            return response.status, text
 
     status, text = asyncio.run(main())
     try:
@@ -308,9 +308,8 @@ def test_model_info_names_the_moe_layers():
         import aiohttp
 
         async def main():
-            async with aiohttp.ClientSession() as session:
-                async with session.get(server.url + "/v1/model_info") as response:
-                    return await response.json()
+            async with aiohttp.ClientSession() as session, session.get(server.url + "/v1/model_info") as response:
+                return await response.json()
 
         info = asyncio.run(main())
     assert info == {"num_layers": 4, "num_experts": 8, "topk": 2, "moe_layers": [2, 3]}
@@ -526,3 +525,73 @@ def test_unknown_protocols_and_misplaced_options_are_refused_at_construction():
         LoopbackServer(protocol="vllm", sglang_ignores_start=True)
     with pytest.raises(NotImplementedError, match="CountingModel does not implement update_weights"):
         LoopbackServer(CountingModel()).update_weights()
+
+
+# -- the shapes of the released servers (issue 19 items 21-24), end to end --------------------
+
+
+class MinusInfModel(TinyMoELM):
+    """A TinyMoELM whose second generated token has log-probability -inf."""
+
+    def generate(self, token_ids, sampling_params):
+        out = super().generate(token_ids, sampling_params)
+        logprobs = list(out.logprobs)
+        logprobs[1] = float("-inf")
+        return GenerateOutput(out.token_ids, logprobs, out.routes, out.finish_reason)
+
+
+def _client_call(url, server, *args, **kwargs):
+    async def main():
+        async with RemoteGenerateClient(url, server=server, num_layers=2, topk=2, **FAST) as client:
+            return await client.generate(*args, **kwargs)
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+def test_sglang_and_vllm_report_weight_version_spans_and_the_client_exposes_them(protocol):
+    from torch_r3.protocols import WeightVersionSpan
+
+    with LoopbackServer(protocol=protocol) as server:
+        _, payload = _post(server.url, PATHS[protocol], _request(protocol, [1, 2, 3], 3))
+        server.update_weights(weight_version="step-2")
+        params = {"max_new_tokens": 3} if protocol == "sglang" else {"max_tokens": 3}
+        result = _client_call(server.url, protocol, [1, 2, 3], params, return_routed_experts=True)
+    spans = (
+        payload["meta_info"]["weight_versions"] if protocol == "sglang" else payload["choices"][0]["weight_versions"]
+    )
+    assert spans == [{"version": "0", "start": 0, "end": 3}]
+    assert result.weight_versions == (WeightVersionSpan("step-2", 0, 3),) and result.weight_version == "step-2"
+
+
+def test_sglang_answers_n_above_one_with_a_json_list_which_the_client_never_asks_for():
+    with LoopbackServer(protocol="sglang") as server:
+        body = _request("sglang", [1, 2, 3], 2)
+        body["sampling_params"]["n"] = 2
+        status, payload = _post(server.url, "/generate", body)
+        with pytest.raises(ValueError, match=r"sampling_params\['n'\] = 2"):
+            _client_call(server.url, "sglang", [1, 2, 3], {"max_new_tokens": 2, "n": 2}, return_routed_experts=True)
+        requests = server.stats.requests
+    assert status == 200 and isinstance(payload, list) and len(payload) == 2
+    assert all(set(p) == {"text", "output_ids", "meta_info"} for p in payload)
+    assert all(_routes("sglang", p, 2, 2).shape == (4, 2, 2) for p in payload)
+    assert requests == 1  # the client's n=2 call was refused before sending
+
+
+def test_sglang_writes_a_minus_inf_logprob_as_null_and_the_client_reads_nan_keeping_the_routes():
+    import math
+
+    with LoopbackServer(MinusInfModel(), protocol="sglang") as server:
+        _, payload = _post(server.url, "/generate", _request("sglang", [1, 2, 3], 3))
+        result = _client_call(server.url, "sglang", [1, 2, 3], {"max_new_tokens": 3}, return_routed_experts=True)
+    assert payload["meta_info"]["output_token_logprobs"][1][0] is None
+    assert math.isnan(result.response_logprobs[1]) and math.isfinite(result.response_logprobs[0])
+    assert result.routed_experts.shape == (5, 2, 2)
+
+
+@pytest.mark.parametrize("salt", ["ckpt/step_100", "a@b", "x" * 129])
+def test_vllm_refuses_a_salt_over_128_characters_or_with_a_forbidden_character_with_400(salt):
+    with LoopbackServer(protocol="vllm") as server:
+        status, payload = _post(server.url, PATHS["vllm"], _request("vllm", [1, 2], 1, salt=salt))
+        ok, _ = _post(server.url, PATHS["vllm"], _request("vllm", [1, 2], 1, salt="ckpt-step_100"))
+    assert status == 400 and "cache_salt" in payload["error"]["message"] and ok == 200

@@ -257,3 +257,70 @@ def test_trace_docstring_examples_run():
 
     result = doctest.testmod(torch_r3.trace, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0 and result.attempted >= 8
+
+
+# -- the trace owns what it records ------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_a_caller_refilling_one_buffer_per_turn_does_not_rewrite_earlier_turns(kind):
+    buffer = np.zeros((4, 2, 2), np.uint8) if kind == "numpy" else torch.zeros((4, 2, 2), dtype=torch.uint8)
+    trace = RoutedExpertTrace(num_layers=2, topk=2)
+    expected = []
+    for turn, prompt_len in enumerate((3, 7, 11)):
+        buffer[:] = turn + 1  # the same buffer, refilled for every turn
+        expected.append(np.full((4, 2, 2), turn + 1, np.uint8))
+        trace.record(prompt_len=prompt_len, generated_len=2, routes=buffer)
+    np.testing.assert_array_equal(trace.finalize(token_count=13), np.concatenate(expected))
+
+
+def test_a_recorded_routes_array_can_be_edited_afterwards_without_changing_the_trace():
+    routes = np.arange(16, dtype=np.uint8).reshape(4, 2, 2)
+    reference = routes.copy()
+    trace = RoutedExpertTrace()
+    trace.record(prompt_len=3, generated_len=2, routes=routes)
+    routes[:] = 0
+    np.testing.assert_array_equal(trace.finalize(token_count=5), reference)
+
+
+# -- prompt_ids: the positions whose routes are held must keep their tokens ----------
+
+
+def test_prompt_ids_that_extend_the_conversation_are_accepted():
+    trace = RoutedExpertTrace(num_layers=2, topk=2)
+    trace.record(prompt_len=3, generated_len=2, routes=_rows(4), prompt_ids=[1, 2, 3], response_ids=[4, 5])
+    trace.record(prompt_len=7, generated_len=1, routes=_rows(3), prompt_ids=[1, 2, 3, 4, 5, 6, 7])
+    assert trace.prompt_start == 7
+
+
+def test_a_re_rendered_history_is_refused_naming_the_first_changed_position():
+    trace = RoutedExpertTrace(num_layers=2, topk=2)
+    trace.record(prompt_len=3, generated_len=2, routes=_rows(4), prompt_ids=[1, 2, 3], response_ids=[4, 5])
+    # A chat template that re-rendered turn 0 changed token 1: rows 0..3 no longer match.
+    with pytest.raises(ValueError, match=r"turn 1: prompt_ids\[1\] = 9.*token 2.*re-render"):
+        trace.record(prompt_len=7, generated_len=1, routes=_rows(3), prompt_ids=[1, 9, 3, 4, 5, 6, 7])
+    assert trace.turns == 1 and trace.prompt_start == 4  # left as it was
+
+
+def test_a_changed_generated_token_is_refused_when_response_ids_were_given():
+    trace = RoutedExpertTrace(num_layers=2, topk=2)
+    trace.record(prompt_len=3, generated_len=2, routes=_rows(4), prompt_ids=[1, 2, 3], response_ids=[4, 5])
+    with pytest.raises(ValueError, match=r"prompt_ids\[3\] = 8"):
+        trace.record(prompt_len=7, generated_len=1, routes=_rows(3), prompt_ids=[1, 2, 3, 8, 5, 6, 7])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "words"),
+    [
+        ({"prompt_ids": [1, 2]}, ValueError, "prompt_ids has 2 tokens, but prompt_len is 3"),
+        ({"prompt_ids": [1, 2, 3], "response_ids": [4]}, ValueError, "response_ids has 1 tokens, but generated_len"),
+        ({"prompt_ids": "abc"}, TypeError, "prompt_ids"),
+        ({"prompt_ids": [1, 2.0, 3]}, TypeError, r"prompt_ids\[1\]"),
+        ({"response_ids": [4, 5]}, ValueError, "response_ids needs prompt_ids"),
+    ],
+)
+def test_bad_prompt_ids_are_refused(kwargs, error, words):
+    trace = RoutedExpertTrace(num_layers=2, topk=2)
+    with pytest.raises(error, match=words):
+        trace.record(prompt_len=3, generated_len=2, routes=_rows(4), **kwargs)
+    assert trace.turns == 0

@@ -9,6 +9,7 @@ which extra installs it (`pip install 'torch_r3[megatron]'`, `'torch_r3[client]'
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING
 
 from torch_r3.routes import CANONICAL_DTYPES, canonical_dtype_for, check_expert_ids, compact_routes
@@ -19,6 +20,8 @@ from torch_r3.layout import BatchLayout, global_layout
 from torch_r3.shard import ShardCollator, plan_microbatches
 
 __version__ = "0.1.0"
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())  # silent unless the application configures logging
 
 # name -> module that defines it; imported lazily (PEP 562) so that the core
 # import never pulls in aiohttp.
@@ -34,7 +37,7 @@ _LAZY = {
     "TokenMetadataTrace": "torch_r3.trace",
     "RemoteGenerateClient": "torch_r3.client",
     "RemoteGenerateResult": "torch_r3.client",
-    "RemoteGenerateError": "torch_r3.client",
+    "RemoteGenerateError": "torch_r3.errors",
     "ZeroRoutesWarning": "torch_r3.client",
 }
 
@@ -69,7 +72,8 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from torch_r3.client import RemoteGenerateClient, RemoteGenerateError, RemoteGenerateResult, ZeroRoutesWarning
+    from torch_r3.client import RemoteGenerateClient, RemoteGenerateResult, ZeroRoutesWarning
+    from torch_r3.errors import RemoteGenerateError
     from torch_r3.codec import (
         WireFormatError,
         base64_decoded_length,

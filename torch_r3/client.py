@@ -7,7 +7,9 @@ One client for three servers, picked with `server=`: the torch_r3 server format
 whose routes are the canonical `[rows, layers, topk]` array of positions
 `[start, P + O - 1)`. Transport concerns (sessions, retries, the body cap) live
 in `torch_r3.transport`; the request path here only checks the arguments,
-lets the protocol build the body, and reads the answer.
+lets the protocol build the body, and reads the answer. It is slightly over
+the usual module size because its argument checks (prompt ids, salt, base URL)
+sit beside the one client that uses them.
 """
 
 from __future__ import annotations
@@ -15,31 +17,32 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 from torch_r3._extras import require
 
 require("aiohttp", "client")  # without aiohttp: name the extra that installs it
-import aiohttp  # noqa: E402
+import aiohttp
 import numpy as np
 import yarl
 
-from torch_r3.protocols import PROTOCOLS, SERVERS, GenerateCall, RouteLimits
+from torch_r3.errors import RemoteGenerateError
+from torch_r3.protocols import PROTOCOLS, SERVERS, GenerateCall, RouteLimits, WeightVersionSpan
+from torch_r3.protocols.base import check_cache_salt
 from torch_r3.protocols.torch_r3 import MODEL_INFO_PATH
-from torch_r3.transport import (
-    DEFAULT_MAX_RESPONSE_BYTES,
-    HttpTransport,
-    RemoteGenerateError,
-    TransportConfig,
-)
+from torch_r3.transport import DEFAULT_MAX_RESPONSE_BYTES, HttpTransport, TransportConfig
 
 __all__ = [
     "RemoteGenerateClient",
     "RemoteGenerateError",
     "RemoteGenerateResult",
     "TransportConfig",
+    "WeightVersionSpan",
     "ZeroRoutesWarning",
 ]
+
+# Token ids travel as int64 (torch.long).
+_TOKEN_ID_END = 1 << 63
 
 
 class ZeroRoutesWarning(RuntimeWarning):
@@ -68,9 +71,23 @@ class RemoteGenerateResult:
             request was aborted before any forward pass (`finish_reason` is
             then `"abort"`).
         weight_version: The server's weight version (SGLang's
-            `meta_info.weight_version`, the torch_r3 server's `weight_version`),
-            or `None` when the server reports none (vLLM).
-        raw: The parsed JSON response, untouched.
+            `meta_info.weight_version`, the torch_r3 server's `weight_version`,
+            the last of vLLM's `weight_versions` spans), or `None` when the
+            server reports none (vLLM before 0.32). When a weight update
+            landed mid-request it is the newest version; `weight_versions`
+            says which tokens each version generated.
+        weight_versions: `WeightVersionSpan`s `(version, start, end)` over the
+            generated tokens, as SGLang 0.5.19+ and vLLM 0.32+ report them;
+            `()` when the server reports none. Pass them to
+            `RoutedExpertTrace.record(weight_versions=)`, which refuses a turn
+            routed by more than one version.
+        num_experts: The client's `num_experts`: every id in `routed_experts`
+            was checked to be below it on receipt (`None`: only checked to be
+            non-negative). `RoutedExpertTrace.record_result` relies on it to
+            skip a second scan.
+        raw: The parsed JSON response without its route payload (the base64
+            text, often far larger than the decoded `routed_experts`, is not
+            kept); every other field as the server sent it.
     """
 
     response_ids: tuple[int, ...]
@@ -78,6 +95,8 @@ class RemoteGenerateResult:
     finish_reason: str | None
     routed_experts: np.ndarray | None
     weight_version: str | None
+    weight_versions: tuple[WeightVersionSpan, ...]
+    num_experts: int | None
     raw: Any
 
 
@@ -112,6 +131,9 @@ class RemoteGenerateClient:
         timeout: See `TransportConfig`.
         connect_timeout: See `TransportConfig`.
         max_concurrency: See `TransportConfig`.
+        transport_config: All of the above as one `TransportConfig` (e.g.
+            shared by several clients); then leave the flat keywords at
+            their defaults.
         headers: Extra headers sent with every request (e.g. authorization).
         session: Your own `aiohttp.ClientSession`, used on the event loop it
             belongs to and never closed by the client.
@@ -121,8 +143,9 @@ class RemoteGenerateClient:
 
     Raises:
         TypeError: An argument of the wrong kind.
-        ValueError: A bad `base_url`, an unknown `server`, an empty
-            `cache_salt`, or `session` together with `ssl`/`trace_configs`.
+        ValueError: A bad `base_url` (one ending in `/v1` included: give the
+            server root), an unknown `server`, a `cache_salt` that breaks
+            `generate`'s rules, or `session` together with `ssl`/`trace_configs`.
 
     Examples:
         >>> import asyncio
@@ -153,6 +176,7 @@ class RemoteGenerateClient:
         timeout: float | None = 600.0,
         connect_timeout: float | None = 30.0,
         max_concurrency: int = 64,
+        transport_config: TransportConfig | None = None,
         headers: Mapping[str, str] | None = None,
         session: aiohttp.ClientSession | None = None,
         ssl: Any = True,
@@ -167,15 +191,16 @@ class RemoteGenerateClient:
                 _check_count(value, name)
         self.moe_layers = _check_moe_layers(moe_layers, num_layers)
         self.cache_salt = _check_salt(cache_salt)
-        config = TransportConfig(
-            retries=retries,
-            backoff=backoff,
-            max_backoff=max_backoff,
-            timeout=timeout,
-            connect_timeout=connect_timeout,
-            max_concurrency=max_concurrency,
-            max_response_bytes=max_response_bytes,
-        )
+        flat = {
+            "retries": retries,
+            "backoff": backoff,
+            "max_backoff": max_backoff,
+            "timeout": timeout,
+            "connect_timeout": connect_timeout,
+            "max_concurrency": max_concurrency,
+            "max_response_bytes": max_response_bytes,
+        }
+        config = _transport_config(transport_config, flat)
         self.limits = RouteLimits(
             max_bytes=config.max_route_bytes,
             num_layers=None if num_layers is None else int(num_layers),
@@ -187,9 +212,17 @@ class RemoteGenerateClient:
         )
 
     @property
-    def transport(self) -> TransportConfig:
+    def transport_config(self) -> TransportConfig:
         """The retries, timeouts, concurrency and body cap in use."""
         return self._transport.config
+
+    @property
+    def transport(self) -> TransportConfig:
+        """Deprecated alias of `transport_config` (it returns the config, not a transport)."""
+        warnings.warn(
+            "RemoteGenerateClient.transport is deprecated: use transport_config", DeprecationWarning, stacklevel=2
+        )
+        return self.transport_config
 
     @property
     def url(self) -> str:
@@ -200,14 +233,14 @@ class RemoteGenerateClient:
         """Close this event loop's own session (other loops' sessions, and yours, stay open)."""
         await self._transport.close()
 
-    async def __aenter__(self) -> RemoteGenerateClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
     def __repr__(self) -> str:
-        return f"RemoteGenerateClient({self.base_url!r}, server={self.server!r}, {self.transport})"
+        return f"RemoteGenerateClient({self.base_url!r}, server={self.server!r}, {self.transport_config})"
 
     async def generate(
         self,
@@ -236,7 +269,9 @@ class RemoteGenerateClient:
             cache_salt: Keeps this request's prefix-cache entries apart from
                 requests with another salt, e.g. `f"v{weight_version}"` so that
                 no prefix computed by older weights is reused with its old
-                routes. Overrides the client's default; a non-empty string.
+                routes. Overrides the client's default; a non-empty string of
+                at most 128 characters without `@`, `/`, `\\` or NUL (vLLM
+                0.30+ refuses others; the rule holds for every server).
                 Sent as vLLM's and the torch_r3 server's `cache_salt`, as
                 SGLang's `extra_key`.
 
@@ -248,10 +283,13 @@ class RemoteGenerateClient:
             TypeError: An argument of the wrong kind (a `bool` prompt start included).
             ValueError: `routed_experts_prompt_start` out of range, or given
                 without `return_routed_experts=True` or inside `sampling_params`;
-                an empty `cache_salt`; SGLang routes without `num_layers`/`topk`.
+                a prompt token id outside `[0, 2**63)`; `sampling_params["n"]`
+                other than 1; a `cache_salt` breaking the rules above; SGLang
+                routes without `num_layers`/`topk`.
             RemoteGenerateError: Every failure of the call itself: a
-                non-retryable answer, retries exhausted, a body over the cap, a
-                response that breaks the server's format. It names the URL.
+                non-retryable answer (a `404` also says what to check), a
+                redirect (never followed), retries exhausted, a body over the
+                cap, a response that breaks the server's format. It names the URL.
         """
         protocol = PROTOCOLS[self.server]
         prompt = _token_list(prompt_token_ids)
@@ -278,8 +316,20 @@ class RemoteGenerateClient:
         salt = _check_salt(cache_salt) if cache_salt is not None else self.cache_salt
         call = GenerateCall(prompt, params, return_routed_experts, start, salt, model)
         body = protocol.request_body(call)
-        raw = await self._transport.request("POST", protocol.generate_path, body, headers)
         url = self.url
+        try:
+            raw = await self._transport.request("POST", protocol.generate_path, body, headers)
+        except RemoteGenerateError as exc:
+            if exc.status != 404:
+                raise
+            raise RemoteGenerateError(
+                f"{exc} -- nothing answers POST {url}: check base_url (the server root, e.g. "
+                f"http://host:port, with no /v1) and server={self.server!r}, which sends "
+                f"{protocol.generate_path}{_NOT_FOUND_HINTS.get(self.server, '')}",
+                url=url,
+                status=404,
+                attempts=exc.attempts,
+            ) from exc
         try:
             parsed = protocol.parse_response(raw, call, self.limits)
         except (TypeError, ValueError, MemoryError, OverflowError) as exc:
@@ -288,7 +338,9 @@ class RemoteGenerateClient:
             ) from exc
         if parsed.routed_experts is not None and self.moe_layers:
             _warn_zero_layers(parsed.routed_experts, self.moe_layers, url)
-        return RemoteGenerateResult(**vars(parsed), raw=raw)
+        return RemoteGenerateResult(
+            **vars(parsed), num_experts=self.limits.num_experts, raw=protocol.without_routes(raw)
+        )
 
     async def model_info(self) -> dict[str, Any]:
         """The served model's routing shape: `GET {base_url}/v1/model_info` (torch_r3 server only).
@@ -322,6 +374,26 @@ class RemoteGenerateClient:
         return dict(raw)
 
 
+# What else to check when a server's generate path answers 404.
+_NOT_FOUND_HINTS = {
+    "vllm": "; since vLLM 0.30 /inference/v1/generate exists only when vLLM runs with --enable-scale-out",
+    "sglang": " (SGLang's native API, not its OpenAI-compatible /v1)",
+}
+
+
+def _transport_config(config: Any, flat: dict[str, Any]) -> TransportConfig:
+    """`config` when given (the flat keywords must then be left at their defaults), else one built from them."""
+    if config is None:
+        return TransportConfig(**flat)
+    if not isinstance(config, TransportConfig):
+        raise TypeError(f"transport_config must be a TransportConfig, got {type(config).__name__}")
+    defaults = TransportConfig()
+    changed = sorted(name for name, value in flat.items() if value != getattr(defaults, name))
+    if changed:
+        raise ValueError(f"give either transport_config= or the keywords {changed}, not both")
+    return config
+
+
 def _check_base_url(base_url: Any) -> str:
     if not isinstance(base_url, str):
         raise TypeError(f"base_url must be a str, got {type(base_url).__name__}")
@@ -344,6 +416,14 @@ def _check_base_url(base_url: Any) -> str:
         raise ValueError(f"base_url must not have a fragment ({url.fragment!r})")
     if port is None:  # pragma: no cover - yarl fills the scheme's default
         raise ValueError(f"base_url has no port: {base_url!r}")
+    if url.path.rstrip("/").endswith("/v1"):
+        # An OpenAI-style base URL: the endpoint paths below already hold their
+        # version, so /v1 + /inference/v1/generate would be a path no server has.
+        raise ValueError(
+            f"base_url {base_url!r} ends in /v1, an OpenAI-style base URL; give the server root "
+            f"without /v1 (e.g. {str(url.with_path(url.path.rstrip('/')[:-3] or '/')).rstrip('/')!r}): "
+            "the client appends the endpoint's full path"
+        )
     return base_url.rstrip("/")
 
 
@@ -370,15 +450,7 @@ def _check_moe_layers(moe_layers: Any, num_layers: int | None) -> tuple[int, ...
 
 
 def _check_salt(salt: Any) -> str | None:
-    if salt is None:
-        return None
-    if not isinstance(salt, str):
-        raise TypeError(f"cache_salt must be a str, got {type(salt).__name__}")
-    if not salt:
-        raise ValueError(
-            "cache_salt must be a non-empty string (servers refuse or ignore an empty salt); pass None for none"
-        )
-    return salt
+    return None if salt is None else check_cache_salt(salt)
 
 
 def _check_start(start: Any, prompt_len: int, want_routes: bool) -> int:
@@ -412,13 +484,18 @@ def _token_list(tokens: Any) -> list[int]:
     if isinstance(tokens, np.ndarray):
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
             raise TypeError(f"prompt_token_ids: expected a 1-D integer array, got {tokens.ndim}-D {tokens.dtype}")
-        return tokens.tolist()
-    if not isinstance(tokens, (list, tuple)):
+        out = tokens.tolist()
+    elif isinstance(tokens, (list, tuple)):
+        for i, t in enumerate(tokens):
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                raise TypeError(f"prompt_token_ids[{i}]: expected an int, got {type(t).__name__}")
+        out = [int(t) for t in tokens]
+    else:
         raise TypeError(f"prompt_token_ids: expected a list of ints, got {type(tokens).__name__}")
-    for i, t in enumerate(tokens):
-        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-            raise TypeError(f"prompt_token_ids[{i}]: expected an int, got {type(t).__name__}")
-    return [int(t) for t in tokens]
+    for i, t in enumerate(out):
+        if not 0 <= t < _TOKEN_ID_END:
+            raise ValueError(f"prompt_token_ids[{i}] = {t}: token ids must be in [0, 2**63)")
+    return out
 
 
 def _sampling_params(params: Any) -> dict[str, Any]:
@@ -426,4 +503,12 @@ def _sampling_params(params: Any) -> dict[str, Any]:
         return {}
     if not isinstance(params, Mapping):
         raise TypeError(f"sampling_params: expected a mapping, got {type(params).__name__}")
+    n = params.get("n", 1)
+    if n is not None and n != 1:
+        # SGLang answers n > 1 with a JSON list and vLLM with one choice per
+        # sample: a result holds one sample, so the others would be lost.
+        raise ValueError(
+            f"sampling_params['n'] = {n!r}: the client asks for one sample per call; "
+            "call generate once per sample (with distinct seeds)"
+        )
     return dict(params)

@@ -65,7 +65,7 @@ DEFAULT_MAX_ROUTE_BYTES = 1 << 30
 _DTYPES_BY_NAME = {dtype.name: dtype for dtype in CANONICAL_DTYPES}
 _REQUIRED_KEYS = ("data", "shape", "dtype")
 # SGLang sends int32 unless it advertises a narrower dtype.
-_SGLANG_DTYPES = {"int32": np.dtype("<i4"), "uint16": np.dtype("<u2"), "uint8": np.dtype("u1")}
+_SGLANG_DTYPES: dict[str, np.dtype] = {"int32": np.dtype("<i4"), "uint16": np.dtype("<u2"), "uint8": np.dtype("u1")}
 # Base64 text decoded per step: a multiple of 4 characters, so every chunk but
 # the last is whole quanta without padding. 4 MiB of text -> 3 MiB of bytes:
 # the transient chunk stays small next to the result, which is written once.
@@ -74,6 +74,7 @@ _STRICT = sys.version_info >= (3, 11)  # binascii strict_mode
 # .npy: magic, version, header length; NumPy itself refuses headers over 10000 bytes.
 _NPY_MAGIC = b"\x93NUMPY"
 _NPY_MAX_HEADER = 10_000
+_NPY_MAX_DIMS = 64  # NumPy's own limit on ndim
 _NPY_DESCR = re.compile(r"[<>|=]?[iu][1248]")
 
 
@@ -110,7 +111,7 @@ def encode_routes(array: Any) -> dict[str, Any]:
     if routes.dtype.byteorder == ">" or (routes.dtype.byteorder == "=" and sys.byteorder == "big"):
         routes = routes.astype(routes.dtype.newbyteorder("<"))  # pragma: no cover - big-endian hosts
     return {
-        "data": base64.b64encode(routes.reshape(-1).view(np.uint8)).decode("ascii"),
+        "data": base64.b64encode(routes.reshape(-1).view(np.uint8).data).decode("ascii"),
         "shape": [int(d) for d in routes.shape],
         "dtype": routes.dtype.name,
     }
@@ -182,6 +183,12 @@ def decode_routes(
         raise WireFormatError(f"{name}.data: list-form routes are not accepted; expected a base64 string")
     nbytes = math.prod(shape) * dtype.itemsize
     described = f"shape {list(shape)} dtype {dtype.name}"
+    if nbytes == 0:
+        # Zero rows hold no data, but NumPy still refuses a shape whose other
+        # dims overflow; a row larger than the cap cannot be valid anyway.
+        _check_size(
+            shape[1] * shape[2] * dtype.itemsize, max_bytes, name, f"a row of shape {list(shape[1:])} {dtype.name}"
+        )
     _check_size(nbytes, max_bytes, name, described)
     _check_b64_length(data, nbytes, f"{name}.data", described)
     out = np.empty(shape, dtype=dtype.newbyteorder("<"))
@@ -349,7 +356,7 @@ def decode_vllm_routes(
     raw = np.empty(nbytes, dtype=np.uint8)
     _b64decode_into(value, raw, name)
     array = decode_npy(raw, max_bytes=max_bytes, name=name)
-    if array.ndim == 1 and num_layers is not None:
+    if array.ndim == 1 and num_layers is not None and topk is not None:
         row = int(num_layers) * int(topk)
         if array.shape[0] % row:
             raise WireFormatError(
@@ -398,7 +405,7 @@ def decode_npy(data: Any, *, max_bytes: int = DEFAULT_MAX_ROUTE_BYTES, name: str
     if isinstance(data, np.ndarray):
         if data.dtype != np.uint8 or data.ndim != 1 or not data.flags.c_contiguous:
             raise WireFormatError(f"{name}: expected .npy bytes, got an array of {data.dtype} shape {data.shape}")
-        buf = memoryview(data)
+        buf = data.data
     elif isinstance(data, (bytes, bytearray, memoryview)):
         buf = memoryview(data).cast("B")
     else:
@@ -418,6 +425,9 @@ def decode_npy(data: Any, *, max_bytes: int = DEFAULT_MAX_ROUTE_BYTES, name: str
         )
     dtype, fortran, shape = _parse_npy_header(bytes(buf[start : start + length]), major, name)
     nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:  # a zero dim: the others must still fit, or NumPy refuses the shape
+        extent = math.prod(d for d in shape if d) * dtype.itemsize
+        _check_size(extent, max_bytes, name, f"the non-zero dims of .npy shape {list(shape)} {dtype.str}")
     _check_size(nbytes, max_bytes, name, f".npy data {dtype.str} {list(shape)}")
     offset = start + length
     if len(buf) - offset != nbytes:
@@ -549,12 +559,14 @@ def _parse_npy_header(header: bytes, major: int, name: str) -> tuple[np.dtype, b
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
     ):
         raise WireFormatError(f"{name}: .npy shape must be a tuple of non-negative ints, got {shape!r:.60}")
+    if len(shape) > _NPY_MAX_DIMS:
+        raise WireFormatError(f"{name}: .npy shape has {len(shape)} dims, more than NumPy's {_NPY_MAX_DIMS}")
     return np.dtype(descr), fortran, shape
 
 
 def _b64decode_into(data: Any, out: np.ndarray, what: str) -> None:
     """Decode base64 `data` into `out`'s buffer, whose size the caller has checked."""
-    target = memoryview(out.reshape(-1).view(np.uint8))
+    target = out.reshape(-1).view(np.uint8).data
     pos = 0
     try:
         for start in range(0, len(data), _CHUNK_CHARS):

@@ -12,10 +12,14 @@ Captured rows always form a prefix of the trajectory's tokens. The trace never
 pads or invents rows: the tail the engine never evaluated (the last sampled
 token, a synthetic EOS) is left to the collator, which pads it and marks it in
 `router_padding_mask`.
+
+The module is slightly over the usual size because `RoutedExpertTrace`'s
+per-turn checks (rows, versions and their spans, token ids) live with it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -31,6 +35,21 @@ def _check_count(value: Any, what: str) -> int:
     if value < 0:
         raise ValueError(f"{what} must be >= 0, got {value}")
     return int(value)
+
+
+def _id_tuple(ids: Any, what: str) -> tuple[int, ...]:
+    if hasattr(ids, "detach") and hasattr(ids, "cpu"):  # a torch.Tensor, without importing torch
+        ids = ids.detach().cpu().numpy()
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise TypeError(f"{what}: expected a 1-D integer array, got {ids.ndim}-D {ids.dtype}")
+        return tuple(ids.tolist())
+    if not isinstance(ids, (list, tuple)):
+        raise TypeError(f"{what}: expected a list of token ids, got {type(ids).__name__}")
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            raise TypeError(f"{what}[{i}]: expected an int, got {type(t).__name__}")
+    return tuple(int(t) for t in ids)
 
 
 class TokenMetadataTrace:
@@ -168,7 +187,17 @@ class RoutedExpertTrace:
     `RemoteGenerateResult.weight_version`) and refuses a turn whose version
     differs from an earlier turn's, unless the trace was built with
     `allow_mixed_versions=True`. A turn without a version (`None`) never
-    conflicts.
+    conflicts. Servers that report `weight_versions` spans (SGLang 0.5.19+,
+    vLLM 0.32+) show a weight update that landed mid-request: pass them as
+    `record(weight_versions=)` and such a turn is refused too.
+
+    The trace copies each turn's routes on `record`: a caller may refill one
+    buffer per turn. It cannot know what the tokens behind its rows were
+    unless told: a chat template that re-renders earlier turns (a changed
+    system prompt, stripped reasoning) changes tokens whose routes it already
+    holds, and the rows then describe another text. Pass each turn's
+    `prompt_ids` (and `response_ids`) to have that checked; without them the
+    trace checks only the lengths.
 
     Args:
         num_layers: Expected layers per row; taken from the first non-empty
@@ -219,6 +248,8 @@ class RoutedExpertTrace:
         self._num_experts = None if num_experts is None else int(num_experts)
         self._allow_mixed = allow_mixed_versions
         self._versions: list[str | int | None] = []
+        # Token ids of the positions from 0 on, as far as the caller told us.
+        self._known_ids: tuple[int, ...] = ()
 
     @property
     def prompt_start(self) -> int:
@@ -244,7 +275,15 @@ class RoutedExpertTrace:
         return tuple(self._versions)
 
     def record(
-        self, *, prompt_len: int, generated_len: int, routes: Any, weight_version: str | int | None = None
+        self,
+        *,
+        prompt_len: int,
+        generated_len: int,
+        routes: Any,
+        weight_version: str | int | None = None,
+        weight_versions: Sequence[Any] | None = None,
+        prompt_ids: Sequence[int] | None = None,
+        response_ids: Sequence[int] | None = None,
     ) -> None:
         """Append one turn's routes, checking that exactly the expected rows arrived.
 
@@ -260,6 +299,19 @@ class RoutedExpertTrace:
                 `RemoteGenerateResult.routed_experts`.
             weight_version: The policy version that routed this turn, when the
                 server reports one (`str` or `int`).
+            weight_versions: The spans of versions over this turn's generated
+                tokens (`RemoteGenerateResult.weight_versions`: objects with
+                `version`, `start`, `end`). More than one version means a
+                weight update landed mid-request: the turn's rows come from two
+                policies and are refused (unless `allow_mixed_versions`; then
+                the newest is the turn's version). With one version, that is
+                the turn's version, and `weight_version`, if given, must match.
+            prompt_ids: This turn's prompt token ids (`prompt_len` of them):
+                when given, the positions whose routes the trace already holds
+                must carry the tokens an earlier turn's `prompt_ids` /
+                `response_ids` gave for them (a re-rendered history is refused).
+            response_ids: This turn's generated token ids (`generated_len` of
+                them), remembered with `prompt_ids` for the next turn's check.
 
         Raises:
             TypeError: a length is not an `int`, `weight_version` is not a
@@ -269,13 +321,73 @@ class RoutedExpertTrace:
                 captured prefix), the row count is not the expected one, the row
                 shape differs from earlier turns, an expert id is negative or
                 `>= num_experts`, or `weight_version` differs from an earlier
-                turn's (unless `allow_mixed_versions`).
+                turn's (unless `allow_mixed_versions`), or `prompt_ids`
+                changes a token whose route is already held.
         """
+        self._record(
+            prompt_len, generated_len, routes, weight_version, weight_versions, prompt_ids, response_ids, scan_ids=True
+        )
+
+    def record_result(self, result: Any, *, prompt_len: int, prompt_ids: Sequence[int] | None = None) -> None:
+        """Append the turn a `RemoteGenerateResult` answered, without scanning its ids again.
+
+        Shorthand for `record` with the result's routes, generated token count,
+        `weight_version` and `weight_versions` (and, with `prompt_ids`, its
+        `response_ids`). The client's decoder already range-checked the ids
+        (never negative, below the client's `num_experts` when it had one):
+        the trace trusts that check, and scans only when it knows a tighter
+        bound than the client did (its own `num_experts` below the client's,
+        or the client had none). The routes are still copied.
+
+        Args:
+            result: The `RemoteGenerateResult` of this turn.
+            prompt_len: Tokens in this turn's prompt.
+            prompt_ids: This turn's prompt token ids, as in `record`.
+
+        Raises:
+            TypeError: `result` is not a `RemoteGenerateResult`-like object
+                (`routed_experts`, `response_ids`, `weight_version`,
+                `weight_versions`, `num_experts`).
+            ValueError: As `record`.
+        """
+        try:
+            routes, ids = result.routed_experts, result.response_ids
+            version, spans, checked = result.weight_version, result.weight_versions, result.num_experts
+        except AttributeError:
+            raise TypeError(
+                f"turn {self.turns}: expected a RemoteGenerateResult, got {type(result).__name__}"
+            ) from None
+        bound_known = self._num_experts is None or (checked is not None and checked <= self._num_experts)
+        self._record(
+            prompt_len,
+            len(ids),
+            routes,
+            version,
+            spans,
+            prompt_ids,
+            ids if prompt_ids is not None else None,
+            scan_ids=not bound_known,
+        )
+
+    def _record(
+        self,
+        prompt_len: Any,
+        generated_len: Any,
+        routes: Any,
+        weight_version: Any,
+        weight_versions: Any,
+        prompt_ids: Any,
+        response_ids: Any,
+        *,
+        scan_ids: bool,
+    ) -> None:
         turn = f"turn {self.turns}"
         prompt_len = _check_count(prompt_len, f"{turn}: prompt_len")
         generated_len = _check_count(generated_len, f"{turn}: generated_len")
+        weight_version = self._span_version(weight_version, weight_versions, turn)
         self._check_version(weight_version, turn)
         start = self.prompt_start
+        known = self._check_token_ids(prompt_ids, response_ids, prompt_len, generated_len, start, turn)
         if prompt_len < start:
             raise ValueError(
                 f"{turn}: prompt_len {prompt_len} is shorter than the {start} rows already captured; "
@@ -299,9 +411,69 @@ class RoutedExpertTrace:
             )
         # The trace is where routes from the caller enter: one range scan here
         # (only what the dtype leaves open) lets the collator trust the dtype.
-        check_expert_ids(array, self._num_experts, name=label)
+        if scan_ids:
+            check_expert_ids(array, self._num_experts, name=label)
+        if is_canonical(array.dtype):
+            # Own the rows: the caller may refill its buffer for the next turn
+            # (a non-canonical array is compacted into a fresh one by append).
+            array = np.array(array, order="C", copy=True)
         self._rows.append(array, label=label)  # the row count is checked above
         self._versions.append(weight_version)
+        if known is not None:
+            self._known_ids = known
+
+    def _check_token_ids(
+        self, prompt_ids: Any, response_ids: Any, prompt_len: int, generated_len: int, start: int, turn: str
+    ) -> tuple[int, ...] | None:
+        """The token ids known after this turn, with the held positions checked; `None` when not given."""
+        if prompt_ids is None:
+            if response_ids is not None:
+                raise ValueError(f"{turn}: response_ids needs prompt_ids (the positions before it)")
+            return None
+        prompt = _id_tuple(prompt_ids, f"{turn}: prompt_ids")
+        if len(prompt) != prompt_len:
+            raise ValueError(f"{turn}: prompt_ids has {len(prompt)} tokens, but prompt_len is {prompt_len}")
+        response: tuple[int, ...] = ()
+        if response_ids is not None:
+            response = _id_tuple(response_ids, f"{turn}: response_ids")
+            if len(response) != generated_len:
+                raise ValueError(
+                    f"{turn}: response_ids has {len(response)} tokens, but generated_len is {generated_len}"
+                )
+        held = min(len(self._known_ids), start)
+        for i in range(held):
+            if prompt[i] != self._known_ids[i]:
+                raise ValueError(
+                    f"{turn}: prompt_ids[{i}] = {prompt[i]}, but the route held for position {i} was recorded "
+                    f"for token {self._known_ids[i]}: the conversation was re-rendered (a chat template "
+                    "rewrote earlier turns?); its routes no longer describe these tokens, start a new trace"
+                )
+        return prompt + response
+
+    def _span_version(self, version: Any, spans: Any, turn: str) -> Any:
+        """The turn's version given its spans: the one version, or the newest when mixing is allowed."""
+        if spans is None:
+            return version
+        if isinstance(spans, (str, bytes)) or not isinstance(spans, Sequence):
+            raise TypeError(f"{turn}: weight_versions must be a sequence of spans, got {type(spans).__name__}")
+        if not spans:
+            return version
+        try:
+            runs = [(span.version, span.start, span.end) for span in spans]
+        except AttributeError:
+            raise TypeError(f"{turn}: weight_versions must hold spans with version, start and end") from None
+        distinct = list(dict.fromkeys(v for v, _, _ in runs))
+        if len(distinct) > 1 and not self._allow_mixed:
+            described = ", ".join(f"{v!r} (tokens {a}..{b - 1})" for v, a, b in runs)
+            raise ValueError(
+                f"{turn}: its tokens were generated by more than one weight version: {described}; "
+                "a weight update landed mid-request, so its routes come from two policies. Drop the turn "
+                "(or the trajectory), or pass RoutedExpertTrace(allow_mixed_versions=True) to accept it"
+            )
+        newest = runs[-1][0]
+        if version is not None and len(distinct) == 1 and version != newest:
+            raise ValueError(f"{turn}: weight_version {version!r} is not the version of its spans, {newest!r}")
+        return newest
 
     def _check_version(self, version: Any, turn: str) -> None:
         if version is not None and (isinstance(version, bool) or not isinstance(version, (str, int))):

@@ -16,10 +16,21 @@ What is retried, with exponential backoff and jitter:
   upstream may have started). A `Retry-After` header on these statuses sets the
   delay, capped at `max_backoff`.
 
-Never retried: any other status, a body over `max_response_bytes`, a redirect
-loop, or a body that is not JSON. The JSON is parsed here with a nesting guard,
-and the body is read in chunks under the cap, so a hostile server can neither
-exhaust memory nor raise anything but `RemoteGenerateError`.
+Never retried: any other status, a body over `max_response_bytes`, or a body
+that is not JSON. A redirect (`3xx`) is never followed: it is an error naming
+the URL and its `Location` (re-sending a POST elsewhere would carry its body
+and custom headers there). The JSON is parsed here with a nesting guard, and
+the body is read in chunks into a buffer that grows with the bytes received
+(never from a declared `Content-Length`) under the cap, so a hostile server
+can neither exhaust memory nor raise anything but `RemoteGenerateError`.
+
+Each retry is logged as a warning on the `torch_r3.transport` logger (silent
+unless the application configures logging).
+
+The module is a little over the usual size because the request path's layers
+(one attempt, the retry policy, response reading) and the one table that
+translates their exceptions only make sense together; each layer is 20-40
+lines.
 """
 
 from __future__ import annotations
@@ -27,6 +38,8 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import json
+import logging
+import math
 import random
 import threading
 import time
@@ -37,11 +50,12 @@ from typing import Any
 
 import aiohttp
 
+from torch_r3.errors import RemoteGenerateError
+
 __all__ = [
     "DEFAULT_MAX_RESPONSE_BYTES",
     "RETRYABLE_STATUSES",
     "HttpTransport",
-    "RemoteGenerateError",
     "TransportConfig",
 ]
 
@@ -49,31 +63,10 @@ __all__ = [
 # int32, 341 MiB as base64; four times that still fits.
 DEFAULT_MAX_RESPONSE_BYTES = 1 << 30
 RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
+log = logging.getLogger(__name__)
 # An error body is read only this far: enough for the server's message.
 ERROR_BODY_BYTES = 64 << 10
 READ_CHUNK_BYTES = 1 << 20
-# aiohttp.ClientPayloadError: the connection broke while the body was read (it
-# is not a ClientConnectionError subclass, but it is the same failure).
-_TRANSIENT = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
-
-
-class RemoteGenerateError(RuntimeError):
-    """A generate call failed for good: a non-retryable answer, or retries exhausted.
-
-    The message names the URL and the last cause; the cause is also chained
-    (`__cause__`) when it was an exception.
-
-    Attributes:
-        url: The URL that was requested.
-        status: The last HTTP status, or `None` when no response arrived.
-        attempts: Attempts made.
-    """
-
-    def __init__(self, message: str, *, url: str, status: int | None = None, attempts: int = 1) -> None:
-        super().__init__(message)
-        self.url = url
-        self.status = status
-        self.attempts = attempts
 
 
 @dataclass(frozen=True)
@@ -85,9 +78,11 @@ class TransportConfig:
         backoff: Base delay in seconds; retry `n` (from 1) waits
             `min(max_backoff, backoff * 2**(n-1))` scaled by a random factor in
             `[0.5, 1.0]` (jitter, so restarted servers are not hit in lockstep).
-        max_backoff: Cap on one delay, in seconds, a `Retry-After` included.
+        max_backoff: Cap on one delay, in seconds, a `Retry-After` included
+            (a larger `Retry-After` waits `max_backoff`, then retries). Must
+            be finite: `inf` would let one header park a call for years.
         timeout: Seconds one attempt may take in total (connect, send, generate,
-            read); `None` for no limit. Generation can be slow: keep it generous.
+            read); `None` for no limit (not `inf`). Generation can be slow: keep it generous.
         connect_timeout: Seconds to establish a connection; `None` for no
             separate limit.
         max_concurrency: Requests in flight at once per event loop (also the
@@ -118,12 +113,15 @@ class TransportConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("backoff", "max_backoff", "timeout", "connect_timeout"):
             value = getattr(self, name)
-            if value is None and name in ("timeout", "connect_timeout"):
+            is_timeout = name.endswith("timeout")
+            if value is None and is_timeout:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
-            if not value >= 0 or (name.endswith("timeout") and value == 0):
-                raise ValueError(f"{name} must be {'> 0' if name.endswith('timeout') else '>= 0'}, got {value}")
+            # Finite: max_backoff=inf would let one Retry-After park a call for years.
+            if not math.isfinite(value) or value < 0 or (is_timeout and value == 0):
+                bound = "> 0 and finite (None for no limit)" if is_timeout else ">= 0 and finite"
+                raise ValueError(f"{name} must be {bound}, got {value}")
 
     @property
     def max_route_bytes(self) -> int:
@@ -166,11 +164,13 @@ def parse_retry_after(value: str | None) -> float | None:
     if value is None:
         return None
     value = value.strip()
-    if value.isdigit():
+    # ASCII digits only (RFC 9110): str.isdigit() alone also accepts "³",
+    # which float() refuses. A huge number becomes inf, capped by the caller.
+    if value.isascii() and value.isdigit():
         return float(value)
     try:
         when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
+    except (TypeError, ValueError, IndexError, OverflowError):
         return None
     if when is None or when.tzinfo is None:
         return None
@@ -321,15 +321,8 @@ class HttpTransport:
             ValueError: `body` holds a NaN or infinite number (nothing is sent).
             RemoteGenerateError: Every failure of the request, naming the URL.
         """
-        url, c = self.base_url + path, self.config
-        data = None
-        extra = dict(headers or {})
-        if body is not None:
-            try:
-                data = json.dumps(body, allow_nan=False).encode()
-            except (TypeError, ValueError) as exc:
-                raise type(exc)(f"{method} {url}: the request body cannot be sent as JSON: {exc}") from None
-            extra["Content-Type"] = "application/json"
+        url = self.base_url + path
+        data, extra = _encode_body(method, url, body, headers)
         state = await self.state()
         if state.session.closed:
             raise RemoteGenerateError(
@@ -337,96 +330,198 @@ class HttpTransport:
             )
         if not state.owned:
             extra = {**self.headers, **extra}
-        # Per request, so that a user's session gets the same limits.
-        timeout = aiohttp.ClientTimeout(total=c.timeout, connect=c.connect_timeout)
-        attempts, last_cause, last_status = 0, "none", None
+        call = _Call(method, url, data, extra, state)
+        answer = await self._with_retries(call)
+        return _parse_json(answer, call)
+
+    async def _with_retries(self, call: _Call) -> _Answer:
+        """The retry policy: attempts until a final answer, a final error, or the budget is spent."""
+        c = self.config
+        last_cause, last_status = "none", None
         last_exc: BaseException | None = None
         retry_after: str | None = None
-        for attempt in range(c.retries + 1):
-            if attempt:
-                await asyncio.sleep(c.delay(attempt, retry_after))
-            attempts += 1
+        for attempt in range(1, c.retries + 2):
+            if attempt > 1:
+                delay = c.delay(attempt - 1, retry_after)
+                log.warning(
+                    "%s %s: attempt %d of %d failed (%s); retry in %.3g s",
+                    call.method,
+                    call.url,
+                    attempt - 1,
+                    c.retries + 1,
+                    last_cause,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+            call.attempts = attempt
             try:
-                async with state.semaphore:
-                    async with state.session.request(
-                        method, url, data=data, headers=extra, timeout=timeout
-                    ) as response:
-                        status = response.status
-                        retry_after = response.headers.get("Retry-After") if status in RETRYABLE_STATUSES else None
-                        ok = 200 <= status < 300
-                        payload = await _read_capped(response, c.max_response_bytes if ok else ERROR_BODY_BYTES, ok)
-            except _TRANSIENT as exc:
+                answer = await self._attempt(call)
+            except Exception as exc:  # noqa: BLE001 - every exception is looked up in the table
+                outcome, message, status = _translate(exc, call)
+                if not outcome.retryable:
+                    raise RemoteGenerateError(
+                        f"{call.method} {call.url}{message}", url=call.url, status=status, attempts=attempt
+                    ) from (exc if outcome.chained else None)
                 last_cause, last_status, last_exc, retry_after = _describe(exc), None, exc, None
                 continue
-            except _BodyTooLarge as exc:
-                raise RemoteGenerateError(f"{method} {url}: {exc}", url=url, status=status, attempts=attempts) from None
-            except MemoryError:
-                raise RemoteGenerateError(
-                    f"{method} {url}: out of memory reading the response body (lower max_response_bytes?)",
-                    url=url,
-                    status=status,
-                    attempts=attempts,
-                ) from None
-            except aiohttp.TooManyRedirects as exc:
-                raise RemoteGenerateError(
-                    f"{method} {url}: too many redirects ({len(exc.history)} followed, last to {exc.request_info.real_url})",
-                    url=url,
-                    status=exc.status,
-                    attempts=attempts,
-                ) from exc
-            except aiohttp.ClientError as exc:  # invalid URL or response, ...: not transient
-                raise RemoteGenerateError(
-                    f"{method} {url} failed: {_describe(exc)}", url=url, attempts=attempts
-                ) from exc
-            except RuntimeError as exc:
-                if state.owned:
-                    raise
-                # aiohttp's answer to a session used outside the loop that created it.
-                raise RemoteGenerateError(
-                    f"{method} {url}: the given aiohttp session cannot be used here ({exc}); "
-                    "use it on the event loop that created it",
-                    url=url,
-                    attempts=attempts,
-                ) from exc
-            if status in RETRYABLE_STATUSES:
-                last_cause, last_status, last_exc = f"HTTP {status}: {server_message(payload)}", status, None
-                continue
-            if not ok:
-                raise RemoteGenerateError(
-                    f"{method} {url} failed with HTTP {status}: {server_message(payload)}",
-                    url=url,
-                    status=status,
-                    attempts=attempts,
-                )
-            try:
-                return json.loads(payload)
-            except MemoryError:
-                raise RemoteGenerateError(
-                    f"{method} {url}: out of memory parsing a JSON body of {len(payload)} bytes",
-                    url=url,
-                    status=status,
-                    attempts=attempts,
-                ) from None
-            except RecursionError:
-                raise RemoteGenerateError(
-                    f"{method} {url} answered {status} with JSON nested too deeply to parse ({len(payload)} bytes)",
-                    url=url,
-                    status=status,
-                    attempts=attempts,
-                ) from None
-            except ValueError as exc:
-                raise RemoteGenerateError(
-                    f"{method} {url} answered {status} with a body that is not valid JSON ({len(payload)} bytes): {exc}",
-                    url=url,
-                    status=status,
-                    attempts=attempts,
-                ) from exc
+            if answer.status not in RETRYABLE_STATUSES:
+                return answer
+            last_cause, last_status, last_exc = (
+                f"HTTP {answer.status}: {server_message(answer.payload)}",
+                answer.status,
+                None,
+            )
+            retry_after = answer.retry_after
         raise RemoteGenerateError(
-            f"{method} {url} failed after {attempts} attempt(s); last cause: {last_cause}",
-            url=url,
+            f"{call.method} {call.url} failed after {call.attempts} attempt(s); last cause: {last_cause}",
+            url=call.url,
             status=last_status,
-            attempts=attempts,
+            attempts=call.attempts,
         ) from last_exc
+
+    async def _attempt(self, call: _Call) -> _Answer:
+        """One request and its body, read under the cap (`ERROR_BODY_BYTES` for an error status)."""
+        c = self.config
+        # Per request, so that a user's session gets the same limits.
+        timeout = aiohttp.ClientTimeout(total=c.timeout, connect=c.connect_timeout)
+        call.status = None
+        async with (
+            call.state.semaphore,
+            # Redirects are never followed: a POST re-sent to another origin
+            # would carry its body and custom headers there (aiohttp strips
+            # only Authorization and Cookie), and a 302/303 would turn it into
+            # a GET whose answer is not the generation asked for.
+            call.state.session.request(
+                call.method, call.url, data=call.data, headers=call.headers, timeout=timeout, allow_redirects=False
+            ) as response,
+        ):
+            call.status = status = response.status
+            retry_after = response.headers.get("Retry-After") if status in RETRYABLE_STATUSES else None
+            location = response.headers.get("Location") if 300 <= status < 400 else None
+            ok = 200 <= status < 300
+            payload = await _read_capped(response, c.max_response_bytes if ok else ERROR_BODY_BYTES, ok)
+        return _Answer(status, payload, retry_after, location)
+
+
+@dataclass
+class _Call:
+    """One logical request across its attempts."""
+
+    method: str
+    url: str
+    data: bytes | None
+    headers: dict[str, str]
+    state: _LoopState
+    attempts: int = 0
+    status: int | None = None
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """What one attempt received: the status and the (capped) body."""
+
+    status: int
+    payload: bytearray
+    retry_after: str | None
+    location: str | None = None
+
+
+def _encode_body(
+    method: str, url: str, body: Any, headers: Mapping[str, str] | None
+) -> tuple[bytes | None, dict[str, str]]:
+    extra = dict(headers or {})
+    if body is None:
+        return None, extra
+    try:
+        data = json.dumps(body, allow_nan=False).encode()
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{method} {url}: the request body cannot be sent as JSON: {exc}") from None
+    extra["Content-Type"] = "application/json"
+    return data, extra
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """How one kind of exception from an attempt is translated."""
+
+    retryable: bool
+    message: str = ""  # after "METHOD URL"; {exc} and {cause} are filled in
+    keeps_status: bool = False  # report the status of the response being read
+    chained: bool = True  # keep the exception as __cause__
+
+
+# The one table that translates an attempt's exception. First match wins, so
+# subclasses come first. aiohttp.ClientPayloadError (the connection broke
+# while the body was read) is not a ClientConnectionError subclass, but it is
+# the same failure.
+_EXCEPTIONS: tuple[tuple[type[BaseException], _Outcome], ...] = (
+    (_BodyTooLarge, _Outcome(False, ": {exc}", keeps_status=True, chained=False)),
+    (
+        MemoryError,
+        _Outcome(
+            False,
+            ": out of memory reading the response body (lower max_response_bytes?)",
+            keeps_status=True,
+            chained=False,
+        ),
+    ),
+    (aiohttp.ClientConnectionError, _Outcome(True)),
+    (aiohttp.ClientPayloadError, _Outcome(True)),
+    (asyncio.TimeoutError, _Outcome(True)),
+    (aiohttp.ClientError, _Outcome(False, " failed: {cause}")),  # invalid URL or response, ...: not transient
+    # aiohttp's answer to a user's session used outside the loop that created it.
+    (
+        RuntimeError,
+        _Outcome(
+            False, ": the given aiohttp session cannot be used here ({exc}); use it on the event loop that created it"
+        ),
+    ),
+)
+
+
+def _translate(exc: Exception, call: _Call) -> tuple[_Outcome, str, int | None]:
+    """The table's outcome for an attempt's exception, its message and status; re-raises one it does not know."""
+    for kind, outcome in _EXCEPTIONS:
+        if not isinstance(exc, kind):
+            continue
+        if kind is RuntimeError and call.state.owned:
+            raise exc  # our own session: a bug, not the user's session on a wrong loop
+        status = call.status if outcome.keeps_status else None
+        return outcome, outcome.message.format(exc=exc, cause=_describe(exc)), status
+    raise exc
+
+
+def _parse_json(answer: _Answer, call: _Call) -> Any:
+    """The parsed JSON of a final answer; an error status or a body that is not JSON is an error."""
+    status, payload = answer.status, answer.payload
+    where = f"{call.method} {call.url}"
+    if 300 <= status < 400:
+        raise RemoteGenerateError(
+            f"{where} answered HTTP {status}, a redirect to {answer.location!r}, which is not followed "
+            "(re-sending the request elsewhere could leak its body and headers): set base_url to the "
+            "server that answers, or fix the proxy in front of it",
+            url=call.url,
+            status=status,
+            attempts=call.attempts,
+        )
+    if not 200 <= status < 300:
+        raise RemoteGenerateError(
+            f"{where} failed with HTTP {status}: {server_message(payload)}",
+            url=call.url,
+            status=status,
+            attempts=call.attempts,
+        )
+    cause: ValueError | None = None
+    try:
+        return json.loads(payload)
+    except MemoryError:
+        problem = f": out of memory parsing a JSON body of {len(payload)} bytes"
+    except RecursionError:
+        problem = f" answered {status} with JSON nested too deeply to parse ({len(payload)} bytes)"
+    except ValueError as exc:
+        problem = f" answered {status} with a body that is not valid JSON ({len(payload)} bytes): {exc}"
+        cause = exc
+    raise RemoteGenerateError(f"{where}{problem}", url=call.url, status=status, attempts=call.attempts) from cause
 
 
 async def _read_capped(response: aiohttp.ClientResponse, cap: int, strict: bool) -> bytearray:
@@ -434,18 +529,16 @@ async def _read_capped(response: aiohttp.ClientResponse, cap: int, strict: bool)
     declared = response.content_length
     if strict and declared is not None and declared > cap:
         raise _BodyTooLarge(f"response body of Content-Length {declared} exceeds max_response_bytes={cap}")
-    # With a declared length the buffer is allocated once at its final size.
-    buffer = bytearray(declared) if declared is not None and declared <= cap else bytearray()
-    size = 0
+    # The buffer grows with the bytes that arrived, never from the declared
+    # length: a server that declares 256 MiB and stalls costs nothing.
+    buffer = bytearray()
     async for chunk in response.content.iter_chunked(READ_CHUNK_BYTES):
-        if size + len(chunk) > cap:
+        if len(buffer) + len(chunk) > cap:
             if strict:
                 raise _BodyTooLarge(f"response body has more than max_response_bytes={cap} bytes")
-            return buffer[:size] + chunk[: cap - size]
-        buffer[size : size + len(chunk)] = chunk
-        size += len(chunk)
-    if len(buffer) != size:
-        del buffer[size:]  # fewer bytes than declared: aiohttp reports that as a payload error first
+            buffer += chunk[: cap - len(buffer)]
+            return buffer
+        buffer += chunk
     return buffer  # not copied to bytes: json.loads reads a bytearray as it is
 
 
@@ -453,7 +546,7 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-def server_message(payload: bytes) -> str:
+def server_message(payload: bytes | bytearray) -> str:
     """The server's `error.message` (or `error`, `detail`), else the start of its body.
 
     Args:

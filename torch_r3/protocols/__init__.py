@@ -13,9 +13,17 @@ one by name from `PROTOCOLS`. Nothing here imports aiohttp.
 from __future__ import annotations
 
 from torch_r3.protocols import sglang, torch_r3, vllm
-from torch_r3.protocols.base import GenerateCall, ParsedResponse, RouteLimits, ServerProtocol
+from torch_r3.protocols.base import GenerateCall, ParsedResponse, RouteLimits, ServerProtocol, WeightVersionSpan
 
-__all__ = ["PROTOCOLS", "SERVERS", "GenerateCall", "ParsedResponse", "RouteLimits", "ServerProtocol"]
+__all__ = [
+    "PROTOCOLS",
+    "SERVERS",
+    "GenerateCall",
+    "ParsedResponse",
+    "RouteLimits",
+    "ServerProtocol",
+    "WeightVersionSpan",
+]
 
 #: Protocol by `server=` name.
 PROTOCOLS: dict[str, ServerProtocol] = {p.name: p for p in (torch_r3.PROTOCOL, sglang.PROTOCOL, vllm.PROTOCOL)}

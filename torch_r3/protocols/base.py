@@ -7,12 +7,16 @@ canonical layout `[rows, layers, topk]` for positions `[start, P + O - 1)`
 (`P` prompt tokens, `O` generated tokens; the last sampled token never ran
 forward, so it has no row). Malformed answers raise `WireFormatError`.
 
-This module needs NumPy only; it never imports aiohttp.
+This module needs NumPy only; it never imports aiohttp. It is over the usual
+module size because it holds the field readers every protocol shares (token
+ids, log-probs, finish reasons, weight-version spans, the row-count rule), so
+that the three protocols cannot drift apart.
 """
 
 from __future__ import annotations
 
 import abc
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,25 +27,38 @@ import numpy as np
 from torch_r3.codec import WireFormatError
 
 __all__ = [
-    "ChoicesProtocol",
+    "MAX_SALT_CHARS",
     "PROMPT_START_PARAM",
+    "SALT_FORBIDDEN",
+    "ChoicesProtocol",
     "GenerateCall",
     "ParsedResponse",
     "RouteLimits",
     "ServerProtocol",
+    "WeightVersionSpan",
+    "check_cache_salt",
     "expected_rows",
     "finish_reason",
     "first_choice",
-    "params_with_start",
     "get_field",
     "logprob",
+    "newest_version",
+    "params_with_start",
     "slice_to_start",
     "token_ids",
+    "weight_spans",
     "weight_version",
 ]
 
+log = logging.getLogger(__name__)
+
 #: The sampling parameter that carries the route start in the torch_r3 and vLLM formats.
 PROMPT_START_PARAM = "routed_experts_prompt_start"
+#: vLLM 0.30+ refuses (HTTP 400) a `cache_salt` longer than this or holding one of `SALT_FORBIDDEN`.
+MAX_SALT_CHARS = 128
+SALT_FORBIDDEN = ("@", "/", "\\", "\x00")
+# Token ids travel as int64 (torch.long) from here on.
+_TOKEN_ID_END = 1 << 63
 
 
 @dataclass(frozen=True)
@@ -84,6 +101,26 @@ class RouteLimits:
 
 
 @dataclass(frozen=True)
+class WeightVersionSpan:
+    """The weight version that generated a run of a response's tokens.
+
+    SGLang (0.5.19+, `meta_info.weight_versions`) and vLLM (0.32+,
+    `choices[i].weight_versions`) report these spans over the generated tokens:
+    a request that straddles a weight update has more than one.
+
+    Attributes:
+        version: The server's weight version.
+        start: The first generated token of the span (0-based).
+        end: The end of the span, as the server sent it (`start <= end <=`
+            the number of generated tokens).
+    """
+
+    version: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
 class ParsedResponse:
     """A server's answer, protocol-neutral.
 
@@ -93,7 +130,10 @@ class ParsedResponse:
         finish_reason: `"stop"`, `"length"`, `"abort"`, another server string, or `None`.
         routed_experts: Canonical routes of positions `[start, P + O - 1)`, or
             `None` when not asked for or the request was aborted before any row.
-        weight_version: The server's weight version, or `None` when it reports none.
+        weight_version: The server's weight version, or `None` when it reports
+            none; with several spans, the newest (the last span's).
+        weight_versions: The spans of weight versions over the generated
+            tokens, in order; `()` when the server reports none.
     """
 
     response_ids: tuple[int, ...]
@@ -101,6 +141,7 @@ class ParsedResponse:
     finish_reason: str | None
     routed_experts: np.ndarray | None
     weight_version: str | None
+    weight_versions: tuple[WeightVersionSpan, ...] = ()
 
 
 class ServerProtocol(abc.ABC):
@@ -118,6 +159,8 @@ class ServerProtocol(abc.ABC):
     generate_path: ClassVar[str]
     salt_field: ClassVar[str]
     needs_route_shape: ClassVar[bool] = False
+    #: Where the answer carries its route payload: paths of keys, `"*"` for every list item.
+    route_payload_paths: ClassVar[tuple[tuple[str, ...], ...]] = ()
 
     @abc.abstractmethod
     def request_body(self, call: GenerateCall) -> dict[str, Any]:
@@ -140,13 +183,22 @@ class ServerProtocol(abc.ABC):
         """`body` with the salt field added when `call` has a salt.
 
         Raises:
-            ValueError: The salt is empty: servers refuse or ignore one, so it is never sent.
+            TypeError: The salt is not a string.
+            ValueError: The salt breaks `check_cache_salt`'s rules, so it is never sent.
         """
         if call.cache_salt is not None:
-            if not isinstance(call.cache_salt, str) or not call.cache_salt:
-                raise ValueError(f"cache_salt must be a non-empty string, got {call.cache_salt!r}")
-            body[self.salt_field] = call.cache_salt
+            body[self.salt_field] = check_cache_salt(call.cache_salt)
         return body
+
+    def without_routes(self, raw: Any) -> Any:
+        """`raw` without its route payload (copies along the way; `raw` itself is left as it is).
+
+        What `RemoteGenerateResult.raw` keeps: the decoded routes are in
+        `routed_experts`, and the base64 text can be many times their size.
+        """
+        for path in self.route_payload_paths:
+            raw = _drop(raw, path)
+        return raw
 
 
 class ChoicesProtocol(ServerProtocol):
@@ -167,6 +219,7 @@ class ChoicesProtocol(ServerProtocol):
 
     start_may_be_ignored: ClassVar[bool] = False
     null_routes_hint: ClassVar[str] = ""
+    route_payload_paths = (("choices", "*", "routed_experts"),)
 
     @abc.abstractmethod
     def flags(self, call: GenerateCall) -> dict[str, Any]:
@@ -218,11 +271,60 @@ class ChoicesProtocol(ServerProtocol):
                     "choices[0].routed_experts",
                     start_may_be_ignored=self.start_may_be_ignored,
                 )
-        return ParsedResponse(ids, logprobs, reason, routes, self.read_weight_version(raw))
+        spans = weight_spans(choice.get("weight_versions"), "choices[0].weight_versions", len(ids))
+        return ParsedResponse(
+            ids, logprobs, reason, routes, newest_version(self.read_weight_version(raw), spans), spans
+        )
 
     def read_weight_version(self, raw: Mapping[str, Any]) -> str | None:
-        """The answer's weight version (`None`: the format has none)."""
+        """The answer's weight version (`None`: the format has none besides its spans)."""
         return None
+
+
+def _drop(node: Any, path: tuple[str, ...]) -> Any:
+    if not path:
+        return node
+    key, rest = path[0], path[1:]
+    if key == "*":
+        return [_drop(item, rest) for item in node] if isinstance(node, list) else node
+    if not isinstance(node, Mapping) or key not in node:
+        return node
+    copy = dict(node)
+    if rest:
+        copy[key] = _drop(node[key], rest)
+    else:
+        del copy[key]
+    return copy
+
+
+def check_cache_salt(salt: Any) -> str:
+    """A cache salt every server accepts: a non-empty string of at most 128
+    characters without `@`, `/`, `\\` or NUL (vLLM 0.30+ answers others with
+    HTTP 400; one rule for every server keeps a salt portable).
+
+    Raises:
+        TypeError: `salt` is not a string.
+        ValueError: It is empty, too long, or holds a forbidden character.
+
+    Examples:
+        >>> check_cache_salt("v12")
+        'v12'
+    """
+    if not isinstance(salt, str):
+        raise TypeError(f"cache_salt must be a str, got {type(salt).__name__}")
+    if not salt:
+        raise ValueError(
+            "cache_salt must be a non-empty string (servers refuse or ignore an empty salt); pass None for none"
+        )
+    if len(salt) > MAX_SALT_CHARS:
+        raise ValueError(f"cache_salt has {len(salt)} characters; vLLM refuses more than {MAX_SALT_CHARS}")
+    bad = [c for c in SALT_FORBIDDEN if c in salt]
+    if bad:
+        raise ValueError(
+            f"cache_salt {salt!r:.60} holds {bad}; vLLM refuses '@', '/', '\\' and NUL in a salt "
+            "(use e.g. 'ckpt-step_100' instead of 'ckpt/step_100')"
+        )
+    return salt
 
 
 def get_field(container: Any, key: str, where: str, kind: type | tuple[type, ...], *, required: bool = True) -> Any:
@@ -277,7 +379,8 @@ def params_with_start(call: GenerateCall) -> dict[str, Any]:
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:
     kinds = kind if isinstance(kind, tuple) else (kind,)
-    return " or ".join({dict: "an object", list: "a list", str: "a string"}.get(k, k.__name__) for k in kinds)
+    names: dict[type, str] = {dict: "an object", list: "a list", str: "a string"}
+    return " or ".join(names.get(k, k.__name__) for k in kinds)
 
 
 def token_ids(value: Any, where: str) -> tuple[int, ...]:
@@ -289,19 +392,28 @@ def token_ids(value: Any, where: str) -> tuple[int, ...]:
     if not isinstance(value, list):
         raise WireFormatError(f"{where}: expected a list of token ids, got {type(value).__name__}")
     for i, t in enumerate(value):
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise WireFormatError(f"{where}[{i}]: expected a non-negative int token id, got {t!r}")
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < _TOKEN_ID_END:
+            raise WireFormatError(f"{where}[{i}]: expected an int token id in [0, 2**63), got {t!r:.40}")
     return tuple(value)
 
 
-def logprob(value: Any, where: str) -> float:
-    """A logprob (a number, not NaN) as a float.
+def logprob(value: Any, where: str, *, null_is_nan: bool = False) -> float:
+    """A log-probability: a number `<= 0` (`-inf` included) as a float.
+
+    Args:
+        value: The wire value.
+        where: The field, for messages.
+        null_is_nan: Read `null` as NaN. SGLang writes both `-inf` and NaN as
+            `null`, so which one it was is lost; NaN says "unknown".
 
     Raises:
-        WireFormatError: `value` is not a number, or is NaN.
+        WireFormatError: `value` is not a number, is NaN, `+inf` or positive
+            (no probability exceeds 1), or `null` where that is not allowed.
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise WireFormatError(f"{where}: expected a logprob (a number), got {value!r}")
+    if value is None and null_is_nan:
+        return math.nan
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value > 0:
+        raise WireFormatError(f"{where}: expected a log-probability (<= 0), got {value!r:.40}")
     return float(value)
 
 
@@ -339,6 +451,39 @@ def weight_version(value: Any, where: str) -> str | None:
     return value
 
 
+def weight_spans(value: Any, where: str, generated: int) -> tuple[WeightVersionSpan, ...]:
+    """The `weight_versions` spans of an answer (`()` when absent), checked.
+
+    Raises:
+        WireFormatError: Not a list of `{version: str, start: int, end: int}`
+            objects with `0 <= start <= end <= generated`, in order.
+    """
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise WireFormatError(f"{where}: expected a list of {{version, start, end}} spans, got {type(value).__name__}")
+    spans: list[WeightVersionSpan] = []
+    for i, item in enumerate(value):
+        at = f"{where}[{i}]"
+        version = get_field(item, "version", at, str)
+        start, end = get_field(item, "start", at, int), get_field(item, "end", at, int)
+        if not 0 <= start <= end:
+            raise WireFormatError(f"{at}: expected 0 <= start <= end, got start={start}, end={end}")
+        if end > generated:
+            raise WireFormatError(f"{at}: end={end} is past the {generated} generated tokens")
+        if spans and start < spans[-1].end:
+            raise WireFormatError(f"{at}: spans must be in order without overlap; start={start} < {spans[-1].end}")
+        spans.append(WeightVersionSpan(version, start, end))
+    return tuple(spans)
+
+
+def newest_version(version: str | None, spans: tuple[WeightVersionSpan, ...]) -> str | None:
+    """`version` when the server sent one, else the last span's (the newest), else `None`."""
+    if version is not None:
+        return version
+    return spans[-1].version if spans else None
+
+
 def expected_rows(prompt_len: int, generated: int, start: int) -> int:
     """Route rows that cover positions `[start, prompt_len + generated - 1)`.
 
@@ -350,7 +495,13 @@ def expected_rows(prompt_len: int, generated: int, start: int) -> int:
 
 
 def slice_to_start(
-    routes: np.ndarray, call: GenerateCall, generated: int, where: str, *, start_may_be_ignored: bool
+    routes: np.ndarray,
+    call: GenerateCall,
+    generated: int,
+    where: str,
+    *,
+    start_may_be_ignored: bool,
+    start_field: str = PROMPT_START_PARAM,
 ) -> np.ndarray:
     """Check the row count of `routes` against the positions asked for.
 
@@ -361,7 +512,9 @@ def slice_to_start(
         where: The field, for messages.
         start_may_be_ignored: Accept an answer that covers every position from
             `0` although `call.start > 0` (a server that ignored the start
-            field, e.g. sglang 0.5.10.post1), and drop the rows before the start.
+            field, e.g. sglang 0.5.10.post1), and drop the rows before the start
+            (logged as a warning on this module's logger, naming `start_field`).
+        start_field: The request field that carried the start, for that warning.
 
     Returns:
         The routes of positions `[call.start, P + O - 1)`; a copy when sliced,
@@ -376,6 +529,14 @@ def slice_to_start(
         return routes
     full = expected_rows(len(call.prompt), generated, 0)
     if start_may_be_ignored and call.start > 0 and rows == full:
+        log.warning(
+            "%s: the server ignored %s=%d and sent every row from 0 (an older server version?); "
+            "keeping rows %d.. (the rows before were sent for nothing)",
+            where,
+            start_field,
+            call.start,
+            call.start,
+        )
         return routes[call.start :].copy()
     raise WireFormatError(
         f"{where} has {rows} rows; positions {call.start} .. {len(call.prompt) + generated - 2} "

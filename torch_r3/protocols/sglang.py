@@ -8,11 +8,17 @@ radix-cache key, so requests share cached prefixes only with an equal key.
 
 Answer: top-level `output_ids`; `meta_info` with `finish_reason` (an object
 `{"type": "stop" | "length" | "abort", ...}`), `output_token_logprobs`
-(`[logprob, token_id, text | null]` per generated token), `weight_version`,
+(`[logprob, token_id, text | null]` per generated token; SGLang writes a
+-inf or NaN log-prob as `null`, read here as NaN), `weight_version` (the
+newest), `weight_versions` (0.5.19+: `{version, start, end}` spans over the
+generated tokens, more than one when a weight update landed mid-request),
 and `routed_experts`: base64 of the flat little-endian rows over every hidden
 layer, `int32` unless `routed_experts_dtype` names a narrower dtype. The layer
 and top-k counts are not in the payload: the client must be given them. An
 aborted request may have no `routed_experts` key.
+
+With `sampling_params.n > 1` SGLang answers a JSON list, one output per
+sample; the client refuses such an `n` before sending.
 
 sglang 0.5.10.post1 accepts `routed_experts_start_len` but ignores it and
 returns every row from position 0; that answer is recognised by its row count
@@ -42,6 +48,7 @@ class SGLangProtocol(ServerProtocol):
     generate_path = GENERATE_PATH
     salt_field = "extra_key"
     needs_route_shape = True
+    route_payload_paths = (("meta_info", "routed_experts"),)
 
     def request_body(self, call: GenerateCall) -> dict[str, Any]:
         for key in _OWN_FIELDS:
@@ -62,6 +69,11 @@ class SGLangProtocol(ServerProtocol):
         return self.salted(body, call)
 
     def parse_response(self, raw: Any, call: GenerateCall, limits: RouteLimits) -> ParsedResponse:
+        if isinstance(raw, list):
+            raise WireFormatError(
+                f"response: SGLang answered a JSON list of {len(raw)} outputs, its answer to sampling_params.n > 1; "
+                "the client asks for one sample per call (send n=1, call once per sample)"
+            )
         ids = base.token_ids(base.get_field(raw, "output_ids", "response", list), "response.output_ids")
         meta = base.get_field(raw, "meta_info", "response", dict)
         reason = base.finish_reason(
@@ -81,7 +93,7 @@ class SGLangProtocol(ServerProtocol):
                     raise WireFormatError(f"{where}: expected [logprob, token_id, text], got {entry!r:.80}")
                 if isinstance(entry[1], bool) or not isinstance(entry[1], int) or entry[1] != ids[i]:
                     raise WireFormatError(f"{where}: token id {entry[1]!r} is not output_ids[{i}] = {ids[i]}")
-                values.append(base.logprob(entry[0], f"{where}[0]"))
+                values.append(base.logprob(entry[0], f"{where}[0]", null_is_nan=True))
             logprobs = tuple(values)
         routes = None
         if call.return_routed_experts:
@@ -104,10 +116,16 @@ class SGLangProtocol(ServerProtocol):
                     name="meta_info.routed_experts",
                 )
                 routes = base.slice_to_start(
-                    routes, call, len(ids), "meta_info.routed_experts", start_may_be_ignored=True
+                    routes,
+                    call,
+                    len(ids),
+                    "meta_info.routed_experts",
+                    start_may_be_ignored=True,
+                    start_field="routed_experts_start_len",
                 )
         version = base.weight_version(meta.get("weight_version"), "meta_info.weight_version")
-        return ParsedResponse(ids, logprobs, reason, routes, version)
+        spans = base.weight_spans(meta.get("weight_versions"), "meta_info.weight_versions", len(ids))
+        return ParsedResponse(ids, logprobs, reason, routes, base.newest_version(version, spans), spans)
 
 
 PROTOCOL = SGLangProtocol()

@@ -12,7 +12,11 @@ Answer: `choices[0]` with `token_ids`, `finish_reason` (a string), `logprobs`
 base64 of a whole `.npy` file `[rows, num_hidden_layers, topk]` (`uint8` up to
 256 experts, else `uint16`; `int32` on older servers), or `null` when the server
 runs without the flag or the request was aborted before any forward pass.
-vLLM reports no weight version. A server that predates
+vLLM 0.32+ reports `choices[0].weight_versions`, spans `{version, start,
+end}` over the generated tokens; the newest is the weight version (older
+servers report none). `cache_salt` must be at most 128 characters without
+`@`, `/`, `\\` or NUL (vLLM 0.30+ answers others with 400). Since vLLM 0.30
+`/inference/v1/generate` exists only with `--enable-scale-out`. A server that predates
 `routed_experts_prompt_start` returns every row from position 0; that answer is
 recognised by its row count and sliced here.
 """

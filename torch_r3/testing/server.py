@@ -16,12 +16,12 @@ import socket
 import struct
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self, cast
 
 from torch_r3._extras import require
 
 require("aiohttp", "testing")  # without aiohttp: name the extra that installs it
-from aiohttp import web  # noqa: E402
+from aiohttp import web
 
 from torch_r3.protocols.torch_r3 import MODEL_INFO_PATH
 from torch_r3.testing.engine import Engine, ModelOutputError, PrefixCache
@@ -119,19 +119,23 @@ def make_app(
             return error(400, f"request body is not JSON: {exc}")
         try:
             parsed = wire.parse(body, served)
-            generation = engine.aborted() if kind == "abort" else engine.generate(parsed)
+            samples = parsed.options.get("samples", 1)
+            generations = [engine.aborted() if kind == "abort" else engine.generate(parsed) for _ in range(samples)]
         except ModelOutputError as exc:  # a broken ServedModel, not a client error
             return error(500, str(exc))
         except (TypeError, ValueError) as exc:
             return error(400, str(exc))
-        payload, rows = wire.render(parsed, generation, served, malformed=kind == "malformed")
+        rendered = [wire.render(parsed, g, served, malformed=kind == "malformed") for g in generations]
+        # One sample: the server's object; several (SGLang's n > 1): a JSON list of them.
+        payload = rendered[0][0] if samples == 1 else [body for body, _ in rendered]
         text = json.dumps(payload).encode()
         stats.generations += 1
-        stats.cached_tokens += generation.cached_tokens
         stats.session_ids.append(request.headers.get("X-Session-ID"))
-        if rows is not None:
-            stats.route_rows += rows.shape[0]
-            stats.route_bytes += rows.nbytes
+        for generation, (_, rows) in zip(generations, rendered):
+            stats.cached_tokens += generation.cached_tokens
+            if rows is not None:
+                stats.route_rows += rows.shape[0]
+                stats.route_bytes += rows.nbytes
         if kind == "truncate":
             return web.Response(body=text[: len(text) // 2], content_type="application/json")
         if kind == "disconnect":
@@ -172,7 +176,7 @@ def _reset(transport: asyncio.BaseTransport | None) -> None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         except OSError:  # pragma: no cover - already gone
             pass
-    transport.abort()
+    cast(asyncio.Transport, transport).abort()  # a TCP transport: it has abort()
 
 
 class _Refused(asyncio.Protocol):
@@ -326,6 +330,7 @@ class LoopbackServer:
         )
         await runner.setup()
         handler_factory = runner.server
+        assert handler_factory is not None  # set by setup()
 
         def protocol() -> asyncio.Protocol:
             if self.faults.take_refusal():
@@ -361,7 +366,7 @@ class LoopbackServer:
 
     # -- async mode: the current loop ----------------------------------------
 
-    async def __aenter__(self) -> LoopbackServer:
+    async def __aenter__(self) -> Self:
         if self._server is not None or self._thread is not None:
             raise RuntimeError("LoopbackServer is already running")
         await self._listen()
@@ -372,7 +377,7 @@ class LoopbackServer:
 
     # -- thread mode: its own loop in a background thread --------------------
 
-    def start(self) -> LoopbackServer:
+    def start(self) -> Self:
         """Thread mode: start the server on its own loop in a daemon thread; returns once it listens."""
         if self._server is not None or self._thread is not None:
             raise RuntimeError("LoopbackServer is already running")
@@ -411,7 +416,7 @@ class LoopbackServer:
             )
         asyncio.run_coroutine_threadsafe(self.arestart(downtime), self._loop).result(timeout=60 + downtime)
 
-    def __enter__(self) -> LoopbackServer:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from torch_r3.protocols.base import MAX_SALT_CHARS, SALT_FORBIDDEN
 from torch_r3.testing.engine import GenerateRequest, Generation
 from torch_r3.testing.model import ServedModel
 
@@ -26,6 +27,7 @@ __all__ = [
     "check_object",
     "check_salt",
     "check_token_ids",
+    "weight_spans",
 ]
 
 
@@ -128,12 +130,23 @@ def check_token_ids(value: Any, name: str) -> list[int]:
     return value
 
 
-def check_salt(value: Any, name: str) -> str | None:
-    """A cache salt: absent (`None`) or a non-empty string."""
+def check_salt(value: Any, name: str, *, vllm_rules: bool = False) -> str | None:
+    """A cache salt: absent (`None`) or a non-empty string; with `vllm_rules`,
+    also at most 128 characters without `@`, `/`, `\\` or NUL, as vLLM 0.30+ requires."""
     if value is None:
         return None
     if not isinstance(value, str):
         raise TypeError(f"{name} must be a string, got {type(value).__name__}")
     if not value:
         raise ValueError(f"{name} must be a non-empty string when given")
+    if vllm_rules:
+        if len(value) > MAX_SALT_CHARS:
+            raise ValueError(f"{name} must be at most {MAX_SALT_CHARS} characters, got {len(value)}")
+        if any(c in value for c in SALT_FORBIDDEN):
+            raise ValueError(f"{name} must not contain '@', '/', '\\' or NUL")
     return value
+
+
+def weight_spans(generation: Generation) -> list[dict[str, Any]]:
+    """The `weight_versions` spans of a generation: one version generated every token here."""
+    return [{"version": generation.weight_version, "start": 0, "end": len(generation.token_ids)}]

@@ -13,10 +13,15 @@ Response: top-level `text` and `output_ids`; `meta_info` with `id`,
 `finish_reason` (an object: `{"type": "stop", "matched": id}`,
 `{"type": "length", "length": n}` or `{"type": "abort", "message": str}`),
 `prompt_tokens`, `completion_tokens`, `cached_tokens`, `weight_version`,
+`weight_versions` (0.5.19+: `{version, start, end}` spans over the generated
+tokens; one span here, since weights change only between requests),
 `output_token_logprobs` (`[logprob, token_id, null]` per token, with
-`return_logprob`) and `routed_experts`: standard base64 of the flat
+`return_logprob`; a -inf or NaN log-prob is written `null`, as SGLang's schema
+does) and `routed_experts`: standard base64 of the flat
 little-endian int32 rows `[start, P + O - 1)` over every hidden layer, no
-header. An aborted request has no `routed_experts` key.
+header. An aborted request has no `routed_experts` key. With
+`sampling_params.n > 1` the answer is a JSON list of such objects, one per
+sample, as SGLang sends it.
 
 Options mimic versions: `ignores_start=True` behaves like sglang 0.5.10.post1,
 which accepts `routed_experts_start_len` but returns every row from 0;
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import math
 import uuid
 from typing import Any
 
@@ -36,7 +42,15 @@ import numpy as np
 from torch_r3.protocols.sglang import FLUSH_CACHE_PATH, GENERATE_PATH
 from torch_r3.testing.engine import GenerateRequest, Generation
 from torch_r3.testing.model import ServedModel
-from torch_r3.testing.wire.base import WireProtocol, check_body, check_bool, check_int, check_known, check_object
+from torch_r3.testing.wire.base import (
+    WireProtocol,
+    check_body,
+    check_bool,
+    check_int,
+    check_known,
+    check_object,
+    weight_spans,
+)
 
 __all__ = ["SGLangWire"]
 
@@ -54,14 +68,15 @@ _FIELDS = frozenset(
     }
 )
 # SGLang's sampling parameter -> the model's.
-_SAMPLING = {
+_SAMPLING: dict[str, str | None] = {
     "max_new_tokens": "max_new_tokens",
     "temperature": "temperature",
     "sampling_seed": "seed",
     "stop_token_ids": "stop_token_ids",
     "ignore_eos": "ignore_eos",
+    "n": None,  # read here: samples per request
 }
-_NARROW = {"uint8": (np.dtype("<u1"), 256), "uint16": (np.dtype("<u2"), 65536)}
+_NARROW: dict[str, tuple[np.dtype, int]] = {"uint8": (np.dtype("<u1"), 256), "uint16": (np.dtype("<u2"), 65536)}
 
 
 class SGLangWire(WireProtocol):
@@ -93,7 +108,8 @@ class SGLangWire(WireProtocol):
             raise ValueError("stream must be false: this server does not stream")
         raw = body.get("sampling_params") or {}
         check_known(check_object(raw, "sampling_params"), _SAMPLING, "unsupported sampling_params")
-        params = {_SAMPLING[k]: v for k, v in raw.items()}
+        samples = check_int(raw.get("n", 1), "sampling_params.n", 1, 16)
+        params = {name: v for k, v in raw.items() if (name := _SAMPLING[k]) is not None}
         # Prefill only: the model generates one token, which the response then drops
         # (with its route row), leaving the P - 1 rows SGLang returns for it.
         prefill_only = params.get("max_new_tokens") == 0 and not isinstance(params["max_new_tokens"], bool)
@@ -118,6 +134,7 @@ class SGLangWire(WireProtocol):
                 "return_logprob": check_bool(body.get("return_logprob", False), "return_logprob"),
                 "rid": rid or uuid.uuid4().hex,
                 "prefill_only": prefill_only,
+                "samples": samples,
             },
         )
 
@@ -136,9 +153,13 @@ class SGLangWire(WireProtocol):
             "completion_tokens": len(out),
             "cached_tokens": generation.cached_tokens,
             "weight_version": generation.weight_version,
+            "weight_versions": weight_spans(generation),
         }
         if request.options["return_logprob"]:
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(generation.logprobs, out)]
+            # SGLang's schema writes a non-finite log-prob (-inf, NaN) as null.
+            meta["output_token_logprobs"] = [
+                [lp if math.isfinite(lp) else None, t, None] for lp, t in zip(generation.logprobs, out)
+            ]
         rows = None
         if request.return_routes and self.routes_enabled and generation.routes is not None:
             dtype = _NARROW[self.routes_dtype][0] if self.routes_dtype else np.dtype("<i4")

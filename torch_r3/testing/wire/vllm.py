@@ -4,7 +4,8 @@ Request: `token_ids`, `sampling_params` (`max_tokens`, `temperature`, `seed`,
 `stop_token_ids`, `ignore_eos`, `logprobs`, `n` (1 only) and
 `routed_experts_prompt_start` in `[0, P]`), `return_token_ids`, and the
 top-level `cache_salt`: requests share prefix-cache blocks only with an equal
-salt; an empty salt is refused with `400`, as vLLM does. There is no
+salt; an empty salt, one over 128 characters or one holding `@`, `/`, `\\`
+or NUL is refused with `400`, as vLLM 0.30+ does. There is no
 per-request routes switch: other top-level fields (`return_routed_experts`
 among them) are ignored, as vLLM ignores them.
 
@@ -17,7 +18,9 @@ only the sampled token's log-probability), else `null`. `routed_experts` is the
 standard base64 of a `.npy` file (header included) of rows
 `[start, P + O - 1)` over every hidden layer, `uint8` when the model has at
 most 256 experts, else `uint16`; it is `null` when the server runs without the
-flag or the request was aborted before any forward pass.
+flag or the request was aborted before any forward pass. `weight_versions`
+(vLLM 0.32+) holds the `{version, start, end}` spans over the generated
+tokens: one span here, since weights change only between requests.
 """
 
 from __future__ import annotations
@@ -40,13 +43,14 @@ from torch_r3.testing.wire.base import (
     check_known,
     check_object,
     check_salt,
+    weight_spans,
 )
 
 __all__ = ["VLLMWire", "npy_bytes"]
 
 
 # vLLM's sampling parameter -> the model's (None: read here, not passed on).
-_SAMPLING = {
+_SAMPLING: dict[str, str | None] = {
     "max_tokens": "max_new_tokens",
     "temperature": "temperature",
     "seed": "seed",
@@ -75,7 +79,7 @@ class VLLMWire(WireProtocol):
         if logprobs is not None:
             check_int(logprobs, "logprobs", 0, 20)
         start = check_int(raw.get("routed_experts_prompt_start", 0), "routed_experts_prompt_start", 0, len(prompt))
-        params = {_SAMPLING[k]: v for k, v in raw.items() if _SAMPLING[k] is not None and v is not None}
+        params = {name: v for k, v in raw.items() if (name := _SAMPLING[k]) is not None and v is not None}
         request_id = body.get("request_id")
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
@@ -84,7 +88,7 @@ class VLLMWire(WireProtocol):
             sampling_params=params,
             return_routes=True,  # a server-wide flag in vLLM, not a request field
             start=start,
-            salt=check_salt(body.get("cache_salt"), "cache_salt"),
+            salt=check_salt(body.get("cache_salt"), "cache_salt", vllm_rules=True),
             options={
                 "logprobs": logprobs is not None,
                 "return_token_ids": check_bool(body.get("return_token_ids", False), "return_token_ids"),
@@ -104,7 +108,7 @@ class VLLMWire(WireProtocol):
             payload = base64.b64encode(npy_bytes(rows, claim_rows=rows.shape[0] + 1 if malformed else None)).decode(
                 "ascii"
             )
-        logprobs = None
+        logprobs: dict[str, Any] | None = None
         if request.options["logprobs"]:
             logprobs = {
                 "content": [
@@ -118,6 +122,7 @@ class VLLMWire(WireProtocol):
             "finish_reason": generation.finish_reason,
             "logprobs": logprobs,
             "routed_experts": payload,
+            "weight_versions": weight_spans(generation),
         }
         body = {
             "request_id": request.options["request_id"],
