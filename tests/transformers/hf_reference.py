@@ -19,15 +19,20 @@ import torch
 @contextlib.contextmanager
 def forced_topk(
     num_experts: int, top_k: int, forced: Sequence[torch.Tensor], keep_own: Optional[torch.Tensor] = None
-) -> Iterator[list[torch.Tensor]]:
-    """Force `forced[i]` (`[N, K]`) as the choice of the i-th router call; yields the experts each call used."""
+) -> Iterator[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """Force `forced[i]` (`[N, K]`) as the choice of the i-th router call.
+
+    Yields `(used, own)`: per router call, the experts it used and its own top-k.
+    """
     original = torch.topk
     pending = list(forced)
     used: list[torch.Tensor] = []
+    owns: list[torch.Tensor] = []
 
     def topk(input, k, dim=-1, largest=True, sorted=True, **kwargs):
         if input.ndim == 2 and input.shape[-1] == num_experts and k == top_k and dim in (-1, 1):
             own = original(input, k, dim=dim, largest=largest, sorted=sorted).indices
+            owns.append(own)
             experts = pending.pop(0)
             if keep_own is not None:
                 experts = torch.where(keep_own.unsqueeze(-1), own, experts)
@@ -37,7 +42,7 @@ def forced_topk(
 
     torch.topk = topk
     try:
-        yield used
+        yield used, owns
     finally:
         torch.topk = original
     assert not pending, f"{len(pending)} forced layers were never routed"

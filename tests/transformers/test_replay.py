@@ -112,7 +112,7 @@ def test_uncaptured_tokens_follow_the_routers_own_choice(model):
         with torch.no_grad(), hook.replay(batch):
             model(**inputs(batch))
         # The reference's own choice at uncaptured rows, given the same replayed history.
-        with torch.no_grad(), forced_topk(hook.num_experts, hook.topk, forced(hook, batch), uncaptured) as used:
+        with torch.no_grad(), forced_topk(hook.num_experts, hook.topk, forced(hook, batch), uncaptured) as (used, _):
             ref(**inputs(batch))
         assert len(calls) == len(used) == len(hook.layers)
         for got, want, routes in zip(calls, used, forced(hook, batch)):
