@@ -23,43 +23,83 @@ def _config(family: str):
 
     if family == "qwen3_moe":
         return tf.Qwen3MoeConfig(
-            **COMMON, num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
-            norm_topk_prob=True, mlp_only_layers=[1],
+            **COMMON,
+            num_hidden_layers=3,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
         )
     if family == "qwen2_moe":
         return tf.Qwen2MoeConfig(
-            **COMMON, num_hidden_layers=2, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=16,
-            shared_expert_intermediate_size=24, norm_topk_prob=False,
+            **COMMON,
+            num_hidden_layers=2,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+            norm_topk_prob=False,
         )
     if family == "olmoe":
-        return tf.OlmoeConfig(
-            **COMMON, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False
-        )
+        return tf.OlmoeConfig(**COMMON, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)
     if family == "mixtral":
         return tf.MixtralConfig(**COMMON, num_hidden_layers=2, num_local_experts=6, num_experts_per_tok=2)
     if family == "gpt_oss":
         return tf.GptOssConfig(
-            **COMMON, num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2,
-            layer_types=["sliding_attention", "full_attention"], sliding_window=8,
+            **COMMON,
+            num_hidden_layers=2,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=8,
         )
     if family == "deepseek_v3":
         return tf.DeepseekV3Config(
-            **{**COMMON, "num_key_value_heads": 4}, num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
-            n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
-            first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            **{**COMMON, "num_key_value_heads": 4},
+            num_hidden_layers=3,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            first_k_dense_replace=1,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
             v_head_dim=8,
         )
     if family == "glm4_moe":
         return tf.Glm4MoeConfig(
-            **COMMON, num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
-            n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=1.5, norm_topk_prob=True,
+            **COMMON,
+            num_hidden_layers=3,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=1.5,
+            norm_topk_prob=True,
             first_k_dense_replace=1,
         )
     if family == "qwen3_5_moe":
         return tf.Qwen3_5MoeTextConfig(
-            **COMMON, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
-            shared_expert_intermediate_size=24, layer_types=["linear_attention", "full_attention"],
-            linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+            **COMMON,
+            num_hidden_layers=2,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+            layer_types=["linear_attention", "full_attention"],
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
         )
     raise KeyError(family)
 
