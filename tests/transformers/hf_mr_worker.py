@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from hf_models import build  # noqa: E402
+from hf_models import build
 
 FAMILY = "qwen3_moe"
 STEPS = 2

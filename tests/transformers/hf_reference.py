@@ -11,14 +11,14 @@ own code then weights the choice. No part of `torch_r3` takes part.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
 
 @contextlib.contextmanager
 def forced_topk(
-    num_experts: int, top_k: int, forced: Sequence[torch.Tensor], keep_own: Optional[torch.Tensor] = None
+    num_experts: int, top_k: int, forced: Sequence[torch.Tensor], keep_own: torch.Tensor | None = None
 ) -> Iterator[tuple[list[torch.Tensor], list[torch.Tensor]]]:
     """Force `forced[i]` (`[N, K]`) as the choice of the i-th router call.
 

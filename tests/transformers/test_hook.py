@@ -8,7 +8,6 @@ import sys
 
 import pytest
 import torch
-
 from hf_models import COMMON, build
 from hf_reference import forced_topk
 from test_replay import experts_used, forced, inputs, make_batch, router_weights
@@ -129,9 +128,8 @@ def test_bad_layouts_are_refused_naming_the_key(qwen):
             ([batch], TypeError, "expected a dict from R3Collator, got list"),
         ]
         for bad, error, match in cases:
-            with pytest.raises(error, match=match):
-                with hook.replay(bad):
-                    pass
+            with pytest.raises(error, match=match), hook.replay(bad):
+                pass
 
 
 def test_an_unsupported_router_class_is_refused_naming_it_and_the_supported_families():
@@ -169,17 +167,13 @@ def test_only_the_hooked_instance_replays_and_only_inside_the_block(qwen):
 def test_blocks_do_not_nest_and_a_closed_hook_refuses(qwen):
     hook = ReplayHook(qwen)
     batch = make_batch(hook)
-    with hook.replay(batch):
-        with pytest.raises(RuntimeError, match="do not nest"):
-            with hook.record():
-                pass
-    with pytest.raises(RuntimeError, match="exactly one forward of the model in the block, got 0"):
-        with hook.record():
-            pass
+    with hook.replay(batch), pytest.raises(RuntimeError, match="do not nest"), hook.record():
+        pass
+    with pytest.raises(RuntimeError, match="exactly one forward of the model in the block, got 0"), hook.record():
+        pass
     hook.close()
-    with pytest.raises(RuntimeError, match="closed"):
-        with hook.replay(batch):
-            pass
+    with pytest.raises(RuntimeError, match="closed"), hook.replay(batch):
+        pass
 
 
 @pytest.fixture

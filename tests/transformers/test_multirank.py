@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from hf_mr_worker import BATCH, STEPS, loss_of, samples
 from hf_models import build
+from hf_mr_worker import BATCH, STEPS, loss_of, samples
 
 from torch_r3 import R3Collator
 from torch_r3.transformers import ReplayHook

@@ -12,7 +12,6 @@ import copy
 import numpy as np
 import pytest
 import torch
-
 from hf_models import FAMILY_NAMES, build
 from hf_reference import forced_topk
 
@@ -175,9 +174,8 @@ def test_bad_ids_are_refused_naming_layer_and_position_before_the_model_runs(mod
         else:
             routes[1, 3, layer, 1] = routes[1, 3, layer, 0]
             match = rf"layer {layer}: row 1, token 3: expert id \d+ twice in one route"
-        with pytest.raises(ValueError, match=match):
-            with hook.replay(batch):
-                model(**inputs(batch))
+        with pytest.raises(ValueError, match=match), hook.replay(batch):
+            model(**inputs(batch))
         assert forwards == []
     finally:
         handle.remove()

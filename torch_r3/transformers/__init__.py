@@ -20,8 +20,8 @@ from __future__ import annotations
 from torch_r3._extras import require
 
 require("transformers", "transformers")  # without transformers: name the extra that installs it
-from torch_r3.transformers.families import FAMILIES, Family, supported_families  # noqa: E402
-from torch_r3.transformers.hook import Recording, ReplayHook  # noqa: E402
-from torch_r3.stats import ReplayStats, TokenCounts  # noqa: E402
+from torch_r3.stats import ReplayStats, TokenCounts
+from torch_r3.transformers.families import FAMILIES, Family, supported_families
+from torch_r3.transformers.hook import Recording, ReplayHook
 
 __all__ = ["FAMILIES", "Family", "Recording", "ReplayHook", "ReplayStats", "TokenCounts", "supported_families"]

@@ -12,7 +12,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -23,7 +24,7 @@ __all__ = ["check_batch", "check_expert_ids", "check_router_tokens", "layer_colu
 _ROUTE_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
-def check_batch(batch: Any, topk: int) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+def check_batch(batch: Any, topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Check the route keys of a batch; the packed layout comes back as one row (`B = 1`).
 
     Args:
@@ -100,7 +101,7 @@ def check_expert_ids(
     layers: Sequence[int],
     num_experts: int,
     *,
-    cu_seqlens: Optional[torch.Tensor] = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> None:
     """Every checked route holds `K` distinct expert ids in `[0, num_experts)`.
 
@@ -145,7 +146,7 @@ def check_expert_ids(
     )
 
 
-def _position(b: int, t: int, cu_seqlens: Optional[torch.Tensor]) -> str:
+def _position(b: int, t: int, cu_seqlens: torch.Tensor | None) -> str:
     if cu_seqlens is None:
         return f"row {b}, token {t}"
     bounds = cu_seqlens.tolist()

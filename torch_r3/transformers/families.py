@@ -27,12 +27,12 @@ imported from `transformers` here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 
-__all__ = ["Family", "FAMILIES", "family_of", "supported_families"]
+__all__ = ["FAMILIES", "Family", "family_of", "supported_families"]
 
 WeightRule = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -96,7 +96,7 @@ FAMILIES: tuple[Family, ...] = (
 _BY_CLASS = {(f.module, f.router): f for f in FAMILIES}
 
 
-def family_of(module: torch.nn.Module) -> Optional[Family]:
+def family_of(module: torch.nn.Module) -> Family | None:
     """The `Family` whose router class `module` is (or derives from); `None` for any other module.
 
     Examples:

@@ -22,8 +22,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any
 
 import torch
 
@@ -72,8 +73,8 @@ class Recording:
     """
 
     batch: dict[str, torch.Tensor] = field(default_factory=dict)
-    _shape: Optional[tuple[int, int]] = None
-    _mask: Optional[torch.Tensor] = None
+    _shape: tuple[int, int] | None = None
+    _mask: torch.Tensor | None = None
     _routes: dict[int, torch.Tensor] = field(default_factory=dict)
     _forwards: int = 0
 
@@ -128,10 +129,10 @@ class ReplayHook:
                     f"first router's top_k={self._topk}, num_experts={self._num_experts}"
                 )
         self._stats = StatsCollector(measure_drops=False)
-        self._active: Optional[_Replay] = None
-        self._recording: Optional[Recording] = None
-        self._call: Optional[dict[int, torch.Tensor]] = None  # the checkpointed layer call running now
-        self._last_stats: Optional[ReplayStats] = None
+        self._active: _Replay | None = None
+        self._recording: Recording | None = None
+        self._call: dict[int, torch.Tensor] | None = None  # the checkpointed layer call running now
+        self._last_stats: ReplayStats | None = None
         self._handles = [
             r.module.register_forward_hook(functools.partial(self._on_router, i)) for i, r in enumerate(self._routers)
         ]
@@ -159,7 +160,7 @@ class ReplayHook:
         return self._num_experts
 
     @property
-    def last_stats(self) -> Optional[ReplayStats]:
+    def last_stats(self) -> ReplayStats | None:
         """`ReplayStats` of the last `replay()` block that exited cleanly; `None` before the first.
 
         Counts the block's forwards (recompute is not counted again): route drift
@@ -168,7 +169,7 @@ class ReplayHook:
         return self._last_stats
 
     @contextlib.contextmanager
-    def replay(self, batch: Mapping[str, Any]) -> Iterator["ReplayHook"]:
+    def replay(self, batch: Mapping[str, Any]) -> Iterator[ReplayHook]:
         """Replay `batch`'s routes in every forward of the model inside the block.
 
         Args:
@@ -242,7 +243,7 @@ class ReplayHook:
         self._handles = []
         self._active = None
 
-    def __enter__(self) -> "ReplayHook":
+    def __enter__(self) -> ReplayHook:
         return self
 
     def __exit__(self, *exc: object) -> None:
