@@ -133,6 +133,7 @@ class ReplayHook:
         self._recording: Recording | None = None
         self._call: dict[int, torch.Tensor] | None = None  # the checkpointed layer call running now
         self._last_stats: ReplayStats | None = None
+        self._in_step = False
         self._handles = [
             r.module.register_forward_hook(functools.partial(self._on_router, i)) for i, r in enumerate(self._routers)
         ]
@@ -161,10 +162,10 @@ class ReplayHook:
 
     @property
     def last_stats(self) -> ReplayStats | None:
-        """`ReplayStats` of the last `replay()` block that exited cleanly; `None` before the first.
+        """`ReplayStats` of the last `replay()` block (or `step()`) that exited cleanly; `None` before the first.
 
-        Counts the block's forwards (recompute is not counted again): route drift
-        per MoE layer, the live share, captured/live/filler token counts.
+        Counts the forwards (recompute is not counted again): route drift per MoE
+        layer, the live share, captured/live/filler token counts.
         """
         return self._last_stats
 
@@ -197,15 +198,43 @@ class ReplayHook:
         wide = routes.to(device=device, dtype=torch.int64)
         per_router = [wide[:, :, j].reshape(rows * positions, self._topk) for j in range(len(self._routers))]
         self._active = _Replay(rows, positions, per_router, mask.to(device).reshape(-1))
-        self._stats.reset()
+        if not self._in_step:
+            self._stats.reset()
         restore = self._wrap_checkpointing()
         try:
             yield self
-            self._last_stats = self._stats.finish(self.layers)
+            if not self._in_step:
+                self._last_stats = self._stats.finish(self.layers)
         finally:
             self._active = None
             for layer, original in restore:
                 layer._gradient_checkpointing_func = original
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[ReplayHook]:
+        """Bracket one optimizer step's microbatches, so that `last_stats` covers all of them.
+
+        ```python
+        with hook.step():
+            for mb in microbatches:
+                with hook.replay(mb):
+                    loss = loss_fn(model(...))
+                loss.backward()
+        hook.last_stats.microbatches  # len(microbatches)
+        ```
+
+        Raises:
+            RuntimeError: When a step is already active.
+        """
+        if self._in_step:
+            raise RuntimeError("ReplayHook.step() is already active; steps do not nest")
+        self._in_step = True
+        self._stats.reset()
+        try:
+            yield self
+            self._last_stats = self._stats.finish(self.layers)
+        finally:
+            self._in_step = False
 
     @contextlib.contextmanager
     def record(self) -> Iterator[Recording]:
