@@ -63,7 +63,7 @@ def main(mode: str, rank: int, world: int, port: int, out: str) -> None:
     else:
         from torch.distributed.fsdp import fully_shard
 
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
         for layer in model.model.layers:
             fully_shard(layer)
         wrapped = fully_shard(model)

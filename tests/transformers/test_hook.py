@@ -190,7 +190,7 @@ def _loss(logits, batch):
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_checkpointed_layers_recompute_exactly_the_first_forwards_experts(checkpointed, reentrant):
     model, ref = checkpointed
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
     with ReplayHook(model) as hook:
         batches = [make_batch(hook, seed=s) for s in (1, 2)]
         # Two microbatches forward before one backward (gradient accumulation): each recompute
@@ -219,7 +219,7 @@ def test_recompute_keeps_the_live_rows_of_the_first_forward_when_the_router_woul
     checkpointed, reentrant
 ):
     model, _ = checkpointed
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
     with ReplayHook(model) as hook:
         batch = make_batch(hook)
         uncaptured = batch[ROUTER_MASK].reshape(-1)

@@ -54,7 +54,7 @@ def _run(mode: str, out: Path) -> dict:
 def _single_process(checkpointing: bool) -> dict:
     model = build("qwen3_moe").train()
     if checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     hook = ReplayHook(model)
     optim = torch.optim.SGD(model.parameters(), lr=0.5)
     data = samples()
