@@ -166,6 +166,8 @@ def test_only_the_hooked_instance_replays_and_only_inside_the_block(qwen):
 
 def test_blocks_do_not_nest_and_a_closed_hook_refuses(qwen):
     hook = ReplayHook(qwen)
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.gate: this model already has a ReplayHook"):
+        ReplayHook(qwen)
     batch = make_batch(hook)
     with hook.replay(batch), pytest.raises(RuntimeError, match="do not nest"), hook.record():
         pass

@@ -142,6 +142,19 @@ def test_replaying_the_recorded_own_routes_reproduces_the_plain_forward_bit_for_
         hook.close()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_in_bf16_too_replaying_the_own_routes_reproduces_the_plain_forward_bit_for_bit(family, dtype):
+    model = build(family, dtype=dtype)
+    with ReplayHook(model) as hook, torch.no_grad():
+        batch = make_batch(hook)
+        plain = model(**inputs(batch)).logits
+        with hook.record() as rec:
+            model(**inputs(batch))
+        with hook.replay(rec.batch):
+            again = model(**inputs(batch)).logits
+    assert again.dtype == dtype and torch.equal(again, plain)
+
+
 def test_filler_mode_replays_every_position_and_counts_filler_tokens(model):
     ref = copy.deepcopy(model)
     hook = ReplayHook(model, uncaptured="replay")

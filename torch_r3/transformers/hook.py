@@ -108,8 +108,9 @@ class ReplayHook:
         TypeError: When `model` is not a `torch.nn.Module`.
         ValueError: When the model holds a router of an unsupported class (the
             message names it and the supported families), holds no MoE router,
-            or a router is not inside a decoder layer; or `uncaptured` is
-            neither `"live"` nor `"replay"`.
+            or a router is not inside a decoder layer; when another
+            `ReplayHook` on the model is still open; or `uncaptured` is neither
+            `"live"` nor `"replay"`.
     """
 
     def __init__(self, model: torch.nn.Module, *, uncaptured: str = "live"):
@@ -128,6 +129,8 @@ class ReplayHook:
                     f"{r.name}: top_k={r.module.top_k}, num_experts={r.module.num_experts} differ from the "
                     f"first router's top_k={self._topk}, num_experts={self._num_experts}"
                 )
+        for r in self._routers:
+            _refuse_a_second_hook(r)
         self._stats = StatsCollector(measure_drops=False)
         self._active: _Replay | None = None
         self._recording: Recording | None = None
@@ -388,6 +391,13 @@ def _find_routers(model: torch.nn.Module) -> tuple[list[_Router], int]:
         raise ValueError(f"model: routers in more than one list of decoder layers: {sorted(containers)}")
     num_layers = len(model.get_submodule(containers.pop()))
     return routers, num_layers
+
+
+def _refuse_a_second_hook(r: _Router) -> None:
+    # Two hooks on one router would both rewrite its output; the second would replay on top of the first.
+    for fn in r.module._forward_hooks.values():
+        if isinstance(fn, functools.partial) and getattr(fn.func, "__func__", None) is ReplayHook._on_router:
+            raise ValueError(f"{r.name}: this model already has a ReplayHook; close() it before building another")
 
 
 def _refuse_unknown_router(name: str, module: torch.nn.Module) -> None:
