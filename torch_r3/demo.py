@@ -549,7 +549,7 @@ def measure(model, microbatches, cfg: DemoConfig, *, uncaptured: str | None) -> 
     return figures
 
 
-def add_reference_logprobs(samples: list[dict[str, Any]], served: MegatronServedModel | None) -> None:
+def add_reference_logprobs(samples: list[dict[str, Any]], served: SampledServedModel | None) -> None:
     """Log-probs the bf16 model gives, with its own routing, to tokens whose predictor has no route.
 
     The engine never ran those positions (a synthetic EOS follows the last

@@ -1,8 +1,13 @@
-"""Tiny random `transformers` MoE models, one per supported family (no weights are downloaded)."""
+"""Tiny random `transformers` MoE models, one per supported family (no weights are downloaded), and batches for them."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+from torch_r3 import R3Collator
+
+LENGTHS = (6, 4)  # two trajectories: left padding in row 1
 
 COMMON = dict(
     vocab_size=64,
@@ -123,3 +128,47 @@ def build(family: str, seed: int = 0, dtype=torch.float32):
             if name.endswith("e_score_correction_bias"):
                 b.uniform_(-0.3, 0.3)
     return model.eval()
+
+
+def make_batch(hook, *, lengths=LENGTHS, seed=0, layers="all", layout="padded"):
+    """A real R3Collator batch: random distinct experts, the last token of each trajectory uncaptured."""
+    g = np.random.default_rng(seed)
+    moe = list(hook.layers)
+    columns = hook.num_layers if layers == "all" else len(moe)
+    samples = []
+    for i, n in enumerate(lengths):
+        routes = np.zeros((n - 1, columns, hook.topk), np.uint8)  # dense layers keep zero rows
+        for c, layer in enumerate(moe):
+            col = layer if layers == "all" else c
+            routes[:, col] = np.argsort(g.random((n - 1, hook.num_experts)), axis=-1)[:, : hook.topk]
+        ids = g.integers(3, 64, n).tolist()
+        samples.append({"input_ids": ids, "routes": routes})
+    return R3Collator(pad_token_id=0, layout=layout)(samples)
+
+
+def forced(hook, batch):
+    """Per MoE layer, the batch's experts as the router sees them (`[B*T, K]`, batch-major)."""
+    routes = batch["rollout_expert_indices"]
+    if routes.ndim == 3:
+        routes = routes.unsqueeze(0)
+    columns = range(len(hook.layers)) if routes.shape[2] != hook.num_layers else hook.layers
+    return [routes[:, :, c].reshape(-1, hook.topk).long() for c in columns]
+
+
+def inputs(batch):
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+
+def router_weights(model):
+    return {n: p for n, p in model.named_parameters() if n.endswith((".mlp.gate.weight", ".mlp.router.weight"))}
+
+
+def experts_used(model):
+    """Record the experts each MoE block's experts module is called with (`[N, K]`, in layer order)."""
+    calls: list[torch.Tensor] = []
+    handles = [
+        m.register_forward_pre_hook(lambda mod, args: calls.append(args[1].clone()))
+        for n, m in model.named_modules()
+        if n.endswith(".experts")
+    ]
+    return calls, handles

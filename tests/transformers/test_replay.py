@@ -9,16 +9,12 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
 import pytest
 import torch
-from hf_models import FAMILY_NAMES, build
+from hf_models import FAMILY_NAMES, LENGTHS, build, experts_used, forced, inputs, make_batch, router_weights
 from hf_reference import forced_topk
 
-from torch_r3 import R3Collator
 from torch_r3.transformers import ReplayHook
-
-LENGTHS = (6, 4)  # two trajectories: left padding in row 1
 
 
 @pytest.fixture(scope="module", params=FAMILY_NAMES)
@@ -29,39 +25,6 @@ def family(request):
 @pytest.fixture(scope="module")
 def model(family):
     return build(family)
-
-
-def make_batch(hook, *, lengths=LENGTHS, seed=0, layers="all", layout="padded", own=None):
-    """A real R3Collator batch: random distinct experts, the last token of each trajectory uncaptured."""
-    g = np.random.default_rng(seed)
-    moe = list(hook.layers)
-    columns = hook.num_layers if layers == "all" else len(moe)
-    samples = []
-    for i, n in enumerate(lengths):
-        routes = np.zeros((n - 1, columns, hook.topk), np.uint8)  # dense layers keep zero rows
-        for c, layer in enumerate(moe):
-            col = layer if layers == "all" else c
-            routes[:, col] = np.argsort(g.random((n - 1, hook.num_experts)), axis=-1)[:, : hook.topk]
-        ids = g.integers(3, 64, n).tolist()
-        samples.append({"input_ids": ids, "routes": routes})
-    return R3Collator(pad_token_id=0, layout=layout)(samples)
-
-
-def forced(hook, batch):
-    """Per MoE layer, the batch's experts as the router sees them (`[B*T, K]`, batch-major)."""
-    routes = batch["rollout_expert_indices"]
-    if routes.ndim == 3:
-        routes = routes.unsqueeze(0)
-    columns = range(len(hook.layers)) if routes.shape[2] != hook.num_layers else hook.layers
-    return [routes[:, :, c].reshape(-1, hook.topk).long() for c in columns]
-
-
-def inputs(batch):
-    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-
-
-def router_weights(model):
-    return {n: p for n, p in model.named_parameters() if n.endswith((".mlp.gate.weight", ".mlp.router.weight"))}
 
 
 def test_logits_and_router_gradients_equal_the_forced_expert_reference(model):
@@ -88,17 +51,6 @@ def test_logits_and_router_gradients_equal_the_forced_expert_reference(model):
     finally:
         hook.close()
         model.zero_grad(set_to_none=True)
-
-
-def experts_used(model):
-    """Record the experts each MoE block's experts module is called with (`[N, K]`, in layer order)."""
-    calls: list[torch.Tensor] = []
-    handles = [
-        m.register_forward_pre_hook(lambda mod, args: calls.append(args[1].clone()))
-        for n, m in model.named_modules()
-        if n.endswith(".experts")
-    ]
-    return calls, handles
 
 
 def test_uncaptured_tokens_follow_the_routers_own_choice(model):

@@ -18,8 +18,8 @@ The same step as the Megatron demo (`torch_r3.demo`), with a tiny random
 from __future__ import annotations
 
 import asyncio
-import sys
 import contextlib
+import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -49,24 +49,25 @@ def build_models(cfg: DemoConfig) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(fp32 training model, bf16 inference model): a tiny random Qwen3-MoE, identical weights."""
     import transformers
 
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=2 * cfg.hidden_size,
-        moe_intermediate_size=cfg.hidden_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_attention_heads,
-        head_dim=cfg.hidden_size // cfg.num_attention_heads,
-        num_experts=cfg.num_experts,
-        num_experts_per_tok=cfg.topk,
-        norm_topk_prob=True,
-        max_position_embeddings=cfg.max_seq_len,
-        initializer_range=cfg.init_method_std,
-        pad_token_id=0,
-        eos_token_id=cfg.eos_token_id,
-        bos_token_id=None,
-    )
+    settings: dict[str, Any] = {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": 2 * cfg.hidden_size,
+        "moe_intermediate_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_attention_heads,
+        "head_dim": cfg.hidden_size // cfg.num_attention_heads,
+        "num_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.topk,
+        "norm_topk_prob": True,
+        "max_position_embeddings": cfg.max_seq_len,
+        "initializer_range": cfg.init_method_std,
+        "pad_token_id": 0,
+        "eos_token_id": cfg.eos_token_id,
+        "bos_token_id": None,
+    }
+    config = transformers.Qwen3MoeConfig(**settings)
     config._attn_implementation = "eager"  # the same kernel in both dtypes, on any machine
     torch.manual_seed(cfg.seed)
     train_model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -206,7 +207,10 @@ def run(
     add_reference_logprobs(samples, served if server_url is None else None)
     per_token = ("loss_mask", "rollout_logprobs", "has_rollout_logprob", "reference_logprobs", "has_reference_logprob")
     collator = R3Collator(pad_token_id=0, pad_keys={key: 0.0 for key in per_token})
-    loader = DataLoader(samples, batch_size=cfg.micro_batch_size, collate_fn=collator, num_workers=num_workers)
+    dataset: Any = samples  # a list is a map-style dataset
+    loader: DataLoader[Any] = DataLoader(
+        dataset, batch_size=cfg.micro_batch_size, collate_fn=collator, num_workers=num_workers
+    )
     microbatches = list(loader)
     progress(f"collated {len(samples)} trajectories into {len(microbatches)} microbatches ({num_workers} workers)")
     uncaptured = sum(int(loss_active_uncaptured(mb).sum()) for mb in microbatches)

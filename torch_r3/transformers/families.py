@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -37,10 +38,15 @@ __all__ = ["FAMILIES", "Family", "family_of", "supported_families"]
 WeightRule = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def _attr(router: torch.nn.Module) -> Any:
+    # The routers' plain attributes (top_k, norm_topk_prob, ...), which nn.Module's typing cannot see.
+    return router
+
+
 def _softmax_then_pick(*, always_normalize: bool, cast: bool) -> WeightRule:
     def weights(router: torch.nn.Module, logits: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         chosen = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(1, experts)
-        if always_normalize or router.norm_topk_prob:
+        if always_normalize or _attr(router).norm_topk_prob:
             chosen = chosen / chosen.sum(dim=-1, keepdim=True)
         return chosen.to(logits.dtype) if cast else chosen
 
@@ -54,10 +60,10 @@ def _pick_then_softmax(router: torch.nn.Module, logits: torch.Tensor, experts: t
 
 def _sigmoid_grouped(router: torch.nn.Module, logits: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     chosen = logits.sigmoid().gather(1, experts)
-    if router.norm_topk_prob:
+    if _attr(router).norm_topk_prob:
         # The same epsilon as the family's forward, so an all-but-zero choice weighs the same.
         chosen = chosen / (chosen.sum(dim=-1, keepdim=True) + 1e-20)
-    return chosen * router.routed_scaling_factor
+    return chosen * float(_attr(router).routed_scaling_factor)
 
 
 @dataclass(frozen=True)

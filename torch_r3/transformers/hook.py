@@ -121,12 +121,12 @@ class ReplayHook:
         self.uncaptured = uncaptured
         self._model = model
         self._routers, self._num_layers = _find_routers(model)
-        first = self._routers[0].module
-        self._topk, self._num_experts = int(first.top_k), int(first.num_experts)
+        self._topk, self._num_experts = _router_sizes(self._routers[0])
         for r in self._routers:
-            if (int(r.module.top_k), int(r.module.num_experts)) != (self._topk, self._num_experts):
+            if _router_sizes(r) != (self._topk, self._num_experts):
+                topk, experts = _router_sizes(r)
                 raise ValueError(
-                    f"{r.name}: top_k={r.module.top_k}, num_experts={r.module.num_experts} differ from the "
+                    f"{r.name}: top_k={topk}, num_experts={experts} differ from the "
                     f"first router's top_k={self._topk}, num_experts={self._num_experts}"
                 )
         for r in self._routers:
@@ -211,7 +211,7 @@ class ReplayHook:
         finally:
             self._active = None
             for layer, original in restore:
-                layer._gradient_checkpointing_func = original
+                layer.__dict__["_gradient_checkpointing_func"] = original
 
     @contextlib.contextmanager
     def step(self) -> Iterator[ReplayHook]:
@@ -322,7 +322,7 @@ class ReplayHook:
         for layer in {id(r.layer_module): r.layer_module for r in self._routers}.values():
             original = layer.__dict__.get("_gradient_checkpointing_func")
             if original is not None:
-                layer._gradient_checkpointing_func = self._checkpointing(original)
+                layer.__dict__["_gradient_checkpointing_func"] = self._checkpointing(original)
                 restore.append((layer, original))
         return restore
 
@@ -389,7 +389,7 @@ def _find_routers(model: torch.nn.Module) -> tuple[list[_Router], int]:
         )
     if len(containers) != 1:
         raise ValueError(f"model: routers in more than one list of decoder layers: {sorted(containers)}")
-    num_layers = len(model.get_submodule(containers.pop()))
+    num_layers = len(list(model.get_submodule(containers.pop()).children()))
     return routers, num_layers
 
 
@@ -415,6 +415,11 @@ def _refuse_unknown_router(name: str, module: torch.nn.Module) -> None:
             f"{where}: router class {cls} is not supported by torch_r3.transformers.ReplayHook; "
             f"supported families: {supported_families()}"
         )
+
+
+def _router_sizes(r: _Router) -> tuple[int, int]:
+    module: Any = r.module  # plain attributes nn.Module's typing cannot see
+    return int(module.top_k), int(module.num_experts)
 
 
 def _device_of(module: torch.nn.Module) -> torch.device:
