@@ -23,7 +23,7 @@ import contextlib
 import functools
 import re
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,7 +59,6 @@ class _Replay:
     uncaptured: torch.Tensor  # [B * T] bool, True = no captured route
 
 
-@dataclass
 class Recording:
     """The routes one `ReplayHook.record()` block recorded: the model's own choice.
 
@@ -72,11 +71,12 @@ class Recording:
             tokens) to `ReplayHook.replay` in the update.
     """
 
-    batch: dict[str, torch.Tensor] = field(default_factory=dict)
-    _shape: tuple[int, int] | None = None
-    _mask: torch.Tensor | None = None
-    _routes: dict[int, torch.Tensor] = field(default_factory=dict)
-    _forwards: int = 0
+    def __init__(self) -> None:
+        self.batch: dict[str, torch.Tensor] = {}
+        self._shape: tuple[int, int] | None = None  # [B, T] of the forward's input_ids
+        self._mask: torch.Tensor | None = None  # attention_mask == 0
+        self._routes: dict[int, torch.Tensor] = {}  # router index -> own [B * T, K]
+        self._forwards = 0
 
 
 class ReplayHook:
