@@ -145,6 +145,15 @@ def test_an_unsupported_router_class_is_refused_naming_it_and_the_supported_fami
         ReplayHook(build("mixtral"), uncaptured="own")
 
 
+def test_a_router_inside_torchs_checkpoint_wrapper_is_refused():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = build("olmoe")
+    model.model.layers[1] = checkpoint_wrapper(model.model.layers[1])
+    with pytest.raises(ValueError, match=r"layers.1._checkpoint_wrapped_module.mlp.gate: .* checkpoint_wrapper"):
+        ReplayHook(model)
+
+
 def test_only_the_hooked_instance_replays_and_only_inside_the_block(qwen):
     other = copy.deepcopy(qwen)
     cls_forward = type(qwen.model.layers[0].mlp.gate).forward

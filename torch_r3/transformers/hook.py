@@ -39,6 +39,8 @@ __all__ = ["Recording", "ReplayHook"]
 _UNCAPTURED = ("live", "replay")
 # `<anything>.layers.<i>` names decoder layer i in every supported family (also under DDP's `module.`).
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?=\.|$)")
+# The child name torch.distributed's checkpoint_wrapper gives the module it wraps.
+_CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module"
 _TORCH_ROUTE_DTYPES = {"uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32}
 
 
@@ -379,6 +381,12 @@ def _find_routers(model: torch.nn.Module) -> tuple[list[_Router], int]:
         matches = list(_LAYER.finditer(name))
         if not matches:
             raise ValueError(f"{name} ({type(module).__name__}): a router outside any decoder layer (…layers.<i>…)")
+        if _CHECKPOINT_WRAPPED in name.split("."):
+            raise ValueError(
+                f"{name}: the router sits inside torch's checkpoint_wrapper, whose recompute the hook cannot "
+                "follow (it would route with the router's own choice); unwrap it and use the model's "
+                "activation_checkpointing_enable() instead, which ReplayHook replays exactly"
+            )
         last = matches[-1]
         containers.add(name[: last.start(1) - 1])
         layer_name = name[: last.end(1)]
