@@ -262,3 +262,25 @@ def test_import_torch_r3_stays_free_of_transformers_and_a_missing_extra_names_th
     assert last == (
         "torch_r3._extras.MissingExtraError: transformers is not installed: pip install 'torch_r3[transformers]'"
     )
+
+
+def test_step_gathers_the_stats_of_all_its_microbatches(qwen):
+    with ReplayHook(qwen) as hook, torch.no_grad():
+        batches = [make_batch(hook, seed=s) for s in (3, 4)]
+        singles = []
+        for b in batches:
+            with hook.replay(b):
+                qwen(**inputs(b))
+            singles.append(hook.last_stats)
+        with hook.step():
+            for b in batches:
+                with hook.replay(b):
+                    qwen(**inputs(b))
+            with pytest.raises(RuntimeError, match="steps do not nest"):
+                with hook.step():
+                    pass
+        stats = hook.last_stats
+    assert stats.microbatches == 2
+    assert stats.tokens == tuple(a + b for a, b in zip(*(s.tokens for s in singles)))
+    for layer in hook.layers:  # both microbatches capture the same number of tokens: drift is the mean
+        assert stats.route_drift[layer] == pytest.approx(sum(s.route_drift[layer] for s in singles) / 2)
