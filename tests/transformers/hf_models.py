@@ -92,6 +92,25 @@ def _config(family: str):
             norm_topk_prob=True,
             first_k_dense_replace=1,
         )
+    if family == "glm4_moe_lite":
+        return tf.Glm4MoeLiteConfig(
+            **{**COMMON, "num_key_value_heads": 4},
+            num_hidden_layers=2,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=1.8,
+            norm_topk_prob=False,
+            first_k_dense_replace=0,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+        )
     if family == "qwen3_5_moe":
         return tf.Qwen3_5MoeTextConfig(
             **COMMON,
@@ -109,7 +128,17 @@ def _config(family: str):
     raise KeyError(family)
 
 
-FAMILY_NAMES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "gpt_oss", "deepseek_v3", "glm4_moe", "qwen3_5_moe")
+FAMILY_NAMES = (
+    "qwen3_moe",
+    "qwen2_moe",
+    "olmoe",
+    "mixtral",
+    "gpt_oss",
+    "deepseek_v3",
+    "glm4_moe",
+    "glm4_moe_lite",
+    "qwen3_5_moe",
+)
 
 
 def build(family: str, seed: int = 0, dtype=torch.float32):
