@@ -159,3 +159,19 @@ def test_python_dash_m_torch_r3_runs_the_cli():
     done = subprocess.run([sys.executable, "-m", "torch_r3", "doctor"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "usable CPUs" in done.stdout
+
+
+def test_demo_with_the_transformers_trainer_without_transformers_names_that_extra(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now fails
+    assert cli.main(["demo", "--trainer", "transformers"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "torch-r3 demo: transformers is not installed; the demo needs pip install 'torch_r3[transformers,client]'\n"
+    )
+
+
+def test_demo_trainer_accepts_megatron_or_transformers_only(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["demo", "--trainer", "deepspeed"])
+    assert e.value.code == 2
+    assert "invalid choice: 'deepspeed' (choose from 'megatron', 'transformers')" in capsys.readouterr().err

@@ -351,8 +351,11 @@ def _doctor_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
 # demo: torch_r3.demo, one RL step end to end
 # --------------------------------------------------------------------------
 
-# What the demo imports beyond the core, and the extra that installs it.
-_DEMO_NEEDS = (("megatron.core", "megatron"), ("aiohttp", "client"))
+# What the demo imports beyond the core, and the extra that installs it, per `--trainer`.
+_DEMO_NEEDS = {
+    "megatron": (("megatron.core", "megatron"), ("aiohttp", "client")),
+    "transformers": (("transformers", "transformers"), ("aiohttp", "client")),
+}
 
 
 def _demo_module():
@@ -373,15 +376,16 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
 def _demo_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from torch_r3._extras import MissingExtraError, require
 
+    needs = _DEMO_NEEDS[getattr(args, "trainer", "megatron")]
     try:
         demo = _demo_module()
         # Megatron's import-time fallback notices (no Apex, no Transformer Engine)
         # say nothing to a demo user: the imports run inside the demo's filter too.
         with demo.quiet_third_party_warnings():
-            for module, extra in _DEMO_NEEDS:
+            for module, extra in needs:
                 require(module, extra)
     except MissingExtraError as e:
-        extras = ",".join(extra for _module, extra in _DEMO_NEEDS)
+        extras = ",".join(extra for _module, extra in needs)
         print(
             f"torch-r3 demo: {e.distribution} is not installed; the demo needs pip install 'torch_r3[{extras}]'",
             file=sys.stderr,

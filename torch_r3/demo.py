@@ -17,7 +17,9 @@
    uncaptured position, and `hook.last_stats` (route drift per layer, live
    fraction, token counts).
 
-Run it with `torch-r3 demo` or `python examples/rl_step.py [--json PATH]`.
+Run it with `torch-r3 demo` or `python examples/rl_step.py [--json PATH]`;
+`--trainer transformers` runs the same step with a Hugging Face `transformers`
+model on both sides (`torch_r3.transformers.demo`).
 On a machine without CUDA, Megatron's few CUDA-only calls are redirected to the
 CPU (`torch_r3.testing._megatron_cpu`); with a GPU nothing is redirected.
 
@@ -47,6 +49,10 @@ import torch
 from torch_r3 import R3Collator, RoutedExpertTrace
 from torch_r3.keys import ATTENTION_MASK, ROUTER_MASK, ROUTES
 from torch_r3.testing.model import GenerateOutput, ServedModel
+
+
+#: The training sides `--trainer` chooses from; the transformers one lives in `torch_r3.transformers.demo`.
+TRAINERS = ("megatron", "transformers")
 
 
 class DemoError(RuntimeError):
@@ -183,7 +189,57 @@ def own_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
 # ---------------------------------------------------------------------------
 
 
-class MegatronServedModel(ServedModel):
+class SampledServedModel(ServedModel):
+    """A served model that samples one token per forward (no KV cache: the models are tiny).
+
+    Subclasses set `cfg`, `num_layers`, `num_experts` and `topk` and implement
+    `forward(ids, record=...)`; the last sampling step's forward, recorded,
+    gives the routes of every evaluated position and the sampled tokens'
+    log-probs, as an inference engine returns them.
+    """
+
+    cfg: DemoConfig
+
+    def forward(self, ids: Sequence[int], *, record: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward over `ids`: `(logits [S, V] in float32, routes [S, L, K] or None)`."""
+        raise NotImplementedError
+
+    def generate(self, token_ids, sampling_params):
+        """Sample `max_new_tokens` tokens, then score them and record their routes."""
+        unknown = set(sampling_params) - {"max_new_tokens", "temperature", "seed", "routed_experts_prompt_start"}
+        if unknown:
+            raise ValueError(f"unsupported sampling_params {sorted(unknown)}")
+        n_new = int(sampling_params.get("max_new_tokens", 8))
+        temperature = float(sampling_params.get("temperature", 1.0))
+        g = torch.Generator().manual_seed(int(sampling_params.get("seed", 0)))
+        ids = list(token_ids)
+        if len(ids) + n_new > self.cfg.max_seq_len:
+            raise ValueError(f"prompt + max_new_tokens exceeds the model's {self.cfg.max_seq_len} positions")
+        generated: list[int] = []
+        if n_new == 0:
+            logits, routes = self.forward(ids, record=True)
+        for step in range(n_new):
+            # The last step's forward covers every evaluated position: recorded,
+            # it gives both the routes and the log-probs the trainer compares against.
+            logits, routes = self.forward(ids + generated, record=step == n_new - 1)
+            if temperature > 0:
+                probs = torch.softmax(logits[-1] / temperature, -1)
+                nxt = int(torch.multinomial(probs, 1, generator=g))
+            else:
+                nxt = int(logits[-1].argmax())
+            generated.append(nxt)
+        logp = torch.log_softmax(logits, -1)
+        start = len(ids) - 1
+        lps = [float(logp[start + j, t]) for j, t in enumerate(generated)]
+        return GenerateOutput(
+            token_ids=generated,
+            logprobs=lps,
+            routes=routes.numpy(),  # the server compacts what it sends
+            finish_reason="length",
+        )
+
+
+class MegatronServedModel(SampledServedModel):
     """A bf16 Megatron `GPTModel` served by `torch_r3.testing.LoopbackServer`.
 
     Generation samples one token per forward (no KV cache: the model is tiny);
@@ -230,40 +286,6 @@ class MegatronServedModel(ServedModel):
                 r.clear_router_replay_action()
                 r.clear_indices()
         return logits, routes
-
-    def generate(self, token_ids, sampling_params):
-        """Sample `max_new_tokens` tokens, then score them and record their routes."""
-        unknown = set(sampling_params) - {"max_new_tokens", "temperature", "seed", "routed_experts_prompt_start"}
-        if unknown:
-            raise ValueError(f"unsupported sampling_params {sorted(unknown)}")
-        n_new = int(sampling_params.get("max_new_tokens", 8))
-        temperature = float(sampling_params.get("temperature", 1.0))
-        g = torch.Generator().manual_seed(int(sampling_params.get("seed", 0)))
-        ids = list(token_ids)
-        if len(ids) + n_new > self.cfg.max_seq_len:
-            raise ValueError(f"prompt + max_new_tokens exceeds the model's {self.cfg.max_seq_len} positions")
-        generated: list[int] = []
-        if n_new == 0:
-            logits, routes = self.forward(ids, record=True)
-        for step in range(n_new):
-            # The last step's forward covers every evaluated position: recorded,
-            # it gives both the routes and the log-probs the trainer compares against.
-            logits, routes = self.forward(ids + generated, record=step == n_new - 1)
-            if temperature > 0:
-                probs = torch.softmax(logits[-1] / temperature, -1)
-                nxt = int(torch.multinomial(probs, 1, generator=g))
-            else:
-                nxt = int(logits[-1].argmax())
-            generated.append(nxt)
-        logp = torch.log_softmax(logits, -1)
-        start = len(ids) - 1
-        lps = [float(logp[start + j, t]) for j, t in enumerate(generated)]
-        return GenerateOutput(
-            token_ids=generated,
-            logprobs=lps,
-            routes=routes.numpy(),  # the server compacts what it sends
-            finish_reason="length",
-        )
 
 
 # ---------------------------------------------------------------------------
@@ -529,7 +551,7 @@ def measure(model, microbatches, cfg: DemoConfig, *, uncaptured: str | None) -> 
     return figures
 
 
-def add_reference_logprobs(samples: list[dict[str, Any]], served: MegatronServedModel | None) -> None:
+def add_reference_logprobs(samples: list[dict[str, Any]], served: SampledServedModel | None) -> None:
     """Log-probs the bf16 model gives, with its own routing, to tokens whose predictor has no route.
 
     The engine never ran those positions (a synthetic EOS follows the last
@@ -560,7 +582,7 @@ def _row(label: str, values: Sequence[Any], fmt: str) -> str:
     return f"{label:36}{cells}"
 
 
-def _report(results: dict[str, dict[str, Any]], cfg: DemoConfig) -> str:
+def format_report(results: dict[str, dict[str, Any]], cfg: DemoConfig) -> str:
     runs = [results[name] for name in RUNS]
     lines = [f"{'':36}" + "".join(f"{column:>17}" for _mode, column in RUNS.values())]
     lines.append(_row("route agreement, captured tokens", [r["route_agreement"] for r in runs], ".2%"))
@@ -687,6 +709,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     parser.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes (default 2)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    parser.add_argument(
+        "--trainer",
+        choices=TRAINERS,
+        default="megatron",
+        help="the training side: a Megatron GPTModel (default) or a Hugging Face transformers Qwen3-MoE model",
+    )
     return parser
 
 
@@ -701,14 +729,20 @@ def run_from_args(args: argparse.Namespace) -> int:
             print(f"error: --{name} must be >= 1", file=sys.stderr)
             return 2
     cfg = DemoConfig(seed=args.seed, trajectories=args.trajectories, turns=args.turns)
+    if getattr(args, "trainer", "megatron") == "transformers":
+        from torch_r3.transformers import demo as transformers_demo
+
+        run_demo = transformers_demo.run
+    else:
+        run_demo = run
     try:
-        results = run(
+        results = run_demo(
             cfg, server_url=args.server_url, retries=args.retries, num_workers=args.num_workers, quiet=args.quiet
         )
     except DemoError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(_report(results, cfg))
+    print(format_report(results, cfg))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

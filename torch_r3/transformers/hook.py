@@ -1,0 +1,436 @@
+"""`ReplayHook`: replay a batch's routes in the MoE routers of one `transformers` model instance.
+
+The hook finds the routers by walking the instance's module tree and registers
+a forward hook on each router instance (never on a class, so every other model
+in the process is unaffected). Outside `replay()` and `record()` the hooks
+return the router's output unchanged. Inside `replay(batch)` each router call
+keeps its live logits, takes the batch's experts for captured tokens (its own
+for uncaptured ones, by default) and recomputes the weights of that choice with
+its family's rule (`torch_r3.transformers.families`), so gradients reach the
+router.
+
+Activation checkpointing: `transformers` runs each decoder layer's forward
+through the layer instance's `_gradient_checkpointing_func`. While `replay()`
+is active the hook wraps that function on the layers that hold routers, so each
+checkpointed call carries its own record of the experts its routers used; the
+recompute in backward (which usually runs after the `with` block) replays that
+record, live rows included, whatever order backward visits the microbatches in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torch_r3.keys import ROUTER_MASK, ROUTES
+from torch_r3.routes import canonical_dtype_for
+from torch_r3.stats import ReplayStats, StatsCollector
+from torch_r3.transformers.checks import check_batch, check_expert_ids, check_router_tokens, layer_columns
+from torch_r3.transformers.families import Family, family_of, supported_families
+
+__all__ = ["Recording", "ReplayHook"]
+
+_UNCAPTURED = ("live", "replay")
+# `<anything>.layers.<i>` names decoder layer i in every supported family (also under DDP's `module.`).
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?=\.|$)")
+# The child name torch.distributed's checkpoint_wrapper gives the module it wraps.
+_CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module"
+_TORCH_ROUTE_DTYPES = {"uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32}
+
+
+@dataclass
+class _Router:
+    module: torch.nn.Module
+    name: str
+    layer: int  # decoder layer, 0-based
+    layer_module: torch.nn.Module
+    family: Family
+
+
+@dataclass
+class _Replay:
+    rows: int
+    positions: int
+    routes: list[torch.Tensor]  # per router: [B * T, K] int64 on the router's device, batch-major
+    uncaptured: torch.Tensor  # [B * T] bool, True = no captured route
+
+
+class Recording:
+    """The routes one `ReplayHook.record()` block recorded: the model's own choice.
+
+    Attributes:
+        batch: After the block, `{"rollout_expert_indices": [B, T, L, K],
+            "router_padding_mask": [B, T]}` in the collated batch layout: `L` is
+            every decoder layer (dense layers hold zero rows, as inference engines
+            send them), the dtype the narrowest that holds the expert ids, the mask
+            True where the forward's `attention_mask` was 0. Hand it (with the
+            tokens) to `ReplayHook.replay` in the update.
+    """
+
+    def __init__(self) -> None:
+        self.batch: dict[str, torch.Tensor] = {}
+        self._shape: tuple[int, int] | None = None  # [B, T] of the forward's input_ids
+        self._mask: torch.Tensor | None = None  # attention_mask == 0
+        self._routes: dict[int, torch.Tensor] = {}  # router index -> own [B * T, K]
+        self._forwards = 0
+
+
+class ReplayHook:
+    """Replays captured routes in the MoE routers of one Hugging Face `transformers` model.
+
+    ```python
+    hook = ReplayHook(model)
+    for batch in loader:  # R3Collator batches
+        with hook.replay(batch):
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        loss_from(logits).backward()
+        print(hook.last_stats.mean_drift)
+    ```
+
+    Construct it once per model instance (before or after wrapping in DDP or
+    sharding with FSDP2; pass the module whose tree holds the decoder layers).
+    The batch's routes are checked when `replay()` is entered, before the model
+    runs: expert ids in range and distinct per token; each router then checks
+    that it sees one token per route.
+
+    Args:
+        model: A `transformers` MoE model (or a module wrapping one).
+        uncaptured: What tokens without a captured route (`router_padding_mask`
+            True: left padding, the last sampled token) do: `"live"` (default)
+            routes them with the router's own choice, `"replay"` replays the
+            filler routes the batch holds for them (then those are checked too).
+
+    Raises:
+        TypeError: When `model` is not a `torch.nn.Module`.
+        ValueError: When the model holds a router of an unsupported class (the
+            message names it and the supported families), holds no MoE router,
+            or a router is not inside a decoder layer; when another
+            `ReplayHook` on the model is still open; or `uncaptured` is neither
+            `"live"` nor `"replay"`.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, uncaptured: str = "live"):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        if uncaptured not in _UNCAPTURED:
+            raise ValueError(f"uncaptured: expected 'live' or 'replay', got {uncaptured!r}")
+        self.uncaptured = uncaptured
+        self._model = model
+        self._routers, self._num_layers = _find_routers(model)
+        self._topk, self._num_experts = _router_sizes(self._routers[0])
+        for r in self._routers:
+            if _router_sizes(r) != (self._topk, self._num_experts):
+                topk, experts = _router_sizes(r)
+                raise ValueError(
+                    f"{r.name}: top_k={topk}, num_experts={experts} differ from the "
+                    f"first router's top_k={self._topk}, num_experts={self._num_experts}"
+                )
+        for r in self._routers:
+            _refuse_a_second_hook(r)
+        self._stats = StatsCollector(measure_drops=False)
+        self._active: _Replay | None = None
+        self._recording: Recording | None = None
+        self._call: dict[int, torch.Tensor] | None = None  # the checkpointed layer call running now
+        self._last_stats: ReplayStats | None = None
+        self._in_step = False
+        self._handles = [
+            r.module.register_forward_hook(functools.partial(self._on_router, i)) for i, r in enumerate(self._routers)
+        ]
+
+    # ----------------------------------------------------------------- public
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """Decoder layer (0-based) of each replayed router, in model order."""
+        return tuple(r.layer for r in self._routers)
+
+    @property
+    def num_layers(self) -> int:
+        """The model's decoder layers, MoE and dense: the `L` of routes that cover every layer."""
+        return self._num_layers
+
+    @property
+    def topk(self) -> int:
+        """Experts per token (`K`)."""
+        return self._topk
+
+    @property
+    def num_experts(self) -> int:
+        """Experts per MoE layer; replayed ids must lie in `[0, num_experts)`."""
+        return self._num_experts
+
+    @property
+    def last_stats(self) -> ReplayStats | None:
+        """`ReplayStats` of the last `replay()` block (or `step()`) that exited cleanly; `None` before the first.
+
+        Counts the forwards (recompute is not counted again): route drift per MoE
+        layer, the live share, captured/live/filler token counts.
+        """
+        return self._last_stats
+
+    @contextlib.contextmanager
+    def replay(self, batch: Mapping[str, Any]) -> Iterator[ReplayHook]:
+        """Replay `batch`'s routes in every forward of the model inside the block.
+
+        Args:
+            batch: A collated batch: `rollout_expert_indices` `[B, T, L, K]` and
+                `router_padding_mask` `[B, T]` (or the packed `[N, L, K]`, `[N]`
+                and `cu_seqlens`, for a `[1, N]` `position_ids`-packed forward);
+                `L` is every decoder layer or only the MoE layers.
+
+        Raises:
+            ValueError: Before the model runs, for a bad layout or a bad route
+                (naming the layer and position); inside the block, when a router
+                sees a different number of tokens than the batch covers.
+            RuntimeError: When `replay()` or `record()` is already active.
+        """
+        self._check_idle()
+        routes, mask, cu_seqlens = check_batch(batch, self._topk)
+        columns = layer_columns(self.layers, routes.shape[2], self._num_layers)
+        if columns != list(range(routes.shape[2])):
+            routes = routes[:, :, columns]
+        checked = ~mask if self.uncaptured == "live" else torch.ones_like(mask)
+        check_expert_ids(routes, checked, self.layers, self._num_experts, cu_seqlens=cu_seqlens)
+        rows, positions = mask.shape
+        device = _device_of(self._routers[0].module)
+        # One copy to the device, widened once: the experts index with int64.
+        wide = routes.to(device=device, dtype=torch.int64)
+        per_router = [wide[:, :, j].reshape(rows * positions, self._topk) for j in range(len(self._routers))]
+        self._active = _Replay(rows, positions, per_router, mask.to(device).reshape(-1))
+        if not self._in_step:
+            self._stats.reset()
+        restore = self._wrap_checkpointing()
+        try:
+            yield self
+            if not self._in_step:
+                self._last_stats = self._stats.finish(self.layers)
+        finally:
+            self._active = None
+            for layer, original in restore:
+                layer.__dict__["_gradient_checkpointing_func"] = original
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[ReplayHook]:
+        """Bracket one optimizer step's microbatches, so that `last_stats` covers all of them.
+
+        ```python
+        with hook.step():
+            for mb in microbatches:
+                with hook.replay(mb):
+                    loss = loss_fn(model(...))
+                loss.backward()
+        hook.last_stats.microbatches  # len(microbatches)
+        ```
+
+        Raises:
+            RuntimeError: When a step is already active.
+        """
+        if self._in_step:
+            raise RuntimeError("ReplayHook.step() is already active; steps do not nest")
+        self._in_step = True
+        self._stats.reset()
+        try:
+            yield self
+            self._last_stats = self._stats.finish(self.layers)
+        finally:
+            self._in_step = False
+
+    @contextlib.contextmanager
+    def record(self) -> Iterator[Recording]:
+        """Record the routers' own choice in one forward (R2): yields a `Recording`.
+
+        ```python
+        with torch.no_grad(), hook.record() as rec:
+            model(input_ids=ids, attention_mask=mask)
+        with hook.replay({**rec.batch, "input_ids": ids}):
+            ...
+        ```
+
+        Raises:
+            RuntimeError: When `replay()` or `record()` is already active, or the
+                block ran no forward or more than one.
+        """
+        self._check_idle()
+        rec = Recording()
+        self._recording = rec
+        handle = self._model.register_forward_pre_hook(functools.partial(_note_inputs, rec), with_kwargs=True)
+        try:
+            yield rec
+        finally:
+            handle.remove()
+            self._recording = None
+        rec.batch = self._recorded_batch(rec)
+
+    def close(self) -> None:
+        """Remove the hooks from the routers; the model is as it was before the hook.
+
+        The hook is also a context manager: `with ReplayHook(model) as hook:`.
+        """
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._active = None
+
+    def __enter__(self) -> ReplayHook:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --------------------------------------------------------------- internals
+
+    def _check_idle(self) -> None:
+        if not self._handles:
+            raise RuntimeError("ReplayHook is closed")
+        if self._active is not None or self._recording is not None:
+            raise RuntimeError("ReplayHook: replay() and record() blocks do not nest")
+
+    def _on_router(self, index: int, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        r = self._routers[index]
+        call = self._call
+        if call is not None and index in call:  # activation recompute: exactly the first forward's experts
+            experts = call[index]
+            return output[0], r.family.weights(module, output[0], experts), experts
+        if self._recording is not None:
+            self._recording._routes[index] = output[2].detach()
+            if index == 0:
+                self._recording._forwards += 1
+            return None
+        state = self._active
+        if state is None:
+            return None
+        logits, _, own = output
+        check_router_tokens(logits.shape[0], state.rows, state.positions, layer=r.layer)
+        replayed = state.routes[index]
+        if self.uncaptured == "live":
+            experts = torch.where(state.uncaptured.unsqueeze(-1), own, replayed)
+        else:
+            experts = replayed
+        if index == 0:
+            self._stats.add_microbatch(state.uncaptured, live=self.uncaptured == "live")
+        self._stats.add_drift(r.layer, own, replayed, ~state.uncaptured)
+        if call is not None:
+            call[index] = experts
+        return logits, r.family.weights(module, logits, experts), experts
+
+    def _wrap_checkpointing(self) -> list[tuple[torch.nn.Module, Callable]]:
+        restore = []
+        for layer in {id(r.layer_module): r.layer_module for r in self._routers}.values():
+            original = layer.__dict__.get("_gradient_checkpointing_func")
+            if original is not None:
+                layer.__dict__["_gradient_checkpointing_func"] = self._checkpointing(original)
+                restore.append((layer, original))
+        return restore
+
+    def _checkpointing(self, original: Callable) -> Callable:
+        def checkpoint_with_routes(function: Callable, *args: Any, **kwargs: Any) -> Any:
+            record: dict[int, torch.Tensor] = {}  # filled by the first run, replayed by the recompute
+
+            def run(*a: Any, **k: Any) -> Any:
+                outer, self._call = self._call, record
+                try:
+                    return function(*a, **k)
+                finally:
+                    self._call = outer
+
+            return original(run, *args, **kwargs)
+
+        return checkpoint_with_routes
+
+    def _recorded_batch(self, rec: Recording) -> dict[str, torch.Tensor]:
+        if rec._forwards != 1 or rec._shape is None:
+            raise RuntimeError(
+                f"record(): expected exactly one forward of the model in the block, got {rec._forwards}"
+                + ("" if rec._shape is not None else " (with input_ids or inputs_embeds)")
+            )
+        rows, positions = rec._shape
+        dtype = _TORCH_ROUTE_DTYPES[canonical_dtype_for(self._num_experts - 1).name]
+        first = next(iter(rec._routes.values()))
+        out = torch.zeros((rows, positions, self._num_layers, self._topk), dtype=dtype, device=first.device)
+        for index, own in rec._routes.items():
+            out[:, :, self._routers[index].layer] = own.reshape(rows, positions, self._topk).to(dtype)
+        mask = rec._mask if rec._mask is not None else torch.zeros((rows, positions), dtype=torch.bool)
+        return {ROUTES: out.cpu(), ROUTER_MASK: mask.cpu()}
+
+
+def _note_inputs(rec: Recording, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    ids = args[0] if args else kwargs.get("input_ids")
+    if ids is None and kwargs.get("inputs_embeds") is not None:
+        ids = kwargs["inputs_embeds"][..., 0]
+    if isinstance(ids, torch.Tensor) and ids.ndim == 2:
+        rec._shape = (int(ids.shape[0]), int(ids.shape[1]))
+    attention = kwargs.get("attention_mask")
+    if isinstance(attention, torch.Tensor) and attention.ndim == 2:
+        rec._mask = attention == 0
+
+
+def _find_routers(model: torch.nn.Module) -> tuple[list[_Router], int]:
+    routers = []
+    containers = set()
+    for name, module in model.named_modules():
+        family = family_of(module)
+        if family is None:
+            _refuse_unknown_router(name, module)
+            continue
+        matches = list(_LAYER.finditer(name))
+        if not matches:
+            raise ValueError(f"{name} ({type(module).__name__}): a router outside any decoder layer (…layers.<i>…)")
+        if _CHECKPOINT_WRAPPED in name.split("."):
+            raise ValueError(
+                f"{name}: the router sits inside torch's checkpoint_wrapper, whose recompute the hook cannot "
+                "follow (it would route with the router's own choice); unwrap it and use the model's "
+                "activation_checkpointing_enable() instead, which ReplayHook replays exactly"
+            )
+        last = matches[-1]
+        containers.add(name[: last.start(1) - 1])
+        layer_name = name[: last.end(1)]
+        routers.append(_Router(module, name, int(last.group(1)), model.get_submodule(layer_name), family))
+    if not routers:
+        raise ValueError(
+            f"model ({type(model).__name__}): no MoE router found; supported families: {supported_families()}"
+        )
+    if len(containers) != 1:
+        raise ValueError(f"model: routers in more than one list of decoder layers: {sorted(containers)}")
+    num_layers = len(list(model.get_submodule(containers.pop()).children()))
+    return routers, num_layers
+
+
+def _refuse_a_second_hook(r: _Router) -> None:
+    # Two hooks on one router would both rewrite its output; the second would replay on top of the first.
+    for fn in r.module._forward_hooks.values():
+        if isinstance(fn, functools.partial) and getattr(fn.func, "__func__", None) is ReplayHook._on_router:
+            raise ValueError(f"{r.name}: this model already has a ReplayHook; close() it before building another")
+
+
+def _refuse_unknown_router(name: str, module: torch.nn.Module) -> None:
+    # A router we do not know would route with its own choice under replay: refuse it instead.
+    children = module._modules
+    suspects = [(name, type(module).__name__)] if "router" in type(module).__name__.lower() else []
+    if "experts" in children:
+        for attr in ("gate", "router"):
+            child = children.get(attr)
+            if child is not None and family_of(child) is None:
+                suspects.append((f"{name}.{attr}" if name else attr, type(child).__name__))
+    if suspects:
+        where, cls = suspects[0]
+        raise ValueError(
+            f"{where}: router class {cls} is not supported by torch_r3.transformers.ReplayHook; "
+            f"supported families: {supported_families()}"
+        )
+
+
+def _router_sizes(r: _Router) -> tuple[int, int]:
+    module: Any = r.module  # plain attributes nn.Module's typing cannot see
+    return int(module.top_k), int(module.num_experts)
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
