@@ -165,8 +165,7 @@ class Rollout:
 class Trainer:
     def __init__(self, dp_rank: int, stage: int, cfg: Config) -> None:
         self.dp_rank, self.stage, self.cfg = dp_rank, stage, cfg
-        per_stage = -(-cfg.layers // cfg.pp)
-        self.stage_layers = list(range(stage * per_stage, min((stage + 1) * per_stage, cfg.layers)))
+        self.stage_layers = stage_layers(cfg, stage)
         self.collator = None
 
     def torch_r3_path(self) -> str:
@@ -324,10 +323,11 @@ def run_variant(variant: str, cfg: Config, rollouts) -> dict[str, Any]:
         "trainer_peak_growth_bytes": trainer_peaks,
         "digests": check["results"],
         "plan": check["plan"],
+        "seq_len": check["seq_len"],
     }
 
 
-def reference_digests(cfg: Config, plan, layers_of_stage) -> dict[str, list]:
+def reference_digests(cfg: Config, plan) -> dict[str, list]:
     """Every micro-batch's digest, sliced from one global batch collated here."""
     samples = [make_trajectory(i, cfg) for i in range(cfg.trajectories)]
     batch = {k: v.numpy() for k, v in R3Collator(pad_token_id=0)(samples).items()}
@@ -335,8 +335,81 @@ def reference_digests(cfg: Config, plan, layers_of_stage) -> dict[str, list]:
     for dp in range(cfg.dp):
         mbs = [{k: batch[k][np.array(mb)] for k in KEYS} for mb in plan[dp]]
         out["all"].append([[digest(mb) for mb in mbs] for _ in range(cfg.pp)])
-        out["stage"].append([[digest(mb, layers_of_stage(pp)) for mb in mbs] for pp in range(cfg.pp)])
+        out["stage"].append([[digest(mb, stage_layers(cfg, pp)) for mb in mbs] for pp in range(cfg.pp)])
     return out
+
+
+def stage_layers(cfg: Config, stage: int) -> list[int]:
+    per_stage = -(-cfg.layers // cfg.pp)
+    return list(range(stage * per_stage, min((stage + 1) * per_stage, cfg.layers)))
+
+
+def trainer_bounds(cfg: Config, metas: list[TrajectoryRef], plan, seq_len: int, stage_only: bool) -> list[int]:
+    """Per trainer: two micro-batches' output buffers plus the inputs it maps (its DP rank's trajectories)."""
+    bounds = []
+    for dp in range(cfg.dp):
+        inputs = sum(metas[i].route_bytes + 8 * metas[i].num_tokens for mb in plan[dp] for i in mb)
+        for pp in range(cfg.pp):
+            layers = len(stage_layers(cfg, pp)) if stage_only else cfg.layers
+            per_token = layers * cfg.topk + 1 + 8 + 8  # routes, router mask, attention mask, input ids
+            largest = max(len(mb) for mb in plan[dp]) * seq_len * per_token
+            bounds.append(2 * largest + inputs)
+    return bounds
+
+
+def measure(cfg: Config) -> dict[str, Any]:
+    """Every variant on one running Ray cluster, verified; the figures and the targets."""
+    per = -(-cfg.trajectories // cfg.rollouts)
+    rollouts = [
+        Rollout.remote(cfg, list(range(r * per, min((r + 1) * per, cfg.trajectories)))) for r in range(cfg.rollouts)
+    ]
+    try:
+        metas = sorted(
+            (p for part in ray.get([r.trajectories.remote() for r in rollouts]) for p in part), key=lambda p: p[0]
+        )
+        metas = [m for _, m in metas]
+        rows = [run_variant(v, cfg, rollouts) for v in VARIANTS]
+    finally:
+        for r in rollouts:
+            ray.kill(r)
+    route_bytes = sum(m.route_bytes for m in metas)
+    plan, seq_len = rows[0]["plan"], rows[0]["seq_len"]
+    ref = reference_digests(cfg, plan)
+    checked, mismatches = 0, []
+    for row in rows:
+        want = ref["stage" if row["variant"] == "refs_stage" else "all"]
+        if row["digests"] != want or row["plan"] != plan:
+            mismatches.append(row["variant"])
+        checked += sum(len(stage) for dp in want for stage in dp)
+    base = rows[0]
+    targets = []
+    for row in rows[1:]:
+        bounds = trainer_bounds(cfg, metas, plan, seq_len, row["variant"] == "refs_stage")
+        peaks = row["trainer_peak_growth_bytes"]
+        targets += [
+            (
+                row["variant"],
+                "through controller <= 1% of route bytes",
+                row["through_controller_bytes"] <= route_bytes / 100,
+            ),
+            (row["variant"], "controller growth <= 16 MB", row["controller_peak_growth_bytes"] <= 16 * 2**20),
+            (
+                row["variant"],
+                "each trainer <= 2 micro-batches + its inputs",
+                all(p <= b for p, b in zip(peaks, bounds)),
+            ),
+            (row["variant"], "wall <= 0.5x the controller path", row["wall_s"] <= 0.5 * base["wall_s"]),
+        ]
+        row["trainer_bound_bytes"] = bounds
+    return {
+        "config": dataclasses.asdict(cfg),
+        "route_bytes": route_bytes,
+        "seq_len": seq_len,
+        "checked": checked,
+        "mismatches": mismatches,
+        "targets": [{"variant": v, "target": t, "met": bool(m)} for v, t, m in targets],
+        "rows": [{k: v for k, v in r.items() if k not in ("digests", "plan")} for r in rows],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -344,63 +417,54 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the figures to this file")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per variant (after one warm-up)")
     parser.add_argument("--small", action="store_true", help="a tiny configuration (a smoke test, not a measurement)")
+    parser.add_argument("--check-targets", action="store_true", help="exit 1 when a target is missed")
     args = parser.parse_args(argv)
     cfg = SMALL if args.small else Config()
     if args.steps is not None:
         cfg = dataclasses.replace(cfg, steps=args.steps)
     init_ray(object_store_bytes=2 * 2**30 if not args.small else 256 * 2**20)
     try:
-        per = -(-cfg.trajectories // cfg.rollouts)
-        rollouts = [
-            Rollout.remote(cfg, list(range(r * per, min((r + 1) * per, cfg.trajectories)))) for r in range(cfg.rollouts)
-        ]
-        metas = [m for part in ray.get([r.trajectories.remote() for r in rollouts]) for _, m in part]
-        route_bytes = sum(m.route_bytes for m in metas)
-        rows = [run_variant(v, cfg, rollouts) for v in VARIANTS]
+        result = measure(cfg)
     finally:
         ray.shutdown()
-    per_stage = -(-cfg.layers // cfg.pp)
-    ref = reference_digests(
-        cfg, rows[0]["plan"], lambda pp: list(range(pp * per_stage, min((pp + 1) * per_stage, cfg.layers)))
-    )
-    checked = 0
-    for row in rows:
-        want = ref["stage" if row["variant"] == "refs_stage" else "all"]
-        if row["digests"] != want or row["plan"] != rows[0]["plan"]:
-            print(f"MISMATCH: {row['variant']} micro-batches differ from the global batch", file=sys.stderr)
-            return 1
-        checked += sum(len(stage) for dp in want for stage in dp)
-    report(cfg, rows, route_bytes, checked, args.json)
-    return 0
+    print(report(cfg, result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    if result["mismatches"]:
+        print(f"MISMATCH: {result['mismatches']} micro-batches differ from the global batch", file=sys.stderr)
+        return 1
+    return 1 if args.check_targets and not all(t["met"] for t in result["targets"]) else 0
 
 
-def report(cfg: Config, rows, route_bytes: int, checked: int, json_path: str | None) -> None:
-    mb = 1e6
-    print(
-        f"{cfg.trajectories} trajectories, {cfg.layers} layers x top-{cfg.topk} uint8 ({cfg.bytes_per_token} B/token), "
-        f"{route_bytes / mb:.0f} MB of routes; DP {cfg.dp} x PP {cfg.pp}, micro-batches of {cfg.micro_batch_size}, "
-        f"{cfg.rollouts} rollout actors; median of {cfg.steps} step(s)"
-    )
-    print("| variant | wall/step | through controller | controller peak | each trainer peak |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        through = r["through_controller_bytes"]
-        shown = f"{through / mb:.0f} MB" if through > mb else f"{through / 1e3:.1f} kB"
-        trainers = r["trainer_peak_growth_bytes"]
-        print(
-            f"| {r['label']} | {r['wall_s']:.2f} s | {shown} ({100 * through / route_bytes:.3g}% of routes) | "
-            f"+{r['controller_peak_growth_bytes'] / mb:.0f} MB | "
-            f"+{min(trainers) / mb:.0f}..{max(trainers) / mb:.0f} MB |"
+def _size(n: float) -> str:
+    return f"{n / 1e6:.0f} MB" if abs(n) >= 1e6 else f"{n / 1e3:.1f} kB"
+
+
+def report(cfg: Config, result: dict[str, Any]) -> str:
+    route_bytes = result["route_bytes"]
+    lines = [
+        (
+            f"{cfg.trajectories} trajectories, {cfg.layers} layers x top-{cfg.topk} uint8 ({cfg.bytes_per_token} B/token), "
+            f"{_size(route_bytes)} of routes, T = {result['seq_len']}; DP {cfg.dp} x PP {cfg.pp}, "
+            f"micro-batches of {cfg.micro_batch_size}, {cfg.rollouts} rollout actors; median of {cfg.steps} step(s)"
+        ),
+        "",
+        "| variant | wall/step | through controller | controller peak | each trainer peak |",
+        "|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        through, peaks = r["through_controller_bytes"], r["trainer_peak_growth_bytes"]
+        lines.append(
+            f"| {r['label']} | {r['wall_s']:.2f} s | {_size(through)} ({100 * through / route_bytes:.2g}% of routes) | "
+            f"+{_size(r['controller_peak_growth_bytes'])} | +{_size(min(peaks))} to +{_size(max(peaks))} |"
         )
-    print(f"{checked} micro-batches bit-identical to slicing one global collate_routes batch")
-    if json_path:
-        slim = [{k: v for k, v in r.items() if k not in ("digests", "plan")} for r in rows]
-        with open(json_path, "w") as f:
-            json.dump(
-                {"config": dataclasses.asdict(cfg), "route_bytes": route_bytes, "checked": checked, "rows": slim},
-                f,
-                indent=2,
-            )
+    lines.append("")
+    for t in result["targets"]:
+        lines.append(f"{'ok    ' if t['met'] else 'MISSED'} {t['variant']}: {t['target']}")
+    ok = "bit-identical" if not result["mismatches"] else f"NOT identical in {result['mismatches']}"
+    lines.append(f"{result['checked']} micro-batches {ok} to slicing one global collate_routes batch")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
