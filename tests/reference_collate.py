@@ -16,7 +16,7 @@ ROUTE_DTYPES = [np.uint8, np.int16, np.int32]
 
 
 def padding_row(t, num_layers, topk, padding="arange", num_experts=None):
-    """The padding route `[L, K]` of token position `t`."""
+    """The padding route `[L, K]` of filler position `t` (global row + position from the first token)."""
     if padding == "arange":
         row = list(range(topk))
     else:
@@ -25,17 +25,34 @@ def padding_row(t, num_layers, topk, padding="arange", num_experts=None):
 
 
 def reference_collate_routes(
-    routes, counts, *, layout="padded", pad_to_multiple_of=None, padding="arange", num_experts=None
+    routes,
+    counts,
+    *,
+    layout="padded",
+    pad_to_multiple_of=None,
+    padding="arange",
+    num_experts=None,
+    seq_len=None,
+    dtype=None,
+    layers=None,
+    sample_ids=None,
 ):
-    """What `collate_routes` must return, as NumPy arrays, built position by position."""
+    """What `collate_routes` must return, as NumPy arrays, built position by position.
+
+    `dtype` is a NumPy scalar type, `layers` a list of layer indices, `sample_ids` the global rows.
+    """
+    if layers is not None:
+        routes = [r[:, list(layers)] for r in routes]
     L, K = routes[0].shape[1:]
+    ids = list(range(len(routes))) if sample_ids is None else list(sample_ids)
     # The widest input dtype, widened further when a padding id would not fit it.
     largest_pad_id = K - 1 if padding == "arange" else num_experts - 1
     fits = min(i for i, d in enumerate(ROUTE_DTYPES) if np.iinfo(d).max >= largest_pad_id)
-    dtype = ROUTE_DTYPES[max([fits] + [ROUTE_DTYPES.index(r.dtype.type) for r in routes])]
+    if dtype is None:
+        dtype = ROUTE_DTYPES[max([fits] + [ROUTE_DTYPES.index(r.dtype.type) for r in routes])]
     B = len(routes)
     if layout == "padded":
-        T = max(counts)
+        T = max(counts) if seq_len is None else seq_len
         if pad_to_multiple_of:
             while T % pad_to_multiple_of:
                 T += 1
@@ -49,21 +66,19 @@ def reference_collate_routes(
                 if s <= t < s + r:
                     out[i, t] = routes[i][t - s]
                 else:
-                    out[i, t] = padding_row(t, L, K, padding, num_experts)
+                    out[i, t] = padding_row(ids[i] + t - s, L, K, padding, num_experts)
                     mask[i, t] = True
                 att[i, t] = 1 if t >= s else 0
         return {"rollout_expert_indices": out, "router_padding_mask": mask, "attention_mask": att}
     rows_out, mask, cu = [], [], [0]
-    t = 0
     for i in range(B):
         for j in range(counts[i]):
             if j < routes[i].shape[0]:
                 rows_out.append(routes[i][j])
                 mask.append(False)
             else:
-                rows_out.append(padding_row(t, L, K, padding, num_experts))
+                rows_out.append(padding_row(ids[i] + j, L, K, padding, num_experts))
                 mask.append(True)
-            t += 1
         cu.append(cu[-1] + counts[i])
     return {
         "rollout_expert_indices": np.array(rows_out, dtype).reshape(-1, L, K),
@@ -83,8 +98,11 @@ def reference_r3_collator(
     padding="arange",
     num_experts=None,
     pad_to_multiple_of=None,
+    **geometry,
 ):
     """What `R3Collator` must return for `samples`, as NumPy arrays.
+
+    `geometry` (`seq_len`, `dtype`, `layers`, `sample_ids`) goes to `reference_collate_routes`.
 
     `pad_keys` maps a per-token key to `(pad value, NumPy dtype)`; every other
     key is stacked with `np.array`, as `default_collate` does for numbers.
@@ -93,7 +111,13 @@ def reference_r3_collator(
     routes = [s[routes_key] for s in samples]
     counts = [len(s[tokens_key]) for s in samples]
     want = reference_collate_routes(
-        routes, counts, layout=layout, pad_to_multiple_of=pad_to_multiple_of, padding=padding, num_experts=num_experts
+        routes,
+        counts,
+        layout=layout,
+        pad_to_multiple_of=pad_to_multiple_of,
+        padding=padding,
+        num_experts=num_experts,
+        **geometry,
     )
     per_token = {"input_ids": (tokens_key, pad_token_id, np.int64)}
     per_token.update({k: (k, pad, dt) for k, (pad, dt) in pad_keys.items()})

@@ -15,6 +15,8 @@ from torch_r3.routes import CANONICAL_DTYPES, canonical_dtype_for, check_expert_
 from torch_r3._buffers import BufferPool
 from torch_r3._memory import accelerator_available
 from torch_r3.collate import R3Collator, collate_routes
+from torch_r3.layout import BatchLayout, global_layout
+from torch_r3.shard import ShardCollator, plan_microbatches
 
 __version__ = "0.1.0"
 
@@ -37,14 +39,18 @@ _LAZY = {
 }
 
 __all__ = [
+    "BatchLayout",
     "BufferPool",
     "CANONICAL_DTYPES",
     "R3Collator",
+    "ShardCollator",
     "accelerator_available",
     "canonical_dtype_for",
     "check_expert_ids",
     "collate_routes",
     "compact_routes",
+    "global_layout",
+    "plan_microbatches",
     *_LAZY,
 ]
 

@@ -2,9 +2,14 @@
 
 A padding route is `K` distinct experts (Megatron's dropless dispatcher needs
 `tokens * topk` distinct assignments). `arange` uses `0 .. K-1` in every row;
-`balanced` gives row `t` the experts `(t*K + j) % num_experts`. `PadFill`
-writes the padding of any region with a few memcpys from a small cached
-template instead of broadcasting a `[L, K]` row element by element.
+`balanced` gives filler position `s` the experts `(s*K + j) % num_experts`,
+where `s = g + p` for the trajectory's global row `g` and the position `p`
+relative to its first token (negative in left padding). The filler of a
+token therefore depends only on which trajectory it belongs to and where in
+it, never on the other trajectories of the batch: a rank collating a subset
+writes the same filler as the global batch. `PadFill` writes the padding of
+any region with a few memcpys from a small cached template instead of
+broadcasting a `[L, K]` row element by element.
 """
 
 from __future__ import annotations
@@ -41,14 +46,15 @@ def padding_rows(
 ) -> np.ndarray:
     """The padding routes of some token positions, `[len(positions), L, K]`.
 
-    `arange` gives `0 .. K-1` in every row; `balanced` gives row `t` the experts
-    `(t*K + j) % num_experts` for `j < K`, so that padding spreads over all
-    experts. Every row is `K` distinct experts, as Megatron's dropless
-    dispatcher needs. The position `t` is the row's index along the output's
-    token axis (`0 .. T-1` padded, `0 .. sum(n)-1` packed).
+    `arange` gives `0 .. K-1` in every row; `balanced` gives filler position
+    `s` the experts `(s*K + j) % num_experts` for `j < K`, so that padding
+    spreads over all experts. Every row is `K` distinct experts, as Megatron's
+    dropless dispatcher needs. The collator uses `s = g + p`: the
+    trajectory's global row `g` (`sample_ids`) plus the position `p` relative
+    to the trajectory's first token (negative in left padding).
 
     Args:
-        positions: token positions (any integer sequence).
+        positions: filler positions `s` (any integer sequence, negative allowed).
         num_layers: `L`, the MoE layers.
         topk: `K`, the experts per token.
         padding: `"arange"` or `"balanced"`.
@@ -98,12 +104,12 @@ def _template(padding: str, num_experts: int | None, num_layers: int, topk: int,
     The pattern repeats every `period` rows (1 for `arange`), so the padding of
     any region `[a, a+n)` is the template from row `a % period` on. The
     template holds a whole number of periods and about `_TEMPLATE_BYTES`; a
-    period too long for that gives period 0 (rows computed per chunk).
+    period too long for that gives no template (rows computed per chunk).
     """
     row_bytes = num_layers * topk * np.dtype(dtype_str).itemsize
     period = 1 if padding == "arange" else num_experts // math.gcd(topk, num_experts)
     if period * row_bytes > _TEMPLATE_BYTES:
-        return None, 0
+        return None, period
     rows = period * max(1, _TEMPLATE_BYTES // (period * row_bytes))
     tpl = padding_rows(
         np.arange(rows), num_layers, topk, padding=padding, num_experts=num_experts, dtype=np.dtype(dtype_str)
@@ -122,12 +128,14 @@ class PadFill:
 
     def __call__(self, dst: np.ndarray, start: int) -> None:
         n, done = dst.shape[0], 0
+        # Reduced once: global row ids may be large, and int64 positions must not overflow.
+        start %= self.period
         while done < n:
             if self.tpl is None:  # a very long balanced period: compute the rows
                 m = min(n - done, 4096)
                 padding, experts, layers, topk = self.args
                 dst[done : done + m] = padding_rows(
-                    np.arange(start + done, start + done + m),
+                    np.arange(start + done, start + done + m) % self.period,
                     layers,
                     topk,
                     padding=padding,

@@ -22,6 +22,8 @@ faults of a fresh buffer.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -33,7 +35,17 @@ from torch_r3._buffers import BufferPool
 from torch_r3._padding import PADDINGS, PadFill, as_int, check_padding, padding_rows
 from torch_r3._samples import batch_samples, check_pad_number, collate_extra
 from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS, INPUT_IDS, OUTPUT_KEYS, ROUTER_MASK, ROUTES, SAMPLE_ROUTES
-from torch_r3.routes import CANONICAL_DTYPES, canonical_dtype_for, widest
+from torch_r3.layout import (
+    check_layers,
+    check_layers_in_range,
+    check_max_output_bytes,
+    check_route_dtype,
+    check_sample_ids,
+    check_seq_len,
+    default_max_output_bytes,
+    padded_length,
+)
+from torch_r3.routes import CANONICAL_DTYPES, canonical_dtype_for, compact_routes, widest
 
 __all__ = ["LAYOUTS", "MAX_WORKERS", "PADDINGS", "R3Collator", "collate_routes", "padded_length", "padding_rows"]
 
@@ -62,6 +74,11 @@ class _Options:
     num_experts: int | None = None
     workers: int | None = None
     pin_memory: bool | None = None
+    seq_len: int | None = None
+    dtype: Any = None
+    layers: Any = None
+    max_output_bytes: int | None = None
+    compact: bool = False
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -73,13 +90,34 @@ class _Options:
             if multiple < 1:
                 raise ValueError(f"pad_to_multiple_of must be >= 1, got {multiple}")
             object.__setattr__(self, "pad_to_multiple_of", multiple)
+        if self.seq_len is not None:
+            if self.layout != "padded":
+                raise ValueError("seq_len applies to layout='padded' only; a packed batch is as long as its tokens")
+            seq_len = check_seq_len(self.seq_len)
+            if self.pad_to_multiple_of is not None and seq_len % self.pad_to_multiple_of:
+                raise ValueError(f"seq_len={seq_len} is not a multiple of pad_to_multiple_of={self.pad_to_multiple_of}")
+            object.__setattr__(self, "seq_len", seq_len)
+        if self.dtype is not None:
+            object.__setattr__(self, "dtype", check_route_dtype(self.dtype))
+        if self.layers is not None:
+            object.__setattr__(self, "layers", check_layers(self.layers))
+        object.__setattr__(self, "max_output_bytes", check_max_output_bytes(self.max_output_bytes))
+        if not isinstance(self.compact, (bool, np.bool_)):
+            raise TypeError(f"compact must be True or False, got {self.compact!r}")
         object.__setattr__(self, "num_experts", check_padding(self.padding, self.num_experts, 1))
         if self.workers is not None:
             object.__setattr__(self, "workers", _pool.check_workers(self.workers))
         object.__setattr__(self, "pin_memory", _memory.check_pin_memory(self.pin_memory))
 
 
-def _as_route_array(sample: Any, i: int) -> np.ndarray:
+_COMPACT_ADVICE = (
+    "compact it with torch_r3.compact_routes where the routes are made or loaded (on the sender, or in a "
+    "datasets set_transform), or pass compact=True to compact at collation"
+)
+
+
+def _as_route_array(sample: Any, i: int, compact: bool = False) -> np.ndarray | None:
+    """The sample's routes as a canonical array; `None` for an empty sample to reshape once `[L, K]` is known."""
     if isinstance(sample, torch.Tensor):
         if sample.device.type != "cpu":
             raise TypeError(
@@ -87,15 +125,24 @@ def _as_route_array(sample: Any, i: int) -> np.ndarray:
                 f"move it with .cpu() (or compact it with torch_r3.compact_routes)"
             )
         sample = sample.detach().numpy()
+    if compact and isinstance(sample, (list, tuple)):
+        sample = np.asarray(sample) if len(sample) else np.zeros(0, np.uint8)
     if not isinstance(sample, np.ndarray):
         raise TypeError(
             f"routes[{i}]: expected a NumPy array [rows, layers, topk] of uint8/int16/int32, "
-            f"got {type(sample).__name__}"
+            f"got {type(sample).__name__}; {_COMPACT_ADVICE}"
         )
+    if compact:
+        if sample.size == 0 and sample.ndim != 3:  # an empty list or a datasets object array
+            return None
+        if sample.dtype not in CANONICAL_DTYPES:
+            if sample.dtype.kind not in "iu":
+                raise TypeError(f"routes[{i}]: compact=True needs integer expert ids, got dtype {sample.dtype}")
+            return compact_routes(sample, name=f"routes[{i}]")
     if sample.dtype not in CANONICAL_DTYPES:
         raise ValueError(
             f"routes[{i}]: expected a canonical dtype (native uint8, int16 or int32), got {sample.dtype.str} "
-            f"({sample.dtype}); compact it on the sender with torch_r3.compact_routes"
+            f"({sample.dtype}); {_COMPACT_ADVICE}"
         )
     if sample.ndim != 3:
         raise ValueError(f"routes[{i}]: expected shape [rows, layers, topk], got {sample.ndim}-D shape {sample.shape}")
@@ -113,7 +160,7 @@ def _as_count(value: Any, i: int) -> int:
     return count
 
 
-def _check_batch(routes: Any, token_counts: Any):
+def _check_batch(routes: Any, token_counts: Any, compact: bool = False):
     if isinstance(routes, (np.ndarray, torch.Tensor)) or not isinstance(routes, Sequence):
         raise TypeError(f"routes: expected a sequence of per-trajectory arrays, got {type(routes).__name__}")
     if len(routes) == 0:
@@ -126,8 +173,13 @@ def _check_batch(routes: Any, token_counts: Any):
         raise TypeError(f"token_counts: expected a sequence of ints, got {type(token_counts).__name__}")
     if len(token_counts) != len(routes):
         raise ValueError(f"token_counts: expected {len(routes)} counts (one per sample), got {len(token_counts)}")
-    arrays = [_as_route_array(r, i) for i, r in enumerate(routes)]
+    arrays = [_as_route_array(r, i, compact) for i, r in enumerate(routes)]
     counts = [_as_count(c, i) for i, c in enumerate(token_counts)]
+    if compact:
+        shaped = next((a for a in arrays if a is not None), None)
+        if shaped is None:
+            raise ValueError("routes: every sample is empty, so [layers, topk] is unknown; give one [0, L, K] array")
+        arrays = [np.zeros((0,) + shaped.shape[1:], np.uint8) if a is None else a for a in arrays]
     _, num_layers, topk = arrays[0].shape
     if num_layers == 0 or topk == 0:
         raise ValueError(f"routes[0]: layers and topk must be > 0, got shape {arrays[0].shape}")
@@ -146,26 +198,65 @@ def _output_dtype(arrays: list[np.ndarray], topk: int, opts: _Options) -> np.dty
     # Promotion by dtype alone (the sender compacted, no value is rescanned),
     # widened where a padding expert id would not fit the inputs' dtype.
     largest_pad_id = topk - 1 if opts.padding == "arange" else opts.num_experts - 1
-    return widest({a.dtype for a in arrays} | {canonical_dtype_for(largest_pad_id)})
+    pad_dtype = canonical_dtype_for(largest_pad_id)
+    if opts.dtype is None:
+        return widest({a.dtype for a in arrays} | {pad_dtype})
+    rank = CANONICAL_DTYPES.index
+    for i, a in enumerate(arrays):
+        if rank(a.dtype) > rank(opts.dtype):
+            raise ValueError(
+                f"routes[{i}]: dtype {a.dtype} is wider than dtype={opts.dtype}; routes are widened, never "
+                f"narrowed: pass the global batch's dtype (torch_r3.global_layout)"
+            )
+    if rank(pad_dtype) > rank(opts.dtype):
+        raise ValueError(
+            f"dtype={opts.dtype} cannot hold the {opts.padding} padding's expert id {largest_pad_id}; "
+            f"use dtype={pad_dtype}"
+        )
+    return opts.dtype
 
 
-def padded_length(token_counts: Sequence[int], pad_to_multiple_of: int | None = None) -> int:
-    """`T` of the padded layout: the longest trajectory, rounded up to a multiple.
+def _check_size(needed: dict[str, tuple[tuple[int, ...], torch.dtype]], opts: _Options) -> None:
+    """Refuse, before allocating, an output larger than the bound (by default the physical memory)."""
+    total = sum(math.prod(shape) * dt.itemsize for shape, dt in needed.values())
+    bound = default_max_output_bytes() if opts.max_output_bytes is None else opts.max_output_bytes
+    if total > bound:
+        shapes = ", ".join(f"{k} {list(shape)}" for k, (shape, _) in needed.items())
+        raise ValueError(
+            f"the batch would allocate {total} bytes ({total / 2**30:.1f} GiB: {shapes}), more than the bound of "
+            f"{bound} bytes; check the token counts, seq_len and pad_to_multiple_of, or raise the bound with "
+            f"max_output_bytes= (or TORCH_R3_MAX_OUTPUT_BYTES)"
+        )
 
-    Args:
-        token_counts: the trajectories' token counts.
-        pad_to_multiple_of: round up to a multiple of this, if given.
 
-    Returns:
-        The padded length `T`.
+def _check_aliasing(result: dict[str, torch.Tensor], arrays, fields) -> None:
+    """Refuse an input that lives inside a caller-supplied output (it would be overwritten before it is read)."""
+    for key, t in result.items():
+        view = t.numpy()
+        for i, a in enumerate(arrays):
+            if np.may_share_memory(a, view):
+                raise ValueError(f"routes[{i}] lies in the memory of out[{key!r}]; collate from a copy of it")
+        for f in fields:
+            for i, a in enumerate(f.arrays):
+                if np.may_share_memory(a, view):
+                    raise ValueError(f"sample {i}: {f.key!r} lies in the memory of out[{key!r}]; use a copy of it")
 
-    Examples:
-        >>> padded_length([3, 5], pad_to_multiple_of=4)
-        8
-    """
-    longest = max(int(n) for n in token_counts)
-    multiple = _Options(pad_to_multiple_of=pad_to_multiple_of).pad_to_multiple_of
-    return longest if multiple is None else -(-longest // multiple) * multiple
+
+def _row_copier(layers: tuple[int, ...] | None):
+    """`copy(dst, src)` writing `src`'s selected layers into `dst`, each byte of `dst` once."""
+    if layers is None:
+        return lambda dst, src: np.copyto(dst, src, casting="safe")
+    step = layers[1] - layers[0] if len(layers) > 1 else 1
+    if step != 0 and all(b - a == step for a, b in itertools.pairwise(layers)):
+        stop = layers[-1] + step
+        sel = slice(layers[0], None if stop < 0 else stop, step)  # a view: one strided copy
+        return lambda dst, src: np.copyto(dst, src[:, sel], casting="safe")
+
+    def copy_each(dst: np.ndarray, src: np.ndarray) -> None:
+        for k, layer in enumerate(layers):
+            np.copyto(dst[:, k], src[:, layer], casting="safe")
+
+    return copy_each
 
 
 def _check_out(out: Any, want: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
@@ -198,18 +289,20 @@ def _check_out(out: Any, want: dict[str, tuple[tuple[int, ...], torch.dtype]]) -
 # --------------------------------------------------------------------------
 
 
-def _padded_writer(views, arrays, counts, T, fill_pad, fields):
+def _padded_writer(views, arrays, counts, ids, T, fill_pad, copy_rows, fields):
     routes_out, mask_out, att_out = views[ROUTES], views[ROUTER_MASK], views[ATTENTION_MASK]
     fviews = [(views[f.key], f.arrays, f.pad) for f in fields]
 
     def write_rows(lo: int, hi: int) -> None:
         for i in range(lo, hi):
             s = T - counts[i]  # first real token
-            e = s + arrays[i].shape[0]  # end of captured rows
+            r = arrays[i].shape[0]
+            e = s + r  # end of captured rows
             dst = routes_out[i]
-            fill_pad(dst[:s], 0)
-            np.copyto(dst[s:e], arrays[i], casting="safe")
-            fill_pad(dst[e:], e)
+            # Filler is keyed by the trajectory (global row) and the position from its first token.
+            fill_pad(dst[:s], ids[i] - s)
+            copy_rows(dst[s:e], arrays[i])
+            fill_pad(dst[e:], ids[i] + r)
             m = mask_out[i]
             m[:s] = True
             m[s:e] = False
@@ -224,7 +317,7 @@ def _padded_writer(views, arrays, counts, T, fill_pad, fields):
     return [T] * len(arrays), write_rows
 
 
-def _packed_writer(views, arrays, counts, fill_pad, fields):
+def _packed_writer(views, arrays, counts, ids, fill_pad, copy_rows, fields):
     routes_out, mask_out = views[ROUTES], views[ROUTER_MASK]
     fviews = [(views[f.key], f.arrays) for f in fields]
     cu = np.zeros(len(arrays) + 1, dtype=np.int64)
@@ -234,8 +327,8 @@ def _packed_writer(views, arrays, counts, fill_pad, fields):
     def write_rows(lo: int, hi: int) -> None:
         for i in range(lo, hi):
             c, n, r = int(cu[i]), counts[i], arrays[i].shape[0]
-            np.copyto(routes_out[c : c + r], arrays[i], casting="safe")
-            fill_pad(routes_out[c + r : c + n], c + r)
+            copy_rows(routes_out[c : c + r], arrays[i])
+            fill_pad(routes_out[c + r : c + n], ids[i] + r)
             mask_out[c : c + r] = False
             mask_out[c + r : c + n] = True
             for fo, fa in fviews:
@@ -244,13 +337,25 @@ def _packed_writer(views, arrays, counts, fill_pad, fields):
     return counts, write_rows
 
 
-def _collate(arrays, counts, opts: _Options, *, out=None, buffers=None, fields=()) -> dict[str, torch.Tensor]:
+def _collate(
+    arrays, counts, opts: _Options, *, out=None, buffers=None, fields=(), sample_ids=None
+) -> dict[str, torch.Tensor]:
     B, (_, num_layers, topk) = len(arrays), arrays[0].shape
     check_padding(opts.padding, opts.num_experts, topk)
+    ids = list(range(B)) if sample_ids is None else check_sample_ids(sample_ids, B)
+    if opts.layers is not None:
+        check_layers_in_range(opts.layers, num_layers)
     dtype = _output_dtype(arrays, topk, opts)
-    row_shape, tdtype = (num_layers, topk), _NP_TO_TORCH[dtype]
+    out_layers = num_layers if opts.layers is None else len(opts.layers)
+    row_shape, tdtype = (out_layers, topk), _NP_TO_TORCH[dtype]
     if opts.layout == "padded":
-        T = padded_length(counts, opts.pad_to_multiple_of)
+        if opts.seq_len is None:
+            T = padded_length(counts, opts.pad_to_multiple_of)
+        else:
+            T = opts.seq_len
+            for i, n in enumerate(counts):
+                if n > T:
+                    raise ValueError(f"sample {i} has {n} tokens, more than seq_len={T}")
         want = {
             ROUTES: ((B, T) + row_shape, tdtype),
             ROUTER_MASK: ((B, T), torch.bool),
@@ -269,19 +374,22 @@ def _collate(arrays, counts, opts: _Options, *, out=None, buffers=None, fields=(
         want.update({f.key: ((N,), f.dtype) for f in fields})
 
     result = _check_out(out, want)
+    _check_aliasing(result, arrays, fields)
     kind = _memory.memory_kind(opts.pin_memory)
     needed = {k: spec for k, spec in want.items() if k not in result}
+    _check_size(needed, opts)
     if buffers is not None and kind != "shared":  # never recycled in a worker: see BufferPool
         result.update(buffers.empty_batch(needed, pinned=kind == "pinned"))
     else:
         result.update({k: _memory.empty(shape, dt, kind) for k, (shape, dt) in needed.items()})
     result = {k: result[k] for k in want}  # the layout's key order, whoever supplied each
     views = {k: v.numpy() for k, v in result.items()}
-    fill_pad = PadFill(opts.padding, opts.num_experts, num_layers, topk, dtype)
+    fill_pad = PadFill(opts.padding, opts.num_experts, out_layers, topk, dtype)
+    copy_rows = _row_copier(opts.layers)
     if opts.layout == "padded":
-        costs, write_rows = _padded_writer(views, arrays, counts, T, fill_pad, fields)
+        costs, write_rows = _padded_writer(views, arrays, counts, ids, T, fill_pad, copy_rows, fields)
     else:
-        costs, write_rows = _packed_writer(views, arrays, counts, fill_pad, fields)
+        costs, write_rows = _packed_writer(views, arrays, counts, ids, fill_pad, copy_rows, fields)
     workers = _pool.default_workers() if opts.workers is None else opts.workers
     _pool.run(costs, write_rows, workers, views[ROUTES].nbytes)
     return result
@@ -299,6 +407,12 @@ def collate_routes(
     out: torch.Tensor | Mapping[str, torch.Tensor] | None = None,
     pin_memory: bool | None = None,
     buffers: BufferPool | None = None,
+    seq_len: int | None = None,
+    dtype: Any = None,
+    layers: Sequence[int] | None = None,
+    sample_ids: Sequence[int] | None = None,
+    max_output_bytes: int | None = None,
+    compact: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Collate per-trajectory route arrays into one training batch.
 
@@ -328,6 +442,26 @@ def collate_routes(
             to fresh shared memory instead.
         buffers: a `BufferPool` to take the outputs from (keys not in `out`);
             by default every call allocates fresh memory.
+        seq_len: pad to exactly this `T` (padded layout; a multiple of
+            `pad_to_multiple_of` if both are given), written in the same single
+            pass; a sample with more tokens is refused. Give the global batch's
+            `T` (`torch_r3.global_layout`) to collate a subset of it.
+        dtype: the output's route dtype (`uint8`, `int16` or `int32`, NumPy
+            or torch). Narrower samples widen; a wider sample is refused,
+            never narrowed.
+        layers: indices into the routes' layer axis (distinct, in range):
+            the output holds only those layers, in that order (a pipeline
+            stage's layers). Still one write per output byte.
+        sample_ids: each sample's row in the global batch (distinct ints
+            `>= 0`; default `0 .. B-1`). `balanced` padding is keyed by it, so
+            that a subset gets exactly the global batch's padding routes.
+        max_output_bytes: refuse, before allocating, a batch whose outputs
+            would take more bytes; default the physical memory, or
+            `TORCH_R3_MAX_OUTPUT_BYTES`.
+        compact: compact non-canonical routes (int64 arrays, nested lists,
+            as a Hugging Face dataset returns them) with `compact_routes` at
+            collation, one scan and copy per such sample; off by default,
+            since the sender compacting once is cheaper.
 
     Returns:
         The batch: `rollout_expert_indices`, `router_padding_mask` and, padded, `attention_mask`; packed, `cu_seqlens`.
@@ -356,11 +490,16 @@ def collate_routes(
         num_experts=num_experts,
         workers=workers,
         pin_memory=pin_memory,
+        seq_len=seq_len,
+        dtype=dtype,
+        layers=layers,
+        max_output_bytes=max_output_bytes,
+        compact=compact,
     )
     if buffers is not None and not isinstance(buffers, BufferPool):
         raise TypeError(f"buffers must be None or a torch_r3.BufferPool, got {type(buffers).__name__}")
-    arrays, counts = _check_batch(routes, token_counts)
-    return _collate(arrays, counts, opts, out=out, buffers=buffers)
+    arrays, counts = _check_batch(routes, token_counts, opts.compact)
+    return _collate(arrays, counts, opts, out=out, buffers=buffers, sample_ids=sample_ids)
 
 
 class R3Collator:
@@ -400,6 +539,15 @@ class R3Collator:
         cache_bytes: the most bytes of idle output buffers kept for reuse;
             `None` for the default bound (twice the largest batch served),
             `0` to allocate fresh memory for every batch.
+        seq_len: as in `collate_routes` (also the length of `input_ids` and
+            the `pad_keys`).
+        dtype: as in `collate_routes`.
+        layers: as in `collate_routes`.
+        max_output_bytes: as in `collate_routes`.
+        compact: as in `collate_routes`.
+
+    Calling it: `collator(samples)` or `collator(samples, sample_ids=ids)`
+    with the samples' rows in the global batch (see `collate_routes`).
 
     Raises:
         TypeError: a setting of the wrong kind, naming it.
@@ -434,6 +582,11 @@ class R3Collator:
         workers: int | None = None,
         pin_memory: bool | None = None,
         cache_bytes: int | None = None,
+        seq_len: int | None = None,
+        dtype: Any = None,
+        layers: Sequence[int] | None = None,
+        max_output_bytes: int | None = None,
+        compact: bool = False,
     ) -> None:
         self._options = _Options(
             layout=layout,
@@ -442,6 +595,11 @@ class R3Collator:
             num_experts=num_experts,
             workers=workers,
             pin_memory=pin_memory,
+            seq_len=seq_len,
+            dtype=dtype,
+            layers=layers,
+            max_output_bytes=max_output_bytes,
+            compact=compact,
         )
         self.pad_token_id = as_int(pad_token_id, "pad_token_id")
         if not -(2**63) <= self.pad_token_id < 2**63:
@@ -465,15 +623,19 @@ class R3Collator:
             f"pad_keys={self.pad_keys!r}, padding={o.padding!r}, cache_bytes={self.buffers.max_cached_bytes!r})"
         )
 
-    def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    def __call__(self, samples: Sequence[Mapping[str, Any]], sample_ids: Sequence[int] | None = None) -> dict[str, Any]:
         routes, fields, extra = batch_samples(
             samples, self.routes_key, self.tokens_key, self.pad_token_id, self.pad_keys
         )
         try:
-            arrays, counts = _check_batch(routes, [tokens.shape[0] for tokens in fields[0].arrays])
+            arrays, counts = _check_batch(
+                routes, [tokens.shape[0] for tokens in fields[0].arrays], self._options.compact
+            )
         except (TypeError, ValueError) as e:
             raise type(e)(f"{e} [key {self.routes_key!r}]") from None
         extra_batch = collate_extra(samples, extra)
-        batch: dict[str, Any] = _collate(arrays, counts, self._options, buffers=self.buffers, fields=fields)
+        batch: dict[str, Any] = _collate(
+            arrays, counts, self._options, buffers=self.buffers, fields=fields, sample_ids=sample_ids
+        )
         batch.update(extra_batch)
         return batch

@@ -1,0 +1,267 @@
+"""The cluster-scale contract: every rank's micro-batches are slices of one global batch.
+
+A DP 2 x PP 2 job is simulated in one process: each (data-parallel rank,
+pipeline stage) pair builds its own `ShardCollator` over its micro-batches of
+`plan_microbatches`, with the global `seq_len` and `dtype` of `global_layout`
+and the stage's `layers`. Every micro-batch must equal, bit for bit and dtype
+for dtype, the matching part of one global `R3Collator` batch (itself checked
+against the independent reference): padded, the micro-batch's rows (and the
+stage's layers); packed, the micro-batch's samples' spans of the global batch,
+concatenated (a micro-batch is its own pack, so its `cu_seqlens` restart at 0).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from reference_collate import assert_batch_equal, reference_r3_collator
+
+from torch_r3 import R3Collator, ShardCollator, global_layout, plan_microbatches
+
+L, K, EXPERTS = 4, 2, 7
+STAGES = ([0, 1], [2, 3])  # PP 2: each stage's MoE layers
+
+
+def make_global(seed, wide):
+    rng = np.random.default_rng(seed)
+    B = int(rng.integers(8, 15))
+    samples = []
+    for i in range(B):
+        n = int(rng.integers(1, 24))
+        r = int(rng.integers(0, n + 1))
+        dtype = np.int16 if wide and i % 3 == 1 else np.uint8
+        samples.append(
+            {
+                "input_ids": rng.integers(1, 1000, size=n).tolist(),
+                "routes": rng.integers(0, EXPERTS, size=(r, L, K)).astype(dtype),
+                "loss_mask": rng.integers(0, 2, size=n).astype(np.float32),
+                "reward": float(rng.random()),
+            }
+        )
+    return samples
+
+
+def expected_part(full, indices, layers, layout):
+    """The global batch's part that micro-batch `indices` (and stage `layers`) must equal."""
+    if layout == "padded":
+        want = {k: v[indices] for k, v in full.items()}
+        want["rollout_expert_indices"] = want["rollout_expert_indices"][:, :, layers]
+        return want
+    cu = full["cu_seqlens"].tolist()
+    want = {"reward": full["reward"][indices]}
+    for key in ("rollout_expert_indices", "router_padding_mask", "input_ids", "loss_mask"):
+        want[key] = torch.cat([full[key][cu[i] : cu[i + 1]] for i in indices])
+    want["rollout_expert_indices"] = want["rollout_expert_indices"][:, layers]
+    spans = [cu[i + 1] - cu[i] for i in indices]
+    want["cu_seqlens"] = torch.tensor([0, *np.cumsum(spans)], dtype=torch.int32)
+    return want
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("padding", ["arange", "balanced"])
+@pytest.mark.parametrize("wide", [False, True], ids=["uint8", "int16"])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_every_microbatch_of_every_rank_equals_its_part_of_the_global_batch(seed, padding, wide, layout):
+    samples = make_global(seed, wide)
+    counts = [len(s["input_ids"]) for s in samples]
+    experts = EXPERTS if padding == "balanced" else None
+    opts = {"layout": layout, "padding": padding, "num_experts": experts, "pad_token_id": 3}
+    opts["pad_keys"] = {"loss_mask": -1.0}
+    full = R3Collator(**opts)(samples)
+    reference = reference_r3_collator(
+        samples,
+        pad_token_id=3,
+        layout=layout,
+        pad_keys={"loss_mask": (-1.0, np.float32)},
+        padding=padding,
+        num_experts=opts["num_experts"],
+    )
+    assert_batch_equal(full, reference)  # the global batch itself is right
+
+    geometry = global_layout(
+        counts, {s["routes"].dtype for s in samples}, padding=padding, num_experts=opts["num_experts"]
+    )
+    assert geometry.dtype == full["rollout_expert_indices"].numpy().dtype
+    if layout == "padded":
+        assert geometry.seq_len == full["attention_mask"].shape[1]
+    seq_len = geometry.seq_len if layout == "padded" else None
+    plan = plan_microbatches(counts, dp_size=2, micro_batch_size=3)
+    assert len(plan[0]) == len(plan[1])
+    assert sorted(i for rank in plan for mb in rank for i in mb) == list(range(len(samples)))
+
+    fetched = []
+    for rank in range(2):
+        for stage, layers in enumerate(STAGES):
+
+            def fetch(indices, rank=rank, stage=stage):
+                fetched.append((rank, stage, tuple(indices)))
+                return [samples[i] for i in indices]
+
+            shard = ShardCollator(
+                fetch, plan[rank], seq_len=seq_len, dtype=geometry.dtype, layers=layers, prefetch=stage == 1, **opts
+            )
+            got = list(shard)  # all kept alive here: the values must survive recycling
+            assert len(got) == len(plan[rank])
+            for indices, batch in zip(plan[rank], got):
+                want = expected_part(full, indices, layers, layout)
+                assert set(batch) == set(want)
+                for key, value in want.items():
+                    assert batch[key].dtype == value.dtype, (key, batch[key].dtype, value.dtype)
+                    assert torch.equal(batch[key], value), (rank, stage, indices, key)
+    assert sorted(fetched) == sorted((r, s, tuple(mb)) for r in range(2) for s in range(2) for mb in plan[r])
+
+
+def test_a_for_loop_keeps_two_microbatches_of_buffers():
+    samples = make_global(5, wide=True)
+    counts = [len(s["input_ids"]) for s in samples]
+    geometry = global_layout(counts, {np.uint8, np.int16})
+    mbs = [[i] for i in range(len(samples))]
+    shard = ShardCollator(
+        lambda idx: [samples[i] for i in idx], mbs, seq_len=geometry.seq_len, dtype=np.int16, pad_keys=["loss_mask"]
+    )
+    addresses = set()
+    for batch in shard:
+        addresses |= {t.data_ptr() for t in batch.values() if isinstance(t, torch.Tensor) and t.dim() > 1}
+    # Equal shapes every step: after the first two micro-batches nothing new is mapped.
+    stats = shard.collator.buffers.stats()
+    assert len(samples) >= 8
+    assert stats["misses"] == 2 * 5, stats  # routes, router mask, attention mask, input_ids, loss_mask
+    assert len(addresses) == 2 * 5
+
+
+def test_prefetch_fetches_the_next_microbatch_while_the_current_one_is_held():
+    samples = make_global(6, wide=False)
+    started = []
+    release = threading.Event()
+
+    def fetch(indices):
+        started.append(indices[0])
+        if indices[0] == 1:
+            release.wait(timeout=30)
+        return [samples[i] for i in indices]
+
+    shard = ShardCollator(fetch, [[0], [1], [2]], prefetch=True, pad_keys=["loss_mask"])
+    it = iter(shard)
+    first = next(it)
+    # While the caller holds micro-batch 0, the fetch of micro-batch 1 has begun.
+    for _ in range(3000):
+        if 1 in started:
+            break
+        threading.Event().wait(0.01)
+    assert started[:2] == [0, 1]
+    release.set()
+    rest = list(it)
+    assert [b["input_ids"][0, -1].item() for b in [first, *rest]] == [s["input_ids"][-1] for s in samples[:3]]
+
+
+def test_a_framework_s_own_index_lists_work_like_a_plan():
+    samples = make_global(7, wide=False)
+    counts = [len(s["input_ids"]) for s in samples]
+    geometry = global_layout(counts, {np.uint8}, padding="balanced", num_experts=EXPERTS)
+    full = R3Collator(padding="balanced", num_experts=EXPERTS, pad_keys=["loss_mask"])(samples)
+    mine = [np.array([5, 2]), torch.tensor([0]), range(3, 5)]  # any order, any sequence type
+    shard = ShardCollator(
+        lambda idx: [samples[i] for i in idx],
+        mine,
+        seq_len=geometry.seq_len,
+        dtype=geometry.dtype,
+        padding="balanced",
+        num_experts=EXPERTS,
+        pad_keys=["loss_mask"],
+    )
+    for indices, batch in zip([[5, 2], [0], [3, 4]], shard):
+        for key in batch:
+            assert torch.equal(batch[key], full[key][indices]), key
+
+
+@pytest.mark.parametrize(
+    "microbatches, exc, match",
+    [
+        ([[0, 1], []], ValueError, r"microbatches\[1\]: a micro-batch needs at least one sample"),
+        ([[0, 1], [1]], ValueError, r"microbatches\[1\]: sample 1 is also in microbatches\[0\]"),
+        ([[0, 0]], ValueError, r"microbatches\[0\]: sample_ids\[1\]: id 0 is given to two samples"),
+        ([[0, -1]], ValueError, r"microbatches\[0\]: sample_ids\[1\]"),
+        ([[0.5]], TypeError, r"microbatches\[0\]: sample_ids\[0\] must be an int"),
+        ("01", TypeError, "microbatches: expected a sequence"),
+    ],
+)
+def test_bad_microbatches_are_refused_naming_them(microbatches, exc, match):
+    with pytest.raises(exc, match=match):
+        ShardCollator(lambda idx: [], microbatches)
+
+
+def test_a_fetch_returning_the_wrong_number_of_samples_is_refused():
+    samples = make_global(8, wide=False)
+    shard = ShardCollator(lambda idx: samples[:1], [[0, 1]], pad_keys=["loss_mask"])
+    with pytest.raises(ValueError, match=r"fetch\(\[0, 1\]\) returned 1 samples for 2 indices"):
+        next(iter(shard))
+
+
+# ---------------------------------------------------------------------------
+# plan_microbatches
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize(
+    "dp, mbs, cap", [(1, None, None), (2, 3, None), (4, 2, None), (2, None, 60), (3, 4, 80), (8, 1, None)]
+)
+def test_plan_places_each_sample_once_with_equal_microbatch_counts(seed, dp, mbs, cap):
+    rng = np.random.default_rng(seed)
+    size = int(rng.integers(dp, 40))
+    if mbs == 1:  # one sample per micro-batch: equal counts need equal sample counts
+        size -= size % dp
+    counts = [int(n) for n in rng.integers(1, 40, size=size)]
+    plan = plan_microbatches(counts, dp_size=dp, micro_batch_size=mbs, max_tokens_per_microbatch=cap)
+    assert len(plan) == dp
+    assert len({len(rank) for rank in plan}) == 1
+    flat = [i for rank in plan for mb in rank for i in mb]
+    assert sorted(flat) == list(range(len(counts)))
+    for rank in plan:
+        for mb in rank:
+            assert mb and mb == sorted(mb)
+            assert mbs is None or len(mb) <= mbs
+            assert cap is None or sum(counts[i] for i in mb) <= cap
+    # Balanced across ranks: within one longest sample's tokens of each other.
+    loads = [sum(counts[i] for mb in rank for i in mb) for rank in plan]
+    assert max(loads) - min(loads) <= max(counts)
+    sizes = [sum(len(mb) for mb in rank) for rank in plan]
+    assert max(sizes) - min(sizes) <= 1
+    assert plan == plan_microbatches(counts, dp_size=dp, micro_batch_size=mbs, max_tokens_per_microbatch=cap)
+
+
+def test_plan_balances_tokens_better_than_contiguous_chunks():
+    counts = [100, 100, 100, 100, 1, 1, 1, 1]
+    plan = plan_microbatches(counts, dp_size=2)
+    loads = [sum(counts[i] for mb in rank for i in mb) for rank in plan]
+    assert loads == [202, 202]
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"token_counts": [3], "dp_size": 2}, ValueError, "1 samples cannot give each of dp_size=2"),
+        ({"token_counts": [3, 0], "dp_size": 1}, ValueError, r"token_counts\[1\]: expected a positive"),
+        ({"token_counts": [3, 2.0], "dp_size": 1}, TypeError, r"token_counts\[1\] must be an int"),
+        ({"token_counts": [3, 9], "dp_size": 1, "max_tokens_per_microbatch": 8}, ValueError, "sample 1 has 9"),
+        ({"token_counts": [3, 3], "dp_size": 0}, ValueError, "dp_size must be >= 1"),
+        ({"token_counts": [3, 3], "dp_size": 1, "micro_batch_size": 0}, ValueError, "micro_batch_size must be"),
+        (
+            {"token_counts": [5, 5, 5, 5], "dp_size": 2, "max_tokens_per_microbatch": 5, "micro_batch_size": 1},
+            None,
+            None,
+        ),
+        ({"token_counts": [5, 5, 1], "dp_size": 2, "max_tokens_per_microbatch": 5}, ValueError, "need more micro"),
+        ({"token_counts": [1, 1, 1], "dp_size": 2, "micro_batch_size": 1}, ValueError, "than the 1 samples a rank"),
+    ],
+)
+def test_plan_refuses_what_it_cannot_plan(kwargs, exc, match):
+    if exc is None:
+        plan = plan_microbatches(**kwargs)
+        assert [len(r) for r in plan] == [2, 2]
+        return
+    with pytest.raises(exc, match=match):
+        plan_microbatches(**kwargs)

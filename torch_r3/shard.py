@@ -1,0 +1,267 @@
+"""A rank's share of the global batch: plan micro-batches from metadata, collate each on its rank.
+
+At cluster scale the controller keeps only metadata (token counts, route
+dtypes) and each trainer rank collates its own micro-batches, fetching only
+their trajectories. `plan_microbatches` splits the global batch across
+data-parallel ranks from the token counts alone; `ShardCollator` fetches and
+collates one rank's micro-batches, each one bit-identical to the matching rows
+of the global batch when it is given the global `seq_len` and `dtype`
+(`torch_r3.global_layout`): the micro-batch's global sample indices go to the
+collator as `sample_ids`, which key the `balanced` padding.
+
+Examples:
+    >>> import numpy as np
+    >>> from torch_r3 import ShardCollator, global_layout, plan_microbatches
+    >>> tokens = [[1, 2, 3], [4], [5, 6], [7, 8, 9, 10]]
+    >>> store = [{"input_ids": t, "routes": np.zeros((len(t) - 1, 2, 2), np.uint8)} for t in tokens]
+    >>> counts = [len(t) for t in tokens]
+    >>> plan = plan_microbatches(counts, dp_size=2, micro_batch_size=1)
+    >>> plan
+    [[[3], [1]], [[0], [2]]]
+    >>> layout = global_layout(counts, {np.uint8})
+    >>> shard = ShardCollator(lambda idx: [store[i] for i in idx], plan[0], seq_len=layout.seq_len, dtype=layout.dtype)
+    >>> [batch["input_ids"].tolist() for batch in shard]
+    [[[7, 8, 9, 10]], [[0, 0, 0, 4]]]
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from torch_r3._padding import as_int
+from torch_r3.collate import R3Collator
+from torch_r3.layout import check_sample_ids
+
+__all__ = ["ShardCollator", "plan_microbatches"]
+
+
+def _positive(value: Any, name: str) -> int | None:
+    if value is None:
+        return None
+    value = as_int(value, name)
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def _split_rank(members, counts, m, micro_batch_size, max_tokens):
+    """`members` into `m` non-empty micro-batches balanced by tokens; `None` if the limits do not allow it."""
+    bins: list[list[int]] = [[] for _ in range(m)]
+    load = [0] * m
+    for i in sorted(members, key=lambda i: (-counts[i], i)):
+        room = [
+            b
+            for b in range(m)
+            if (micro_batch_size is None or len(bins[b]) < micro_batch_size)
+            and (max_tokens is None or load[b] + counts[i] <= max_tokens)
+        ]
+        if not room:
+            return None
+        # The least loaded bin: an empty one while any is left, so every micro-batch gets a sample.
+        b = min(room, key=lambda b: (load[b], len(bins[b]), b))
+        bins[b].append(i)
+        load[b] += counts[i]
+    return [sorted(b) for b in bins]
+
+
+def plan_microbatches(
+    token_counts: Sequence[int],
+    *,
+    dp_size: int,
+    micro_batch_size: int | None = None,
+    max_tokens_per_microbatch: int | None = None,
+) -> list[list[list[int]]]:
+    """Split a global batch into micro-batches per data-parallel rank, from token counts alone.
+
+    Every sample goes to exactly one micro-batch of one rank; every rank gets
+    the same number of micro-batches (Megatron's schedule runs the same count
+    on every rank), none empty. Ranks are balanced by tokens (and hold within
+    one sample of the same count); within a rank the micro-batches are
+    balanced by tokens too. Deterministic: the same counts give the same plan
+    on every rank. Indices within a micro-batch are ascending.
+
+    Args:
+        token_counts: every trajectory's token count (positive ints), in
+            global batch order.
+        dp_size: data-parallel ranks.
+        micro_batch_size: the most samples per micro-batch.
+        max_tokens_per_microbatch: the most tokens per micro-batch (a
+            trajectory longer than this is refused). Without either limit,
+            each rank gets one micro-batch.
+
+    Returns:
+        `plan[rank][k]`: the global sample indices of rank `rank`'s `k`-th micro-batch.
+
+    Raises:
+        TypeError: a count or setting of the wrong kind, naming it.
+        ValueError: fewer samples than ranks, a trajectory over the token
+            limit, or limits that need more micro-batches than a rank has samples.
+
+    Examples:
+        >>> plan_microbatches([5, 1, 4, 2, 3, 3], dp_size=2, micro_batch_size=2)
+        [[[0], [1, 5]], [[2], [3, 4]]]
+    """
+    if isinstance(token_counts, (torch.Tensor, np.ndarray)):
+        token_counts = token_counts.tolist()
+    if isinstance(token_counts, (str, bytes)) or not isinstance(token_counts, Sequence):
+        raise TypeError(f"token_counts: expected a sequence of ints, got {type(token_counts).__name__}")
+    counts = [as_int(n, f"token_counts[{i}]") for i, n in enumerate(token_counts)]
+    for i, n in enumerate(counts):
+        if n <= 0:
+            raise ValueError(f"token_counts[{i}]: expected a positive token count, got {n}")
+    dp = _positive(dp_size, "dp_size")
+    assert dp is not None
+    mbs = _positive(micro_batch_size, "micro_batch_size")
+    cap = _positive(max_tokens_per_microbatch, "max_tokens_per_microbatch")
+    if len(counts) < dp:
+        raise ValueError(f"token_counts: {len(counts)} samples cannot give each of dp_size={dp} ranks one")
+    if cap is not None:
+        for i, n in enumerate(counts):
+            if n > cap:
+                raise ValueError(f"sample {i} has {n} tokens, more than max_tokens_per_microbatch={cap}")
+    # Ranks: in rounds of dp samples, longest first, each to the least loaded rank
+    # of the round, so the sample counts differ by at most one.
+    members: list[list[int]] = [[] for _ in range(dp)]
+    load = [0] * dp
+    order = sorted(range(len(counts)), key=lambda i: (-counts[i], i))
+    for start in range(0, len(order), dp):
+        chunk = order[start : start + dp]
+        ranks = sorted(range(dp), key=lambda r: (load[r], r))[: len(chunk)]
+        for i, r in zip(chunk, ranks):
+            members[r].append(i)
+            load[r] += counts[i]
+    m = 1
+    if mbs is not None:
+        m = max(m, -(-max(len(ms) for ms in members) // mbs))
+    if cap is not None:
+        m = max(m, -(-max(load) // cap))
+    fewest = min(len(ms) for ms in members)
+    while m <= fewest:
+        plan = [_split_rank(ms, counts, m, mbs, cap) for ms in members]
+        if all(p is not None for p in plan):
+            return plan  # type: ignore[return-value]
+        m += 1
+    raise ValueError(
+        f"the limits (micro_batch_size={mbs}, max_tokens_per_microbatch={cap}) need more micro-batches per rank "
+        f"than the {fewest} samples a rank holds; raise the limits or lower dp_size"
+    )
+
+
+def _check_microbatches(microbatches: Any) -> list[list[int]]:
+    if isinstance(microbatches, (str, bytes, Mapping)) or not isinstance(microbatches, Sequence):
+        raise TypeError(f"microbatches: expected a sequence of index lists, got {type(microbatches).__name__}")
+    out: list[list[int]] = []
+    seen: dict[int, int] = {}
+    for k, mb in enumerate(microbatches):
+        if isinstance(mb, (torch.Tensor, np.ndarray)):
+            mb = mb.tolist()
+        if isinstance(mb, (str, bytes)) or not isinstance(mb, (Sequence, range)):
+            raise TypeError(f"microbatches[{k}]: expected a sequence of sample indices, got {type(mb).__name__}")
+        if len(mb) == 0:
+            raise ValueError(f"microbatches[{k}]: a micro-batch needs at least one sample")
+        try:
+            ids = check_sample_ids(mb, len(mb))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"microbatches[{k}]: {e}") from None
+        for i in ids:
+            if i in seen:
+                raise ValueError(f"microbatches[{k}]: sample {i} is also in microbatches[{seen[i]}]")
+            seen[i] = k
+        out.append(ids)
+    return out
+
+
+class ShardCollator:
+    """Fetch and collate one rank's micro-batches: an iterable of the batches `ReplayHook` consumes.
+
+    For each micro-batch (a list of global sample indices) it calls
+    `fetch(indices)`, which returns that micro-batch's sample dicts in the
+    same order (as `R3Collator` takes them), and yields their collated batch.
+    The indices go to the collator as `sample_ids`, so with the global
+    batch's `seq_len` and `dtype` (`torch_r3.global_layout`) every micro-batch
+    is bit-identical to its rows of one global `R3Collator` batch (packed: to
+    its samples' spans of it). Batches come from the collator's recycled
+    buffers: a `for` loop that drops each batch when it takes the next keeps
+    two micro-batches' buffers alive.
+
+    Args:
+        fetch: `fetch(indices) -> samples`, called once per micro-batch and
+            iteration (from a helper thread with `prefetch=True`).
+        microbatches: this rank's micro-batches, each a sequence of distinct
+            global sample indices (`plan_microbatches(...)[rank]`, or a
+            framework's own lists).
+        seq_len: as in `R3Collator` (the global `T`, for padded batches).
+        dtype: as in `R3Collator` (the global route dtype).
+        layers: as in `R3Collator` (a pipeline stage's layers).
+        prefetch: fetch the next micro-batch in a helper thread while the
+            current one trains (fetched samples are held, not collated, so
+            the buffer bound stays two batches).
+        **options: the other `R3Collator` settings (`layout`, `pad_keys`,
+            `padding`, `num_experts`, `pad_token_id`, ...).
+
+    Raises:
+        TypeError: `fetch` is not callable, or a setting of the wrong kind.
+        ValueError: an empty or repeated micro-batch index, or a bad setting;
+            when iterating, a `fetch` that returns the wrong number of samples.
+    """
+
+    def __init__(
+        self,
+        fetch: Callable[[list[int]], Sequence[Mapping[str, Any]]],
+        microbatches: Sequence[Sequence[int]],
+        *,
+        seq_len: int | None = None,
+        dtype: Any = None,
+        layers: Sequence[int] | None = None,
+        prefetch: bool = False,
+        **options: Any,
+    ) -> None:
+        if not callable(fetch):
+            raise TypeError(f"fetch must be callable (indices -> samples), got {type(fetch).__name__}")
+        if not isinstance(prefetch, (bool, np.bool_)):
+            raise TypeError(f"prefetch must be True or False, got {prefetch!r}")
+        self.fetch = fetch
+        self.microbatches = _check_microbatches(microbatches)
+        self.prefetch = bool(prefetch)
+        self.collator = R3Collator(seq_len=seq_len, dtype=dtype, layers=layers, **options)
+
+    def __repr__(self) -> str:
+        return f"ShardCollator({len(self.microbatches)} micro-batches, prefetch={self.prefetch}, {self.collator!r})"
+
+    def __len__(self) -> int:
+        return len(self.microbatches)
+
+    def _fetch(self, k: int) -> Sequence[Mapping[str, Any]]:
+        indices = self.microbatches[k]
+        samples = self.fetch(list(indices))
+        if isinstance(samples, (str, bytes, Mapping)) or not isinstance(samples, Sequence):
+            raise TypeError(f"fetch({indices}) returned {type(samples).__name__}, expected a sequence of samples")
+        if len(samples) != len(indices):
+            raise ValueError(f"fetch({indices}) returned {len(samples)} samples for {len(indices)} indices")
+        return samples
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if not self.prefetch:
+            for k in range(len(self.microbatches)):
+                batch = self.collator(self._fetch(k), sample_ids=self.microbatches[k])
+                yield batch
+                del batch  # the caller's loop variable is the one reference left
+            return
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torch_r3-prefetch")
+        try:
+            pending = pool.submit(self._fetch, 0) if self.microbatches else None
+            for k in range(len(self.microbatches)):
+                assert pending is not None
+                samples = pending.result()
+                pending = pool.submit(self._fetch, k + 1) if k + 1 < len(self.microbatches) else None
+                batch = self.collator(samples, sample_ids=self.microbatches[k])
+                del samples
+                yield batch
+                del batch
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
