@@ -95,15 +95,20 @@ def _status_kb(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def reset_peak() -> int:
-    """Reset VmHWM to the current RSS; return that RSS in bytes."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status_kb("VmRSS")
+class Meter:
+    """This process's peak RSS growth since `start`, and how much of its RSS now is private or store pages."""
 
+    def start(self) -> None:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+        self.before = {f: _status_kb(f) for f in ("VmRSS", "RssAnon", "RssShmem")}
 
-def peak_growth(rss_before: int) -> int:
-    return _status_kb("VmHWM") - rss_before
+    def read(self) -> dict[str, int]:
+        return {
+            "peak": _status_kb("VmHWM") - self.before["VmRSS"],
+            "anon_now": _status_kb("RssAnon") - self.before["RssAnon"],
+            "shmem_now": _status_kb("RssShmem") - self.before["RssShmem"],
+        }
 
 
 def _np(a: Any) -> np.ndarray:
@@ -172,10 +177,11 @@ class Trainer:
         return os.path.dirname(torch_r3.__file__)
 
     def start(self) -> None:
-        self.rss = reset_peak()
+        self.meter = Meter()
+        self.meter.start()
 
-    def peak(self) -> int:
-        return peak_growth(self.rss)
+    def memory(self) -> dict[str, int]:
+        return self.meter.read()
 
     def refs_step(self, refs: dict[int, TrajectoryRef], microbatches, seq_len, dtype, stage_only: bool, verify: bool):
         from torch_r3 import ShardCollator
@@ -218,11 +224,20 @@ class Controller:
         layout = torch_r3.global_layout(counts, route_dtypes(metas))
         return plan, layout
 
+    def start(self) -> None:
+        self.meter = Meter()
+        self.meter.start()
+
+    def memory(self) -> dict[str, int]:
+        return self.meter.read()
+
     def step(self, variant: str, verify: bool) -> dict[str, Any]:
-        rss = reset_peak()
         start = time.perf_counter()
         metas, through = self._trajectories()
         plan, layout = self._plan(metas)
+        self._last = start
+        self.phases: dict[str, float] = {}
+        self._lap("metadata and plan")
         if variant == "controller":
             results, moved = self._controller_path(metas, plan, verify)
         else:
@@ -230,8 +245,8 @@ class Controller:
         wall = time.perf_counter() - start
         return {
             "wall_s": wall,
+            "phases_s": self.phases,
             "through_controller": through + moved,
-            "controller_peak_growth": peak_growth(rss),
             "results": results,
             "plan": plan,
             "seq_len": layout.seq_len,
@@ -244,13 +259,22 @@ class Controller:
             args = (refs, plan[dp], layout.seq_len, layout.dtype)
             moved += pickled_bytes(args) * len(stages)
             calls.append([t.refs_step.remote(*args, stage_only, verify) for t in stages])
-        return [ray.get(c) for c in calls], moved
+        self._lap("send")
+        results = [ray.get(c) for c in calls]
+        self._lap("trainers")
+        return results, moved
+
+    def _lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name], self._last = now - self._last, now
 
     def _controller_path(self, metas, plan, verify: bool):
         samples = ray.get([m.ref for m in metas])
         moved = sum(a.nbytes for s in samples for a in s.values())
+        self._lap("fetch")
         batch = R3Collator(pad_token_id=0)(samples)
         del samples
+        self._lap("collate")
         calls = []
         for dp, stages in enumerate(self.trainers):
             rows = np.array([i for mb in plan[dp] for i in mb], dtype=np.int64)
@@ -262,7 +286,10 @@ class Controller:
             moved += pickled_bytes((ref, bounds)) * len(stages)
             calls.append([t.shard_step.remote(ref, bounds, verify) for t in stages])
         del batch
-        return [ray.get(c) for c in calls], moved
+        self._lap("shard and put")
+        results = [ray.get(c) for c in calls]
+        self._lap("trainers")
+        return results, moved
 
 
 # --------------------------------------------------------------------------
@@ -301,26 +328,24 @@ def run_variant(variant: str, cfg: Config, rollouts) -> dict[str, Any]:
     if paths != {os.path.dirname(torch_r3.__file__)}:
         raise RuntimeError(f"trainer actors import torch_r3 from {paths}, not {os.path.dirname(torch_r3.__file__)}")
     controller = Controller.remote(cfg, rollouts, trainers)
-    ray.get(controller.step.remote(variant, False))  # warm-up: imports, recycled buffers, first page faults
-    walls, through, ctrl_peak, trainer_peaks = [], [], [], [0] * len(flat)
-    for _ in range(cfg.steps):
-        ray.get([t.start.remote() for t in flat])
-        out = ray.get(controller.step.remote(variant, False))
-        peaks = ray.get([t.peak.remote() for t in flat])
-        trainer_peaks = [max(a, b) for a, b in zip(trainer_peaks, peaks)]
-        walls.append(out["wall_s"])
-        through.append(out["through_controller"])
-        ctrl_peak.append(out["controller_peak_growth"])
+    # Memory over the first step of fresh processes: its allocations (recycled buffers, mapped pages) all count.
+    # Later steps run warm; a new step's shard may land elsewhere in the store and map new pages.
+    ray.get([a.start.remote() for a in [controller, *flat]])
+    ray.get(controller.step.remote(variant, False))
+    ctrl_mem, *trainer_mem = ray.get([a.memory.remote() for a in [controller, *flat]])
+    steps = [ray.get(controller.step.remote(variant, False)) for _ in range(cfg.steps)]
     check = ray.get(controller.step.remote(variant, True))
     for actor in [controller, *flat]:
         ray.kill(actor)
     return {
         "variant": variant,
         "label": VARIANTS[variant],
-        "wall_s": statistics.median(walls),
-        "through_controller_bytes": max(through),
-        "controller_peak_growth_bytes": max(ctrl_peak),
-        "trainer_peak_growth_bytes": trainer_peaks,
+        "wall_s": statistics.median(s["wall_s"] for s in steps),
+        "phases_s": {k: statistics.median(s["phases_s"][k] for s in steps) for k in steps[0]["phases_s"]},
+        "through_controller_bytes": max(s["through_controller"] for s in steps),
+        "controller_peak_growth_bytes": ctrl_mem["peak"],
+        "trainer_peak_growth_bytes": [m["peak"] for m in trainer_mem],
+        "memory_detail": {"controller": ctrl_mem, "trainers": trainer_mem},
         "digests": check["results"],
         "plan": check["plan"],
         "seq_len": check["seq_len"],
@@ -359,6 +384,7 @@ def trainer_bounds(cfg: Config, metas: list[TrajectoryRef], plan, seq_len: int, 
 
 def measure(cfg: Config) -> dict[str, Any]:
     """Every variant on one running Ray cluster, verified; the figures and the targets."""
+    load_before = os.getloadavg()[0]
     per = -(-cfg.trajectories // cfg.rollouts)
     rollouts = [
         Rollout.remote(cfg, list(range(r * per, min((r + 1) * per, cfg.trajectories)))) for r in range(cfg.rollouts)
@@ -407,6 +433,7 @@ def measure(cfg: Config) -> dict[str, Any]:
         "seq_len": seq_len,
         "checked": checked,
         "mismatches": mismatches,
+        "load_average": [load_before, os.getloadavg()[0]],
         "targets": [{"variant": v, "target": t, "met": bool(m)} for v, t, m in targets],
         "rows": [{k: v for k, v in r.items() if k not in ("digests", "plan")} for r in rows],
     }
@@ -459,6 +486,11 @@ def report(cfg: Config, result: dict[str, Any]) -> str:
             f"| {r['label']} | {r['wall_s']:.2f} s | {_size(through)} ({100 * through / route_bytes:.2g}% of routes) | "
             f"+{_size(r['controller_peak_growth_bytes'])} | +{_size(min(peaks))} to +{_size(max(peaks))} |"
         )
+    lines.append("")
+    for r in result["rows"]:
+        lines.append(f"{r['variant']:>10}: " + ", ".join(f"{k} {v:.2f} s" for k, v in r["phases_s"].items()))
+    lo, hi = result["load_average"]
+    lines.append(f"1-minute load average {lo:.1f} before, {hi:.1f} after (on {os.cpu_count()} CPUs)")
     lines.append("")
     for t in result["targets"]:
         lines.append(f"{'ok    ' if t['met'] else 'MISSED'} {t['variant']}: {t['target']}")
