@@ -68,6 +68,23 @@ def test_ref_fetch_and_metadata_refuse_anything_but_trajectory_refs():
         token_counts("abc")
 
 
+def test_a_trainer_holds_no_microbatch_buffers_once_its_loop_has_dropped_them():
+    # What bounds a trainer's memory to two micro-batches: the copy threads must not keep
+    # the last call's rows (views of the batch) alive while they wait for the next call.
+    from torch_r3 import ShardCollator
+
+    rng = np.random.default_rng(0)
+    store = [
+        {"input_ids": np.arange(n), "routes": rng.integers(0, 255, (n, 58, 8)).astype(np.uint8)}
+        for n in (6000, 1000, 5000, 2000)
+    ]
+    shard = ShardCollator(lambda idx: [store[i] for i in idx], [[0, 1], [2, 3]], seq_len=6000, workers=2)
+    for batch in shard:
+        assert batch["rollout_expert_indices"].numel() > 4 << 20  # large enough for the copy threads
+        del batch
+    assert shard.collator.buffers.stats()["live_bytes"] == 0
+
+
 # --------------------------------------------------------------------------
 # One real local cluster for the rest
 # --------------------------------------------------------------------------
