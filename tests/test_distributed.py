@@ -21,6 +21,8 @@ pytestmark = pytest.mark.slow
 
 L, K = 6, 4
 PLAN = [[[0, 3], [5]], [[1, 2], [4, 6]]]  # rank 0 keeps 0, 3, 5; rank 1 gets 1, 2, 4, 6
+EXPERTS = 256
+COLLATE = {"pad_keys": {"loss_mask": 0}, "padding": "balanced", "num_experts": EXPERTS}
 
 
 def _samples() -> list[dict]:
@@ -78,7 +80,14 @@ def _worker(rank: int, port: int, out: str) -> None:
             str(g): {k: [np.asarray(v).dtype.str, np.asarray(v).tolist()] for k, v in s.items()}
             for g, s in shard.samples.items()
         }
+        # Each rank collates its own micro-batches at the global layout, from what it received.
+        from torch_r3 import ShardCollator, global_layout
+
+        layout = global_layout(shard.token_counts, shard.route_dtypes, padding="balanced", num_experts=EXPERTS)
+        local = ShardCollator(shard.fetch, shard.microbatches, seq_len=layout.seq_len, dtype=layout.dtype, **COLLATE)
+        collated = [{k: [str(v.dtype), v.tolist()] for k, v in batch.items()} for batch in local]
         result = {
+            "collated": collated,
             "microbatches": shard.microbatches,
             "token_counts": shard.token_counts,
             "route_dtypes": [d.str for d in shard.route_dtypes],
@@ -135,6 +144,18 @@ def test_every_rank_gets_the_steps_metadata_for_the_global_layout(ranks):
     for r in ranks:
         assert r["token_counts"] == [len(s["input_ids"]) for s in samples]
         assert r["route_dtypes"] == [s["routes"].dtype.str for s in samples]
+
+
+def test_each_rank_collates_its_microbatches_identical_to_the_global_batch(ranks):
+    from torch_r3 import R3Collator
+
+    full = R3Collator(**COLLATE)(_samples())  # int16: samples 2 and 4 widen the whole batch
+    assert full["rollout_expert_indices"].dtype == torch.int16
+    for rank, r in enumerate(ranks):
+        assert len(r["collated"]) == len(PLAN[rank])
+        for mb, got in zip(PLAN[rank], r["collated"]):
+            want = {k: [str(v.dtype), v[mb].tolist()] for k, v in full.items()}
+            assert got == want, (rank, mb)
 
 
 def test_malformed_messages_are_refused_before_allocating(ranks):

@@ -17,7 +17,8 @@ so it can compute `torch_r3.global_layout` itself.
 What arrives is untrusted input at a process boundary: every header, count,
 shape and dtype is checked, and the total size is bounded by `max_bytes`,
 before any buffer is allocated. Only plain tensors cross the wire (no pickle).
-Backends: gloo (CPU tensors) and NCCL (staged through the current CUDA device).
+Backends: gloo (CPU tensors; what the tests run) and NCCL (each message staged
+through the current CUDA device; not exercised by the test suite, which runs on CPUs).
 """
 
 from __future__ import annotations
