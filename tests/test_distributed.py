@@ -51,6 +51,8 @@ def _crafted(case: str) -> list[torch.Tensor]:
     header = [0x52335F5348415244, 1, 2, 1, 1, 1, 0, 0]
     if case == "too_large":
         return [torch.tensor(header[:7] + [DEFAULT_MAX_BYTES + 1])]
+    if case == "huge_table":  # no payload, but a shape table of 2**24 samples x 256 keys (200 GB)
+        return [torch.tensor([header[0], 1, 2**24, 1, 2**24, 256, 0, 0])]
     if case == "bad_magic":
         return [torch.tensor([123] + header[1:])]
     schema = torch.frombuffer(bytearray(json.dumps(["routes"]).encode()), dtype=torch.uint8)
@@ -65,7 +67,7 @@ def _crafted(case: str) -> list[torch.Tensor]:
     return [torch.tensor(header), schema, meta, layout, table]
 
 
-CASES = ("too_large", "bad_magic", "negative_dim", "wrong_payload")
+CASES = ("too_large", "huge_table", "bad_magic", "negative_dim", "wrong_payload")
 
 
 def _worker(rank: int, port: int, out: str) -> None:
@@ -94,6 +96,13 @@ def _worker(rank: int, port: int, out: str) -> None:
             "samples": got,
             "refusals": {},
         }
+        if rank == 0:  # refused on the source, before anything is sent
+            uneven = _samples()
+            del uneven[4]["reward"]
+            try:
+                scatter_trajectories(uneven, PLAN)
+            except ValueError as e:
+                result["refusals"]["uneven_keys"] = str(e)
         for case in CASES:
             if rank == 0:
                 for t in _crafted(case):
@@ -161,7 +170,8 @@ def test_each_rank_collates_its_microbatches_identical_to_the_global_batch(ranks
 def test_malformed_messages_are_refused_before_allocating(ranks):
     refusals = ranks[1]["refusals"]
     assert set(refusals) == set(CASES)
-    assert "max_bytes" in refusals["too_large"]
+    assert "max_bytes" in refusals["too_large"] and "max_bytes" in refusals["huge_table"]
+    assert "sample 4: keys differ from sample 0 in ['reward']" in ranks[0]["refusals"]["uneven_keys"]
     assert "not a torch_r3 shard" in refusals["bad_magic"]
     assert "invalid shape" in refusals["negative_dim"] and "sample 1" in refusals["negative_dim"]
     assert "shapes describe" in refusals["wrong_payload"]

@@ -54,6 +54,7 @@ def sample(i: int) -> dict:
         ({"routes": [[1, 2]]}, TypeError, "NumPy array"),
         ({"routes": np.zeros((9, L, K), np.uint8)}, ValueError, "9 route rows for 3 tokens"),
         ({"input_ids": np.zeros(3, np.float32)}, ValueError, "integer token ids"),
+        ({"input_ids": [1, 2.5, 3]}, ValueError, "integer token ids"),  # never cast to int
     ],
 )
 def test_put_trajectory_refuses_what_would_not_collate_before_putting(change, error, words):

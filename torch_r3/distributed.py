@@ -167,9 +167,12 @@ def _check_header(header: list[int], src: int, max_bytes: int) -> None:
             raise ValueError(f"rank {src} announced {value} {name}; expected 0..{most}")
     if num_samples > num_global:
         raise ValueError(f"rank {src} announced {num_samples} samples of a {num_global}-sample step")
-    if not 0 <= payload <= max_bytes:
+    # Everything this rank will allocate for the call: payload, shape table, metadata, schema.
+    tables = 8 * (2 * num_global + num_mb + num_samples + num_samples * num_keys * _ROW) + schema_len
+    if payload < 0 or payload + tables > max_bytes:
         raise ValueError(
-            f"rank {src} announced {payload} payload bytes; this rank accepts at most {max_bytes} (max_bytes)"
+            f"rank {src} announced {payload} payload bytes and {tables} bytes of tables; "
+            f"this rank accepts at most {max_bytes} (max_bytes)"
         )
 
 
@@ -355,6 +358,11 @@ def scatter_trajectories(
         if key not in samples[0]:
             raise ValueError(f"sample 0: missing key {key!r}")
     keys = list(samples[0])
+    for i in (i for mbs in checked for mb in mbs for i in mb):
+        if not isinstance(samples[i], Mapping):
+            raise TypeError(f"sample {i}: expected a mapping (dict), got {type(samples[i]).__name__}")
+        if set(samples[i]) != set(keys):
+            raise ValueError(f"sample {i}: keys differ from sample 0 in {sorted(set(samples[i]) ^ set(keys))}")
     counts = [len(s[tokens_key]) for s in samples]
     dtypes = [_wire_array(s[routes_key], g, routes_key).dtype for g, s in enumerate(samples)]
     for g, d in enumerate(dtypes):

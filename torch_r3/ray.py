@@ -137,9 +137,8 @@ def put_trajectory(
     if routes.ndim != 3 or routes.shape[1] == 0 or routes.shape[2] == 0:
         raise ValueError(f"sample[{routes_key!r}]: expected shape [rows, layers > 0, topk > 0], got {routes.shape}")
     tokens = sample[tokens_key]
-    tokens = (
-        np.asarray(tokens, dtype=np.int64) if isinstance(tokens, (list, tuple)) else _host_array(tokens, tokens_key)
-    )
+    # Lists become arrays by NumPy's rules (Python ints -> int64); a float stays a float and is refused.
+    tokens = np.asarray(tokens) if isinstance(tokens, (list, tuple)) else _host_array(tokens, tokens_key)
     if tokens.ndim != 1 or tokens.shape[0] == 0 or tokens.dtype.kind not in "iu":
         raise ValueError(
             f"sample[{tokens_key!r}]: expected a non-empty 1-D array of integer token ids, "
