@@ -560,7 +560,7 @@ def test_numpy_integers_are_accepted_wherever_python_ints_are():
 @pytest.mark.parametrize(
     "values, exc, match",
     [
-        ([[1, 2], [3], [4, 5], [6, 7]], ValueError, r"sample 1: key 'extra'"),
+        ([[1, 2], np.zeros(2), [4, 5], [6, 7]], ValueError, r"sample 1: key 'extra'"),
         ([np.zeros(2), np.zeros(2), np.zeros(3), np.zeros(2)], ValueError, r"sample 2: key 'extra'"),
         ([1.0, None, 2.0, 3.0], TypeError, r"sample 1: key 'extra' is None"),
         ([None, None, None, None], TypeError, r"sample 0: key 'extra' is None"),
@@ -614,3 +614,221 @@ def test_docstring_examples_of_the_modules_collate_uses_hold(module):
     # doctest.testmod(torch_r3.collate) skips names it only imports, such as padding_rows.
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0 and result.attempted > 0
+
+
+# ---------------------------------------------------------------------------
+# Issue 19: nothing silent, nothing unbounded
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_an_input_living_inside_out_is_refused_not_overwritten_before_it_is_read(layout):
+    # Item 4: routes[1] is a view of out's first row; writing row 0 would clobber it.
+    rng = np.random.default_rng(40)
+    a = make_routes(rng, 3, 2, 2, np.uint8)
+    counts = [3, 3]
+    out = collate_routes([a, a], counts, layout=layout)["rollout_expert_indices"].clone()
+    inside = out.numpy()[0, :3] if layout == "padded" else out.numpy()[:3]
+    with pytest.raises(ValueError, match=r"routes\[1\] lies in the memory of out\['rollout_expert_indices'\]"):
+        collate_routes([a, inside], counts, layout=layout, out=out)
+    # A copy of the same values is fine.
+    got = collate_routes([a, inside.copy()], counts, layout=layout, out=out)
+    assert_batch_equal(got, reference_collate_routes([a, a], counts, layout=layout))
+
+
+def test_float_lists_in_pad_keys_come_out_float64_like_other_float_keys():
+    # Item 7: torch.as_tensor made Python float lists float32 (16777217.0 -> 16777216.0).
+    samples = make_samples(n_samples=3)
+    for s in samples:
+        s["advantage"] = [16777217.0] * len(s["input_ids"])
+    got = R3Collator(pad_keys={"loss_mask": 0.0, "advantage": 0.5})(samples)
+    assert got["advantage"].dtype == torch.float64 == got["reward"].dtype
+    assert got["advantage"][got["attention_mask"] == 1].eq(16777217.0).all()
+    assert got["advantage"][got["attention_mask"] == 0].eq(0.5).all()
+
+
+@pytest.mark.parametrize("pad", [1e6, -1e6, 7e4])
+def test_a_float_pad_value_beyond_the_key_s_dtype_is_refused(pad):
+    # Item 7: 1e6 in a float16 key became inf.
+    samples = make_samples(n_samples=3)
+    for s in samples:
+        s["weight"] = np.ones(len(s["input_ids"]), np.float16)
+    with pytest.raises(ValueError, match=r"pad value .* for 'weight' does not fit torch.float16"):
+        R3Collator(pad_keys={"loss_mask": 0.0, "weight": pad})(samples)
+    # Infinities are representable, and asked for explicitly: kept.
+    got = R3Collator(pad_keys={"loss_mask": 0.0, "weight": float("-inf")})(samples)
+    assert got["weight"][got["attention_mask"] == 0].eq(float("-inf")).all()
+
+
+@pytest.mark.parametrize("lengths", [[4, 4], [1], [2, 5]], ids=["equal", "batch_of_one", "ragged"])
+def test_a_list_key_not_in_pad_keys_is_returned_per_sample_whatever_its_lengths(lengths):
+    # Item 8: default_collate transposed equal-length lists and raised on ragged ones.
+    samples = make_samples(n_samples=len(lengths))
+    for s, n in zip(samples, lengths):
+        s["tags"] = [f"t{j}" for j in range(n)]
+        s["scores"] = [0.5] * n
+    got = R3Collator(pad_keys=["loss_mask"])(samples)
+    assert got["tags"] == [s["tags"] for s in samples]
+    assert got["scores"] == [s["scores"] for s in samples]
+    assert got["reward"].shape == (len(lengths),)  # numbers are still stacked
+
+
+def test_mixed_uint64_and_int64_pad_keys_are_refused_naming_sample_and_key():
+    # Item 18: torch raised "Promotion for uint16, uint32, uint64 types is not supported".
+    samples = make_samples(n_samples=3)
+    for i, s in enumerate(samples):
+        s["pos"] = np.arange(len(s["input_ids"]), dtype=np.uint64 if i == 2 else np.int64)
+    with pytest.raises(ValueError, match=r"sample 2: 'pos' is uint64.*sample 0.*int64"):
+        R3Collator(pad_keys=["loss_mask", "pos"])(samples)
+
+
+def test_an_input_ids_list_holding_2_63_is_refused_naming_sample_and_key():
+    # Item 18: torch.as_tensor raised "Overflow when unpacking long long".
+    samples = make_samples(n_samples=3)
+    samples[1]["input_ids"] = [5, 2**63, 7]
+    samples[1]["loss_mask"] = np.ones(3, np.float32)
+    samples[1]["routes"] = samples[1]["routes"][:3]
+    with pytest.raises(ValueError, match=r"sample 1: 'input_ids'.*2\*\*63"):
+        R3Collator(pad_keys=["loss_mask"])(samples)
+    samples[1]["input_ids"] = [-1, 2**63, 7]  # NumPy would make this float64
+    with pytest.raises(ValueError, match=r"sample 1: 'input_ids'"):
+        R3Collator(pad_keys=["loss_mask"])(samples)
+
+
+@pytest.mark.parametrize("key", ["input_ids", "loss_mask"])
+def test_meta_device_tensors_are_refused_naming_sample_and_key(key):
+    # Item 18: "Cannot copy out of meta tensor; no data!" named nothing.
+    samples = make_samples(n_samples=3)
+    samples[2][key] = torch.ones(len(samples[2]["input_ids"]), dtype=torch.long, device="meta")
+    with pytest.raises(TypeError, match=rf"sample 2: '{key}' is a tensor on the meta device"):
+        R3Collator(pad_keys=["loss_mask"])(samples)
+
+
+def test_meta_device_routes_are_refused_naming_the_sample():
+    samples = make_samples(n_samples=2)
+    samples[1]["routes"] = torch.zeros(0, 3, 2, dtype=torch.uint8, device="meta")
+    with pytest.raises(TypeError, match=r"routes\[1\].*meta"):
+        R3Collator(pad_keys=["loss_mask"])(samples)
+
+
+@pytest.mark.parametrize(
+    "kwargs, counts, match",
+    [
+        ({}, [10**11], r"would allocate \d+ bytes"),
+        ({"pad_to_multiple_of": 2**36}, [3], r"would allocate 893353197568 bytes \(832.0 GiB"),
+        ({"seq_len": 2**40}, [3], r"would allocate \d+ bytes"),
+        ({"max_output_bytes": 38}, [3], r"would allocate 39 bytes.*more than the bound of 38"),
+    ],
+)
+def test_an_output_beyond_the_size_bound_is_refused_before_allocating(kwargs, counts, match):
+    # Item 12: 10**11 tokens or pad_to_multiple_of=2**36 went straight to the allocator.
+    routes = [np.zeros((1, 2, 2), np.uint8)]
+    with pytest.raises(ValueError, match=match):
+        collate_routes(routes, counts, **kwargs)
+
+
+def test_the_size_bound_is_overridable_by_the_environment(monkeypatch):
+    routes = [np.zeros((1, 2, 2), np.uint8)]
+    monkeypatch.setenv("TORCH_R3_MAX_OUTPUT_BYTES", "32")
+    with pytest.raises(ValueError, match="would allocate 39 bytes .* more than the bound of 32 bytes"):
+        collate_routes(routes, [3])
+    monkeypatch.setenv("TORCH_R3_MAX_OUTPUT_BYTES", "1000")
+    assert collate_routes(routes, [3])["rollout_expert_indices"].shape == (1, 3, 2, 2)
+    with pytest.raises(ValueError, match="would allocate 63 bytes .* more than the bound of 62 bytes"):
+        R3Collator(max_output_bytes=62)([{"input_ids": [1, 2, 3], "routes": routes[0]}])
+
+
+# ---------------------------------------------------------------------------
+# Issue 19 item 26: routes stored in a Hugging Face `datasets` dataset
+# ---------------------------------------------------------------------------
+
+
+def _hf_dataset():
+    datasets = pytest.importorskip("datasets")
+    rng = np.random.default_rng(26)
+    rows = [3, 0, 5, 2]  # one trajectory with no captured route
+    routes = [rng.integers(0, 60, size=(r, 3, 2)) for r in rows]
+    tokens = [rng.integers(1, 100, size=r + 1).tolist() for r in rows]
+    ds = datasets.Dataset.from_dict({"routes": [r.tolist() for r in routes], "input_ids": tokens})
+    want = reference_r3_collator(
+        [{"routes": r.astype(np.uint8), "input_ids": t} for r, t in zip(routes, tokens)], pad_token_id=0
+    )
+    return ds, want
+
+
+@pytest.mark.parametrize("fmt", [None, "numpy", "torch"])
+def test_routes_from_a_datasets_dataset_are_refused_with_advice_that_applies(fmt):
+    ds, _ = _hf_dataset()
+    if fmt:
+        ds = ds.with_format(fmt)
+    samples = [ds[i] for i in range(len(ds))]
+    with pytest.raises((TypeError, ValueError), match=r"set_transform.*compact=True"):
+        R3Collator()(samples)
+
+
+def test_the_datasets_recipe_set_transform_with_compact_routes_collates_exactly():
+    ds, want = _hf_dataset()
+
+    def compact(batch):  # the recipe of the batch layout page
+        batch["routes"] = [compact_routes(np.asarray(r, dtype=np.int64).reshape(-1, 3, 2)) for r in batch["routes"]]
+        return batch
+
+    ds.set_transform(compact)
+    loader = DataLoader(ds, batch_size=len(ds), collate_fn=R3Collator())
+    assert_batch_equal(next(iter(loader)), want)
+
+
+@pytest.mark.parametrize("fmt", [None, "numpy", "torch"])
+def test_compact_true_collates_a_datasets_dataset_as_stored(fmt):
+    ds, want = _hf_dataset()
+    if fmt:
+        ds = ds.with_format(fmt)
+    loader = DataLoader(ds, batch_size=len(ds), collate_fn=R3Collator(compact=True))
+    assert_batch_equal(next(iter(loader)), want)
+
+
+def test_compact_true_still_refuses_bad_expert_ids_naming_the_sample():
+    samples = [{"input_ids": [1, 2], "routes": [[[0, 1]], [[3, -2]]]}]
+    with pytest.raises(ValueError, match=r"routes\[0\]: expert ids must be >= 0"):
+        R3Collator(compact=True)(samples)
+    samples = [{"input_ids": [1, 2], "routes": np.array([[[0, 1]], [[3, 9]]])}]
+    with pytest.raises(ValueError, match=r"routes\[0\]: expert ids must be in \[0, num_experts\)"):
+        R3Collator(compact=True, padding="balanced", num_experts=8)(samples)
+    samples = [{"input_ids": [1, 2], "routes": [[[0, 1]], [[3]]]}]
+    with pytest.raises(ValueError, match=r"routes\[0\]: expected nested lists \[rows\]\[layers\]\[topk\]"):
+        R3Collator(compact=True)(samples)
+    samples = [{"input_ids": [1, 2], "routes": [[[0.5, 1]]]}]
+    with pytest.raises(TypeError, match=r"routes\[0\]: compact=True needs integer expert ids, got dtype float64"):
+        R3Collator(compact=True)(samples)
+
+
+_ALLOCATION_FAILS = """
+import resource, sys
+import numpy as np
+import torch_r3
+from torch_r3 import R3Collator, collate_routes
+with open("/proc/self/status") as f:
+    vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.RLIM_INFINITY))
+routes = [np.zeros((1, 16, 16), np.uint8)]
+try:
+    if sys.argv[1] == "pool":
+        R3Collator(max_output_bytes=1 << 40)([{"input_ids": [1] * 2**24, "routes": routes[0]}])
+    else:
+        collate_routes(routes, [2**24], max_output_bytes=1 << 40, pin_memory=False)
+except MemoryError as e:
+    print("MemoryError:", e)
+"""
+
+
+@pytest.mark.parametrize("path", ["pool", "fresh"])
+def test_a_failed_allocation_is_a_memory_error_naming_the_size(path):
+    # Item 12: a failed mapping gave a bare OSError [Errno 12] naming no size.
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", _ALLOCATION_FAILS, path], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert "MemoryError: could not allocate" in run.stdout, run.stdout + run.stderr
+    assert "rollout_expert_indices [1, 16777216, 16, 16]" in run.stdout

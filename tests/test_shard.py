@@ -17,9 +17,11 @@ import threading
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from reference_collate import assert_batch_equal, reference_r3_collator
 
-from torch_r3 import R3Collator, ShardCollator, global_layout, plan_microbatches
+from torch_r3 import BufferPool, R3Collator, ShardCollator, collate_routes, global_layout, plan_microbatches
 
 L, K, EXPERTS = 4, 2, 7
 STAGES = ([0, 1], [2, 3])  # PP 2: each stage's MoE layers
@@ -80,6 +82,11 @@ def test_every_microbatch_of_every_rank_equals_its_part_of_the_global_batch(seed
         num_experts=opts["num_experts"],
     )
     assert_batch_equal(full, reference)  # the global batch itself is right
+    kernel = collate_routes(
+        [s["routes"] for s in samples], counts, layout=layout, padding=padding, num_experts=opts["num_experts"]
+    )
+    for key, value in kernel.items():  # R3Collator's routes are collate_routes' own
+        assert torch.equal(full[key], value), key
 
     geometry = global_layout(
         counts, {s["routes"].dtype for s in samples}, padding=padding, num_experts=opts["num_experts"]
@@ -134,27 +141,42 @@ def test_a_for_loop_keeps_two_microbatches_of_buffers():
 
 def test_prefetch_fetches_the_next_microbatch_while_the_current_one_is_held():
     samples = make_global(6, wide=False)
-    started = []
-    release = threading.Event()
+    fetching_next, release = threading.Event(), threading.Event()
 
     def fetch(indices):
-        started.append(indices[0])
-        if indices[0] == 1:
-            release.wait(timeout=30)
+        if indices == [1]:
+            fetching_next.set()
+            release.wait(timeout=60)
         return [samples[i] for i in indices]
 
     shard = ShardCollator(fetch, [[0], [1], [2]], prefetch=True, pad_keys=["loss_mask"])
     it = iter(shard)
     first = next(it)
-    # While the caller holds micro-batch 0, the fetch of micro-batch 1 has begun.
-    for _ in range(3000):
-        if 1 in started:
-            break
-        threading.Event().wait(0.01)
-    assert started[:2] == [0, 1]
+    # The caller holds micro-batch 0 and has not asked for more: the fetch of 1 has begun anyway.
+    assert fetching_next.wait(timeout=60)
     release.set()
     rest = list(it)
     assert [b["input_ids"][0, -1].item() for b in [first, *rest]] == [s["input_ids"][-1] for s in samples[:3]]
+
+
+def test_prefetch_raises_the_fetch_s_error_and_leaves_no_thread_behind():
+    samples = make_global(6, wide=False)
+
+    def fetch(indices):
+        if indices == [2]:
+            raise KeyError("trajectory 2 is gone")
+        return [samples[i] for i in indices]
+
+    shard = ShardCollator(fetch, [[0], [1], [2]], prefetch=True, pad_keys=["loss_mask"])
+    it = iter(shard)
+    next(it)
+    next(it)
+    with pytest.raises(KeyError, match="trajectory 2 is gone"):
+        next(it)
+    it = iter(shard)
+    next(it)
+    it.close()  # a loop that breaks early
+    assert not [t for t in threading.enumerate() if t.name.startswith("torch_r3-prefetch")]
 
 
 def test_a_framework_s_own_index_lists_work_like_a_plan():
@@ -265,3 +287,59 @@ def test_plan_refuses_what_it_cannot_plan(kwargs, exc, match):
         return
     with pytest.raises(exc, match=match):
         plan_microbatches(**kwargs)
+
+
+def test_buffers_shared_by_the_shard_collators_of_successive_steps_are_reused():
+    samples = make_global(9, wide=False)
+    counts = [len(s["input_ids"]) for s in samples]
+    geometry = global_layout(counts, {np.uint8})
+    pool = BufferPool()
+    for step in range(3):
+        plan = plan_microbatches(counts[step:], dp_size=1, micro_batch_size=2)[0]
+        plan = [[i + step for i in mb] for mb in plan]
+        shard = ShardCollator(
+            lambda idx: [samples[i] for i in idx], plan, seq_len=geometry.seq_len, pad_keys=["loss_mask"], buffers=pool
+        )
+        assert shard.collator.buffers is pool
+        for _ in shard:
+            pass
+        if step == 0:
+            misses = pool.stats()["misses"]
+    assert pool.stats()["misses"] == misses  # steps 1 and 2 mapped nothing new
+    with pytest.raises(TypeError, match="buffers must be None or a torch_r3.BufferPool"):
+        ShardCollator(lambda idx: [], [[0]], buffers={})
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_property_any_plan_and_stage_slices_the_global_batch(data):
+    seed = data.draw(st.integers(0, 2**32 - 1))
+    samples = make_global(seed, wide=data.draw(st.booleans()))
+    counts = [len(s["input_ids"]) for s in samples]
+    layout = data.draw(st.sampled_from(["padded", "packed"]))
+    padding = data.draw(st.sampled_from(["arange", "balanced"]))
+    dp = data.draw(st.integers(1, 4))
+    mbs = data.draw(st.none() | st.integers(1, 4))
+    if mbs == 1:
+        samples = samples[: len(samples) - len(samples) % dp]
+        counts = counts[: len(samples)]
+    layers = data.draw(st.permutations(range(L)).flatmap(lambda p: st.integers(1, L).map(lambda k: list(p[:k]))))
+    experts = EXPERTS if padding == "balanced" else None
+    opts = {"layout": layout, "padding": padding, "num_experts": experts, "pad_keys": {"loss_mask": 2.0}}
+    full = R3Collator(**opts)(samples)
+    geometry = global_layout(counts, {s["routes"].dtype for s in samples}, padding=padding, num_experts=experts)
+    seq_len = geometry.seq_len if layout == "padded" else None
+    plan = plan_microbatches(counts, dp_size=dp, micro_batch_size=mbs)
+    for rank in range(dp):
+        shard = ShardCollator(
+            lambda idx: [samples[i] for i in idx],
+            plan[rank],
+            seq_len=seq_len,
+            dtype=geometry.dtype,
+            layers=layers,
+            **opts,
+        )
+        for indices, batch in zip(plan[rank], shard):
+            want = expected_part(full, indices, layers, layout)
+            for key, value in want.items():
+                assert batch[key].dtype == value.dtype and torch.equal(batch[key], value), key

@@ -72,7 +72,7 @@ def padding_rows(
     num_experts = check_padding(padding, num_experts, topk)
     t = np.asarray(positions, dtype=np.int64).reshape(-1, 1)
     j = np.arange(topk, dtype=np.int64)
-    if padding == "arange":
+    if padding == "arange" or num_experts is None:
         row = np.broadcast_to(j, (t.shape[0], topk))
     else:
         row = (t * topk + j) % num_experts
@@ -107,7 +107,7 @@ def _template(padding: str, num_experts: int | None, num_layers: int, topk: int,
     period too long for that gives no template (rows computed per chunk).
     """
     row_bytes = num_layers * topk * np.dtype(dtype_str).itemsize
-    period = 1 if padding == "arange" else num_experts // math.gcd(topk, num_experts)
+    period = 1 if padding == "arange" or num_experts is None else num_experts // math.gcd(topk, num_experts)
     if period * row_bytes > _TEMPLATE_BYTES:
         return None, period
     rows = period * max(1, _TEMPLATE_BYTES // (period * row_bytes))
@@ -119,7 +119,7 @@ def _template(padding: str, num_experts: int | None, num_layers: int, topk: int,
 
 
 class PadFill:
-    """Writes the padding routes of a region `[start, start + n)` of the token axis."""
+    """Writes the padding routes of filler positions `[start, start + n)` into a region of the token axis."""
 
     def __init__(self, padding: str, num_experts: int | None, num_layers: int, topk: int, dtype: np.dtype):
         self.args = (padding, num_experts, num_layers, topk)

@@ -9,6 +9,7 @@ names the sample and the key.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,6 +22,8 @@ __all__ = ["SeqField", "batch_samples", "check_pad_number", "collate_extra"]
 
 # Token ids become torch.long: anything at or past 2**63 would wrap negative.
 _INT64_END = 2**63
+# Python ints beyond this lose precision when NumPy makes a mixed list float64.
+_FLOAT64_EXACT = 2**53
 
 
 class SeqField:
@@ -32,15 +35,37 @@ class SeqField:
         self.key, self.arrays, self.pad, self.dtype = key, arrays, pad, dtype
 
 
+def _list_to_numpy(value: list | tuple, i: int, key: str, integer: bool) -> np.ndarray:
+    """A Python list as NumPy makes it (ints -> int64, floats -> float64, like other float keys), checked."""
+    if not value:
+        return np.zeros(0, dtype=np.int64)
+    try:
+        arr = np.asarray(value)
+    except (ValueError, OverflowError, TypeError) as e:
+        raise ValueError(f"sample {i}: {key!r} is not a flat list of numbers: {e}") from None
+    if arr.dtype == object:  # an int beyond 64 bits, or mixed kinds
+        raise ValueError(f"sample {i}: {key!r} holds values that fit no 64-bit dtype (an int >= 2**64 or < -2**63?)")
+    if arr.dtype.kind == "f" and any(type(v) is int and abs(v) >= _FLOAT64_EXACT for v in value):
+        raise ValueError(
+            f"sample {i}: {key!r} mixes ints beyond 2**53 with other values, which NumPy would round to float64"
+            + ("; token ids must be < 2**63" if integer else "")
+        )
+    return arr
+
+
 def _seq_to_numpy(value: Any, i: int, key: str, *, integer: bool) -> np.ndarray:
     """One sample's per-token sequence as a 1-D NumPy array (no copy for arrays and tensors)."""
     if isinstance(value, torch.Tensor):
-        arr = value.detach().cpu().numpy()
+        if value.device.type == "meta":
+            raise TypeError(f"sample {i}: {key!r} is a tensor on the meta device, which holds no values")
+        try:
+            arr = value.detach().cpu().numpy()
+        except TypeError as e:  # bfloat16 and other dtypes NumPy lacks
+            raise TypeError(f"sample {i}: {key!r} has dtype {value.dtype}, which NumPy cannot hold: {e}") from None
     elif isinstance(value, np.ndarray):
         arr = value
     elif isinstance(value, (list, tuple)):
-        # torch.as_tensor's rules: Python ints -> int64, floats -> default dtype.
-        arr = torch.as_tensor(value).numpy() if value else np.zeros(0, dtype=np.int64)
+        arr = _list_to_numpy(value, i, key, integer)
     else:
         raise TypeError(f"sample {i}: {key!r} must be a list, NumPy array or 1-D tensor, got {type(value).__name__}")
     if arr.ndim != 1:
@@ -54,10 +79,17 @@ def _seq_to_numpy(value: Any, i: int, key: str, *, integer: bool) -> np.ndarray:
     return arr
 
 
-def _torch_dtype_of(arrays: list[np.ndarray]) -> torch.dtype:
+def _torch_dtype_of(arrays: list[np.ndarray], key: str) -> torch.dtype:
     dt = torch.from_numpy(np.empty(0, dtype=arrays[0].dtype)).dtype
-    for a in arrays[1:]:
-        dt = torch.promote_types(dt, torch.from_numpy(np.empty(0, dtype=a.dtype)).dtype)
+    for i, a in enumerate(arrays[1:], start=1):
+        this = torch.from_numpy(np.empty(0, dtype=a.dtype)).dtype
+        try:
+            dt = torch.promote_types(dt, this)
+        except RuntimeError:  # torch does not promote its uint16/32/64 with other integer types
+            raise ValueError(
+                f"sample {i}: {key!r} is {a.dtype}, and sample 0 (or an earlier one) makes it {dt}: torch cannot "
+                f"promote the two; give every sample's {key!r} the same dtype"
+            ) from None
     return dt
 
 
@@ -76,7 +108,10 @@ def _check_pad_value(pad: Any, dtype: torch.dtype, key: str) -> Any:
             raise ValueError(f"pad value for {key!r} must be 0/1/False/True for a bool sequence, got {pad!r}")
         return bool(pad)
     if dtype.is_floating_point:
-        return float(pad)
+        pad = float(pad)
+        if math.isfinite(pad) and abs(pad) > torch.finfo(dtype).max:
+            raise ValueError(f"pad value {pad!r} for {key!r} does not fit {dtype} (it would become inf)")
+        return pad
     if float(pad) != int(pad):
         raise ValueError(f"pad value {pad!r} for {key!r} is not representable in {dtype}")
     info = torch.iinfo(dtype)
@@ -130,6 +165,8 @@ def _check_extra(samples: Sequence[Mapping[str, Any]], key: str) -> None:
             raise TypeError(
                 f"sample {i}: key {key!r} is None, which default_collate cannot batch; give it a value or drop the key"
             )
+    if all(isinstance(v, (list, tuple)) for v in values):
+        return  # returned as a list per sample, see collate_extra
     first = _layout_of(values[0])
     for i, v in enumerate(values[1:], start=1):
         if _layout_of(v) != first and first[0] != "scalar":
@@ -142,6 +179,11 @@ def _check_extra(samples: Sequence[Mapping[str, Any]], key: str) -> None:
 def collate_extra(samples: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> dict[str, Any]:
     """`default_collate` of each extra key, its failures naming the key.
 
+    A key whose values are all Python lists or tuples is returned as a list
+    with each sample's own value: `default_collate` would transpose lists of
+    equal length and refuse ragged ones, so the batch's structure would
+    depend on the data. (Per-token lists to pad belong in `pad_keys`.)
+
     Args:
         samples: the samples, already checked by `batch_samples`.
         keys: the extra keys `batch_samples` returned.
@@ -151,6 +193,10 @@ def collate_extra(samples: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> 
     """
     batch = {}
     for key in keys:
+        values = [s[key] for s in samples]
+        if all(isinstance(v, (list, tuple)) for v in values):
+            batch[key] = values
+            continue
         try:
             batch[key] = torch.utils.data.default_collate([s[key] for s in samples])
         except (TypeError, ValueError, RuntimeError) as e:
@@ -191,7 +237,7 @@ def batch_samples(
         for i, (a, t) in enumerate(zip(arrs, tokens)):
             if a.shape[0] != t.shape[0]:
                 raise ValueError(f"sample {i}: {key!r} has {a.shape[0]} entries for {t.shape[0]} tokens")
-        dt = _torch_dtype_of(arrs)
+        dt = _torch_dtype_of(arrs, key)
         fields.append(SeqField(key, arrs, _check_pad_value(pad, dt, key), dt))
     handled = {routes_key, tokens_key, *pad_keys}
     extra = [key for key in samples[0] if key not in handled]

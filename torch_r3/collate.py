@@ -10,6 +10,13 @@ layout page of the documentation:
 * `packed`: `rollout_expert_indices [sum(n), L, K]`, `router_padding_mask
   [sum(n)]` and `cu_seqlens [B + 1]` for THD training.
 
+Argument rules of the batch's geometry (`seq_len`, `dtype`, `layers`,
+`sample_ids`, the output-size bound) live in `torch_r3.layout`, the samples'
+side of `R3Collator` in `torch_r3._samples`. What remains here, past the usual
+500 lines, is the kernel: the checks that must all pass before the first byte
+is written and the two writers that then write each byte once; splitting them
+would spread one invariant over two modules.
+
 How it stays fast: the output is allocated uninitialised (or recycled, see
 `torch_r3.BufferPool`) and every byte is written exactly once, row by row, by
 the copy threads of `torch_r3._pool`. Padding regions are copied from a small
@@ -23,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -39,10 +45,11 @@ from torch_r3.layout import (
     check_layers,
     check_layers_in_range,
     check_max_output_bytes,
+    check_output_size,
     check_route_dtype,
     check_sample_ids,
     check_seq_len,
-    default_max_output_bytes,
+    output_size,
     padded_length,
 )
 from torch_r3.routes import CANONICAL_DTYPES, canonical_dtype_for, compact_routes, widest
@@ -116,7 +123,7 @@ _COMPACT_ADVICE = (
 )
 
 
-def _as_route_array(sample: Any, i: int, compact: bool = False) -> np.ndarray | None:
+def _as_route_array(sample: Any, i: int, compact: bool = False, num_experts: int | None = None) -> np.ndarray | None:
     """The sample's routes as a canonical array; `None` for an empty sample to reshape once `[L, K]` is known."""
     if isinstance(sample, torch.Tensor):
         if sample.device.type != "cpu":
@@ -126,7 +133,10 @@ def _as_route_array(sample: Any, i: int, compact: bool = False) -> np.ndarray | 
             )
         sample = sample.detach().numpy()
     if compact and isinstance(sample, (list, tuple)):
-        sample = np.asarray(sample) if len(sample) else np.zeros(0, np.uint8)
+        try:
+            sample = np.asarray(sample) if len(sample) else np.zeros(0, np.uint8)
+        except (ValueError, OverflowError) as e:  # ragged nesting
+            raise ValueError(f"routes[{i}]: expected nested lists [rows][layers][topk] of ints: {e}") from None
     if not isinstance(sample, np.ndarray):
         raise TypeError(
             f"routes[{i}]: expected a NumPy array [rows, layers, topk] of uint8/int16/int32, "
@@ -138,7 +148,7 @@ def _as_route_array(sample: Any, i: int, compact: bool = False) -> np.ndarray | 
         if sample.dtype not in CANONICAL_DTYPES:
             if sample.dtype.kind not in "iu":
                 raise TypeError(f"routes[{i}]: compact=True needs integer expert ids, got dtype {sample.dtype}")
-            return compact_routes(sample, name=f"routes[{i}]")
+            return compact_routes(sample, name=f"routes[{i}]", num_experts=num_experts)
     if sample.dtype not in CANONICAL_DTYPES:
         raise ValueError(
             f"routes[{i}]: expected a canonical dtype (native uint8, int16 or int32), got {sample.dtype.str} "
@@ -160,7 +170,8 @@ def _as_count(value: Any, i: int) -> int:
     return count
 
 
-def _check_batch(routes: Any, token_counts: Any, compact: bool = False):
+def _check_batch(routes: Any, token_counts: Any, opts: _Options | None = None):
+    compact = opts is not None and opts.compact
     if isinstance(routes, (np.ndarray, torch.Tensor)) or not isinstance(routes, Sequence):
         raise TypeError(f"routes: expected a sequence of per-trajectory arrays, got {type(routes).__name__}")
     if len(routes) == 0:
@@ -173,13 +184,13 @@ def _check_batch(routes: Any, token_counts: Any, compact: bool = False):
         raise TypeError(f"token_counts: expected a sequence of ints, got {type(token_counts).__name__}")
     if len(token_counts) != len(routes):
         raise ValueError(f"token_counts: expected {len(routes)} counts (one per sample), got {len(token_counts)}")
-    arrays = [_as_route_array(r, i, compact) for i, r in enumerate(routes)]
+    experts = None if opts is None else opts.num_experts
+    found = [_as_route_array(r, i, compact, experts) for i, r in enumerate(routes)]
     counts = [_as_count(c, i) for i, c in enumerate(token_counts)]
-    if compact:
-        shaped = next((a for a in arrays if a is not None), None)
-        if shaped is None:
-            raise ValueError("routes: every sample is empty, so [layers, topk] is unknown; give one [0, L, K] array")
-        arrays = [np.zeros((0,) + shaped.shape[1:], np.uint8) if a is None else a for a in arrays]
+    shaped = next((a for a in found if a is not None), None)
+    if shaped is None:  # only compact=True returns None, for an empty sample
+        raise ValueError("routes: every sample is empty, so [layers, topk] is unknown; give one [0, L, K] array")
+    arrays = [np.zeros((0,) + shaped.shape[1:], np.uint8) if a is None else a for a in found]
     _, num_layers, topk = arrays[0].shape
     if num_layers == 0 or topk == 0:
         raise ValueError(f"routes[0]: layers and topk must be > 0, got shape {arrays[0].shape}")
@@ -197,7 +208,8 @@ def _check_batch(routes: Any, token_counts: Any, compact: bool = False):
 def _output_dtype(arrays: list[np.ndarray], topk: int, opts: _Options) -> np.dtype:
     # Promotion by dtype alone (the sender compacted, no value is rescanned),
     # widened where a padding expert id would not fit the inputs' dtype.
-    largest_pad_id = topk - 1 if opts.padding == "arange" else opts.num_experts - 1
+    experts = opts.num_experts  # set whenever padding is balanced (checked by _Options)
+    largest_pad_id = experts - 1 if opts.padding == "balanced" and experts is not None else topk - 1
     pad_dtype = canonical_dtype_for(largest_pad_id)
     if opts.dtype is None:
         return widest({a.dtype for a in arrays} | {pad_dtype})
@@ -214,19 +226,6 @@ def _output_dtype(arrays: list[np.ndarray], topk: int, opts: _Options) -> np.dty
             f"use dtype={pad_dtype}"
         )
     return opts.dtype
-
-
-def _check_size(needed: dict[str, tuple[tuple[int, ...], torch.dtype]], opts: _Options) -> None:
-    """Refuse, before allocating, an output larger than the bound (by default the physical memory)."""
-    total = sum(math.prod(shape) * dt.itemsize for shape, dt in needed.values())
-    bound = default_max_output_bytes() if opts.max_output_bytes is None else opts.max_output_bytes
-    if total > bound:
-        shapes = ", ".join(f"{k} {list(shape)}" for k, (shape, _) in needed.items())
-        raise ValueError(
-            f"the batch would allocate {total} bytes ({total / 2**30:.1f} GiB: {shapes}), more than the bound of "
-            f"{bound} bytes; check the token counts, seq_len and pad_to_multiple_of, or raise the bound with "
-            f"max_output_bytes= (or TORCH_R3_MAX_OUTPUT_BYTES)"
-        )
 
 
 def _check_aliasing(result: dict[str, torch.Tensor], arrays, fields) -> None:
@@ -252,8 +251,15 @@ def _row_copier(layers: tuple[int, ...] | None):
         sel = slice(layers[0], None if stop < 0 else stop, step)  # a view: one strided copy
         return lambda dst, src: np.copyto(dst, src[:, sel], casting="safe")
 
+    index = np.asarray(layers, dtype=np.intp)
+
     def copy_each(dst: np.ndarray, src: np.ndarray) -> None:
-        for k, layer in enumerate(layers):
+        if src.dtype == dst.dtype:
+            # Straight into dst: the indices were range-checked, and mode="clip"
+            # skips the buffered copy that mode="raise" makes.
+            np.take(src, index, axis=1, out=dst, mode="clip")
+            return
+        for k, layer in enumerate(layers):  # widening: one strided copy per layer
             np.copyto(dst[:, k], src[:, layer], casting="safe")
 
     return copy_each
@@ -377,11 +383,15 @@ def _collate(
     _check_aliasing(result, arrays, fields)
     kind = _memory.memory_kind(opts.pin_memory)
     needed = {k: spec for k, spec in want.items() if k not in result}
-    _check_size(needed, opts)
-    if buffers is not None and kind != "shared":  # never recycled in a worker: see BufferPool
-        result.update(buffers.empty_batch(needed, pinned=kind == "pinned"))
-    else:
-        result.update({k: _memory.empty(shape, dt, kind) for k, (shape, dt) in needed.items()})
+    check_output_size(needed, opts.max_output_bytes)
+    try:
+        if buffers is not None and kind != "shared":  # never recycled in a worker: see BufferPool
+            result.update(buffers.empty_batch(needed, pinned=kind == "pinned"))
+        else:
+            result.update({k: _memory.empty(shape, dt, kind) for k, (shape, dt) in needed.items()})
+    except (OSError, RuntimeError, MemoryError) as e:  # mmap's ENOMEM, torch's allocator, NumPy
+        total, shapes = output_size(needed)
+        raise MemoryError(f"could not allocate {total} bytes of {kind} memory for the batch ({shapes}): {e}") from e
     result = {k: result[k] for k in want}  # the layout's key order, whoever supplied each
     views = {k: v.numpy() for k, v in result.items()}
     fill_pad = PadFill(opts.padding, opts.num_experts, out_layers, topk, dtype)
@@ -427,8 +437,10 @@ def collate_routes(
         layout: `"padded"` (left-padded `[B, T, L, K]`) or `"packed"`
             (`[sum(n), L, K]` with `cu_seqlens`).
         pad_to_multiple_of: round `T` up to a multiple (padded layout only).
-        padding: `"arange"` (experts `0..K-1`) or `"balanced"` (row `t`
-            uses `(t*K + j) % num_experts`; needs `num_experts >= K`).
+        padding: `"arange"` (experts `0..K-1`) or `"balanced"` (position
+            `s = g + p` uses `(s*K + j) % num_experts`, for the sample's
+            global row `g` and the position `p` from its first token, so a
+            subset gets the global batch's padding; needs `num_experts >= K`).
         num_experts: the model's expert count, for `balanced`.
         workers: copy threads, at most `MAX_WORKERS`; default
             `torch_r3.cpu.pool_workers()` (in a DataLoader worker, its share of
@@ -498,7 +510,7 @@ def collate_routes(
     )
     if buffers is not None and not isinstance(buffers, BufferPool):
         raise TypeError(f"buffers must be None or a torch_r3.BufferPool, got {type(buffers).__name__}")
-    arrays, counts = _check_batch(routes, token_counts, opts.compact)
+    arrays, counts = _check_batch(routes, token_counts, opts)
     return _collate(arrays, counts, opts, out=out, buffers=buffers, sample_ids=sample_ids)
 
 
@@ -618,9 +630,15 @@ class R3Collator:
 
     def __repr__(self) -> str:
         o = self._options
+        geometry = "".join(
+            f", {name}={value!r}"
+            for name, value in (("seq_len", o.seq_len), ("dtype", o.dtype), ("layers", o.layers))
+            if value is not None
+        )
         return (
             f"R3Collator(layout={o.layout!r}, routes_key={self.routes_key!r}, tokens_key={self.tokens_key!r}, "
-            f"pad_keys={self.pad_keys!r}, padding={o.padding!r}, cache_bytes={self.buffers.max_cached_bytes!r})"
+            f"pad_keys={self.pad_keys!r}, padding={o.padding!r}{geometry}, "
+            f"cache_bytes={self.buffers.max_cached_bytes!r})"
         )
 
     def __call__(self, samples: Sequence[Mapping[str, Any]], sample_ids: Sequence[int] | None = None) -> dict[str, Any]:
@@ -628,9 +646,7 @@ class R3Collator:
             samples, self.routes_key, self.tokens_key, self.pad_token_id, self.pad_keys
         )
         try:
-            arrays, counts = _check_batch(
-                routes, [tokens.shape[0] for tokens in fields[0].arrays], self._options.compact
-            )
+            arrays, counts = _check_batch(routes, [tokens.shape[0] for tokens in fields[0].arrays], self._options)
         except (TypeError, ValueError) as e:
             raise type(e)(f"{e} [key {self.routes_key!r}]") from None
         extra_batch = collate_extra(samples, extra)

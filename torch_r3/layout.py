@@ -11,6 +11,7 @@ and the output-size bound) live here, one rule per kind of argument.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -27,18 +28,24 @@ __all__ = [
     "check_layers",
     "check_layers_in_range",
     "check_max_output_bytes",
+    "check_output_size",
     "check_route_dtype",
     "check_sample_ids",
     "check_seq_len",
     "default_max_output_bytes",
     "global_layout",
+    "output_size",
     "padded_length",
 ]
 
 #: Environment variable overriding the default output-size bound (bytes).
 MAX_OUTPUT_BYTES_ENV = "TORCH_R3_MAX_OUTPUT_BYTES"
 
-_TORCH_TO_NP = {torch.uint8: np.dtype(np.uint8), torch.int16: np.dtype(np.int16), torch.int32: np.dtype(np.int32)}
+_TORCH_TO_NP: dict[torch.dtype, np.dtype] = {
+    torch.uint8: np.dtype(np.uint8),
+    torch.int16: np.dtype(np.int16),
+    torch.int32: np.dtype(np.int32),
+}
 
 
 def check_route_dtype(dtype: Any, name: str = "dtype") -> np.dtype:
@@ -141,6 +148,32 @@ def check_max_output_bytes(value: Any) -> int | None:
     return value
 
 
+def output_size(needed: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[int, str]:
+    """The bytes of tensors `{key: (shape, dtype)}`, and their shapes as text for messages."""
+    total = sum(math.prod(shape) * dt.itemsize for shape, dt in needed.values())
+    return total, ", ".join(f"{k} {list(shape)}" for k, (shape, _) in needed.items())
+
+
+def check_output_size(needed: dict[str, tuple[tuple[int, ...], torch.dtype]], bound: int | None) -> None:
+    """Refuse, before allocating, outputs larger than `bound` (`None`: `default_max_output_bytes()`).
+
+    Args:
+        needed: `{key: (shape, dtype)}` of the tensors about to be allocated.
+        bound: the most bytes, or `None` for the default.
+
+    Raises:
+        ValueError: naming the size, the shapes and how to raise the bound.
+    """
+    total, shapes = output_size(needed)
+    limit = default_max_output_bytes() if bound is None else bound
+    if total > limit:
+        raise ValueError(
+            f"the batch would allocate {total} bytes ({total / 2**30:.1f} GiB: {shapes}), more than the bound of "
+            f"{limit} bytes; check the token counts, seq_len and pad_to_multiple_of, or raise the bound with "
+            f"max_output_bytes= (or {MAX_OUTPUT_BYTES_ENV})"
+        )
+
+
 def padded_length(token_counts: Sequence[int], pad_to_multiple_of: int | None = None) -> int:
     """`T` of the padded layout: the longest trajectory, rounded up to a multiple.
 
@@ -236,7 +269,7 @@ def global_layout(
     if not found:
         raise ValueError("dtypes: expected at least one route dtype, got none")
     num_experts = check_padding(padding, num_experts, 1)
-    if padding == "balanced":
+    if num_experts is not None and padding == "balanced":
         found.add(canonical_dtype_for(num_experts - 1))
     return BatchLayout(
         seq_len=padded_length(counts, pad_to_multiple_of),

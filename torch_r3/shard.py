@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from torch_r3._buffers import BufferPool
 from torch_r3._padding import as_int
 from torch_r3.collate import R3Collator
 from torch_r3.layout import check_sample_ids
@@ -49,7 +50,9 @@ def _positive(value: Any, name: str) -> int | None:
     return value
 
 
-def _split_rank(members, counts, m, micro_batch_size, max_tokens):
+def _split_rank(
+    members: list[int], counts: list[int], m: int, micro_batch_size: int | None, max_tokens: int | None
+) -> list[list[int]] | None:
     """`members` into `m` non-empty micro-batches balanced by tokens; `None` if the limits do not allow it."""
     bins: list[list[int]] = [[] for _ in range(m)]
     load = [0] * m
@@ -201,6 +204,10 @@ class ShardCollator:
         prefetch: fetch the next micro-batch in a helper thread while the
             current one trains (fetched samples are held, not collated, so
             the buffer bound stays two batches).
+        buffers: a `BufferPool` to take the batches from, shared by the
+            `ShardCollator`s of successive steps (each step's plan differs)
+            so that later steps reuse the memory of earlier ones; by default
+            each `ShardCollator` has its own.
         **options: the other `R3Collator` settings (`layout`, `pad_keys`,
             `padding`, `num_experts`, `pad_token_id`, ...).
 
@@ -219,6 +226,7 @@ class ShardCollator:
         dtype: Any = None,
         layers: Sequence[int] | None = None,
         prefetch: bool = False,
+        buffers: BufferPool | None = None,
         **options: Any,
     ) -> None:
         if not callable(fetch):
@@ -228,7 +236,11 @@ class ShardCollator:
         self.fetch = fetch
         self.microbatches = _check_microbatches(microbatches)
         self.prefetch = bool(prefetch)
+        if buffers is not None and not isinstance(buffers, BufferPool):
+            raise TypeError(f"buffers must be None or a torch_r3.BufferPool, got {type(buffers).__name__}")
         self.collator = R3Collator(seq_len=seq_len, dtype=dtype, layers=layers, **options)
+        if buffers is not None:
+            self.collator.buffers = buffers
 
     def __repr__(self) -> str:
         return f"ShardCollator({len(self.microbatches)} micro-batches, prefetch={self.prefetch}, {self.collator!r})"
