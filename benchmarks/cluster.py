@@ -53,7 +53,7 @@ import ray.cloudpickle
 import torch
 
 import torch_r3
-from torch_r3 import R3Collator
+from torch_r3 import BufferPool, R3Collator
 from torch_r3.ray import RefFetch, TrajectoryRef, put_trajectory, route_dtypes, token_counts
 
 KEYS = ("input_ids", "attention_mask", "rollout_expert_indices", "router_padding_mask")
@@ -186,6 +186,7 @@ class Trainer:
     def __init__(self, dp_rank: int, stage: int, cfg: Config) -> None:
         self.dp_rank, self.stage, self.cfg = dp_rank, stage, cfg
         self.stage_layers = stage_layers(cfg, stage)
+        self.pool = BufferPool()  # one per trainer: later steps reuse the first step's buffers
         self.collator = None
 
     def torch_r3_path(self) -> str:
@@ -202,7 +203,9 @@ class Trainer:
         from torch_r3 import ShardCollator
 
         layers = self.stage_layers if stage_only else None
-        shards = ShardCollator(RefFetch(refs), microbatches, seq_len=seq_len, dtype=dtype, layers=layers)
+        shards = ShardCollator(
+            RefFetch(refs), microbatches, seq_len=seq_len, dtype=dtype, layers=layers, buffers=self.pool
+        )
         out = []
         for batch in shards:
             out.append(digest(batch) if verify else touch(batch))
