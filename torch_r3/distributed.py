@@ -123,10 +123,10 @@ def _encode(samples: Sequence[Mapping[str, Any]], indices: list[int], keys: list
 
 
 def _check_plan(samples: Any, plan: Any, world: int) -> list[list[list[int]]]:
-    if not isinstance(samples, Sequence) or isinstance(samples, (str, bytes)) or not samples:
-        raise TypeError(
-            f"samples: expected a non-empty sequence of sample dicts on the source rank, got {samples!r:.80}"
-        )
+    if not isinstance(samples, Sequence) or isinstance(samples, (str, bytes)):
+        raise TypeError(f"samples: expected a sequence of sample dicts on the source rank, got {samples!r:.80}")
+    if not samples:
+        raise ValueError("samples: expected at least one sample on the source rank, got none")
     if not isinstance(plan, Sequence) or len(plan) != world:
         raise ValueError(f"plan: expected one list of micro-batches per rank ({world}), got {plan!r:.80}")
     seen = [0] * len(samples)
