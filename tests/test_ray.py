@@ -271,3 +271,49 @@ def test_the_ray_cluster_example_runs_and_matches_the_global_batch(cluster, caps
     finally:
         sys.modules.pop(spec.name, None)
     assert "each identical to its rows of the global batch" in capsys.readouterr().out
+
+
+def _load_benchmark():
+    spec = importlib.util.spec_from_file_location("cluster_bench", ROOT / "benchmarks" / "cluster.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        sys.modules.pop(spec.name, None)
+    return bench
+
+
+def test_the_cluster_benchmarks_check_tells_a_wrong_microbatch_from_the_global_batchs_rows():
+    # What the benchmark's verification rests on, without a cluster: the trainers' ShardCollator
+    # micro-batches hash like the reference's slices, and one changed byte, dtype or layer does not.
+    import torch
+
+    from torch_r3 import ShardCollator, global_layout, plan_microbatches
+
+    bench = _load_benchmark()
+    cfg = bench.SMALL
+    samples = [bench.make_trajectory(i, cfg) for i in range(cfg.trajectories)]
+    counts = [len(s["input_ids"]) for s in samples]
+    plan = plan_microbatches(counts, dp_size=cfg.dp, micro_batch_size=cfg.micro_batch_size)
+    layout = global_layout(counts, [s["routes"].dtype for s in samples])
+    ref = bench.reference_digests(cfg, plan)
+    for dp in range(cfg.dp):
+        for pp in range(cfg.pp):
+            layers = bench.stage_layers(cfg, pp)
+            shard = ShardCollator(
+                lambda idx: [samples[i] for i in idx],
+                plan[dp],
+                seq_len=layout.seq_len,
+                dtype=layout.dtype,
+                layers=layers,
+            )
+            assert [bench.digest(b) for b in shard] == ref["stage"][dp][pp]
+    batch = next(iter(ShardCollator(lambda idx: [samples[i] for i in idx], plan[0], seq_len=layout.seq_len)))
+    good = bench.digest(batch)
+    assert good == ref["all"][0][0][0]
+    changed = dict(batch, rollout_expert_indices=batch["rollout_expert_indices"].clone())
+    changed["rollout_expert_indices"].view(-1)[-1] ^= 1
+    widened = dict(batch, rollout_expert_indices=batch["rollout_expert_indices"].to(torch.int16))
+    assert bench.digest(changed) != good and bench.digest(widened) != good
+    assert bench.digest(batch, layers=[0, 1]) != bench.digest(batch, layers=[1, 0])
