@@ -13,7 +13,7 @@ micro-batches and the script compares them with the same rows of one global
 batch collated here (a real trainer would not build that batch: it is the
 thing this layout avoids).
 
-Run: python examples/ray_cluster.py   (starts a 2-CPU local Ray cluster; about 30 s)
+Run: python examples/ray_cluster.py   (starts a 2-CPU local Ray cluster; under a minute)
 """
 
 from __future__ import annotations

@@ -149,7 +149,7 @@ class Trainer:
     def torch_r3_file(self):
         return torch_r3.__file__
 
-    def collate(self, refs, microbatches, seq_len, dtype, layers):
+    def collate(self, refs, microbatches, seq_len, dtype, layers, prefetch):
         from torch_r3 import ShardCollator
 
         shard = ShardCollator(
@@ -158,6 +158,7 @@ class Trainer:
             seq_len=seq_len,
             dtype=dtype,
             layers=layers,
+            prefetch=prefetch,  # ray.get from ShardCollator's helper thread
             pad_keys={"loss_mask": 0},
             padding="balanced",
             num_experts=EXPERTS,
@@ -216,7 +217,7 @@ def test_dp2_pp2_trainer_actors_collate_their_microbatches_identical_to_the_glob
     trainers = {(dp, pp): Trainer.remote() for dp in range(2) for pp in range(2)}
     calls = {
         (dp, pp): t.collate.remote(
-            {i: refs[i] for mb in plan[dp] for i in mb}, plan[dp], layout.seq_len, layout.dtype, stages[pp]
+            {i: refs[i] for mb in plan[dp] for i in mb}, plan[dp], layout.seq_len, layout.dtype, stages[pp], pp == 1
         )
         for (dp, pp), t in trainers.items()
     }

@@ -105,8 +105,9 @@ def put_trajectory(
 
     Call it where the trajectory is produced (the rollout actor), once per
     trajectory. Arrays and CPU tensors are stored as contiguous NumPy arrays,
-    so a trainer's `ray.get` maps them without a copy; token lists become an
-    `int64` array. Other keys (a reward, a loss mask) are stored as given.
+    so a trainer's `ray.get` maps them without a copy; a token list becomes
+    an array by NumPy's rules (Python ints: `int64`). Other keys (a reward, a
+    loss mask) are stored as given, arrays and CPU tensors as NumPy arrays.
 
     Args:
         sample: the sample as `torch_r3.R3Collator` takes it: compacted routes
@@ -149,7 +150,7 @@ def put_trajectory(
             f"sample[{routes_key!r}]: {routes.shape[0]} route rows for {tokens.shape[0]} tokens "
             f"(captured rows are a prefix of the tokens)"
         )
-    stored = {key: _store_value(value) for key, value in sample.items()}
+    stored = {key: _store_value(value) for key, value in sample.items() if key not in (routes_key, tokens_key)}
     stored[routes_key] = np.ascontiguousarray(routes)
     stored[tokens_key] = np.ascontiguousarray(tokens)
     return TrajectoryRef(
