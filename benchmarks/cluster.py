@@ -20,18 +20,21 @@ Measured per variant: bytes through the controller (route or token bytes it
 reads or writes, plus the pickled metadata it receives and sends), wall time
 per step (from the controller asking the rollouts for their trajectories to
 the last trainer done with its last micro-batch; a trainer touches every page
-of each micro-batch, the least a host-to-device copy would do), and peak
-memory growth per process (VmHWM after the step minus VmRSS before it, the
-high-water mark reset through `/proc/self/clear_refs`). Fresh controller and
-trainer actors per variant.
+of each micro-batch, the least a host-to-device copy would do; median of the
+timed steps after a warm-up step), and peak memory growth per process over the
+first step of fresh actors (VmHWM after it minus VmRSS before it, the
+high-water mark reset through `/proc/self/clear_refs`), with the part of each
+trainer's RSS that is object-store pages (from `/proc/self/smaps`). Fresh
+controller and trainer actors per variant; one `BufferPool` per trainer.
 
 After the timed steps, each variant runs one verification step: every trainer
 hashes every micro-batch (each key's dtype, shape and bytes), and the driver
-compares them with the same rows (and layers) sliced from one global
-`collate_routes` batch. A mismatch fails the run.
+compares them with the same rows (and layers) sliced from one global batch
+collated here by `R3Collator` (the `collate_routes` kernel). A mismatch fails
+the run (exit 1), whatever the timings.
 
 Usage:
-    PYTHONPATH=. python benchmarks/cluster.py [--json out.json] [--steps 2] [--small]
+    PYTHONPATH=. python benchmarks/cluster.py [--json out.json] [--steps 2] [--small] [--check-targets]
 """
 
 from __future__ import annotations
