@@ -33,6 +33,10 @@ compares them with the same rows (and layers) sliced from one global batch
 collated here by `R3Collator` (the `collate_routes` kernel). A mismatch fails
 the run (exit 1), whatever the timings.
 
+One file past 500 lines on purpose: run as a script, its actor classes travel to
+the Ray workers by value from `__main__`, with the helpers they use, and
+nothing here is imported by the package.
+
 Usage:
     PYTHONPATH=. python benchmarks/cluster.py [--json out.json] [--steps 2] [--small] [--check-targets]
 """
