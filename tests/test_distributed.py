@@ -96,6 +96,12 @@ def _worker(rank: int, port: int, out: str) -> None:
             "samples": got,
             "refusals": {},
         }
+        # The other direction: rank 1 holds the step and keeps its share, rank 0 receives.
+        back = scatter_trajectories(samples if rank == 1 else None, PLAN[::-1] if rank == 1 else None, src=1)
+        result["from_rank1"] = {
+            "microbatches": back.microbatches,
+            "routes": {str(g): s["routes"].tolist() for g, s in back.samples.items()},
+        }
         if rank == 0:  # refused on the source, before anything is sent
             uneven = _samples()
             del uneven[4]["reward"]
@@ -146,6 +152,14 @@ def test_received_samples_are_the_sources_bytes_unpadded(ranks):
         assert got["input_ids"][1] == want["input_ids"]
         assert got["loss_mask"] == [want["loss_mask"].dtype.str, want["loss_mask"].tolist()]
         assert got["reward"][1] == want["reward"]
+
+
+def test_any_rank_can_be_the_source(ranks):
+    samples = _samples()
+    for rank, r in enumerate(ranks):
+        got = r["from_rank1"]
+        assert got["microbatches"] == PLAN[::-1][rank]
+        assert got["routes"] == {str(i): samples[i]["routes"].tolist() for mb in PLAN[::-1][rank] for i in mb}
 
 
 def test_every_rank_gets_the_steps_metadata_for_the_global_layout(ranks):
