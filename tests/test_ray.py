@@ -116,26 +116,29 @@ def test_a_trainer_holds_no_microbatch_buffers_once_its_loop_has_dropped_them():
 @pytest.fixture(scope="module")
 def cluster():
     # Workers inherit this environment: the checkout's torch_r3 (and this test module's actors) come first.
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), old) if p)
-    os.environ.setdefault("RAY_agent_register_timeout_ms", "180000")  # a loaded 2-core CI machine
+    # A loaded 2-core CI machine can miss Ray's 30 s window for the node agent: wait longer, retry once.
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "RAY_agent_register_timeout_ms")}
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), saved["PYTHONPATH"]) if p)
+    os.environ.setdefault("RAY_agent_register_timeout_ms", "180000")
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    for attempt in (1, 2):
-        try:
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 2**20)
-            break
-        except Exception:
-            ray.shutdown()
-            if attempt == 2:
-                raise
     try:
+        for attempt in (1, 2):
+            try:
+                ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 2**20)
+                break
+            except Exception:
+                ray.shutdown()
+                if attempt == 2:
+                    raise
         yield
     finally:
         ray.shutdown()
-        if old is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old
+        ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @ray.remote(num_cpus=0)
