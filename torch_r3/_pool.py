@@ -151,6 +151,9 @@ def run(costs: list[int], write_rows: Callable[[int, int], None], workers: int, 
     if lo < n:
         bounds.append((lo, n))
     chunks = iter(bounds)
+    # Helper threads keep their last task until the next one: through `work`, emptied below, it
+    # does not keep `write_rows` (and the batch it writes) alive.
+    work = [write_rows]
     lock = threading.Lock()
     done = threading.Condition(lock)
     state = {"left": len(bounds), "error": None}
@@ -162,7 +165,7 @@ def run(costs: list[int], write_rows: Callable[[int, int], None], workers: int, 
             if chunk is None:
                 return
             try:
-                write_rows(*chunk)
+                work[0](*chunk)
             except BaseException as e:  # re-raised by the caller below
                 state["error"] = state["error"] or e
             with lock:
@@ -174,5 +177,6 @@ def run(costs: list[int], write_rows: Callable[[int, int], None], workers: int, 
     drain()
     with lock:
         done.wait_for(lambda: state["left"] == 0)
+    work.clear()
     if state["error"] is not None:
         raise state["error"]
