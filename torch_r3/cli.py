@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from torch_r3.doctor import doctor_report  # re-exported: the report behind `torch-r3 doctor`
 
 __all__ = ["COMMANDS", "doctor_report", "main"]
 
@@ -191,157 +192,19 @@ def _bench_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
 
 # --------------------------------------------------------------------------
-# doctor
+# doctor: torch_r3.doctor
 # --------------------------------------------------------------------------
-
-# The distributions whose versions matter to a bug report, in report order.
-_DISTRIBUTIONS = ("torch_r3", "torch", "numpy", "megatron-core", "aiohttp")
-
-
-def _version(distribution: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _accelerator() -> dict[str, Any]:
-    import torch
-
-    from torch_r3 import accelerator_available
-
-    available = accelerator_available()
-    current = torch.accelerator.current_accelerator() if available and hasattr(torch, "accelerator") else None
-    devices: list[str] = []
-    if available and torch.cuda.is_available():
-        devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    pinned, pinned_note = _pinned_memory(available)
-    return {
-        "available": available,
-        "type": None if current is None else current.type,
-        "devices": devices,
-        "cuda_build": torch.version.cuda,
-        "hip_build": torch.version.hip,
-        "pinned_memory": pinned,
-        "pinned_memory_note": pinned_note,
-    }
-
-
-def _pinned_memory(accelerator: bool) -> tuple[bool, str]:
-    import torch
-
-    if not accelerator:
-        return False, "no accelerator: collate_routes uses plain memory (pinning would not help)"
-    try:
-        torch.empty(1, pin_memory=True)
-    except RuntimeError as e:
-        return False, f"accelerator present but pinning failed: {e}"
-    return True, "available: collate_routes pins its outputs in the main process"
-
-
-def _cpu() -> dict[str, Any]:
-    import torch
-
-    from torch_r3.cpu import cpu_topology
-
-    return {**cpu_topology(), "torch_interop_threads": torch.get_num_interop_threads()}
-
-
-def _warnings(accelerator: dict[str, Any], cpus: dict[str, Any]) -> list[str]:
-    """Only what needs fixing: a set-up with no quota and default settings gets none."""
-    from torch_r3.cpu import DEFAULT_POOL_CAP, ENV_NUM_WORKERS
-
-    usable = cpus["usable_cpus"]
-    fit = max(1, math.floor(usable))
-    out = []
-    if cpus["torch_num_threads"] > usable:
-        # torch sizes its pool from the affinity mask; a CFS quota below it throttles every op.
-        out.append(
-            f"torch runs {cpus['torch_num_threads']} intra-op threads on {usable:g} usable CPUs: the "
-            f"threads are throttled; set OMP_NUM_THREADS={fit} (or torch.set_num_threads({fit}))"
-        )
-    if cpus["pool_workers_error"]:
-        out.append(cpus["pool_workers_error"])
-    elif cpus[ENV_NUM_WORKERS] and cpus["pool_workers"] > usable:
-        out.append(
-            f"{ENV_NUM_WORKERS}={cpus[ENV_NUM_WORKERS]} asks for more collation threads than the "
-            f"{usable:g} usable CPUs: unset it (the default is min({DEFAULT_POOL_CAP}, {fit})) or lower it"
-        )
-    if accelerator["available"] and not accelerator["pinned_memory"]:
-        out.append(accelerator["pinned_memory_note"])
-    return out
-
-
-def doctor_report() -> dict[str, Any]:
-    """What `torch-r3 doctor` reports, as a dict that `json.dumps` accepts.
-
-    Returns:
-        `versions` (distribution -> version, `None` when not installed; plus `python`
-        and `platform`), `accelerator` (availability, devices, CUDA/HIP build, pinned
-        memory), `cpu` (affinity mask, cgroup quotas, usable CPUs, pool workers, thread
-        settings) and `warnings` (what to fix; empty on a set-up that needs nothing).
-    """
-    import platform
-
-    versions: dict[str, str | None] = {"python": platform.python_version(), "platform": platform.platform()}
-    versions.update({name: _version(name) for name in _DISTRIBUTIONS})
-    accelerator = _accelerator()
-    cpus = _cpu()
-    return {"versions": versions, "accelerator": accelerator, "cpu": cpus, "warnings": _warnings(accelerator, cpus)}
 
 
 def _doctor_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
 
 
-def _doctor_text(r: dict[str, Any]) -> str:
-    from torch_r3.cpu import DEFAULT_POOL_CAP, ENV_NUM_WORKERS
-
-    def row(name: str, value: object) -> str:
-        return f"  {name:<20} {value}"
-
-    acc, cpus = r["accelerator"], r["cpu"]
-    lines = ["versions"] + [row(k, v or "not installed") for k, v in r["versions"].items()]
-    build = ", ".join(f"{k} {v}" for k, v in (("CUDA", acc["cuda_build"]), ("HIP", acc["hip_build"])) if v)
-    lines += [
-        "accelerator",
-        row(
-            "available",
-            f"yes ({acc['type']}: {', '.join(acc['devices']) or 'no device names'})" if acc["available"] else "no",
-        ),
-        row("torch built with", build or "no CUDA or HIP (CPU build)"),
-        row("pinned memory", f"{'yes' if acc['pinned_memory'] else 'no'}: {acc['pinned_memory_note']}"),
-        "CPU (what the collation pool sees)",
-        row("affinity mask", f"{cpus['affinity_cpus']} CPUs (os.cpu_count() = {cpus['os_cpu_count']})"),
-    ]
-    for q in cpus["cgroup_quotas"]:
-        lines.append(row(f"cgroup v{q['version']} quota", f"{q['cpus']:g} CPUs at {q['path']}"))
-    if not cpus["cgroup_quotas"]:
-        lines.append(row("cgroup quota", "none found (no cpu.max / cpu.cfs_quota_us limit on this cgroup path)"))
-    workers = cpus["pool_workers"]
-    source = (
-        f"from {ENV_NUM_WORKERS}={cpus[ENV_NUM_WORKERS]}"
-        if cpus[ENV_NUM_WORKERS]
-        else f"min({DEFAULT_POOL_CAP}, floor(usable CPUs))"
-    )
-    lines += [
-        row("usable CPUs", f"{cpus['usable_cpus']:g} (min of affinity mask and cgroup quota)"),
-        row("pool workers", f"{workers} ({source})" if workers is not None else f"invalid ({source})"),
-        row(
-            "torch threads",
-            f"{cpus['torch_num_threads']} intra-op, {cpus['torch_interop_threads']} inter-op "
-            f"(OMP_NUM_THREADS={cpus['OMP_NUM_THREADS'] or 'unset'})",
-        ),
-    ]
-    lines += [f"warning: {w}" for w in r["warnings"]] or ["ok: nothing to fix"]
-    return "\n".join(lines)
-
-
 def _doctor_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from torch_r3.doctor import format_doctor
+
     report = doctor_report()
-    print(_doctor_text(report))
+    print(format_doctor(report))
     if args.json:
         _write_json(args.json, report, "doctor")
     return 0
