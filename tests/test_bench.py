@@ -640,3 +640,47 @@ def test_the_packed_strategy_s_peak_memory_leaves_out_the_check_s_copies():
     packed = shape.get(bench.PACKED)
     assert packed.checked_against == bench.FRESH
     assert packed.peak_extra_bytes < shape.packed_bytes + (shape.packed_bytes >> 1)
+
+
+# --------------------------------------------------------------------------
+# Options that cannot work fail before any set-up, in one line
+# --------------------------------------------------------------------------
+
+
+def _one_line_usage_error(argv, needle, capsys, monkeypatch):
+    """`argv` exits 2 with one line on stderr naming `needle`, before the run is set up."""
+    monkeypatch.setattr(bench, "run", _never_run)
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err and "Traceback" not in err, err
+
+
+def _never_run(*args, **kwargs):
+    raise AssertionError("the run was set up although an option could never work")
+
+
+def test_bench_refuses_more_workers_than_the_cap_up_front(capsys, monkeypatch):
+    _one_line_usage_error(["bench", "--workers", "100", *TINY_ARGS], "64", capsys, monkeypatch)
+
+
+def test_bench_json_into_a_missing_directory_fails_up_front(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "missing" / "out.json"
+    _one_line_usage_error(["bench", *TINY_ARGS, "--json", str(path)], str(path.parent), capsys, monkeypatch)
+
+
+@pytest.mark.parametrize("where", ["missing", "directory"])
+def test_bench_plot_to_a_path_it_cannot_write_fails_up_front(tmp_path, capsys, monkeypatch, where):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "missing" / "chart.png" if where == "missing" else tmp_path
+    _one_line_usage_error(["bench", *TINY_ARGS, "--plot", str(path)], "--plot", capsys, monkeypatch)
+
+
+def test_bench_survives_a_load_average_the_os_will_not_give(monkeypatch, capsys):
+    def refuse():
+        raise OSError("Load averages are unobtainable")
+
+    monkeypatch.setattr(os, "getloadavg", refuse)
+    assert cli.main(["bench", *TINY_ARGS, "--strategies", "baseline,torch_r3 fresh"]) == 0
+    assert "load average unknown" in capsys.readouterr().out

@@ -14,16 +14,40 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from torch_r3.doctor import doctor_report  # re-exported: the report behind `torch-r3 doctor`
 
 __all__ = ["COMMANDS", "doctor_report", "main"]
 
-# Exit codes: 0 ok, 1 a check failed at run time, 2 bad usage (argparse's), 3 not enough memory.
+# Exit codes: 0 ok, 1 a check failed at run time, 2 bad usage (argparse's), 3 not enough memory,
+# 130 interrupted (Ctrl-C, as a shell reports SIGINT).
 EXIT_MEMORY = 3
+EXIT_INTERRUPTED = 130
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (the full usage is one `--help` away)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _check_writable(parser: argparse.ArgumentParser, option: str, path: str | None) -> None:
+    """Refuse, before any set-up, an output path that could never be written."""
+    if path is None:
+        return
+    target = os.path.abspath(path)
+    folder = os.path.dirname(target)
+    if os.path.isdir(target):
+        parser.error(f"{option} {path}: is a directory, expected a file path")
+    if not os.path.isdir(folder):
+        parser.error(f"{option} {path}: the directory {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        parser.error(f"{option} {path}: the directory {folder} is not writable")
 
 
 # --------------------------------------------------------------------------
@@ -144,6 +168,8 @@ def _bench_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         parser.error(f"--strategies: unknown {unknown}; choose from {', '.join(bench.STRATEGIES)}")
     if args.sweep and not args.plot:
         parser.error("--sweep only applies with --plot")
+    _check_writable(parser, "--json", args.json)
+    _check_writable(parser, "--plot", args.plot)
     try:
         config = bench.BenchConfig(**settings)
     except (TypeError, ValueError) as e:
@@ -201,12 +227,17 @@ def _doctor_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _doctor_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from torch_r3.doctor import format_doctor
+    from torch_r3.doctor import fatal_problem, format_doctor
 
+    _check_writable(parser, "--json", args.json)
     report = doctor_report()
     print(format_doctor(report))
     if args.json:
         _write_json(args.json, report, "doctor")
+    problem = fatal_problem(report)
+    if problem:  # the set-up cannot work as it stands: a script checking the exit status must see it
+        print(f"torch-r3 doctor: {problem}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -293,7 +324,7 @@ def _parser(wanted: str | None = None) -> tuple[argparse.ArgumentParser, dict[st
     """The parser; only the `wanted` subcommand gets its options (`demo` imports its module for them)."""
     from torch_r3 import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="torch-r3",
         description="Routed-expert replay (R3) tools.",
         epilog="Every subcommand prints its report on stdout and status lines on stderr; "
@@ -319,7 +350,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         The exit code: 0 on success (bare `torch-r3` included: it prints the help),
-        2 on bad usage or a missing extra, 3 when `bench` refuses for lack of memory.
+        1 when a check fails, 2 on bad usage, a bad value or a missing extra, 3 when
+        `bench` refuses for lack of memory, 130 on Ctrl-C. A bad value found while
+        running (`ValueError`, `TypeError`) and Ctrl-C print one line, never a traceback.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     wanted = next((a for a in argv if not a.startswith("-")), None)
@@ -329,7 +362,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     _help, _add, run = COMMANDS[args.command]
-    return run(args, subparsers[args.command])
+    try:
+        return run(args, subparsers[args.command])
+    except KeyboardInterrupt:
+        print(f"torch-r3 {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except (ValueError, TypeError) as e:  # a value the subcommand refused (e.g. demo --server-url notaurl)
+        print(f"torch-r3 {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -29,6 +29,7 @@ __all__ = [
     "cgroup_memory_room",
     "cgroup_quotas",
     "cpu_topology",
+    "loadavg_1min",
     "pool_workers",
     "usable_cpus",
 ]
@@ -342,5 +343,13 @@ def cpu_topology() -> dict[str, Any]:
         "torch_num_threads": torch.get_num_threads(),
         # Other work on the machine shows up here: a pool cannot speed up on
         # CPUs that someone else is using, and OpenMP code degrades sharply.
-        "loadavg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "loadavg_1min": loadavg_1min(),
     }
+
+
+def loadavg_1min() -> float | None:
+    """The 1-minute load average, or `None` where the OS has none or will not give it (some sandboxes)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None

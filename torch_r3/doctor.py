@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["doctor_report", "format_doctor"]
+__all__ = ["doctor_report", "fatal_problem", "format_doctor"]
 
 
 # The distributions whose versions matter to a bug report, in report order.
@@ -101,7 +101,8 @@ def doctor_report() -> dict[str, Any]:
         `versions` (distribution -> version, `None` when not installed; plus `python`
         and `platform`), `accelerator` (availability, devices, CUDA/HIP build, pinned
         memory), `cpu` (affinity mask, cgroup quotas, usable CPUs, pool workers, thread
-        settings) and `warnings` (what to fix; empty on a set-up that needs nothing).
+        settings), `memory` (the transparent-hugepage mode, `None` when unknown, and the
+        hugepage size) and `warnings` (what to fix; empty on a set-up that needs nothing).
     """
     import platform
 
@@ -109,7 +110,35 @@ def doctor_report() -> dict[str, Any]:
     versions.update({name: _version(name) for name in _DISTRIBUTIONS})
     accelerator = _accelerator()
     cpus = _cpu()
-    return {"versions": versions, "accelerator": accelerator, "cpu": cpus, "warnings": _warnings(accelerator, cpus)}
+    return {
+        "versions": versions,
+        "accelerator": accelerator,
+        "cpu": cpus,
+        "memory": _memory_report(),
+        "warnings": _warnings(accelerator, cpus),
+    }
+
+
+def _memory_report() -> dict[str, Any]:
+    from torch_r3._memory import hugepage_size, read_thp_mode
+
+    mode = read_thp_mode()
+    if mode in ("madvise", "always"):
+        note = "fresh outputs are hugepage-advised: one page fault per hugepage instead of per 4 KiB page"
+    elif mode == "never":
+        note = (
+            "off: a fresh output pays a first-touch fault per 4 KiB page (recycled outputs, the default, do not); "
+            "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled turns them on"
+        )
+    else:
+        note = "unknown (no /sys/kernel/mm/transparent_hugepage/enabled): outputs use the OS's default pages"
+    return {"transparent_hugepages": mode, "hugepage_bytes": hugepage_size(), "transparent_hugepages_note": note}
+
+
+def fatal_problem(report: dict[str, Any]) -> str | None:
+    """What in `report` makes every collation fail (`torch-r3 doctor` then exits 1), or None."""
+    error = report["cpu"]["pool_workers_error"]
+    return f"every collator call would fail: {error}" if error else None
 
 
 def format_doctor(r: dict[str, Any]) -> str:
@@ -150,6 +179,13 @@ def format_doctor(r: dict[str, Any]) -> str:
             "torch threads",
             f"{cpus['torch_num_threads']} intra-op, {cpus['torch_interop_threads']} inter-op "
             f"(OMP_NUM_THREADS={cpus['OMP_NUM_THREADS'] or 'unset'})",
+        ),
+    ]
+    mem = r["memory"]
+    lines += [
+        "memory (where collated outputs live)",
+        row(
+            "transparent hugepages", f"{mem['transparent_hugepages'] or 'unknown'}: {mem['transparent_hugepages_note']}"
         ),
     ]
     lines += [f"warning: {w}" for w in r["warnings"]] or ["ok: nothing to fix"]

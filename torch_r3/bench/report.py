@@ -220,14 +220,14 @@ def format_report(result: BenchResult) -> str:
     """
     t = result.topology
     c = result.main.config
-    load = "?" if t["loadavg_1min"] is None else format(t["loadavg_1min"], ".2f")
+    load = "load average unknown" if t["loadavg_1min"] is None else f"load average {t['loadavg_1min']:.2f}"
     lines = [
         f"torch-r3 bench  ({c['repeats']} repeats after {c['warmup']} warm-up, medians; seed {c['seed']}; "
         f"torch_r3 {result.versions.get('torch_r3', '?')}, torch {result.versions.get('torch', '?')})",
         f"CPU: usable {t['usable_cpus']:g} (affinity {t['affinity_cpus']}, cgroup limit "
         f"{t['cgroup_cpu_limit'] if t['cgroup_cpu_limit'] is not None else 'none'}), pool workers "
         f"{t['pool_workers']}, torch threads {t['torch_num_threads']}, "
-        f"OMP_NUM_THREADS={t['OMP_NUM_THREADS'] or 'unset'}, load average {load}",
+        f"OMP_NUM_THREADS={t['OMP_NUM_THREADS'] or 'unset'}, {load}",
         "",
         _describe(result.main),
         format_table(result.main),
