@@ -21,9 +21,11 @@ import torch
 from reference_collate import assert_batch_equal, reference_packed, reference_padded, reference_r3_collator
 from torch_r3 import bench, cli
 from torch_r3.bench import memory, report, strategies
+from torch_r3.bench.checkout import load_targets
 from torch_r3.cpu import cpu_topology
 
 ROOT = Path(__file__).resolve().parents[1]
+targets = load_targets()  # benchmarks/targets.py of this checkout
 TINY = dict(num_sequences=6, max_seqlen=40, num_layers=3, topk=2, repeats=1)
 TINY_ARGS = [
     "--num-sequences",
@@ -530,10 +532,10 @@ def synthetic_result(
     ],
 )
 def test_each_target_is_judged_against_its_threshold(changes, missed):
-    checked = bench.check_targets(synthetic_result(**changes))
-    assert [t["name"] for t in checked] == [t.name for t in bench.TARGETS]
+    checked = targets.check_targets(synthetic_result(**changes))
+    assert [t["name"] for t in checked] == [t.name for t in targets.TARGETS]
     assert [t["name"] for t in checked if not t["met"]] == missed
-    assert bench.targets_met(checked) == (not missed)
+    assert targets.targets_met(checked) == (not missed)
     want_steady = synthetic_result(**changes).main
     steady_vs_memcpy = want_steady.get(bench.STEADY).median_s / want_steady.get(bench.MEMCPY).median_s
     assert checked[0]["value"] == pytest.approx(steady_vs_memcpy)
@@ -543,15 +545,15 @@ def test_each_target_is_judged_against_its_threshold(changes, missed):
 def test_the_gather_floor_is_printed_beside_the_dataloader_target_and_never_judged(gather_floor_s):
     # The batch takes 1.51x the memcpy floor: missed, whatever the gather floor says.
     result = synthetic_result(loader_ratio=1.51, gather_floor_s=gather_floor_s)
-    checked = bench.check_targets(result)
+    checked = targets.check_targets(result)
     loader = next(t for t in checked if t["name"] == "dataloader_vs_floor")
     assert loader["value"] == pytest.approx(1.51) and loader["threshold"] == 1.5 and not loader["met"]
-    assert not bench.targets_met(checked)
+    assert not targets.targets_met(checked)
     assert all("beside" not in t for t in checked if t["name"] != "dataloader_vs_floor")
     beside = loader["beside"]
     assert beside["batch_s"] == pytest.approx(0.0151) and beside["memcpy_floor_s"] == 0.01
     assert beside["gather_floor_s"] == gather_floor_s
-    text = bench.format_targets(checked)
+    text = targets.format_targets(checked)
     assert "[MISSED] DataLoader num_workers=0" in text
     if gather_floor_s is None:
         assert beside["vs_gather_floor"] is None and "gather floor" not in text
@@ -581,9 +583,9 @@ def test_check_targets_exits_1_when_a_target_is_missed_and_prints_them_only_then
     assert calls[0][1]["dataloader_batch_size"] == bench.DEFAULT_BATCH_SIZE  # the DataLoader table is needed
     assert "against the gather floor" in out
     data = json.loads(path.read_text())
-    targets = data["targets"]
-    assert [t["met"] for t in targets] == [t["met"] for t in bench.check_targets(synthetic_result(**changes))]
-    assert targets[2]["beside"]["vs_gather_floor"] == pytest.approx(1.5)
+    judged = data["targets"]
+    assert [t["met"] for t in judged] == [t["met"] for t in targets.check_targets(synthetic_result(**changes))]
+    assert judged[2]["beside"]["vs_gather_floor"] == pytest.approx(1.5)
     assert data["dataloader"]["gather_floor_batch_s"] == 0.008
     assert data["dataloader"]["rows"][0]["ratio_to_gather_floor"] == pytest.approx(1.5)
 
@@ -684,3 +686,23 @@ def test_bench_survives_a_load_average_the_os_will_not_give(monkeypatch, capsys)
     monkeypatch.setattr(os, "getloadavg", refuse)
     assert cli.main(["bench", *TINY_ARGS, "--strategies", "baseline,torch_r3 fresh"]) == 0
     assert "load average unknown" in capsys.readouterr().out
+
+
+def test_the_targets_ship_in_the_checkout_not_in_the_package():
+    import torch_r3
+
+    package = Path(torch_r3.__file__).parent
+    assert not (package / "bench" / "targets.py").exists()
+    assert (ROOT / "benchmarks" / "targets.py").is_file() and targets.TARGETS
+
+
+def test_check_targets_outside_a_checkout_says_it_needs_one(monkeypatch, tmp_path, capsys):
+    from torch_r3.bench import checkout
+
+    monkeypatch.delitem(sys.modules, checkout.TARGETS_MODULE)
+    monkeypatch.setattr(checkout, "targets_path", lambda: tmp_path / "benchmarks" / "targets.py")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--check-targets", "--no-progress"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--check-targets needs a torch_r3 checkout" in err and err.count("\n") == 1

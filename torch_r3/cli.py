@@ -179,7 +179,14 @@ def _bench_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             import matplotlib  # noqa: F401
         except ImportError:
             parser.error("--plot needs matplotlib: pip install 'torch_r3[bench]'")
+    targets_module = None
     if args.check_targets:
+        from torch_r3.bench.checkout import TargetsUnavailableError, load_targets
+
+        try:
+            targets_module = load_targets()
+        except TargetsUnavailableError as e:
+            parser.error(str(e))
         if not bench.is_default_shape(config):
             parser.error("--check-targets judges the default shape only; drop the shape options")
         missing = [s for s in (bench.BASELINE, bench.STEADY, bench.MEMCPY) if s not in strategies]
@@ -206,15 +213,15 @@ def _bench_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         print(f"torch-r3 bench: refused: {e}", file=sys.stderr)
         return EXIT_MEMORY
     print(bench.format_report(result))
-    targets = bench.check_targets(result) if args.check_targets else None
+    targets = targets_module.check_targets(result) if targets_module else None
     if targets is not None:
-        print("\n" + bench.format_targets(targets))
+        print("\n" + targets_module.format_targets(targets))
     if args.json:
         _write_json(args.json, result.to_json(targets), "bench")
     if args.plot:
         bench.plot_sweep(result, args.plot)
         print(f"torch-r3 bench: wrote {args.plot}", file=sys.stderr)
-    return 1 if targets is not None and not bench.targets_met(targets) else 0
+    return 1 if targets is not None and not targets_module.targets_met(targets) else 0
 
 
 # --------------------------------------------------------------------------

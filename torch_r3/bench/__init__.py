@@ -13,9 +13,12 @@ One module per job:
 - `torch_r3.bench.strategies`: the strategies and the bit-identical checks;
 - `torch_r3.bench.runner`: warm-up, interleaved timed rounds, the whole run;
 - `torch_r3.bench.dataloader`: the `--dataloader` table (a real `DataLoader` with `R3Collator`);
-- `torch_r3.bench.targets`: the project's speed targets (`--check-targets`);
 - `torch_r3.bench.results`: the result dataclasses (the `--json` layout);
 - `torch_r3.bench.report` and `torch_r3.bench.units`: the tables and the chart.
+
+The project's own speed targets are not part of the installed package: they
+live in `benchmarks/targets.py` of a checkout, which `torch-r3 bench
+--check-targets` loads from there (`torch_r3.bench.checkout.load_targets`).
 
 Examples:
     >>> from torch_r3 import bench
@@ -51,7 +54,6 @@ from torch_r3.bench.strategies import (
     STRATEGIES,
     run_strategy,
 )
-from torch_r3.bench.targets import TARGETS, check_targets, format_targets, targets_met
 
 __all__ = [
     "BASELINE",
@@ -66,7 +68,6 @@ __all__ = [
     "SERIAL",
     "STEADY",
     "STRATEGIES",
-    "TARGETS",
     "Batch",
     "BenchConfig",
     "BenchResult",
@@ -78,12 +79,10 @@ __all__ = [
     "StrategyResult",
     "available_memory",
     "check_memory",
-    "check_targets",
     "default_sweep",
     "estimate_memory",
     "format_report",
     "format_table",
-    "format_targets",
     "is_default_shape",
     "make_batch",
     "memory_needed",
@@ -94,5 +93,4 @@ __all__ = [
     "run_shape",
     "run_strategy",
     "sequence_lengths",
-    "targets_met",
 ]

@@ -1,5 +1,10 @@
 """The project's speed targets, checked by `torch-r3 bench --check-targets` only.
 
+This file is part of the checkout, not of the installed package: the targets
+are the project's yardstick, not something a user's report needs. The CLI
+loads it from here (`torch_r3.bench.checkout.load_targets`), so
+`--check-targets` works only from a checkout (an editable install included).
+
 They are set for the default shape (256 trajectories of at most 8192 tokens,
 40 layers, top-8, `uint8`, uniform lengths) on a quiet 2-core machine, and
 judged on the medians of one run. They are the project's yardstick, not
