@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from reference_collate import assert_batch_equal, reference_packed, reference_padded, reference_r3_collator
+
 from torch_r3 import bench, cli
 from torch_r3.bench import memory, report, strategies
 from torch_r3.bench.checkout import load_targets
@@ -96,7 +96,7 @@ def test_every_strategy_matches_the_plain_reference(shape, workers):
         if name == bench.MEMCPY:
             assert out is None
         else:
-            assert_batch_equal(out, packed if name == bench.PACKED else padded)
+            assert_batch_equal(out, packed if strategies.get_strategy(name).layout == "packed" else padded)
 
 
 def test_strategies_match_the_reference_past_the_pool_threshold():
@@ -213,7 +213,7 @@ def test_bench_json_holds_every_strategy_the_topology_and_the_versions(tmp_path,
     out, err = capsys.readouterr()
     assert "torch_r3 fresh" in out and f"wrote {path}" in err and f"wrote {path}" not in out
     data = json.loads(path.read_text())
-    assert data["schema_version"] == 2
+    assert data["schema_version"] == 3
     assert [s["name"] for s in data["main"]["strategies"]] == list(bench.STRATEGIES)
     for key in (
         "median_s",
@@ -435,16 +435,26 @@ def synthetic_result(
     steady_peak=None,
     with_dataloader=True,
     gather_floor_s=0.008,
+    fresh_s=0.040,
+    gather_s=0.031,
+    packed_steady_s=0.012,
+    packed_gather_s=0.010,
+    rounds=None,
+    busy=(),
 ):
-    """A BenchResult of the default shape with chosen medians (input 350 MB, padded output 688 MB)."""
+    """A BenchResult of the default shape with chosen medians (input 350 MB, padded output 688 MB).
+
+    `rounds` gives some strategies' per-round times ({name: [s, ...]}); the others have one round.
+    """
 
     def strategy(name, median, peak=1_000_000_000):
+        times = (rounds or {}).get(name, [median])
         return bench.StrategyResult(
             name=name,
-            times_s=[median],
+            times_s=times,
             median_s=median,
-            min_s=median,
-            max_s=median,
+            min_s=min(times),
+            max_s=max(times),
             bytes_written=688_000_000,
             gb_per_s=688e6 / median,
             peak_extra_bytes=0,
@@ -465,7 +475,11 @@ def synthetic_result(
         peak_method="test",
         strategies=[
             strategy(bench.BASELINE, baseline_s),
+            strategy(bench.FRESH, fresh_s),
             strategy(bench.STEADY, steady_s, steady_peak or inp + 2 * out),
+            strategy(bench.PACKED_STEADY, packed_steady_s),
+            strategy(bench.GATHER, gather_s),
+            strategy(bench.PACKED_GATHER, packed_gather_s),
             strategy(bench.MEMCPY, memcpy_s),
         ],
     )
@@ -505,6 +519,7 @@ def synthetic_result(
         memory_needed_bytes=0,
         wall_s=1.0,
         peak_rss_bytes=None,
+        busy=list(busy),
     )
 
 
@@ -519,6 +534,9 @@ def synthetic_result(
         (dict(steady_peak=350_000_000 + 2 * 688_000_000 + (1 << 20)), []),  # 1 MiB of bookkeeping allowed
         (dict(steady_peak=350_000_000 + 2 * 688_000_000 + (1 << 20) + 1), ["steady_peak_memory"]),
         (dict(with_dataloader=False), ["dataloader_vs_floor"]),
+        (dict(fresh_s=0.0541), ["fresh_vs_memcpy"]),  # 2.004x the memcpy limit
+        (dict(gather_s=0.0272), ["steady_vs_gather"]),  # steady 1.103x the gather floor
+        (dict(packed_steady_s=0.01251), ["packed_steady_vs_packed_gather"]),  # 1.251x
     ],
     ids=[
         "all-met",
@@ -529,6 +547,9 @@ def synthetic_result(
         "peak-at-bound",
         "peak-high",
         "no-loader",
+        "fresh-slow",
+        "steady-above-gather",
+        "packed-steady-slow",
     ],
 )
 def test_each_target_is_judged_against_its_threshold(changes, missed):
@@ -556,7 +577,7 @@ def test_the_gather_floor_is_printed_beside_the_dataloader_target_and_never_judg
     text = targets.format_targets(checked)
     assert "[MISSED] DataLoader num_workers=0" in text
     if gather_floor_s is None:
-        assert beside["vs_gather_floor"] is None and "gather floor" not in text
+        assert beside["vs_gather_floor"] is None and "against the gather floor" not in text
     else:
         assert beside["vs_gather_floor"] == pytest.approx(0.0151 / gather_floor_s)
         assert f"{0.0151 / gather_floor_s:.2f} against the gather floor" in text
@@ -706,3 +727,68 @@ def test_check_targets_outside_a_checkout_says_it_needs_one(monkeypatch, tmp_pat
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--check-targets needs a torch_r3 checkout" in err and err.count("\n") == 1
+
+
+def test_a_fresh_output_s_peak_memory_counts_the_whole_output():
+    # Strategies run one after another in one process: memory the previous ones
+    # freed is still resident in the C allocator, and a fresh output must not look free.
+    config = bench.BenchConfig(num_sequences=8, max_seqlen=4096, num_layers=40, topk=8, repeats=1)
+    names = [bench.BASELINE, bench.SERIAL, bench.FRESH, bench.PACKED, bench.PAD_SEQUENCE]
+    shape = bench.run_shape(config, names)
+    for name in names:
+        s = shape.get(name)
+        written = shape.packed_bytes if name == bench.PACKED else shape.padded_bytes
+        assert s.peak_extra_bytes >= 0.95 * written, (name, s.peak_extra_bytes, written)
+        assert 0.95 <= s.peak_ratio, (name, s.peak_ratio)
+
+
+# --------------------------------------------------------------------------
+# A busy machine: warned about in the report, never judged
+# --------------------------------------------------------------------------
+
+
+def test_the_report_warns_when_the_load_average_says_the_machine_is_busy(monkeypatch, capsys):
+    monkeypatch.setattr(os, "getloadavg", lambda: (27.8, 20.0, 10.0))
+    assert cli.main(["bench", *TINY_ARGS, "--strategies", "baseline,torch_r3 fresh"]) == 0
+    out = capsys.readouterr().out
+    assert "WARNING: the machine was busy: the load average was 27.80 when the run started" in out
+
+
+def test_a_quiet_load_average_gives_no_load_warning(monkeypatch, capsys):
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.05, 0.05, 0.05))
+    assert cli.main(["bench", *TINY_ARGS, "--strategies", "baseline,torch_r3 fresh"]) == 0
+    assert "the load average was" not in capsys.readouterr().out
+
+
+def test_a_floor_whose_rounds_spread_widely_marks_the_run_busy():
+    from torch_r3.bench.trust import SPREAD_LIMIT, busy_reasons
+
+    calm = synthetic_result(rounds={bench.MEMCPY: [0.027, 0.028, 0.027]})
+    calm.topology = {**calm.topology, "loadavg_1min": 0.1}
+    assert busy_reasons(calm) == []
+    noisy = synthetic_result(rounds={bench.MEMCPY: [0.027, 0.027 * SPREAD_LIMIT * 1.01, 0.028]})
+    noisy.topology = {**noisy.topology, "loadavg_1min": None}  # unknown load: the spread alone decides
+    (reason,) = busy_reasons(noisy)
+    assert "memcpy limit's rounds ranged from 27.0" in reason
+
+
+def test_check_targets_refuses_to_judge_a_busy_run(monkeypatch, capsys):
+    busy = ["the load average was 27.80 when the run started, on 2 usable CPUs: other work already wanted every CPU"]
+    monkeypatch.setattr(bench, "run", lambda run_plan, **kwargs: synthetic_result(busy=busy))
+    monkeypatch.setattr(memory, "available_memory", lambda: {"available": None})
+    assert cli.main(["bench", "--check-targets", "--no-progress"]) == 1  # all would be met on a quiet machine
+    captured = capsys.readouterr()
+    assert "targets NOT JUDGED: the machine was busy" in captured.out and "[met]" not in captured.out
+    assert "targets not judged" in captured.err
+    checked = targets.check_targets(synthetic_result(busy=busy))
+    assert all(t["met"] is None for t in checked) and not targets.targets_met(checked)
+
+
+def test_check_targets_prints_the_ratio_of_every_round():
+    steady, memcpy = [0.030, 0.033, 0.029], [0.027, 0.026, 0.028]
+    checked = targets.check_targets(synthetic_result(rounds={bench.STEADY: steady, bench.MEMCPY: memcpy}))
+    target = next(t for t in checked if t["name"] == "steady_vs_memcpy")
+    assert target["rounds"] == pytest.approx([a / b for a, b in zip(steady, memcpy)])
+    text = targets.format_targets(checked)
+    assert "per round: " + ", ".join(f"{a / b:.2f}" for a, b in zip(steady, memcpy)) in text
+    assert "rounds" not in next(t for t in checked if t["name"] == "steady_peak_memory")

@@ -189,7 +189,7 @@ def _bench_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             parser.error(str(e))
         if not bench.is_default_shape(config):
             parser.error("--check-targets judges the default shape only; drop the shape options")
-        missing = [s for s in (bench.BASELINE, bench.STEADY, bench.MEMCPY) if s not in strategies]
+        missing = [s for s in targets_module.REQUIRED_STRATEGIES if s not in strategies]
         if missing:
             parser.error(f"--check-targets needs the strategies {missing}")
     dataloader = args.dataloader or args.check_targets  # the targets judge the DataLoader table too
@@ -216,6 +216,8 @@ def _bench_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     targets = targets_module.check_targets(result) if targets_module else None
     if targets is not None:
         print("\n" + targets_module.format_targets(targets))
+        if result.busy:
+            print("torch-r3 bench: targets not judged: the machine was busy; rerun on a quiet machine", file=sys.stderr)
     if args.json:
         _write_json(args.json, result.to_json(targets), "bench")
     if args.plot:

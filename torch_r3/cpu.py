@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "CgroupQuota",
     "DEFAULT_POOL_CAP",
     "ENV_NUM_WORKERS",
     "MAX_WORKERS",
+    "CgroupQuota",
     "affinity_cpus",
     "cgroup_cpu_limit",
     "cgroup_memory_room",
