@@ -184,9 +184,7 @@ def format_doctor(r: dict[str, Any]) -> str:
     mem = r["memory"]
     lines += [
         "memory (where collated outputs live)",
-        row(
-            "transparent hugepages", f"{mem['transparent_hugepages'] or 'unknown'}: {mem['transparent_hugepages_note']}"
-        ),
+        row("hugepages (THP)", f"{mem['transparent_hugepages'] or 'unknown'}: {mem['transparent_hugepages_note']}"),
     ]
     lines += [f"warning: {w}" for w in r["warnings"]] or ["ok: nothing to fix"]
     return "\n".join(lines)
