@@ -71,3 +71,25 @@ def test_a_bad_worker_override_is_refused_naming_the_variable(monkeypatch, value
 def test_the_override_may_ask_for_the_cap_itself(monkeypatch):
     monkeypatch.setenv(ENV_NUM_WORKERS, str(_pool.MAX_WORKERS))
     assert _pool.default_workers() == _pool.MAX_WORKERS
+
+
+def test_a_helper_thread_lets_go_of_a_batch_once_its_chunks_are_written():
+    # A helper used to keep the finished call's closure (and through it the
+    # batch's arrays) until its next task: the batch outlived the caller's last
+    # reference, a pool could not recycle it, and its memory was freed during
+    # the next call instead.
+    import weakref
+
+    import numpy as np
+
+    from torch_r3 import collate_routes
+
+    rng = np.random.default_rng(0)
+    counts = [4096] * 16
+    routes = [rng.integers(0, 128, size=(n - 1, 8, 8), dtype=np.uint8) for n in counts]
+    out = collate_routes(routes, counts, workers=2, pin_memory=False)  # 4 MiB and more: the pool runs
+    assert _helpers() >= 1
+    storage = weakref.ref(out["rollout_expert_indices"].untyped_storage())
+    del out
+    alive = storage() is not None
+    assert not alive, "a helper thread still holds the batch it helped write"

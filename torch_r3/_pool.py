@@ -109,9 +109,12 @@ class _Threads:
                 else:
                     return
 
-    def _loop(self, fn: Callable[[], None]) -> None:
-        while True:
+    def _loop(self, fn: Callable[[], None] | None) -> None:
+        while fn is not None:
             fn()
+            # Drop the finished call's closure before waiting: it holds the
+            # batch being written, which must die when its caller lets go.
+            fn = None
             me = _Idle()
             with self._lock:
                 self._idle.append(me)
