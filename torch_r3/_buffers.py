@@ -103,7 +103,7 @@ class _Buffer:
         self.nbytes, self.pinned, self.pid, self.fence = nbytes, False, os.getpid(), None
         # Private (copy-on-write across fork), page aligned, hugepage-advised
         # where the kernel allows; returned to the OS when the last view goes.
-        self.mem: np.ndarray | None = _memory.map_private(nbytes, requested)
+        self.mem: np.ndarray = _memory.map_private(nbytes, requested)
         if pinned:
             self.pinned = _memory.register_host(self.mem.ctypes.data, nbytes)
 
@@ -118,7 +118,8 @@ class _Buffer:
         self.close()
 
     def close(self) -> None:
-        if self.pinned and self.pid == os.getpid() and self.mem is not None:
+        # `pinned` is only ever True once `mem` exists (a refused mapping leaves it False).
+        if self.pinned and self.pid == os.getpid():
             if self.fence is not None:  # never unlock memory a copy is still reading
                 self.fence.synchronize()
             _memory.unregister_host(self.mem.ctypes.data)

@@ -213,8 +213,9 @@ def _bench_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         print(f"torch-r3 bench: refused: {e}", file=sys.stderr)
         return EXIT_MEMORY
     print(bench.format_report(result))
-    targets = targets_module.check_targets(result) if targets_module else None
-    if targets is not None:
+    targets = None
+    if targets_module is not None:
+        targets = targets_module.check_targets(result)
         print("\n" + targets_module.format_targets(targets))
         if result.busy:
             print("torch-r3 bench: targets not judged: the machine was busy; rerun on a quiet machine", file=sys.stderr)
@@ -223,7 +224,7 @@ def _bench_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     if args.plot:
         bench.plot_sweep(result, args.plot)
         print(f"torch-r3 bench: wrote {args.plot}", file=sys.stderr)
-    return 1 if targets is not None and not targets_module.targets_met(targets) else 0
+    return 1 if targets_module is not None and not targets_module.targets_met(targets) else 0
 
 
 # --------------------------------------------------------------------------
@@ -333,7 +334,7 @@ def _parser(wanted: str | None = None) -> tuple[argparse.ArgumentParser, dict[st
     """The parser; only the `wanted` subcommand gets its options (`demo` imports its module for them)."""
     from torch_r3 import __version__
 
-    parser = _Parser(
+    parser: argparse.ArgumentParser = _Parser(
         prog="torch-r3",
         description="Routed-expert replay (R3) tools.",
         epilog="Every subcommand prints its report on stdout and status lines on stderr; "
@@ -342,7 +343,7 @@ def _parser(wanted: str | None = None) -> tuple[argparse.ArgumentParser, dict[st
     )
     parser.add_argument("--version", action="version", version=f"torch_r3 {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    subparsers = {}
+    subparsers: dict[str, argparse.ArgumentParser] = {}
     for name, (help_text, add_arguments, _run) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == wanted:

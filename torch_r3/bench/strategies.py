@@ -193,7 +193,8 @@ def _carve(specs: dict[str, tuple[tuple[int, ...], Any]]) -> dict[str, np.ndarra
 
 def _balanced(costs: Sequence[int], parts: int) -> list[tuple[int, int]]:
     """`parts` contiguous ranges of `costs` of about equal sum."""
-    total, bounds, acc, lo = sum(costs), [], 0, 0
+    total, acc, lo = sum(costs), 0, 0
+    bounds: list[tuple[int, int]] = []
     for i, c in enumerate(costs):
         acc += c
         if len(bounds) < parts - 1 and acc >= total * (len(bounds) + 1) / parts:
@@ -335,6 +336,7 @@ def _skyrl_packed(ctx: Context) -> dict[str, torch.Tensor]:
 
 def _gather(ctx: Context) -> dict[str, torch.Tensor]:
     b, out, template = ctx.batch, ctx.gather, ctx.template
+    assert out is not None and template is not None  # made by Context for this strategy
     routes, mask, att = out[ROUTES], out[ROUTER_MASK], out[ATTENTION_MASK]
     T = b.T
 
@@ -355,6 +357,7 @@ def _gather(ctx: Context) -> dict[str, torch.Tensor]:
 
 def _packed_gather(ctx: Context) -> dict[str, torch.Tensor]:
     b, out, template = ctx.batch, ctx.packed_gather, ctx.template
+    assert out is not None and template is not None  # made by Context for this strategy
     routes, mask, cu = out[ROUTES], out[ROUTER_MASK], out[CU_SEQLENS]
     cu[0] = 0
     np.cumsum(b.token_counts, out=cu[1:])
@@ -373,6 +376,7 @@ def _packed_gather(ctx: Context) -> dict[str, torch.Tensor]:
 
 
 def _memcpy(ctx: Context) -> None:
+    assert ctx.dst is not None and ctx.src is not None  # made by Context for this strategy
     parallel_copy(ctx.dst, ctx.src, ctx.workers, ctx.copy_pool)
 
 
