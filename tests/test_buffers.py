@@ -338,10 +338,12 @@ def test_a_forked_child_s_batch_is_unchanged_by_the_parent_s_next_batches_and_vi
     assert_batch_equal(held, want)
 
 
-def test_a_numpy_view_taken_before_share_memory_never_reads_a_later_batch():
+@pytest.mark.parametrize("cache_bytes", [None, 0], ids=["recycled", "fresh"])
+def test_a_numpy_view_taken_before_share_memory_never_reads_a_later_batch(cache_bytes):
     # torch.multiprocessing.Queue.put calls share_memory_() in place: the storage
     # moves to new shared memory, and an earlier .numpy() view keeps the old address.
-    collate = collator()
+    # Recycled or fresh, that old memory must stay mapped and untouched while the view lives.
+    collate = collator(cache_bytes=cache_bytes)
     samples = make_samples(20, max_tokens=300, L=4, K=4, fixed_length=True)
     want = expected(samples)["rollout_expert_indices"]
     batch = collate(samples)
@@ -354,6 +356,7 @@ def test_a_numpy_view_taken_before_share_memory_never_reads_a_later_batch():
         later = collate(make_samples(seed, max_tokens=300, L=4, K=4, fixed_length=True))
         assert later["rollout_expert_indices"].data_ptr() != view.ctypes.data
         del later
+    gc.collect()
     assert np.array_equal(view, want)
     assert torch.equal(batch["rollout_expert_indices"], torch.from_numpy(want))
     del batch

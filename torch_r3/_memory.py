@@ -9,7 +9,10 @@
 
 Plain outputs of a hugepage or more, and every buffer of `BufferPool`, come
 from private anonymous mappings (`mmap(MAP_PRIVATE | MAP_ANONYMOUS)`): a forked
-child sees them copy-on-write, never the parent's later writes. Where
+child sees them copy-on-write, never the parent's later writes. Smaller plain
+outputs come from NumPy's heap, private too. Either way the memory is tied to
+the tensor's storage (`keep_with_storage`), so that it outlives a
+`share_memory_()` that moves the storage while NumPy views still point at it. Where
 transparent hugepages are in `madvise` or `always` mode, the mapping is
 aligned to a hugepage and advised `MADV_HUGEPAGE`: a fresh output then takes
 one page fault per 2 MiB instead of one per 4 KiB, and first-touch faults,
@@ -202,13 +205,17 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, kind: str) -> torch.Tensor
             return torch.empty(shape, dtype=dtype, pin_memory=True)
         except RuntimeError:  # driver present but unusable: plain memory, never an error
             pass
-    if nbytes < hugepage_size():  # small: the allocator's own (private) memory is as good
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    if nbytes < hugepage_size():  # small: NumPy's (private) heap memory is as good as a mapping
         try:
-            return torch.empty(shape, dtype=dtype)
-        except RuntimeError as e:
+            memory = np.empty(nbytes, dtype=np.uint8)
+        except MemoryError as e:
             raise _size_error(nbytes, e) from None
-    memory = map_private(nbytes)
-    # frombuffer keeps the array (and so the mapping) for the storage's data.
+    else:
+        memory = map_private(nbytes)
+    # frombuffer keeps the array (and so the memory) for the storage's data;
+    # keep_with_storage keeps it for as long as the storage lives, moved or not.
     tensor = torch.frombuffer(memory, dtype=dtype, count=math.prod(shape)).view(shape)
     keep_with_storage(tensor, memory)
     return tensor

@@ -14,6 +14,8 @@ One module per job:
 - `torch_r3.bench.runner`: warm-up, interleaved timed rounds, the whole run;
 - `torch_r3.bench.dataloader`: the `--dataloader` table (a real `DataLoader` with `R3Collator`);
 - `torch_r3.bench.results`: the result dataclasses (the `--json` layout);
+- `torch_r3.bench.trust`: whether a run's figures can be trusted (load average, spread of rounds);
+- `torch_r3.bench.checkout`: where `--check-targets` finds the targets of a checkout;
 - `torch_r3.bench.report` and `torch_r3.bench.units`: the tables and the chart.
 
 The project's own speed targets are not part of the installed package: they
