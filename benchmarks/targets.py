@@ -188,13 +188,17 @@ def _gap_lines(beside: dict[str, Any]) -> list[str]:
         return []
     ms = {k: beside[k] * 1e3 for k in ("batch_s", "memcpy_floor_s", "gather_floor_s")}
     return [
-        f"         beside it, not judged: {beside['vs_gather_floor']:.2f} against the gather floor (the batch's own "
-        f"source arrays copied from where they live)",
-        f"         the gap to the memcpy floor, {ms['batch_s']:.1f} - {ms['memcpy_floor_s']:.1f} ms per batch: "
-        f"{ms['gather_floor_s'] - ms['memcpy_floor_s']:+.1f} ms copying the batch's own sources from where they "
-        f"live, trajectory by trajectory into the padded layout, rather than one cache-warm buffer (gather floor "
-        f"{ms['gather_floor_s']:.1f} ms), "
-        f"{ms['batch_s'] - ms['gather_floor_s']:+.1f} ms the collator and DataLoader beyond that copy",
+        (
+            f"         beside it, not judged: {beside['vs_gather_floor']:.2f} against the gather floor (the batch's own "
+            f"source arrays copied from where they live)"
+        ),
+        (
+            f"         the gap to the memcpy floor, {ms['batch_s']:.1f} - {ms['memcpy_floor_s']:.1f} ms per batch: "
+            f"{ms['gather_floor_s'] - ms['memcpy_floor_s']:+.1f} ms copying the batch's own sources from where they "
+            f"live, trajectory by trajectory into the padded layout, rather than one cache-warm buffer (gather floor "
+            f"{ms['gather_floor_s']:.1f} ms), "
+            f"{ms['batch_s'] - ms['gather_floor_s']:+.1f} ms the collator and DataLoader beyond that copy"
+        ),
     ]
 
 

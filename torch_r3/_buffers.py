@@ -96,7 +96,7 @@ def _numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
 class _Buffer:
     """One mapped host buffer, page-locked for the accelerator when `pinned`."""
 
-    __slots__ = ("mem", "nbytes", "pinned", "pid", "fence", "__weakref__")
+    __slots__ = ("__weakref__", "fence", "mem", "nbytes", "pid", "pinned")
 
     def __init__(self, nbytes: int, pinned: bool, requested: int) -> None:
         # Set before mapping, so that a refused mapping leaves a buffer __del__ can close.

@@ -53,7 +53,7 @@ def check_workers(workers: Any) -> int:
     return int(workers)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _machine_workers(share: int) -> int:
     # Reading the cgroup tree costs ~0.1 ms; the answer does not change while
     # the process runs, so it is read once per process (and again after fork).

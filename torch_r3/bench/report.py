@@ -123,9 +123,11 @@ def _too_small(shape: ShapeResult) -> list[str]:
     if shape.padded_bytes >= TOO_SMALL_BYTES:
         return []
     return [
-        f"note: this shape is too small to time: its padded output is {format_bytes(shape.padded_bytes)}, "
-        f"under {format_bytes(TOO_SMALL_BYTES)}, so fixed per-call costs dominate and the ratios say little; "
-        f"use a larger shape (the default writes 688 MB)"
+        (
+            f"note: this shape is too small to time: its padded output is {format_bytes(shape.padded_bytes)}, "
+            f"under {format_bytes(TOO_SMALL_BYTES)}, so fixed per-call costs dominate and the ratios say little; "
+            f"use a larger shape (the default writes 688 MB)"
+        )
     ]
 
 
@@ -225,8 +227,10 @@ def format_dataloader_table(loader: DataLoaderResult) -> str:
 
 def _floors_note(loader: DataLoaderResult) -> list[str]:
     lines = [
-        "memcpy floor: per batch, one contiguous copy of as many bytes as its output, the same warm source "
-        "and destination every batch (where the last-level cache holds them, it never reaches memory)"
+        (
+            "memcpy floor: per batch, one contiguous copy of as many bytes as its output, the same warm source "
+            "and destination every batch (where the last-level cache holds them, it never reaches memory)"
+        )
     ]
     if loader.gather_floor_batch_s is not None:
         lines.append(
@@ -250,8 +254,10 @@ def format_report(result: BenchResult) -> str:
     c = result.main.config
     load = "load average unknown" if t["loadavg_1min"] is None else f"load average {t['loadavg_1min']:.2f}"
     lines = [
-        f"torch-r3 bench  ({c['repeats']} repeats after {c['warmup']} warm-up, medians; seed {c['seed']}; "
-        f"torch_r3 {result.versions.get('torch_r3', '?')}, torch {result.versions.get('torch', '?')})",
+        (
+            f"torch-r3 bench  ({c['repeats']} repeats after {c['warmup']} warm-up, medians; seed {c['seed']}; "
+            f"torch_r3 {result.versions.get('torch_r3', '?')}, torch {result.versions.get('torch', '?')})"
+        ),
         f"CPU: usable {t['usable_cpus']:g} (affinity {t['affinity_cpus']}, cgroup limit "
         f"{t['cgroup_cpu_limit'] if t['cgroup_cpu_limit'] is not None else 'none'}), pool workers "
         f"{t['pool_workers']}, torch threads {t['torch_num_threads']}, "
@@ -264,8 +270,10 @@ def format_report(result: BenchResult) -> str:
         format_table(result.main),
         "",
         *format_legend(result.main),
-        "vs gather: against the gather floor of the same layout; "
-        f"peak = input + resident memory the call added ({result.main.peak_method})",
+        (
+            "vs gather: against the gather floor of the same layout; "
+            f"peak = input + resident memory the call added ({result.main.peak_method})"
+        ),
         *_too_small(result.main),
     ]
     pair = result.packed_vs_padded
@@ -275,15 +283,19 @@ def format_report(result: BenchResult) -> str:
         d = result.dataloader
         lines += [
             "",
-            f"DataLoader: {d.num_batches} batches of {d.batch_size} trajectories per epoch "
-            f"(about {format_bytes(d.batch_bytes)} per batch), median of {d.epochs} timed epochs after one warm-up:",
+            (
+                f"DataLoader: {d.num_batches} batches of {d.batch_size} trajectories per epoch "
+                f"(about {format_bytes(d.batch_bytes)} per batch), median of {d.epochs} timed epochs after one warm-up:"
+            ),
             format_dataloader_table(d),
             *_floors_note(d),
         ]
     lines += [
         "",
-        f"wall {result.wall_s:.1f} s, process peak RSS "
-        f"{format_gib(result.peak_rss_bytes) if result.peak_rss_bytes else '?'}",
+        (
+            f"wall {result.wall_s:.1f} s, process peak RSS "
+            f"{format_gib(result.peak_rss_bytes) if result.peak_rss_bytes else '?'}"
+        ),
     ]
     return "\n".join(lines)
 
