@@ -195,7 +195,7 @@ class BufferPool:
         return {"max_cached_bytes": self.max_cached_bytes}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["max_cached_bytes"])
+        BufferPool.__init__(self, state["max_cached_bytes"])
 
     def __repr__(self) -> str:
         return f"BufferPool(max_cached_bytes={self.max_cached_bytes!r}, {self.stats()})"

@@ -199,7 +199,8 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, kind: str) -> torch.Tensor
             storage = torch.UntypedStorage._new_shared(max(nbytes, dtype.itemsize))
         except RuntimeError as e:
             raise _size_error(nbytes, e) from None
-        return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+        stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))  # contiguous
+        return torch.empty(0, dtype=dtype).set_(storage, 0, shape, stride)
     if kind == "pinned":
         try:
             return torch.empty(shape, dtype=dtype, pin_memory=True)

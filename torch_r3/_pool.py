@@ -157,7 +157,8 @@ def run(costs: list[int], write_rows: Callable[[int, int], None], workers: int, 
         write_rows(0, n)
         return
     target = max(1, sum(costs) // (workers * _CHUNKS_PER_WORKER))
-    bounds, acc, lo = [], 0, 0
+    acc, lo = 0, 0
+    bounds: list[tuple[int, int]] = []
     for i, c in enumerate(costs):
         acc += c
         if acc >= target:
@@ -168,7 +169,8 @@ def run(costs: list[int], write_rows: Callable[[int, int], None], workers: int, 
     chunks = iter(bounds)
     lock = threading.Lock()
     done = threading.Condition(lock)
-    state = {"left": len(bounds), "error": None}
+    left = [len(bounds)]  # chunks not yet written, under `lock`
+    errors: list[BaseException] = []  # the first is re-raised by the caller
 
     def drain() -> None:
         while True:
@@ -179,15 +181,15 @@ def run(costs: list[int], write_rows: Callable[[int, int], None], workers: int, 
             try:
                 write_rows(*chunk)
             except BaseException as e:  # re-raised by the caller below
-                state["error"] = state["error"] or e
+                errors.append(e)
             with lock:
-                state["left"] -= 1
-                if state["left"] == 0:
+                left[0] -= 1
+                if left[0] == 0:
                     done.notify_all()
 
     _threads.submit(drain, min(workers - 1, len(bounds) - 1))
     drain()
     with lock:
-        done.wait_for(lambda: state["left"] == 0)
-    if state["error"] is not None:
-        raise state["error"]
+        done.wait_for(lambda: left[0] == 0)
+    if errors:
+        raise errors[0]
