@@ -792,3 +792,17 @@ def test_check_targets_prints_the_ratio_of_every_round():
     text = targets.format_targets(checked)
     assert "per round: " + ", ".join(f"{a / b:.2f}" for a, b in zip(steady, memcpy)) in text
     assert "rounds" not in next(t for t in checked if t["name"] == "steady_peak_memory")
+
+
+@pytest.mark.parametrize("mode", ["madvise", "never", None])
+def test_the_report_says_which_pages_outputs_and_floors_were_on(mode):
+    result = synthetic_result()
+    result.thp_mode = mode
+    text = bench.format_report(result)
+    line = next(line for line in text.splitlines() if line.startswith("transparent hugepages:"))
+    if mode == "never":
+        assert "off" in line and "small-page floor" in line
+    elif mode == "madvise":
+        assert "hugepage-advised alike" in line
+    else:
+        assert "unknown" in line

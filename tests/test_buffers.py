@@ -417,3 +417,24 @@ def _smaps_entry(address: int) -> dict:
                 found["flags"] = head[1:]
                 return found
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_a_kernel_that_refuses_the_hugepage_advice_gets_small_pages_not_an_error(monkeypatch):
+    import mmap
+
+    from torch_r3 import _memory
+
+    class Refusing(mmap.mmap):
+        def madvise(self, *args):
+            raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(_memory, "thp_mode", lambda: "madvise")
+    monkeypatch.setattr(_memory.mmap, "mmap", Refusing)
+    monkeypatch.setitem(_memory._advise, "hugepage", True)
+    memory = _memory.map_private(4 << 20)
+    memory[:] = 7
+    assert memory.nbytes == 4 << 20 and int(memory.sum()) == 7 * (4 << 20)
+    assert _memory._advise["hugepage"] is False  # asked once, never again
+    t = BufferPool().empty((4 << 20,), torch.uint8)
+    t.fill_(3)
+    assert int(t.sum()) == 3 * (4 << 20)
