@@ -17,13 +17,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from reference_collate import assert_batch_equal, reference_packed, reference_padded, reference_r3_collator
+
 from torch_r3 import bench, cli
 from torch_r3.bench import memory, report, strategies
+from torch_r3.bench.checkout import load_targets
 from torch_r3.cpu import cpu_topology
 
 ROOT = Path(__file__).resolve().parents[1]
+targets = load_targets()  # benchmarks/targets.py of this checkout
 TINY = dict(num_sequences=6, max_seqlen=40, num_layers=3, topk=2, repeats=1)
 TINY_ARGS = [
     "--num-sequences",
@@ -94,7 +96,7 @@ def test_every_strategy_matches_the_plain_reference(shape, workers):
         if name == bench.MEMCPY:
             assert out is None
         else:
-            assert_batch_equal(out, packed if name == bench.PACKED else padded)
+            assert_batch_equal(out, packed if strategies.get_strategy(name).layout == "packed" else padded)
 
 
 def test_strategies_match_the_reference_past_the_pool_threshold():
@@ -211,7 +213,7 @@ def test_bench_json_holds_every_strategy_the_topology_and_the_versions(tmp_path,
     out, err = capsys.readouterr()
     assert "torch_r3 fresh" in out and f"wrote {path}" in err and f"wrote {path}" not in out
     data = json.loads(path.read_text())
-    assert data["schema_version"] == 2
+    assert data["schema_version"] == 3
     assert [s["name"] for s in data["main"]["strategies"]] == list(bench.STRATEGIES)
     for key in (
         "median_s",
@@ -433,16 +435,26 @@ def synthetic_result(
     steady_peak=None,
     with_dataloader=True,
     gather_floor_s=0.008,
+    fresh_s=0.040,
+    gather_s=0.031,
+    packed_steady_s=0.012,
+    packed_gather_s=0.010,
+    rounds=None,
+    busy=(),
 ):
-    """A BenchResult of the default shape with chosen medians (input 350 MB, padded output 688 MB)."""
+    """A BenchResult of the default shape with chosen medians (input 350 MB, padded output 688 MB).
+
+    `rounds` gives some strategies' per-round times ({name: [s, ...]}); the others have one round.
+    """
 
     def strategy(name, median, peak=1_000_000_000):
+        times = (rounds or {}).get(name, [median])
         return bench.StrategyResult(
             name=name,
-            times_s=[median],
+            times_s=times,
             median_s=median,
-            min_s=median,
-            max_s=median,
+            min_s=min(times),
+            max_s=max(times),
             bytes_written=688_000_000,
             gb_per_s=688e6 / median,
             peak_extra_bytes=0,
@@ -463,7 +475,11 @@ def synthetic_result(
         peak_method="test",
         strategies=[
             strategy(bench.BASELINE, baseline_s),
+            strategy(bench.FRESH, fresh_s),
             strategy(bench.STEADY, steady_s, steady_peak or inp + 2 * out),
+            strategy(bench.PACKED_STEADY, packed_steady_s),
+            strategy(bench.GATHER, gather_s),
+            strategy(bench.PACKED_GATHER, packed_gather_s),
             strategy(bench.MEMCPY, memcpy_s),
         ],
     )
@@ -503,6 +519,7 @@ def synthetic_result(
         memory_needed_bytes=0,
         wall_s=1.0,
         peak_rss_bytes=None,
+        busy=list(busy),
     )
 
 
@@ -517,6 +534,9 @@ def synthetic_result(
         (dict(steady_peak=350_000_000 + 2 * 688_000_000 + (1 << 20)), []),  # 1 MiB of bookkeeping allowed
         (dict(steady_peak=350_000_000 + 2 * 688_000_000 + (1 << 20) + 1), ["steady_peak_memory"]),
         (dict(with_dataloader=False), ["dataloader_vs_floor"]),
+        (dict(fresh_s=0.0541), ["fresh_vs_memcpy"]),  # 2.004x the memcpy limit
+        (dict(gather_s=0.0272), ["steady_vs_gather"]),  # steady 1.103x the gather floor
+        (dict(packed_steady_s=0.01251), ["packed_steady_vs_packed_gather"]),  # 1.251x
     ],
     ids=[
         "all-met",
@@ -527,13 +547,16 @@ def synthetic_result(
         "peak-at-bound",
         "peak-high",
         "no-loader",
+        "fresh-slow",
+        "steady-above-gather",
+        "packed-steady-slow",
     ],
 )
 def test_each_target_is_judged_against_its_threshold(changes, missed):
-    checked = bench.check_targets(synthetic_result(**changes))
-    assert [t["name"] for t in checked] == [t.name for t in bench.TARGETS]
+    checked = targets.check_targets(synthetic_result(**changes))
+    assert [t["name"] for t in checked] == [t.name for t in targets.TARGETS]
     assert [t["name"] for t in checked if not t["met"]] == missed
-    assert bench.targets_met(checked) == (not missed)
+    assert targets.targets_met(checked) == (not missed)
     want_steady = synthetic_result(**changes).main
     steady_vs_memcpy = want_steady.get(bench.STEADY).median_s / want_steady.get(bench.MEMCPY).median_s
     assert checked[0]["value"] == pytest.approx(steady_vs_memcpy)
@@ -543,18 +566,18 @@ def test_each_target_is_judged_against_its_threshold(changes, missed):
 def test_the_gather_floor_is_printed_beside_the_dataloader_target_and_never_judged(gather_floor_s):
     # The batch takes 1.51x the memcpy floor: missed, whatever the gather floor says.
     result = synthetic_result(loader_ratio=1.51, gather_floor_s=gather_floor_s)
-    checked = bench.check_targets(result)
+    checked = targets.check_targets(result)
     loader = next(t for t in checked if t["name"] == "dataloader_vs_floor")
     assert loader["value"] == pytest.approx(1.51) and loader["threshold"] == 1.5 and not loader["met"]
-    assert not bench.targets_met(checked)
+    assert not targets.targets_met(checked)
     assert all("beside" not in t for t in checked if t["name"] != "dataloader_vs_floor")
     beside = loader["beside"]
     assert beside["batch_s"] == pytest.approx(0.0151) and beside["memcpy_floor_s"] == 0.01
     assert beside["gather_floor_s"] == gather_floor_s
-    text = bench.format_targets(checked)
+    text = targets.format_targets(checked)
     assert "[MISSED] DataLoader num_workers=0" in text
     if gather_floor_s is None:
-        assert beside["vs_gather_floor"] is None and "gather floor" not in text
+        assert beside["vs_gather_floor"] is None and "against the gather floor" not in text
     else:
         assert beside["vs_gather_floor"] == pytest.approx(0.0151 / gather_floor_s)
         assert f"{0.0151 / gather_floor_s:.2f} against the gather floor" in text
@@ -581,9 +604,9 @@ def test_check_targets_exits_1_when_a_target_is_missed_and_prints_them_only_then
     assert calls[0][1]["dataloader_batch_size"] == bench.DEFAULT_BATCH_SIZE  # the DataLoader table is needed
     assert "against the gather floor" in out
     data = json.loads(path.read_text())
-    targets = data["targets"]
-    assert [t["met"] for t in targets] == [t["met"] for t in bench.check_targets(synthetic_result(**changes))]
-    assert targets[2]["beside"]["vs_gather_floor"] == pytest.approx(1.5)
+    judged = data["targets"]
+    assert [t["met"] for t in judged] == [t["met"] for t in targets.check_targets(synthetic_result(**changes))]
+    assert judged[2]["beside"]["vs_gather_floor"] == pytest.approx(1.5)
     assert data["dataloader"]["gather_floor_batch_s"] == 0.008
     assert data["dataloader"]["rows"][0]["ratio_to_gather_floor"] == pytest.approx(1.5)
 
@@ -640,3 +663,146 @@ def test_the_packed_strategy_s_peak_memory_leaves_out_the_check_s_copies():
     packed = shape.get(bench.PACKED)
     assert packed.checked_against == bench.FRESH
     assert packed.peak_extra_bytes < shape.packed_bytes + (shape.packed_bytes >> 1)
+
+
+# --------------------------------------------------------------------------
+# Options that cannot work fail before any set-up, in one line
+# --------------------------------------------------------------------------
+
+
+def _one_line_usage_error(argv, needle, capsys, monkeypatch):
+    """`argv` exits 2 with one line on stderr naming `needle`, before the run is set up."""
+    monkeypatch.setattr(bench, "run", _never_run)
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err and "Traceback" not in err, err
+
+
+def _never_run(*args, **kwargs):
+    raise AssertionError("the run was set up although an option could never work")
+
+
+def test_bench_refuses_more_workers_than_the_cap_up_front(capsys, monkeypatch):
+    _one_line_usage_error(["bench", "--workers", "100", *TINY_ARGS], "64", capsys, monkeypatch)
+
+
+def test_bench_json_into_a_missing_directory_fails_up_front(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "missing" / "out.json"
+    _one_line_usage_error(["bench", *TINY_ARGS, "--json", str(path)], str(path.parent), capsys, monkeypatch)
+
+
+@pytest.mark.parametrize("where", ["missing", "directory"])
+def test_bench_plot_to_a_path_it_cannot_write_fails_up_front(tmp_path, capsys, monkeypatch, where):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "missing" / "chart.png" if where == "missing" else tmp_path
+    _one_line_usage_error(["bench", *TINY_ARGS, "--plot", str(path)], "--plot", capsys, monkeypatch)
+
+
+def test_bench_survives_a_load_average_the_os_will_not_give(monkeypatch, capsys):
+    def refuse():
+        raise OSError("Load averages are unobtainable")
+
+    monkeypatch.setattr(os, "getloadavg", refuse)
+    assert cli.main(["bench", *TINY_ARGS, "--strategies", "baseline,torch_r3 fresh"]) == 0
+    assert "load average unknown" in capsys.readouterr().out
+
+
+def test_the_targets_ship_in_the_checkout_not_in_the_package():
+    import torch_r3
+
+    package = Path(torch_r3.__file__).parent
+    assert not (package / "bench" / "targets.py").exists()
+    assert (ROOT / "benchmarks" / "targets.py").is_file() and targets.TARGETS
+
+
+def test_check_targets_outside_a_checkout_says_it_needs_one(monkeypatch, tmp_path, capsys):
+    from torch_r3.bench import checkout
+
+    monkeypatch.delitem(sys.modules, checkout.TARGETS_MODULE)
+    monkeypatch.setattr(checkout, "targets_path", lambda: tmp_path / "benchmarks" / "targets.py")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--check-targets", "--no-progress"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--check-targets needs a torch_r3 checkout" in err and err.count("\n") == 1
+
+
+def test_a_fresh_output_s_peak_memory_counts_the_whole_output():
+    # Strategies run one after another in one process: memory the previous ones
+    # freed is still resident in the C allocator, and a fresh output must not look free.
+    config = bench.BenchConfig(num_sequences=8, max_seqlen=4096, num_layers=40, topk=8, repeats=1)
+    names = [bench.BASELINE, bench.SERIAL, bench.FRESH, bench.PACKED, bench.PAD_SEQUENCE]
+    shape = bench.run_shape(config, names)
+    for name in names:
+        s = shape.get(name)
+        written = shape.packed_bytes if name == bench.PACKED else shape.padded_bytes
+        assert s.peak_extra_bytes >= 0.95 * written, (name, s.peak_extra_bytes, written)
+        assert 0.95 <= s.peak_ratio, (name, s.peak_ratio)
+
+
+# --------------------------------------------------------------------------
+# A busy machine: warned about in the report, never judged
+# --------------------------------------------------------------------------
+
+
+def test_the_report_warns_when_the_load_average_says_the_machine_is_busy(monkeypatch, capsys):
+    monkeypatch.setattr(os, "getloadavg", lambda: (27.8, 20.0, 10.0))
+    assert cli.main(["bench", *TINY_ARGS, "--strategies", "baseline,torch_r3 fresh"]) == 0
+    out = capsys.readouterr().out
+    assert "WARNING: the machine was busy: the load average was 27.80 when the run started" in out
+
+
+def test_a_quiet_load_average_gives_no_load_warning(monkeypatch, capsys):
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.05, 0.05, 0.05))
+    assert cli.main(["bench", *TINY_ARGS, "--strategies", "baseline,torch_r3 fresh"]) == 0
+    assert "the load average was" not in capsys.readouterr().out
+
+
+def test_a_floor_whose_rounds_spread_widely_marks_the_run_busy():
+    from torch_r3.bench.trust import SPREAD_LIMIT, busy_reasons
+
+    calm = synthetic_result(rounds={bench.MEMCPY: [0.027, 0.028, 0.027]})
+    calm.topology = {**calm.topology, "loadavg_1min": 0.1}
+    assert busy_reasons(calm) == []
+    noisy = synthetic_result(rounds={bench.MEMCPY: [0.027, 0.027 * SPREAD_LIMIT * 1.01, 0.028]})
+    noisy.topology = {**noisy.topology, "loadavg_1min": None}  # unknown load: the spread alone decides
+    (reason,) = busy_reasons(noisy)
+    assert "memcpy limit's rounds ranged from 27.0" in reason
+
+
+def test_check_targets_refuses_to_judge_a_busy_run(monkeypatch, capsys):
+    busy = ["the load average was 27.80 when the run started, on 2 usable CPUs: other work already wanted every CPU"]
+    monkeypatch.setattr(bench, "run", lambda run_plan, **kwargs: synthetic_result(busy=busy))
+    monkeypatch.setattr(memory, "available_memory", lambda: {"available": None})
+    assert cli.main(["bench", "--check-targets", "--no-progress"]) == 1  # all would be met on a quiet machine
+    captured = capsys.readouterr()
+    assert "targets NOT JUDGED: the machine was busy" in captured.out and "[met]" not in captured.out
+    assert "targets not judged" in captured.err
+    checked = targets.check_targets(synthetic_result(busy=busy))
+    assert all(t["met"] is None for t in checked) and not targets.targets_met(checked)
+
+
+def test_check_targets_prints_the_ratio_of_every_round():
+    steady, memcpy = [0.030, 0.033, 0.029], [0.027, 0.026, 0.028]
+    checked = targets.check_targets(synthetic_result(rounds={bench.STEADY: steady, bench.MEMCPY: memcpy}))
+    target = next(t for t in checked if t["name"] == "steady_vs_memcpy")
+    assert target["rounds"] == pytest.approx([a / b for a, b in zip(steady, memcpy)])
+    text = targets.format_targets(checked)
+    assert "per round: " + ", ".join(f"{a / b:.2f}" for a, b in zip(steady, memcpy)) in text
+    assert "rounds" not in next(t for t in checked if t["name"] == "steady_peak_memory")
+
+
+@pytest.mark.parametrize("mode", ["madvise", "never", None])
+def test_the_report_says_which_pages_outputs_and_floors_were_on(mode):
+    result = synthetic_result()
+    result.thp_mode = mode
+    text = bench.format_report(result)
+    line = next(line for line in text.splitlines() if line.startswith("transparent hugepages:"))
+    if mode == "never":
+        assert "off" in line and "small-page floor" in line
+    elif mode == "madvise":
+        assert "hugepage-advised alike" in line
+    else:
+        assert "unknown" in line

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import gc
 import multiprocessing as mp
+import os
 import pickle
+import re
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
+from reference_collate import assert_batch_equal, reference_collate_routes, reference_r3_collator
 from torch.utils.data import DataLoader
 
 from torch_r3 import BufferPool, R3Collator, collate_routes
-
-from reference_collate import assert_batch_equal, reference_collate_routes, reference_r3_collator
 
 PAD_KEYS = {"loss_mask": (0.0, np.float32)}
 
@@ -271,3 +273,168 @@ def test_an_evicted_pinned_buffer_waits_for_its_copies_before_it_is_unlocked():
     pool.stats()  # folds the release in, which evicts the buffer: only after the copy is done
     assert torch.cuda.current_stream().query()
     assert bool((device == 5).all())
+
+
+# --------------------------------------------------------------------------
+# Private, copy-on-write mappings; storages moved to shared memory; bad requests
+# --------------------------------------------------------------------------
+
+
+def _in_child(check) -> int:
+    """Fork; run `check()` in the child and return the child's exit status (0: it held)."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        code = 1
+        try:
+            code = 0 if check() else 3
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def test_a_forked_child_s_batch_is_unchanged_by_the_parent_s_next_batches_and_vice_versa():
+    collate = collator()  # recycling on, workers=1: no threads across the fork
+    samples = make_samples(7, max_tokens=300, L=4, K=4, fixed_length=True)
+    want = expected(samples)
+    batch = collate(samples)
+    address = batch["rollout_expert_indices"].data_ptr()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child: wait until the parent has overwritten the buffer, then look
+        code = 1
+        try:
+            os.close(write)
+            os.read(read, 1)
+            code = 0 if all(torch.equal(batch[k], torch.from_numpy(v)) for k, v in want.items()) else 3
+        finally:
+            os._exit(code)
+    os.close(read)
+    del batch
+    for seed in range(8, 12):  # same length: every batch reuses the first one's buffers
+        later = make_samples(seed, max_tokens=300, L=4, K=4, fixed_length=True)
+        other = collate(later)
+        assert_batch_equal(other, expected(later))
+        reused = other["rollout_expert_indices"].data_ptr() == address
+        del other
+    assert reused  # the parent really did write over the memory the child's batch lives in
+    os.write(write, b"x")
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the parent's later batches changed the child's batch"
+
+    # And the other way round: the child's in-place edits and batches never reach the parent.
+    held = collate(samples)
+
+    def child_edits():
+        held["rollout_expert_indices"].fill_(255)
+        held["router_padding_mask"].fill_(True)
+        for seed in range(3):
+            collate(make_samples(seed, max_tokens=300, L=4, K=4, fixed_length=True))
+        return True
+
+    assert _in_child(child_edits) == 0
+    assert_batch_equal(held, want)
+
+
+@pytest.mark.parametrize("cache_bytes", [None, 0], ids=["recycled", "fresh"])
+def test_a_numpy_view_taken_before_share_memory_never_reads_a_later_batch(cache_bytes):
+    # torch.multiprocessing.Queue.put calls share_memory_() in place: the storage
+    # moves to new shared memory, and an earlier .numpy() view keeps the old address.
+    # Recycled or fresh, that old memory must stay mapped and untouched while the view lives.
+    collate = collator(cache_bytes=cache_bytes)
+    samples = make_samples(20, max_tokens=300, L=4, K=4, fixed_length=True)
+    want = expected(samples)["rollout_expert_indices"]
+    batch = collate(samples)
+    view = batch["rollout_expert_indices"].numpy()
+    for t in batch.values():
+        if isinstance(t, torch.Tensor):
+            t.share_memory_()
+    assert batch["rollout_expert_indices"].is_shared()
+    for seed in range(21, 26):
+        later = collate(make_samples(seed, max_tokens=300, L=4, K=4, fixed_length=True))
+        assert later["rollout_expert_indices"].data_ptr() != view.ctypes.data
+        del later
+    gc.collect()
+    assert np.array_equal(view, want)
+    assert torch.equal(batch["rollout_expert_indices"], torch.from_numpy(want))
+    del batch
+    del view  # only now may the old memory go
+    assert collate.buffers.stats()["live_bytes"] == 0
+
+
+@pytest.mark.parametrize("shape", [(-1,), (4, -2), (3, -1, 5)])
+def test_a_negative_dimension_is_refused_naming_the_shape(shape):
+    pool = BufferPool()
+    with pytest.raises(ValueError, match=re.escape(str(shape))):
+        pool.empty(shape, torch.uint8)
+    with pytest.raises(ValueError, match=re.escape(str(shape))):
+        pool.empty_batch({"x": (shape, torch.uint8)})
+
+
+@pytest.mark.parametrize("shape", [(1.5,), ("3",), (True, 2), (None,)])
+def test_a_non_integer_dimension_is_refused_naming_the_shape(shape):
+    with pytest.raises(TypeError, match=re.escape(str(shape))):
+        BufferPool().empty(shape, torch.uint8)
+
+
+def test_a_mapping_the_os_refuses_is_a_memory_error_naming_the_size(monkeypatch):
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    nbytes = 1 << 47  # beyond any user address space: the mapping is always refused
+    for pool in (BufferPool(), BufferPool(max_cached_bytes=0)):
+        with pytest.raises(MemoryError, match=f"{nbytes:,} bytes"):
+            pool.empty((nbytes,), torch.uint8)
+    gc.collect()
+    assert unraisable == []  # no AttributeError from a half-built buffer's __del__
+
+
+def test_output_memory_is_private_and_hugepage_advised_where_the_kernel_allows():
+    from torch_r3._memory import thp_mode
+
+    mode = thp_mode()
+    for pool in (BufferPool(), BufferPool(max_cached_bytes=0)):
+        t = pool.empty((8 << 20,), torch.uint8)
+        t.fill_(1)
+        lo = t.data_ptr()
+        entry = _smaps_entry(lo)
+        assert entry["shared"] is False  # MAP_PRIVATE: copy-on-write across fork
+        if mode in ("madvise", "always"):
+            assert "hg" in entry["flags"]  # MADV_HUGEPAGE was applied
+            assert lo % (2 << 20) == 0  # aligned: every whole 2 MiB of the output can be a hugepage
+
+
+def _smaps_entry(address: int) -> dict:
+    """The /proc/self/smaps entry of the mapping holding `address`: whether it is shared, its VmFlags."""
+    found = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                found = {"shared": head[1][3] == "s", "flags": []} if lo <= address < hi else None
+            elif found is not None and head[0] == "VmFlags:":
+                found["flags"] = head[1:]
+                return found
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_a_kernel_that_refuses_the_hugepage_advice_gets_small_pages_not_an_error(monkeypatch):
+    import mmap
+
+    from torch_r3 import _memory
+
+    class Refusing(mmap.mmap):
+        def madvise(self, *args):
+            raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(_memory, "thp_mode", lambda: "madvise")
+    monkeypatch.setattr(_memory.mmap, "mmap", Refusing)
+    monkeypatch.setitem(_memory._advise, "hugepage", True)
+    memory = _memory.map_private(4 << 20)
+    memory[:] = 7
+    assert memory.nbytes == 4 << 20 and int(memory.sum()) == 7 * (4 << 20)
+    assert _memory._advise["hugepage"] is False  # asked once, never again
+    t = BufferPool().empty((4 << 20,), torch.uint8)
+    t.fill_(3)
+    assert int(t.sum()) == 3 * (4 << 20)

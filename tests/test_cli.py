@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from importlib import metadata
@@ -108,7 +109,7 @@ def test_doctor_warns_about_a_worker_override_it_cannot_honour(monkeypatch, torc
     monkeypatch.setenv("TORCH_R3_NUM_WORKERS", env)
     (warning,) = cli.doctor_report()["warnings"]
     assert "TORCH_R3_NUM_WORKERS" in warning and env in warning
-    assert cli.main(["doctor"]) == 0
+    assert cli.main(["doctor"]) == (0 if value == "too_many" else 1)  # abc: every collator call would fail
     assert f"(from TORCH_R3_NUM_WORKERS={env})" in capsys.readouterr().out
 
 
@@ -123,7 +124,7 @@ def test_doctor_json_goes_to_the_file_report_to_stdout_status_to_stderr(tmp_path
     path = tmp_path / "doctor.json"
     assert cli.main(["doctor", "--json", str(path)]) == 0
     captured = capsys.readouterr()
-    assert set(json.loads(path.read_text())) == {"versions", "accelerator", "cpu", "warnings"}
+    assert set(json.loads(path.read_text())) == {"versions", "accelerator", "cpu", "memory", "warnings"}
     assert captured.out.startswith("versions\n") and "{" not in captured.out
     assert captured.err == f"torch-r3 doctor: wrote {path}\n"
 
@@ -175,3 +176,91 @@ def test_demo_trainer_accepts_megatron_or_transformers_only(capsys):
         cli.main(["demo", "--trainer", "deepspeed"])
     assert e.value.code == 2
     assert "invalid choice: 'deepspeed' (choose from 'megatron', 'transformers')" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------
+# doctor: transparent hugepages, a broken load average, a fatal override
+# --------------------------------------------------------------------------
+
+
+def test_doctor_reports_the_transparent_hugepage_mode(capsys):
+    from torch_r3._memory import read_thp_mode
+
+    report = cli.doctor_report()
+    mode = read_thp_mode()  # this machine's, read independently of the cached value
+    assert report["memory"]["transparent_hugepages"] == mode
+    assert cli.main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(rf"^  hugepages \(THP\) +{mode or 'unknown'}: ", out, re.MULTILINE)
+
+
+@pytest.mark.parametrize(
+    "content, mode", [("always [madvise] never\n", "madvise"), ("[always] madvise never", "always"), ("never", None)]
+)
+def test_the_transparent_hugepage_mode_is_the_bracketed_word(tmp_path, content, mode):
+    from torch_r3._memory import THP_ENABLED, read_thp_mode
+
+    path = tmp_path / THP_ENABLED
+    path.parent.mkdir(parents=True)
+    path.write_text(content)
+    assert read_thp_mode(tmp_path) == mode
+    assert read_thp_mode(tmp_path / "missing") is None
+
+
+def _no_loadavg():
+    raise OSError("Load averages are unobtainable")
+
+
+def test_doctor_survives_a_load_average_the_os_will_not_give(monkeypatch, capsys):
+    import os
+
+    monkeypatch.setattr(os, "getloadavg", _no_loadavg)
+    assert cli.doctor_report()["cpu"]["loadavg_1min"] is None
+    assert cli.main(["doctor"]) == 0
+
+
+def test_doctor_exits_1_and_says_why_when_the_worker_override_breaks_every_call(monkeypatch, capsys):
+    monkeypatch.setenv("TORCH_R3_NUM_WORKERS", "abc")
+    assert cli.main(["doctor"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "TORCH_R3_NUM_WORKERS" in err and "'abc'" in err and "every" in err
+
+
+def test_doctor_json_into_a_missing_directory_fails_up_front_in_one_line(tmp_path, capsys):
+    assert_one_line_usage_error(["doctor", "--json", str(tmp_path / "no" / "such" / "x.json")], "--json", capsys)
+
+
+def assert_one_line_usage_error(argv, needle, capsys):
+    """`argv` exits 2 with one line on stderr naming `needle`, and no traceback."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err and "Traceback" not in err, err
+
+
+# --------------------------------------------------------------------------
+# Dispatch: errors a user causes are one line, never a traceback
+# --------------------------------------------------------------------------
+
+
+def test_demo_with_a_server_url_that_is_not_a_url_prints_one_line(capsys):
+    assert cli.main(["demo", "--server-url", "notaurl"]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if not line.startswith("[demo]")]  # the demo's own progress
+    assert lines == [lines[0]] and "notaurl" in lines[0] and lines[0].startswith("torch-r3 demo: error:")
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_bench_run_prints_one_line_and_exits_130():
+    import signal
+
+    argv = [sys.executable, "-m", "torch_r3", "bench", "--num-sequences", "64", "--max-seqlen", "4096",
+            "--repeats", "50", "--no-progress"]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = proc.stderr.readline()  # "torch-r3 bench: ...; needs about": the run has started
+    assert first.startswith("torch-r3 bench:"), first
+    proc.send_signal(signal.SIGINT)
+    _out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    assert err.strip() == "torch-r3 bench: interrupted" and "Traceback" not in err

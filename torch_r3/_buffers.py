@@ -4,12 +4,20 @@ A training loop collates one batch per step. On fresh memory the first-touch
 page faults cost several times the copy itself, so a pool keeps the memory of
 batches the loop has finished with and hands it out again:
 
+* Buffers are private anonymous mappings, hugepage-advised where the kernel
+  allows (`torch_r3._memory.map_private`): after `fork` the child sees every
+  batch copy-on-write, so neither side's later batches or in-place edits
+  reach the other's.
 * A buffer goes back to the pool only when nothing uses it any more. Each
   output tensor is made with `torch.from_numpy` over a NumPy array that views
   the buffer; the tensor's storage holds that array, every view of the tensor
   and every `.numpy()` of it holds the storage, and a `weakref.finalize` on the
   array reports when the last of them is gone. Until then the buffer is never
-  handed out again, so no live batch is ever overwritten.
+  handed out again, so no live batch is ever overwritten. A storage whose
+  memory was replaced in place (`share_memory_()`, which
+  `torch.multiprocessing.Queue.put` calls, or `resize_()`) lets go of the
+  array while NumPy views taken before still point into the buffer: such a
+  buffer is never handed out again, and stays mapped until the storage goes.
 * A request takes the smallest idle buffer that fits it, as a prefix view,
   provided at most about half the buffer would go unused; otherwise a new
   buffer is mapped, a sixteenth larger than asked and rounded to a page (room
@@ -58,6 +66,26 @@ def _buffer_size(nbytes: int) -> int:
     return max(_PAGE, -(-(nbytes + nbytes // 16) // _PAGE) * _PAGE)
 
 
+def _check_shape(shape: Any) -> tuple[int, ...]:
+    """`shape` as a tuple of ints >= 0; a `TypeError`/`ValueError` naming it otherwise."""
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise TypeError(f"shape must be a tuple of ints, got {shape!r}") from None
+    for d in dims:
+        if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)):
+            raise TypeError(f"shape must be a tuple of ints, got {shape!r} (a {type(d).__name__} dimension)")
+    if any(d < 0 for d in dims):
+        raise ValueError(f"shape must have dimensions >= 0, got {shape!r}")
+    return tuple(int(d) for d in dims)
+
+
+def _check_dtype(dtype: Any) -> torch.dtype:
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+    return dtype
+
+
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
     try:
         return torch.empty(0, dtype=dtype).numpy().dtype
@@ -68,12 +96,14 @@ def _numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
 class _Buffer:
     """One mapped host buffer, page-locked for the accelerator when `pinned`."""
 
-    __slots__ = ("mem", "nbytes", "pinned", "pid", "fence", "__weakref__")
+    __slots__ = ("__weakref__", "fence", "mem", "nbytes", "pid", "pinned")
 
-    def __init__(self, nbytes: int, pinned: bool) -> None:
-        # An anonymous mapping: page aligned, returned to the OS when dropped.
-        self.mem = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+    def __init__(self, nbytes: int, pinned: bool, requested: int) -> None:
+        # Set before mapping, so that a refused mapping leaves a buffer __del__ can close.
         self.nbytes, self.pinned, self.pid, self.fence = nbytes, False, os.getpid(), None
+        # Private (copy-on-write across fork), page aligned, hugepage-advised
+        # where the kernel allows; returned to the OS when the last view goes.
+        self.mem: np.ndarray = _memory.map_private(nbytes, requested)
         if pinned:
             self.pinned = _memory.register_host(self.mem.ctypes.data, nbytes)
 
@@ -88,11 +118,28 @@ class _Buffer:
         self.close()
 
     def close(self) -> None:
+        # `pinned` is only ever True once `mem` exists (a refused mapping leaves it False).
         if self.pinned and self.pid == os.getpid():
             if self.fence is not None:  # never unlock memory a copy is still reading
                 self.fence.synchronize()
             _memory.unregister_host(self.mem.ctypes.data)
         self.pinned = False
+
+
+def _returned(state: _State, buf: _Buffer, storage: weakref.ref) -> None:
+    """The array a tensor was made over is gone: recycle its buffer, unless the storage lives on.
+
+    A storage outlives the array when its memory was replaced in place
+    (`share_memory_()`, `resize_()`): views taken before still point into the
+    buffer, so it is never handed out again and stays mapped until the
+    storage itself goes.
+    """
+    moved = storage()
+    if moved is None:
+        state.released.append((buf, True))
+        return
+    state.released.append((buf, False))
+    _memory.keep_with_storage_object(moved, buf)
 
 
 class _State:
@@ -102,7 +149,8 @@ class _State:
         self.pid = os.getpid()
         self.lock = threading.Lock()
         self.idle: list[_Buffer] = []  # least recently released first
-        self.released: collections.deque[_Buffer] = collections.deque()  # appended lock-free
+        # (buffer, reusable) pairs, appended lock-free by whichever thread drops a batch.
+        self.released: collections.deque[tuple[_Buffer, bool]] = collections.deque()
         self.idle_bytes = self.live_bytes = self.largest = self.hits = self.misses = 0
         self.can_register = True
 
@@ -147,7 +195,7 @@ class BufferPool:
         return {"max_cached_bytes": self.max_cached_bytes}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["max_cached_bytes"])
+        BufferPool.__init__(self, state["max_cached_bytes"])
 
     def __repr__(self) -> str:
         return f"BufferPool(max_cached_bytes={self.max_cached_bytes!r}, {self.stats()})"
@@ -164,7 +212,10 @@ class BufferPool:
     def _fold_released(self, state: _State) -> None:
         """Move released buffers to the idle list and evict beyond the bound (lock held)."""
         while state.released:
-            buf = state.released.popleft()
+            buf, reusable = state.released.popleft()
+            if not reusable:  # its storage moved elsewhere: no longer ours to hand out
+                state.live_bytes -= buf.nbytes
+                continue
             if buf.pinned:  # a non_blocking copy from it may still be queued
                 buf.fence = _memory.copy_fence()
             state.live_bytes -= buf.nbytes
@@ -207,7 +258,7 @@ class BufferPool:
             A contiguous CPU tensor; its memory is not handed out again while
             it, a view of it or an array sharing its memory is alive.
         """
-        return self.empty_batch({"": (tuple(shape), dtype)}, pinned=pinned)[""]
+        return self.empty_batch({"": (shape, dtype)}, pinned=pinned)[""]
 
     def empty_batch(
         self, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], *, pinned: bool = False
@@ -221,6 +272,7 @@ class BufferPool:
         Returns:
             `{key: tensor}`, each recycled independently of the others.
         """
+        specs = {k: (_check_shape(shape), _check_dtype(dt)) for k, (shape, dt) in specs.items()}
         kind = "pinned" if pinned else "plain"
         state = self._current()
         if self.max_cached_bytes == 0:
@@ -236,17 +288,18 @@ class BufferPool:
             return _memory.empty(tuple(shape), dtype, "pinned" if pinned else "plain")
         buf = self._take(state, nbytes, pinned)
         if buf is None:
-            buf = _Buffer(_buffer_size(nbytes), pinned)
+            buf = _Buffer(_buffer_size(nbytes), pinned, nbytes)
             if pinned and not buf.pinned:  # registration refused: stop trying, use torch's pinned memory
                 state.can_register = False
                 return _memory.empty(tuple(shape), dtype, "pinned")
             with state.lock:
                 state.live_bytes += buf.nbytes
         array = buf.mem[:nbytes].view(np_dtype).reshape(shape)
+        tensor = torch.from_numpy(array)
         # The tensor's storage holds `array`; when the last user of the storage
         # is gone, `array` dies and the buffer is queued for reuse.
-        weakref.finalize(array, state.released.append, buf).atexit = False
-        return torch.from_numpy(array)
+        weakref.finalize(array, _returned, state, buf, weakref.ref(tensor.untyped_storage())).atexit = False
+        return tensor
 
     def stats(self) -> dict[str, int]:
         """Counters for reports: idle and live bytes, buffers, hits and misses.

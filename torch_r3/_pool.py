@@ -6,7 +6,9 @@ calling thread plus `workers - 1` helpers from the process's pool. The pool
 starts threads only when a call asks for more than are idle, never holds more
 than `MAX_WORKERS - 1`, and a thread left idle for `IDLE_SECONDS` exits, so
 calls with different `workers` values share the same threads instead of each
-leaving its own pool alive.
+leaving its own pool alive. Work goes to the most recently idle thread, so
+after one call with many workers the surplus threads really do go idle, and
+exit, while a loop keeps asking for a few.
 
 A call never waits on the pool to make progress: the calling thread writes
 chunks too, and the call completes when every chunk is written, whichever
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import os
-import queue
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -26,11 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from torch_r3.cpu import ENV_NUM_WORKERS, pool_workers
+from torch_r3.cpu import ENV_NUM_WORKERS, MAX_WORKERS, pool_workers
 
-#: Largest `workers` a call may ask for. Copies are bound by memory bandwidth,
-#: which a few threads per socket saturate; beyond this, threads only contend.
-MAX_WORKERS = 64
 #: Seconds a helper thread waits for work before it exits.
 IDLE_SECONDS = 10.0
 #: Below this many output bytes a pool costs more than it saves.
@@ -55,7 +53,7 @@ def check_workers(workers: Any) -> int:
     return int(workers)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _machine_workers(share: int) -> int:
     # Reading the cgroup tree costs ~0.1 ms; the answer does not change while
     # the process runs, so it is read once per process (and again after fork).
@@ -72,45 +70,62 @@ def default_workers() -> int:
     return _machine_workers(1 if info is None else info.num_workers)
 
 
+class _Idle:
+    """One helper waiting for work: the task handed to it, and the event that wakes it."""
+
+    __slots__ = ("task", "wake")
+
+    def __init__(self) -> None:
+        self.task: Callable[[], None] | None = None
+        self.wake = threading.Event()
+
+
 class _Threads:
-    """Helper threads that run submitted callables; started on demand, exit when idle."""
+    """Helper threads that run submitted callables; started on demand, exit when idle.
+
+    Work goes to the most recently idle helper (a stack, not a queue): a loop
+    that now needs two helpers keeps reusing the same two, and the others,
+    left over from one call with many workers, see no work and exit after
+    `IDLE_SECONDS`. (With a shared queue every waiting helper would get a turn
+    often enough never to time out.)
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle: list[_Idle] = []  # most recently idle last
         self._threads = 0
-        self._idle = 0
-        self._queued = 0
 
     def submit(self, fn: Callable[[], None], count: int) -> None:
+        """Run `fn` on up to `count` helpers; at the thread cap, fewer (the caller drains the rest)."""
         with self._lock:
-            self._queued += count
-            spawn = min(self._queued - self._idle, MAX_WORKERS - 1 - self._threads)
             for _ in range(count):
-                self._tasks.put(fn)
-            for _ in range(max(spawn, 0)):
-                self._threads += 1
-                threading.Thread(target=self._loop, name=_THREAD_NAME, daemon=True).start()
+                if self._idle:
+                    waiting = self._idle.pop()
+                    waiting.task = fn
+                    waiting.wake.set()
+                elif self._threads < MAX_WORKERS - 1:
+                    self._threads += 1
+                    threading.Thread(target=self._loop, args=(fn,), name=_THREAD_NAME, daemon=True).start()
+                else:
+                    return
 
-    def _loop(self) -> None:
-        while True:
-            with self._lock:
-                self._idle += 1
-            try:
-                fn = self._tasks.get(timeout=IDLE_SECONDS)
-            except queue.Empty:
-                with self._lock:
-                    self._idle -= 1
-                    # Tasks are put under this lock, so "empty" here is final
-                    # for every submit that counted this thread as idle.
-                    if self._tasks.empty():
-                        self._threads -= 1
-                        return
-                continue
-            with self._lock:
-                self._idle -= 1
-                self._queued -= 1
+    def _loop(self, fn: Callable[[], None] | None) -> None:
+        while fn is not None:
             fn()
+            # Drop the finished call's closure before waiting: it holds the
+            # batch being written, which must die when its caller lets go.
+            fn = None
+            me = _Idle()
+            with self._lock:
+                self._idle.append(me)
+            me.wake.wait(IDLE_SECONDS)
+            with self._lock:
+                # A task is handed over under this lock: if none came, leave.
+                if me.task is None:
+                    self._idle.remove(me)
+                    self._threads -= 1
+                    return
+            fn = me.task
 
 
 _threads = _Threads()
@@ -142,7 +157,8 @@ def run(costs: list[int], write_rows: Callable[[int, int], None], workers: int, 
         write_rows(0, n)
         return
     target = max(1, sum(costs) // (workers * _CHUNKS_PER_WORKER))
-    bounds, acc, lo = [], 0, 0
+    acc, lo = 0, 0
+    bounds: list[tuple[int, int]] = []
     for i, c in enumerate(costs):
         acc += c
         if acc >= target:
@@ -156,7 +172,8 @@ def run(costs: list[int], write_rows: Callable[[int, int], None], workers: int, 
     work = [write_rows]
     lock = threading.Lock()
     done = threading.Condition(lock)
-    state = {"left": len(bounds), "error": None}
+    left = [len(bounds)]  # chunks not yet written, under `lock`
+    errors: list[BaseException] = []  # the first is re-raised by the caller
 
     def drain() -> None:
         while True:
@@ -167,16 +184,16 @@ def run(costs: list[int], write_rows: Callable[[int, int], None], workers: int, 
             try:
                 work[0](*chunk)
             except BaseException as e:  # re-raised by the caller below
-                state["error"] = state["error"] or e
+                errors.append(e)
             with lock:
-                state["left"] -= 1
-                if state["left"] == 0:
+                left[0] -= 1
+                if left[0] == 0:
                     done.notify_all()
 
     _threads.submit(drain, min(workers - 1, len(bounds) - 1))
     drain()
     with lock:
-        done.wait_for(lambda: state["left"] == 0)
+        done.wait_for(lambda: left[0] == 0)
     work.clear()
-    if state["error"] is not None:
-        raise state["error"]
+    if errors:
+        raise errors[0]

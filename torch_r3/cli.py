@@ -14,15 +14,40 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
+
+from torch_r3.doctor import doctor_report  # re-exported: the report behind `torch-r3 doctor`
 
 __all__ = ["COMMANDS", "doctor_report", "main"]
 
-# Exit codes: 0 ok, 1 a check failed at run time, 2 bad usage (argparse's), 3 not enough memory.
+# Exit codes: 0 ok, 1 a check failed at run time, 2 bad usage (argparse's), 3 not enough memory,
+# 130 interrupted (Ctrl-C, as a shell reports SIGINT).
 EXIT_MEMORY = 3
+EXIT_INTERRUPTED = 130
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (the full usage is one `--help` away)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _check_writable(parser: argparse.ArgumentParser, option: str, path: str | None) -> None:
+    """Refuse, before any set-up, an output path that could never be written."""
+    if path is None:
+        return
+    target = os.path.abspath(path)
+    folder = os.path.dirname(target)
+    if os.path.isdir(target):
+        parser.error(f"{option} {path}: is a directory, expected a file path")
+    if not os.path.isdir(folder):
+        parser.error(f"{option} {path}: the directory {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        parser.error(f"{option} {path}: the directory {folder} is not writable")
 
 
 # --------------------------------------------------------------------------
@@ -143,6 +168,8 @@ def _bench_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         parser.error(f"--strategies: unknown {unknown}; choose from {', '.join(bench.STRATEGIES)}")
     if args.sweep and not args.plot:
         parser.error("--sweep only applies with --plot")
+    _check_writable(parser, "--json", args.json)
+    _check_writable(parser, "--plot", args.plot)
     try:
         config = bench.BenchConfig(**settings)
     except (TypeError, ValueError) as e:
@@ -152,10 +179,17 @@ def _bench_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             import matplotlib  # noqa: F401
         except ImportError:
             parser.error("--plot needs matplotlib: pip install 'torch_r3[bench]'")
+    targets_module = None
     if args.check_targets:
+        from torch_r3.bench.checkout import TargetsUnavailableError, load_targets
+
+        try:
+            targets_module = load_targets()
+        except TargetsUnavailableError as e:
+            parser.error(str(e))
         if not bench.is_default_shape(config):
             parser.error("--check-targets judges the default shape only; drop the shape options")
-        missing = [s for s in (bench.BASELINE, bench.STEADY, bench.MEMCPY) if s not in strategies]
+        missing = [s for s in targets_module.REQUIRED_STRATEGIES if s not in strategies]
         if missing:
             parser.error(f"--check-targets needs the strategies {missing}")
     dataloader = args.dataloader or args.check_targets  # the targets judge the DataLoader table too
@@ -179,171 +213,41 @@ def _bench_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         print(f"torch-r3 bench: refused: {e}", file=sys.stderr)
         return EXIT_MEMORY
     print(bench.format_report(result))
-    targets = bench.check_targets(result) if args.check_targets else None
-    if targets is not None:
-        print("\n" + bench.format_targets(targets))
+    targets = None
+    if targets_module is not None:
+        targets = targets_module.check_targets(result)
+        print("\n" + targets_module.format_targets(targets))
+        if result.busy:
+            print("torch-r3 bench: targets not judged: the machine was busy; rerun on a quiet machine", file=sys.stderr)
     if args.json:
         _write_json(args.json, result.to_json(targets), "bench")
     if args.plot:
         bench.plot_sweep(result, args.plot)
         print(f"torch-r3 bench: wrote {args.plot}", file=sys.stderr)
-    return 1 if targets is not None and not bench.targets_met(targets) else 0
+    return 1 if targets_module is not None and not targets_module.targets_met(targets) else 0
 
 
 # --------------------------------------------------------------------------
-# doctor
+# doctor: torch_r3.doctor
 # --------------------------------------------------------------------------
-
-# The distributions whose versions matter to a bug report, in report order.
-_DISTRIBUTIONS = ("torch_r3", "torch", "numpy", "megatron-core", "aiohttp")
-
-
-def _version(distribution: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _accelerator() -> dict[str, Any]:
-    import torch
-
-    from torch_r3 import accelerator_available
-
-    available = accelerator_available()
-    current = torch.accelerator.current_accelerator() if available and hasattr(torch, "accelerator") else None
-    devices: list[str] = []
-    if available and torch.cuda.is_available():
-        devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    pinned, pinned_note = _pinned_memory(available)
-    return {
-        "available": available,
-        "type": None if current is None else current.type,
-        "devices": devices,
-        "cuda_build": torch.version.cuda,
-        "hip_build": torch.version.hip,
-        "pinned_memory": pinned,
-        "pinned_memory_note": pinned_note,
-    }
-
-
-def _pinned_memory(accelerator: bool) -> tuple[bool, str]:
-    import torch
-
-    if not accelerator:
-        return False, "no accelerator: collate_routes uses plain memory (pinning would not help)"
-    try:
-        torch.empty(1, pin_memory=True)
-    except RuntimeError as e:
-        return False, f"accelerator present but pinning failed: {e}"
-    return True, "available: collate_routes pins its outputs in the main process"
-
-
-def _cpu() -> dict[str, Any]:
-    import torch
-
-    from torch_r3.cpu import cpu_topology
-
-    return {**cpu_topology(), "torch_interop_threads": torch.get_num_interop_threads()}
-
-
-def _warnings(accelerator: dict[str, Any], cpus: dict[str, Any]) -> list[str]:
-    """Only what needs fixing: a set-up with no quota and default settings gets none."""
-    from torch_r3.cpu import DEFAULT_POOL_CAP, ENV_NUM_WORKERS
-
-    usable = cpus["usable_cpus"]
-    fit = max(1, math.floor(usable))
-    out = []
-    if cpus["torch_num_threads"] > usable:
-        # torch sizes its pool from the affinity mask; a CFS quota below it throttles every op.
-        out.append(
-            f"torch runs {cpus['torch_num_threads']} intra-op threads on {usable:g} usable CPUs: the "
-            f"threads are throttled; set OMP_NUM_THREADS={fit} (or torch.set_num_threads({fit}))"
-        )
-    if cpus["pool_workers_error"]:
-        out.append(cpus["pool_workers_error"])
-    elif cpus[ENV_NUM_WORKERS] and cpus["pool_workers"] > usable:
-        out.append(
-            f"{ENV_NUM_WORKERS}={cpus[ENV_NUM_WORKERS]} asks for more collation threads than the "
-            f"{usable:g} usable CPUs: unset it (the default is min({DEFAULT_POOL_CAP}, {fit})) or lower it"
-        )
-    if accelerator["available"] and not accelerator["pinned_memory"]:
-        out.append(accelerator["pinned_memory_note"])
-    return out
-
-
-def doctor_report() -> dict[str, Any]:
-    """What `torch-r3 doctor` reports, as a dict that `json.dumps` accepts.
-
-    Returns:
-        `versions` (distribution -> version, `None` when not installed; plus `python`
-        and `platform`), `accelerator` (availability, devices, CUDA/HIP build, pinned
-        memory), `cpu` (affinity mask, cgroup quotas, usable CPUs, pool workers, thread
-        settings) and `warnings` (what to fix; empty on a set-up that needs nothing).
-    """
-    import platform
-
-    versions: dict[str, str | None] = {"python": platform.python_version(), "platform": platform.platform()}
-    versions.update({name: _version(name) for name in _DISTRIBUTIONS})
-    accelerator = _accelerator()
-    cpus = _cpu()
-    return {"versions": versions, "accelerator": accelerator, "cpu": cpus, "warnings": _warnings(accelerator, cpus)}
 
 
 def _doctor_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
 
 
-def _doctor_text(r: dict[str, Any]) -> str:
-    from torch_r3.cpu import DEFAULT_POOL_CAP, ENV_NUM_WORKERS
-
-    def row(name: str, value: object) -> str:
-        return f"  {name:<20} {value}"
-
-    acc, cpus = r["accelerator"], r["cpu"]
-    lines = ["versions"] + [row(k, v or "not installed") for k, v in r["versions"].items()]
-    build = ", ".join(f"{k} {v}" for k, v in (("CUDA", acc["cuda_build"]), ("HIP", acc["hip_build"])) if v)
-    lines += [
-        "accelerator",
-        row(
-            "available",
-            f"yes ({acc['type']}: {', '.join(acc['devices']) or 'no device names'})" if acc["available"] else "no",
-        ),
-        row("torch built with", build or "no CUDA or HIP (CPU build)"),
-        row("pinned memory", f"{'yes' if acc['pinned_memory'] else 'no'}: {acc['pinned_memory_note']}"),
-        "CPU (what the collation pool sees)",
-        row("affinity mask", f"{cpus['affinity_cpus']} CPUs (os.cpu_count() = {cpus['os_cpu_count']})"),
-    ]
-    for q in cpus["cgroup_quotas"]:
-        lines.append(row(f"cgroup v{q['version']} quota", f"{q['cpus']:g} CPUs at {q['path']}"))
-    if not cpus["cgroup_quotas"]:
-        lines.append(row("cgroup quota", "none found (no cpu.max / cpu.cfs_quota_us limit on this cgroup path)"))
-    workers = cpus["pool_workers"]
-    source = (
-        f"from {ENV_NUM_WORKERS}={cpus[ENV_NUM_WORKERS]}"
-        if cpus[ENV_NUM_WORKERS]
-        else f"min({DEFAULT_POOL_CAP}, floor(usable CPUs))"
-    )
-    lines += [
-        row("usable CPUs", f"{cpus['usable_cpus']:g} (min of affinity mask and cgroup quota)"),
-        row("pool workers", f"{workers} ({source})" if workers is not None else f"invalid ({source})"),
-        row(
-            "torch threads",
-            f"{cpus['torch_num_threads']} intra-op, {cpus['torch_interop_threads']} inter-op "
-            f"(OMP_NUM_THREADS={cpus['OMP_NUM_THREADS'] or 'unset'})",
-        ),
-    ]
-    lines += [f"warning: {w}" for w in r["warnings"]] or ["ok: nothing to fix"]
-    return "\n".join(lines)
-
-
 def _doctor_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from torch_r3.doctor import fatal_problem, format_doctor
+
+    _check_writable(parser, "--json", args.json)
     report = doctor_report()
-    print(_doctor_text(report))
+    print(format_doctor(report))
     if args.json:
         _write_json(args.json, report, "doctor")
+    problem = fatal_problem(report)
+    if problem:  # the set-up cannot work as it stands: a script checking the exit status must see it
+        print(f"torch-r3 doctor: {problem}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -434,7 +338,7 @@ def _parser(wanted: str | None = None) -> tuple[argparse.ArgumentParser, dict[st
     """The parser; only the `wanted` subcommand gets its options (`demo` imports its module for them)."""
     from torch_r3 import __version__
 
-    parser = argparse.ArgumentParser(
+    parser: argparse.ArgumentParser = _Parser(
         prog="torch-r3",
         description="Routed-expert replay (R3) tools.",
         epilog="Every subcommand prints its report on stdout and status lines on stderr; "
@@ -443,7 +347,7 @@ def _parser(wanted: str | None = None) -> tuple[argparse.ArgumentParser, dict[st
     )
     parser.add_argument("--version", action="version", version=f"torch_r3 {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    subparsers = {}
+    subparsers: dict[str, argparse.ArgumentParser] = {}
     for name, (help_text, add_arguments, _run) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == wanted:
@@ -460,7 +364,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         The exit code: 0 on success (bare `torch-r3` included: it prints the help),
-        2 on bad usage or a missing extra, 3 when `bench` refuses for lack of memory.
+        1 when a check fails, 2 on bad usage, a bad value or a missing extra, 3 when
+        `bench` refuses for lack of memory, 130 on Ctrl-C. A bad value found while
+        running (`ValueError`, `TypeError`) and Ctrl-C print one line, never a traceback.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     wanted = next((a for a in argv if not a.startswith("-")), None)
@@ -470,7 +376,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     _help, _add, run = COMMANDS[args.command]
-    return run(args, subparsers[args.command])
+    try:
+        return run(args, subparsers[args.command])
+    except KeyboardInterrupt:
+        print(f"torch-r3 {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except (ValueError, TypeError) as e:  # a value the subcommand refused (e.g. demo --server-url notaurl)
+        print(f"torch-r3 {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -20,20 +20,26 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "CgroupQuota",
     "DEFAULT_POOL_CAP",
     "ENV_NUM_WORKERS",
+    "MAX_WORKERS",
+    "CgroupQuota",
     "affinity_cpus",
     "cgroup_cpu_limit",
     "cgroup_memory_room",
     "cgroup_quotas",
     "cpu_topology",
+    "loadavg_1min",
     "pool_workers",
     "usable_cpus",
 ]
 
 #: Environment variable that overrides `pool_workers`.
 ENV_NUM_WORKERS = "TORCH_R3_NUM_WORKERS"
+#: The most copy threads a collation may use, `TORCH_R3_NUM_WORKERS` included.
+#: Copies are bound by memory bandwidth, which a few threads per socket
+#: saturate; beyond this, threads only contend.
+MAX_WORKERS = 64
 #: Past about 8 threads, first-touch page faults of a fresh output buffer contend
 #: on the kernel's memory-map lock and the pool gets slower, not faster.
 DEFAULT_POOL_CAP = 8
@@ -271,7 +277,7 @@ def pool_workers(
 ) -> int:
     """Threads for a copy pool: `max(1, min(cap, floor(usable_cpus() / share) - reserve))`.
 
-    `TORCH_R3_NUM_WORKERS` (a positive integer) overrides the computation.
+    `TORCH_R3_NUM_WORKERS` (an integer from 1 to `MAX_WORKERS`) overrides the computation.
     One worker means the kernel runs serially on the calling thread. `usable`
     is `usable_cpus(root)` when the caller has already read it; `share` is how
     many processes split the CPUs (a `DataLoader`'s `num_workers`, inside one).
@@ -282,8 +288,11 @@ def pool_workers(
             value = int(env)
         except ValueError:
             value = 0
-        if value < 1:
-            raise ValueError(f"{ENV_NUM_WORKERS} must be a positive integer, got {env!r}")
+        if not 1 <= value <= MAX_WORKERS:
+            raise ValueError(
+                f"{ENV_NUM_WORKERS} must be an integer from 1 to {MAX_WORKERS} (collation threads), got {env!r}; "
+                f"unset it for the default"
+            )
         return value
     for name, v in (("cap", cap), ("reserve", reserve), ("share", share)):
         if isinstance(v, bool) or not isinstance(v, int):
@@ -334,5 +343,13 @@ def cpu_topology() -> dict[str, Any]:
         "torch_num_threads": torch.get_num_threads(),
         # Other work on the machine shows up here: a pool cannot speed up on
         # CPUs that someone else is using, and OpenMP code degrades sharply.
-        "loadavg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "loadavg_1min": loadavg_1min(),
     }
+
+
+def loadavg_1min() -> float | None:
+    """The 1-minute load average, or `None` where the OS has none or will not give it (some sandboxes)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None

@@ -13,9 +13,14 @@ One module per job:
 - `torch_r3.bench.strategies`: the strategies and the bit-identical checks;
 - `torch_r3.bench.runner`: warm-up, interleaved timed rounds, the whole run;
 - `torch_r3.bench.dataloader`: the `--dataloader` table (a real `DataLoader` with `R3Collator`);
-- `torch_r3.bench.targets`: the project's speed targets (`--check-targets`);
 - `torch_r3.bench.results`: the result dataclasses (the `--json` layout);
+- `torch_r3.bench.trust`: whether a run's figures can be trusted (load average, spread of rounds);
+- `torch_r3.bench.checkout`: where `--check-targets` finds the targets of a checkout;
 - `torch_r3.bench.report` and `torch_r3.bench.units`: the tables and the chart.
+
+The project's own speed targets are not part of the installed package: they
+live in `benchmarks/targets.py` of a checkout, which `torch-r3 bench
+--check-targets` loads from there (`torch_r3.bench.checkout.load_targets`).
 
 Examples:
     >>> from torch_r3 import bench
@@ -41,32 +46,44 @@ from torch_r3.bench.results import BenchResult, DataLoaderResult, DataLoaderRow,
 from torch_r3.bench.runner import Plan, default_sweep, memory_needed, plan, run, run_shape
 from torch_r3.bench.strategies import (
     BASELINE,
+    DESCRIPTIONS,
+    FLOORS,
     FRESH,
+    GATHER,
     MEMCPY,
     PACKED,
+    PACKED_GATHER,
+    PACKED_STEADY,
     PAD_SEQUENCE,
     REUSED,
     SERIAL,
+    SKYRL_PACKED,
+    SKYRL_PADDED,
     STEADY,
     STRATEGIES,
     run_strategy,
 )
-from torch_r3.bench.targets import TARGETS, check_targets, format_targets, targets_met
 
 __all__ = [
     "BASELINE",
     "DEFAULT_BATCH_SIZE",
+    "DESCRIPTIONS",
     "DISTRIBUTIONS",
+    "FLOORS",
     "FRESH",
+    "GATHER",
     "MEMCPY",
     "PACKED",
+    "PACKED_GATHER",
+    "PACKED_STEADY",
     "PAD_SEQUENCE",
     "PRESETS",
     "REUSED",
     "SERIAL",
+    "SKYRL_PACKED",
+    "SKYRL_PADDED",
     "STEADY",
     "STRATEGIES",
-    "TARGETS",
     "Batch",
     "BenchConfig",
     "BenchResult",
@@ -78,12 +95,10 @@ __all__ = [
     "StrategyResult",
     "available_memory",
     "check_memory",
-    "check_targets",
     "default_sweep",
     "estimate_memory",
     "format_report",
     "format_table",
-    "format_targets",
     "is_default_shape",
     "make_batch",
     "memory_needed",
@@ -94,5 +109,4 @@ __all__ = [
     "run_shape",
     "run_strategy",
     "sequence_lengths",
-    "targets_met",
 ]

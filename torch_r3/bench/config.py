@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from torch_r3.collate import padded_length
+from torch_r3.cpu import MAX_WORKERS
 from torch_r3.routes import canonical_dtype_for
 
 __all__ = [
@@ -87,9 +88,9 @@ class BenchConfig:
                 f"warmup must be an int >= 1 (the first call is checked, never timed), got {self.warmup!r}"
             )
         if self.workers is not None and (
-            isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1
+            isinstance(self.workers, bool) or not isinstance(self.workers, int) or not 1 <= self.workers <= MAX_WORKERS
         ):
-            raise ValueError(f"workers must be a positive int, got {self.workers!r}")
+            raise ValueError(f"workers must be an int from 1 to {MAX_WORKERS}, got {self.workers!r}")
         if self.distribution not in DISTRIBUTIONS:
             raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {self.distribution!r}")
         if self.dtype is not None and self.dtype not in TORCH_DTYPES:

@@ -273,7 +273,7 @@ def _time_epochs(loader: DataLoader, epochs: int) -> tuple[list[float], list[flo
     with collector_paused():  # as in the main run
         for _ in range(epochs):
             start = last = time.perf_counter()
-            for batch in loader:  # noqa: B007 - `batch` holds the previous batch, as in training
+            for batch in loader:
                 now = time.perf_counter()
                 per_batch.append(now - last)
                 last = now

@@ -9,6 +9,7 @@ resident memory a call (or a loop of calls) added at its peak.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import threading
 from collections.abc import Callable, Iterator
@@ -22,11 +23,11 @@ from torch_r3.bench.units import format_gib
 from torch_r3.cpu import cgroup_memory_room
 
 __all__ = [
-    "collector_paused",
     "InsufficientMemoryError",
     "PeakRss",
     "available_memory",
     "check_memory",
+    "collector_paused",
     "estimate_memory",
     "process_peak_rss",
 ]
@@ -36,8 +37,10 @@ _MEMORY_SLACK = 512 << 20
 # Padded outputs resident together at a run's peak: the reference (kept for the
 # bit-identical checks), the `out=` buffers of `torch_r3 reused`, the source and
 # destination of `memcpy limit`, the batch `torch_r3 steady` holds and the one
-# its buffer pool keeps, and `pad_sequence`'s output.
-_OUTPUTS_AT_PEAK = 7
+# its buffer pool keeps, `pad_sequence`'s output, the two gather floors' warm
+# outputs and the two packed batches of `torch_r3 packed steady` (a packed
+# batch is never larger than a padded one).
+_OUTPUTS_AT_PEAK = 11
 
 
 class InsufficientMemoryError(RuntimeError):
@@ -48,9 +51,9 @@ def estimate_memory(config: BenchConfig) -> int:
     """Bytes a run of `config` needs at its peak, from the shape alone (an upper bound).
 
     Resident together at the peak: the input, `pad_sequence`'s copy of it, and
-    up to seven padded outputs (the reference kept for the checks, the `out=`
-    buffers, the memcpy source and destination, the steady loop's two
-    batches, `pad_sequence`'s output). The `--dataloader` mode needs less: its
+    up to eleven padded outputs (the reference kept for the checks, the `out=`
+    buffers, the memcpy source and destination, the steady loops' batches,
+    the gather floors' outputs, `pad_sequence`'s output). The `--dataloader` mode needs less: its
     batches are an eighth of the input or smaller.
 
     Args:
@@ -60,7 +63,7 @@ def estimate_memory(config: BenchConfig) -> int:
         Bytes, including a fixed allowance for the interpreter and torch.
 
     Examples:
-        >>> estimate_memory(BenchConfig()) / 2**30 < 8
+        >>> estimate_memory(BenchConfig()) / 2**30 < 10
         True
     """
     L, K = config.num_layers, config.topk
@@ -134,6 +137,14 @@ def _status_bytes(key: str) -> int | None:
 _process_peak = 0
 
 
+def _trim_allocator() -> None:
+    """Return the C allocator's free memory to the OS (glibc's `malloc_trim`; nothing elsewhere)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim, the peak may read low
+        pass
+
+
 def process_peak_rss() -> int:
     """The process-lifetime peak RSS in bytes, carried across `PeakRss`'s resets of `VmHWM` (0 if unknown)."""
     global _process_peak
@@ -149,7 +160,9 @@ class PeakRss:
     own `VmHWM` by writing `5` to `/proc/self/clear_refs`: that gives an exact
     peak with no perturbation of the calls. Where that is not allowed, a thread
     samples `VmRSS` every millisecond instead (the outputs stay alive until the
-    call returns, so the sampled peak is close).
+    call returns, so the sampled peak is close). On entry the C allocator's
+    free memory is handed back to the OS (`malloc_trim`), so that a call which
+    reuses memory freed earlier is charged for it, as a fresh output must be.
     """
 
     def __init__(self) -> None:
@@ -158,8 +171,18 @@ class PeakRss:
         self.method = ""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._gc_was_enabled = False
 
     def __enter__(self) -> PeakRss:
+        # Memory freed earlier but kept by the C allocator is still resident: a
+        # call that reuses it would add nothing to the RSS, and a fresh output
+        # would look free. Hand it back first, so that what the call touches counts;
+        # and collect now, not during the block, where freeing garbage from before
+        # would hide the call's own memory.
+        gc.collect()
+        self._gc_was_enabled = gc.isenabled()
+        gc.disable()
+        _trim_allocator()
         self.start = _status_bytes("VmRSS:") or 0
         process_peak_rss()  # the reset below would lose the process-lifetime peak
         try:
@@ -177,7 +200,9 @@ class PeakRss:
         while not self._stop.wait(0.001):
             self.peak = max(self.peak, _status_bytes("VmRSS:") or 0)
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
+        if self._gc_was_enabled:
+            gc.enable()
         if self._thread is not None:
             self._stop.set()
             self._thread.join()

@@ -10,7 +10,7 @@ import os
 from collections.abc import Sequence
 
 from torch_r3.bench.results import BenchResult, DataLoaderResult, ShapeResult
-from torch_r3.bench.strategies import MEMCPY
+from torch_r3.bench.strategies import DESCRIPTIONS, MEMCPY
 from torch_r3.bench.units import format_bytes, format_gib, format_rate, format_ratio, number, time_unit
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "MEMCPY_FLOOR_LABEL",
     "TOO_SMALL_BYTES",
     "format_dataloader_table",
+    "format_legend",
     "format_report",
     "format_table",
     "plot_sweep",
@@ -58,6 +59,7 @@ def format_table(shape: ShapeResult) -> str:
         "throughput",
         "vs baseline",
         "vs memcpy",
+        "vs gather",
         "peak memory",
         "peak/(in+out)",
         "checked",
@@ -75,12 +77,38 @@ def format_table(shape: ShapeResult) -> str:
                 format_rate(s.gb_per_s * 1e9),
                 format_ratio(s.speedup_vs_baseline),
                 format_ratio(s.ratio_to_memcpy),
+                format_ratio(s.ratio_to_gather),
                 peak,
                 format_ratio(s.peak_ratio),
                 check,
             )
         )
     return _table(head, rows)
+
+
+def format_legend(shape: ShapeResult) -> list[str]:
+    """One line per strategy of `shape`: what it is."""
+    width = max(len(s.name) for s in shape.strategies)
+    return [f"  {s.name:<{width}}  {DESCRIPTIONS.get(s.name, '')}" for s in shape.strategies]
+
+
+def _memory_line(result: BenchResult) -> str:
+    mode = result.thp_mode
+    if mode in ("madvise", "always"):
+        how = "fresh outputs and the floors' buffers are hugepage-advised alike"
+    elif mode == "never":
+        how = "off: fresh outputs and the floors are on 4 KiB pages, so every ratio is to the small-page floor"
+    else:
+        how = "unknown here: outputs and floors use the OS's default pages alike"
+    return f"transparent hugepages: {mode or 'unknown'} ({how})"
+
+
+def _busy_lines(result: BenchResult) -> list[str]:
+    if not result.busy:
+        return []
+    return [f"WARNING: the machine was busy: {reason}" for reason in result.busy] + [
+        "WARNING: the figures below say more about the other work than about collation; rerun on a quiet machine"
+    ]
 
 
 def _describe(shape: ShapeResult) -> str:
@@ -95,9 +123,11 @@ def _too_small(shape: ShapeResult) -> list[str]:
     if shape.padded_bytes >= TOO_SMALL_BYTES:
         return []
     return [
-        f"note: this shape is too small to time: its padded output is {format_bytes(shape.padded_bytes)}, "
-        f"under {format_bytes(TOO_SMALL_BYTES)}, so fixed per-call costs dominate and the ratios say little; "
-        f"use a larger shape (the default writes 688 MB)"
+        (
+            f"note: this shape is too small to time: its padded output is {format_bytes(shape.padded_bytes)}, "
+            f"under {format_bytes(TOO_SMALL_BYTES)}, so fixed per-call costs dominate and the ratios say little; "
+            f"use a larger shape (the default writes 688 MB)"
+        )
     ]
 
 
@@ -197,8 +227,10 @@ def format_dataloader_table(loader: DataLoaderResult) -> str:
 
 def _floors_note(loader: DataLoaderResult) -> list[str]:
     lines = [
-        "memcpy floor: per batch, one contiguous copy of as many bytes as its output, the same warm source "
-        "and destination every batch (where the last-level cache holds them, it never reaches memory)"
+        (
+            "memcpy floor: per batch, one contiguous copy of as many bytes as its output, the same warm source "
+            "and destination every batch (where the last-level cache holds them, it never reaches memory)"
+        )
     ]
     if loader.gather_floor_batch_s is not None:
         lines.append(
@@ -220,19 +252,28 @@ def format_report(result: BenchResult) -> str:
     """
     t = result.topology
     c = result.main.config
-    load = "?" if t["loadavg_1min"] is None else format(t["loadavg_1min"], ".2f")
+    load = "load average unknown" if t["loadavg_1min"] is None else f"load average {t['loadavg_1min']:.2f}"
     lines = [
-        f"torch-r3 bench  ({c['repeats']} repeats after {c['warmup']} warm-up, medians; seed {c['seed']}; "
-        f"torch_r3 {result.versions.get('torch_r3', '?')}, torch {result.versions.get('torch', '?')})",
+        (
+            f"torch-r3 bench  ({c['repeats']} repeats after {c['warmup']} warm-up, medians; seed {c['seed']}; "
+            f"torch_r3 {result.versions.get('torch_r3', '?')}, torch {result.versions.get('torch', '?')})"
+        ),
         f"CPU: usable {t['usable_cpus']:g} (affinity {t['affinity_cpus']}, cgroup limit "
         f"{t['cgroup_cpu_limit'] if t['cgroup_cpu_limit'] is not None else 'none'}), pool workers "
         f"{t['pool_workers']}, torch threads {t['torch_num_threads']}, "
-        f"OMP_NUM_THREADS={t['OMP_NUM_THREADS'] or 'unset'}, load average {load}",
+        f"OMP_NUM_THREADS={t['OMP_NUM_THREADS'] or 'unset'}, {load}"
+        + ("" if result.load_after is None else f" at the start, {result.load_after:.2f} at the end"),
+        _memory_line(result),
+        *_busy_lines(result),
         "",
         _describe(result.main),
         format_table(result.main),
         "",
-        f"peak = input + resident memory the call added ({result.main.peak_method})",
+        *format_legend(result.main),
+        (
+            "vs gather: against the gather floor of the same layout; "
+            f"peak = input + resident memory the call added ({result.main.peak_method})"
+        ),
         *_too_small(result.main),
     ]
     pair = result.packed_vs_padded
@@ -242,15 +283,19 @@ def format_report(result: BenchResult) -> str:
         d = result.dataloader
         lines += [
             "",
-            f"DataLoader: {d.num_batches} batches of {d.batch_size} trajectories per epoch "
-            f"(about {format_bytes(d.batch_bytes)} per batch), median of {d.epochs} timed epochs after one warm-up:",
+            (
+                f"DataLoader: {d.num_batches} batches of {d.batch_size} trajectories per epoch "
+                f"(about {format_bytes(d.batch_bytes)} per batch), median of {d.epochs} timed epochs after one warm-up:"
+            ),
             format_dataloader_table(d),
             *_floors_note(d),
         ]
     lines += [
         "",
-        f"wall {result.wall_s:.1f} s, process peak RSS "
-        f"{format_gib(result.peak_rss_bytes) if result.peak_rss_bytes else '?'}",
+        (
+            f"wall {result.wall_s:.1f} s, process peak RSS "
+            f"{format_gib(result.peak_rss_bytes) if result.peak_rss_bytes else '?'}"
+        ),
     ]
     return "\n".join(lines)
 

@@ -12,7 +12,7 @@ from typing import Any
 __all__ = ["BenchResult", "DataLoaderResult", "DataLoaderRow", "ShapeResult", "StrategyResult"]
 
 #: Version of the `--json` layout; bumped when a field changes meaning or goes away.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 @dataclass
@@ -38,6 +38,8 @@ class StrategyResult:
     speedup_vs_baseline: float | None = None
     ratio_to_memcpy: float | None = None
     checked_against: str | None = None
+    #: median over the gather floor of the same layout (`gather floor` or `packed gather floor`).
+    ratio_to_gather: float | None = None
 
 
 @dataclass
@@ -121,7 +123,13 @@ class DataLoaderResult:
 
 @dataclass
 class BenchResult:
-    """A full run: the main shape, the `typical_rl` packed-vs-padded pair, the sweep, the DataLoader table."""
+    """A full run: the main shape, the `typical_rl` packed-vs-padded pair, the sweep, the DataLoader table.
+
+    `load_after` is the 1-minute load average when the run ended (the run's own
+    threads included), `thp_mode` the transparent-hugepage mode its outputs and
+    floors were mapped under, and `busy` why its figures cannot be trusted
+    (`torch_r3.bench.trust.busy_reasons`; empty when nothing says so).
+    """
 
     main: ShapeResult
     packed_vs_padded: ShapeResult | None
@@ -133,6 +141,9 @@ class BenchResult:
     peak_rss_bytes: int | None
     versions: dict[str, str] = field(default_factory=dict)
     timestamp: str = ""
+    load_after: float | None = None
+    thp_mode: str | None = None
+    busy: list[str] = field(default_factory=list)
 
     def to_json(self, targets: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """A JSON-serialisable dict (the `--json` layout); `targets` only when they were checked."""

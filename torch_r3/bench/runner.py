@@ -25,14 +25,17 @@ from torch_r3.bench.results import BenchResult, ShapeResult, StrategyResult
 from torch_r3.bench.strategies import (
     BASELINE,
     FRESH,
+    GATHER,
     MEMCPY,
     PACKED,
+    PACKED_GATHER,
     STRATEGIES,
     Context,
     Reference,
     get_strategy,
 )
-from torch_r3.cpu import cpu_topology, pool_workers
+from torch_r3.bench.trust import busy_reasons
+from torch_r3.cpu import cpu_topology, loadavg_1min, pool_workers
 
 __all__ = ["PAIR_STRATEGIES", "Plan", "Progress", "default_sweep", "memory_needed", "plan", "run", "run_shape"]
 
@@ -162,10 +165,14 @@ def _summarise(
         )
     by_name = {s.name: s for s in results}
     for s in results:
+        layout = get_strategy(s.name).layout
         if BASELINE in by_name:
             s.speedup_vs_baseline = by_name[BASELINE].median_s / s.median_s
         if MEMCPY in by_name:
             s.ratio_to_memcpy = s.median_s / by_name[MEMCPY].median_s
+        gather = by_name.get(GATHER if layout == "padded" else PACKED_GATHER if layout == "packed" else "")
+        if gather is not None:
+            s.ratio_to_gather = s.median_s / gather.median_s
     return ShapeResult(
         config=dataclasses.asdict(config),
         label=config.label,
@@ -336,8 +343,9 @@ def run(
         bar.close()
     points = sorted(swept + [main], key=lambda r: r.config["num_sequences"]) if run_plan.sweep else []
     from torch_r3 import __version__
+    from torch_r3._memory import thp_mode
 
-    return BenchResult(
+    result = BenchResult(
         main=main,
         packed_vs_padded=pair,
         sweep=points,
@@ -353,4 +361,8 @@ def run(
             "python": sys.version.split()[0],
         },
         timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        load_after=loadavg_1min(),
+        thp_mode=thp_mode(),
     )
+    result.busy = busy_reasons(result)
+    return result

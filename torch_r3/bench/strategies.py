@@ -14,13 +14,33 @@
   held while the next is made, and released when the next replaces it. This is
   what `R3Collator` does by default, and the figure a training loop sees.
 - `torch_r3 packed`: `layout="packed"` (THD), a new output per call.
+- `torch_r3 packed steady`: `layout="packed"` with a `torch_r3.BufferPool`,
+  called as `torch_r3 steady` is.
+- `SkyRL-style padded` and `SkyRL-style packed`: what SkyRL's merged
+  collation does today, in our own code: each trajectory written once into a
+  fresh padded `[B, T, L, K]` buffer (its padding rows and its routes, then
+  both masks), one trajectory after another on one thread; and the packed
+  form, every trajectory's routes (padding rows for its uncaptured tail)
+  concatenated into a fresh `[N, L, K]` buffer with `cu_seqlens`, also serial.
+- `gather floor`: exactly the batch's own source arrays, read where they live,
+  copied into a warm padded output (padding rows from a small template, both
+  masks), trajectories split over as many threads as the pool has; no
+  allocation, no checks: the least a padded collation can cost here.
+- `packed gather floor`: the same for the packed layout.
 - `memcpy limit`: a warm copy of as many bytes as the padded output, split over
   as many threads as the pool has: the floor on this machine.
 - `pad_sequence`: `torch.nn.utils.rnn.pad_sequence(padding_side="left")` plus
   fixing the padding rows, as a PyTorch user would write it by hand.
 
 Every strategy writes plain (`pin_memory=False`) memory, so that all of them
-allocate the same kind of buffer.
+allocate the same kind of buffer. The floors' buffers are plain outputs too
+(`BufferPool(max_cached_bytes=0).empty`): hugepage-backed where the kernel
+gives torch_r3's outputs hugepages, small pages where it does not, so a floor
+is always like-for-like with what it judges.
+
+This module is past 500 lines on purpose: every strategy, floors included, is
+a few lines beside the others it is timed against, and the bit-identical
+checks they all pass live with them.
 """
 
 from __future__ import annotations
@@ -36,18 +56,25 @@ import torch
 from torch_r3 import BufferPool
 from torch_r3.bench.config import TORCH_DTYPES, Batch
 from torch_r3.collate import collate_routes
-from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS, ROUTER_MASK, ROUTES
 from torch_r3.cpu import pool_workers
+from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS, ROUTER_MASK, ROUTES
 from torch_r3.routes import compact_routes
 
 __all__ = [
     "BASELINE",
+    "DESCRIPTIONS",
+    "FLOORS",
     "FRESH",
+    "GATHER",
     "MEMCPY",
     "PACKED",
+    "PACKED_GATHER",
+    "PACKED_STEADY",
     "PAD_SEQUENCE",
     "REUSED",
     "SERIAL",
+    "SKYRL_PACKED",
+    "SKYRL_PADDED",
     "STEADY",
     "STRATEGIES",
     "Context",
@@ -68,6 +95,20 @@ STEADY = "torch_r3 steady"
 PACKED = "torch_r3 packed"
 MEMCPY = "memcpy limit"
 PAD_SEQUENCE = "pad_sequence"
+PACKED_STEADY = "torch_r3 packed steady"
+SKYRL_PADDED = "SkyRL-style padded"
+SKYRL_PACKED = "SkyRL-style packed"
+GATHER = "gather floor"
+PACKED_GATHER = "packed gather floor"
+#: The strategies that are floors (what a collation cannot beat), not collations.
+FLOORS = (GATHER, PACKED_GATHER, MEMCPY)
+# Bytes of the gather floors' padding template: a few rows that stay in the core's caches.
+_TEMPLATE_BYTES = 64 << 10
+
+
+def _plain(nbytes: int) -> np.ndarray:
+    """`nbytes` of the memory a fresh plain output gets (see the module docstring)."""
+    return BufferPool(max_cached_bytes=0).empty((nbytes,), torch.uint8).numpy()
 
 
 class Context:
@@ -87,7 +128,27 @@ class Context:
         self.dst: np.ndarray | None = None
         self.copy_pool: ThreadPoolExecutor | None = None
         self.buffers = BufferPool() if STEADY in strategies else None
+        self.packed_buffers = BufferPool() if PACKED_STEADY in strategies else None
         self.held: dict[str, torch.Tensor] | None = None  # the steady loop's previous batch
+        self.held_packed: dict[str, torch.Tensor] | None = None
+        self.gather: dict[str, np.ndarray] | None = None
+        self.packed_gather: dict[str, np.ndarray] | None = None
+        self.template: np.ndarray | None = None
+        B, T, L, K = len(batch.routes), batch.T, batch.num_layers, batch.topk
+        if GATHER in strategies or PACKED_GATHER in strategies:
+            row = L * K * batch.dtype.itemsize
+            self.template = np.ascontiguousarray(
+                np.broadcast_to(np.arange(K, dtype=batch.dtype), (max(1, _TEMPLATE_BYTES // row), L, K))
+            )
+        if GATHER in strategies:
+            self.gather = _carve(
+                {ROUTES: ((B, T, L, K), batch.dtype), ATTENTION_MASK: ((B, T), np.int64), ROUTER_MASK: ((B, T), bool)}
+            )
+        if PACKED_GATHER in strategies:
+            N = sum(batch.token_counts)
+            self.packed_gather = _carve(
+                {ROUTES: ((N, L, K), batch.dtype), ROUTER_MASK: ((N,), bool), CU_SEQLENS: ((B + 1,), np.int32)}
+            )
         if REUSED in strategies:
             # Warm buffers that hold garbage, so that a byte the kernel failed
             # to write shows up in the bit-identical check.
@@ -102,15 +163,61 @@ class Context:
                 ATTENTION_MASK: torch.full((B, T), 7, dtype=torch.long),
             }
         if MEMCPY in strategies:
-            self.src = np.ones(batch.padded_bytes, dtype=np.uint8)
-            self.dst = np.zeros(batch.padded_bytes, dtype=np.uint8)
-            self.copy_pool = ThreadPoolExecutor(max(1, workers - 1), thread_name_prefix="torch_r3-bench-memcpy")
+            self.src, self.dst = _plain(batch.padded_bytes), _plain(batch.padded_bytes)
+            self.src.fill(1)
+            self.dst.fill(0)
+        if any(s in strategies for s in FLOORS) and workers > 1:
+            self.copy_pool = ThreadPoolExecutor(workers - 1, thread_name_prefix="torch_r3-bench-floor")
 
     def close(self) -> None:
         """Shut the copy pool down and drop the buffers."""
         if self.copy_pool is not None:
             self.copy_pool.shutdown()
         self.out = self.src = self.dst = self.held = self.buffers = None
+        self.held_packed = self.packed_buffers = self.gather = self.packed_gather = None
+
+
+def _carve(specs: dict[str, tuple[tuple[int, ...], Any]]) -> dict[str, np.ndarray]:
+    """Arrays of `specs` in one plain buffer, the widest first (aligned), written once so that they are warm."""
+    sizes = {k: int(np.prod(shape)) * np.dtype(dt).itemsize for k, (shape, dt) in specs.items()}
+    order = sorted(specs, key=lambda k: -np.dtype(specs[k][1]).itemsize)
+    memory = _plain(sum(sizes.values()))
+    memory.fill(0)
+    out, at = {}, 0
+    for k in order:
+        shape, dt = specs[k]
+        out[k] = memory[at : at + sizes[k]].view(dt).reshape(shape)
+        at += sizes[k]
+    return out
+
+
+def _balanced(costs: Sequence[int], parts: int) -> list[tuple[int, int]]:
+    """`parts` contiguous ranges of `costs` of about equal sum."""
+    total, acc, lo = sum(costs), 0, 0
+    bounds: list[tuple[int, int]] = []
+    for i, c in enumerate(costs):
+        acc += c
+        if len(bounds) < parts - 1 and acc >= total * (len(bounds) + 1) / parts:
+            bounds.append((lo, i + 1))
+            lo = i + 1
+    bounds.append((lo, len(costs)))
+    return bounds
+
+
+def _on_threads(ctx: Context, write: Callable[[int, int], None], costs: Sequence[int]) -> None:
+    """`write(lo, hi)` over trajectories split into `ctx.workers` groups of equal cost, one on this thread."""
+    parts = _balanced(costs, ctx.workers if ctx.copy_pool else 1)
+    futures = [ctx.copy_pool.submit(write, lo, hi) for lo, hi in parts[1:]] if ctx.copy_pool else []
+    write(*parts[0])
+    for f in futures:
+        f.result()
+
+
+def _pad(dst: np.ndarray, template: np.ndarray) -> None:
+    step = template.shape[0]
+    for lo in range(0, dst.shape[0], step):
+        part = dst[lo : lo + step]
+        np.copyto(part, template[: part.shape[0]])
 
 
 def parallel_copy(dst: np.ndarray, src: np.ndarray, workers: int, pool: ThreadPoolExecutor | None) -> None:
@@ -180,7 +287,96 @@ def _packed(ctx: Context) -> dict[str, torch.Tensor]:
     return collate_routes(b.routes, b.token_counts, layout="packed", workers=ctx.workers, pin_memory=False)
 
 
+def _packed_steady(ctx: Context) -> dict[str, torch.Tensor]:
+    b = ctx.batch
+    out = collate_routes(
+        b.routes, b.token_counts, layout="packed", workers=ctx.workers, pin_memory=False, buffers=ctx.packed_buffers
+    )
+    ctx.held_packed = out  # as `torch_r3 steady`: the loop holds the previous batch
+    return out
+
+
+def _skyrl_padded(ctx: Context) -> dict[str, torch.Tensor]:
+    b = ctx.batch
+    B, T, L, K = len(b.routes), b.T, b.num_layers, b.topk
+    routes = torch.empty((B, T, L, K), dtype=TORCH_DTYPES[b.dtype.name])
+    mask = torch.empty((B, T), dtype=torch.bool)
+    att = torch.empty((B, T), dtype=torch.long)
+    out, m, a = routes.numpy(), mask.numpy(), att.numpy()
+    pad = np.arange(K, dtype=b.dtype)
+    for i, (src, n) in enumerate(zip(b.routes, b.token_counts)):  # one trajectory after another, one thread
+        s = T - n
+        e = s + src.shape[0]
+        out[i, :s] = pad
+        out[i, s:e] = src
+        out[i, e:] = pad
+        m[i, :s], m[i, s:e], m[i, e:] = True, False, True
+        a[i, :s], a[i, s:] = 0, 1
+    return {ROUTES: routes, ROUTER_MASK: mask, ATTENTION_MASK: att}
+
+
+def _skyrl_packed(ctx: Context) -> dict[str, torch.Tensor]:
+    b = ctx.batch
+    L, K = b.num_layers, b.topk
+    pad = np.broadcast_to(np.arange(K, dtype=b.dtype), (1, L, K))
+    parts, masks = [], []
+    for src, n in zip(b.routes, b.token_counts):
+        tail = n - src.shape[0]  # tokens without a captured route: padding rows
+        parts += [src, np.broadcast_to(pad, (tail, L, K))] if tail else [src]
+        masks += [np.zeros(src.shape[0], bool), np.ones(tail, bool)]
+    cu = np.zeros(len(b.token_counts) + 1, dtype=np.int32)
+    np.cumsum(b.token_counts, out=cu[1:])
+    routes = np.concatenate(parts).astype(b.dtype, copy=False)
+    return {
+        ROUTES: torch.from_numpy(routes),
+        ROUTER_MASK: torch.from_numpy(np.concatenate(masks)),
+        CU_SEQLENS: torch.from_numpy(cu),
+    }
+
+
+def _gather(ctx: Context) -> dict[str, torch.Tensor]:
+    b, out, template = ctx.batch, ctx.gather, ctx.template
+    assert out is not None and template is not None  # made by Context for this strategy
+    routes, mask, att = out[ROUTES], out[ROUTER_MASK], out[ATTENTION_MASK]
+    T = b.T
+
+    def write(lo: int, hi: int) -> None:
+        for i in range(lo, hi):
+            src, n = b.routes[i], b.token_counts[i]
+            s = T - n
+            e = s + src.shape[0]
+            _pad(routes[i, :s], template)
+            np.copyto(routes[i, s:e], src, casting="safe")
+            _pad(routes[i, e:], template)
+            mask[i, :s], mask[i, s:e], mask[i, e:] = True, False, True
+            att[i, :s], att[i, s:] = 0, 1
+
+    _on_threads(ctx, write, [T] * len(b.routes))
+    return {k: torch.from_numpy(v) for k, v in out.items()}
+
+
+def _packed_gather(ctx: Context) -> dict[str, torch.Tensor]:
+    b, out, template = ctx.batch, ctx.packed_gather, ctx.template
+    assert out is not None and template is not None  # made by Context for this strategy
+    routes, mask, cu = out[ROUTES], out[ROUTER_MASK], out[CU_SEQLENS]
+    cu[0] = 0
+    np.cumsum(b.token_counts, out=cu[1:])
+    starts = cu.tolist()
+
+    def write(lo: int, hi: int) -> None:
+        for i in range(lo, hi):
+            src, s = b.routes[i], starts[i]
+            e = s + src.shape[0]
+            np.copyto(routes[s:e], src, casting="safe")
+            _pad(routes[e : starts[i + 1]], template)
+            mask[s:e], mask[e : starts[i + 1]] = False, True
+
+    _on_threads(ctx, write, b.token_counts)
+    return {k: torch.from_numpy(v) for k, v in out.items()}
+
+
 def _memcpy(ctx: Context) -> None:
+    assert ctx.dst is not None and ctx.src is not None  # made by Context for this strategy
     parallel_copy(ctx.dst, ctx.src, ctx.workers, ctx.copy_pool)
 
 
@@ -213,13 +409,15 @@ class Strategy:
     `layout` is the layout of its output (`padded` or `packed`), or None for a
     strategy that writes no batch (`memcpy limit`). `loop_calls` is how many
     consecutive calls its memory is measured over: 1, or more for a strategy
-    whose cost shows only in a loop.
+    whose cost shows only in a loop. `floor` marks a floor (it writes into
+    warm memory it owns and allocates nothing), not a collation.
     """
 
     name: str
     call: Callable[[Context], dict[str, torch.Tensor] | None]
     layout: str | None
     loop_calls: int = 1
+    floor: bool = False
 
 
 _REGISTRY: dict[str, Strategy] = {
@@ -233,13 +431,35 @@ _REGISTRY: dict[str, Strategy] = {
         # then two that reuse them. The peak must stay at two batches.
         Strategy(STEADY, _steady, "padded", loop_calls=4),
         Strategy(PACKED, _packed, "packed"),
-        Strategy(MEMCPY, _memcpy, None),
+        Strategy(PACKED_STEADY, _packed_steady, "packed", loop_calls=4),
+        Strategy(SKYRL_PADDED, _skyrl_padded, "padded"),
+        Strategy(SKYRL_PACKED, _skyrl_packed, "packed"),
+        Strategy(GATHER, _gather, "padded", floor=True),
+        Strategy(PACKED_GATHER, _packed_gather, "packed", floor=True),
+        Strategy(MEMCPY, _memcpy, None, floor=True),
         Strategy(PAD_SEQUENCE, _pad_sequence, "padded"),
     )
 }
 
 #: Every strategy, in the order they are run and reported.
 STRATEGIES = tuple(_REGISTRY)
+
+#: What each strategy is, in one line (the report prints them under the table).
+DESCRIPTIONS = {
+    BASELINE: "prefill the whole padded buffer, re-compact every sample, copy them in one by one (one thread)",
+    SERIAL: "torch_r3's kernel on one thread: each byte written once, no prefill, a fresh output",
+    FRESH: "torch_r3 with its copy pool into a fresh output (a first batch, and every DataLoader-worker batch)",
+    REUSED: "torch_r3 into caller-owned out= buffers",
+    STEADY: "torch_r3 with a BufferPool, the previous batch held: what R3Collator does in a training loop",
+    PACKED: "torch_r3, packed (THD) layout, a fresh output",
+    PACKED_STEADY: "torch_r3, packed layout, with a BufferPool as in a training loop",
+    SKYRL_PADDED: "what SkyRL's merged collation does: one serial write per trajectory into a fresh padded buffer",
+    SKYRL_PACKED: "SkyRL's packed form: the trajectories concatenated into a fresh buffer with cu_seqlens, serially",
+    GATHER: "floor: the batch's own sources copied where they live into a warm padded output, on the pool's threads",
+    PACKED_GATHER: "floor: the same for the packed layout",
+    MEMCPY: "floor: one warm contiguous copy of as many bytes as the padded output, on the pool's threads",
+    PAD_SEQUENCE: "torch.nn.utils.rnn.pad_sequence plus fixing the padding rows, as written by hand",
+}
 
 
 def get_strategy(name: str) -> Strategy:
