@@ -74,7 +74,10 @@ def test_group_limited_router_replays_exactly_and_routes_uncaptured_tokens_withi
 
 def test_mtp_model_is_accepted_decoder_routes_replay_and_mtp_routers_route_live(make_model):
     model = make_model(mtp_num_layers=1)
-    mtp_router = model.mtp.layers[0].transformer_layer.mlp.router
+    mtp_layer = model.mtp.layers[0]
+    # megatron-core 0.17 renamed MultiTokenPredictionLayer.transformer_layer to mtp_model_layer.
+    inner = getattr(mtp_layer, "mtp_model_layer", None) or mtp_layer.transformer_layer
+    mtp_router = inner.mlp.router
     decoder_routers = [layer.mlp.router for layer in model.decoder.layers]
     # Routers are told apart by their place in the model, not by layer_number:
     # newer Megatron numbers MTP layers from 1 again.
