@@ -28,7 +28,7 @@ from __future__ import annotations
 from torch_r3._extras import require
 
 require("megatron.core", "megatron")  # without megatron-core: name the extra that installs it
-from torch_r3.megatron.checks import InterleavedPipelineError  # noqa: E402
+from torch_r3.megatron.setup_checks import InterleavedPipelineError  # noqa: E402
 from torch_r3.megatron.hook import ReplayHook
 from torch_r3.megatron import slicing  # noqa: E402
 from torch_r3.megatron.slicing import (
@@ -43,7 +43,7 @@ from torch_r3.megatron.slicing import (
     stage_layer_range,
 )
 from torch_r3.stats import ReplayStats, TokenCounts
-from torch_r3.megatron.validate import check_route_values
+from torch_r3.megatron.batch_checks import check_route_values
 
 __all__ = [
     "InterleavedPipelineError",

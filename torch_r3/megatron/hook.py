@@ -12,7 +12,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-from torch_r3.megatron.checks import InterleavedPipelineError, as_chunks, check_config, check_pipeline
+from torch_r3.megatron.setup_checks import InterleavedPipelineError, check_config, check_pipeline
 from torch_r3.megatron.routers import RouterTarget, find_routers
 from torch_r3.megatron.slicing import (
     RankSlice,
@@ -24,7 +24,7 @@ from torch_r3.megatron.slicing import (
     stage_layer_range,
 )
 from torch_r3.stats import ReplayStats, StatsCollector
-from torch_r3.megatron.validate import check_microbatch, check_model_input, check_route_values
+from torch_r3.megatron.batch_checks import check_microbatch, check_model_input, check_route_values
 
 __all__ = ["InterleavedPipelineError", "ReplayHook"]
 
@@ -86,7 +86,7 @@ class ReplayHook:
         *,
         uncaptured: str = "live",
     ):
-        chunks = as_chunks(model)
+        chunks = _as_chunks(model)
         if config is None:
             config = getattr(chunks[0], "config", None)
             if config is None:
@@ -412,6 +412,22 @@ class ReplayHook:
                 "router replay FIFOs out of step after forward_backward (recompute replayed "
                 "the wrong microbatch's routes or skipped some): " + "; ".join(wrong)
             )
+
+
+def _as_chunks(model: Any) -> list[torch.nn.Module]:
+    """A model or a list of model chunks as a list of modules.
+
+    Raises:
+        ValueError: When the list is empty.
+        TypeError: When an element is not a `torch.nn.Module`.
+    """
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    if not chunks:
+        raise ValueError("model: got an empty list of model chunks")
+    for i, chunk in enumerate(chunks):
+        if not isinstance(chunk, torch.nn.Module):
+            raise TypeError(f"model[{i}]: expected a torch.nn.Module, got {type(chunk).__name__}")
+    return chunks
 
 
 def _find_padding_mask_module(chunk: torch.nn.Module) -> Optional[torch.nn.Module]:

@@ -30,7 +30,7 @@ import torch
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
 from torch_r3.stats import StatsCollector
-from torch_r3.megatron.validate import check_router_rows
+from torch_r3.megatron.batch_checks import check_router_rows
 
 __all__ = ["ReplayedRouter", "RouterTarget", "find_routers"]
 

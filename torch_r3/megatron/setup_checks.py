@@ -5,11 +5,9 @@ from __future__ import annotations
 import warnings
 from typing import Any, Sequence
 
-import torch
-
 from megatron.core import parallel_state
 
-__all__ = ["InterleavedPipelineError", "as_chunks", "check_config", "check_pipeline"]
+__all__ = ["InterleavedPipelineError", "check_config", "check_pipeline"]
 
 
 class InterleavedPipelineError(ValueError):
@@ -21,22 +19,6 @@ class InterleavedPipelineError(ValueError):
     per-router replay FIFOs then fall out of step and recompute silently replays
     another microbatch's routes.
     """
-
-
-def as_chunks(model: Any) -> list[torch.nn.Module]:
-    """A model or a list of model chunks as a list of modules.
-
-    Raises:
-        ValueError: When the list is empty.
-        TypeError: When an element is not a `torch.nn.Module`.
-    """
-    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-    if not chunks:
-        raise ValueError("model: got an empty list of model chunks")
-    for i, chunk in enumerate(chunks):
-        if not isinstance(chunk, torch.nn.Module):
-            raise TypeError(f"model[{i}]: expected a torch.nn.Module, got {type(chunk).__name__}")
-    return chunks
 
 
 _VPP_ADVICE = (
