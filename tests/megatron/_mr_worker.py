@@ -41,7 +41,7 @@ PRELOAD = (
     "megatron.core.models.gpt",
     "megatron.core.pipeline_parallel",
     "torch_r3.megatron",
-    "torch_r3.testing._megatron_cpu",
+    "torch_r3.megatron._cpu",
 )
 
 
@@ -434,7 +434,7 @@ def _on_device(device: torch.device):
     if device.type == "cuda":
         yield
     else:
-        from torch_r3.testing._megatron_cpu import megatron_on_cpu
+        from torch_r3.megatron._cpu import megatron_on_cpu
 
         with megatron_on_cpu():
             yield

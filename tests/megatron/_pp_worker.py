@@ -55,7 +55,7 @@ def run(rank, world_size, port, out_dir):
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-    from torch_r3.testing._megatron_cpu import megatron_on_cpu
+    from torch_r3.megatron._cpu import megatron_on_cpu
     from _models import RouteRecorder, build_model, forward_step
 
     from torch_r3.megatron import InterleavedPipelineError, ReplayHook

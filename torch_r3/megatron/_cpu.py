@@ -1,6 +1,9 @@
-"""CPU redirections for megatron-core's CUDA-only code paths (tests only).
+"""CPU redirections for megatron-core's CUDA-only code paths: the one module where they live.
 
-Exactly these spots of megatron-core 0.16, nothing else:
+For running Megatron on a CPU-only machine (the tests, the demo, the replay
+benchmark); `ReplayHook` itself never applies them.
+
+Exactly these spots of megatron-core (0.16 to 0.19), nothing else:
 
 * `torch.zeros(..., device="cuda")` inside the pipeline schedules;
 * `get_default_causal_mask` hard-coding `device="cuda"`;
