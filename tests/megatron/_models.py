@@ -117,9 +117,10 @@ def forward_step(data_iterator, model):
     return output, loss_func
 
 
-def run_step(hook, model, batches, *, forward_only=False, step=None, num_microbatches=None):
+def run_step(hook, model, batches, *, forward_only=False, step=None, num_microbatches=None, record=False):
     """One ``hook.forward_backward`` over ``batches`` with Megatron's default schedule."""
     return hook.forward_backward(
+        record=record,
         forward_step_func=step or forward_step,
         data_iterator=iter(batches),
         model=[model],
