@@ -59,3 +59,16 @@ def test_rank_capacity_factor_warns_once_naming_the_setting(make_model):
         ReplayHook(make_model(), config).close()
     ours = [w for w in caught if "moe_expert_rank_capacity_factor" in str(w.message)]
     assert len(ours) == 1 and "drops tokens" in str(ours[0].message)
+
+
+def test_unsupported_context_parallel_modes_are_refused_by_name(make_model):
+    model = make_model()
+    with pytest.raises(ValueError, match="packed_balancing='hybrid_cp': this context-parallel partitioning mode"):
+        ReplayHook(model, packed_balancing="hybrid_cp")
+    config = make_config()
+    if not hasattr(config, "hybrid_context_parallel"):
+        pytest.skip("this megatron-core has no hybrid_context_parallel (added in 0.18)")
+    config = dataclasses.replace(config)
+    object.__setattr__(config, "hybrid_context_parallel", True)  # needs max_seqlen_per_dp_cp_rank and GPUs
+    with pytest.raises(ValueError, match="config.hybrid_context_parallel=True"):
+        ReplayHook(model, config)

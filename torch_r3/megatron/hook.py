@@ -25,6 +25,7 @@ from torch_r3.megatron.routers import RouterTarget, expert_bias_mask_is_broken, 
 from torch_r3.megatron.slicing import (
     PACKED_BALANCING,
     RankSlice,
+    hybrid_moe_pattern,
     moe_layer_pattern,
     route_layer_map,
     router_indices,
@@ -126,7 +127,19 @@ class ReplayHook:
         self.config = config
         self.uncaptured = uncaptured
         self._chunk = chunks[0]
-        self._pattern = moe_layer_pattern(config)
+        self._hybrid = _find_hybrid_pattern(self._chunk)
+        if self._hybrid is not None:
+            # HybridModel: the layer pattern, not moe_layer_freq, says which layers are MoE.
+            pp_size = getattr(config, "pipeline_model_parallel_size", 1) or 1
+            if pp_size > 1:
+                raise ValueError(
+                    f"HybridModel with pipeline_model_parallel_size={pp_size}: the hook does not map a "
+                    "hybrid pattern's pipeline segments ('|') to stages yet; run HybridModel without "
+                    "pipeline parallelism or use GPTModel"
+                )
+            self._pattern = hybrid_moe_pattern(self._hybrid)
+        else:
+            self._pattern = moe_layer_pattern(config)
         self._num_experts = config.num_moe_experts
         stage = self._stage_layers(config)
         measure_drops = getattr(config, "moe_expert_capacity_factor", None) is not None
@@ -150,6 +163,10 @@ class ReplayHook:
         self._packed_balancing = packed_balancing
         self._gpt = _find_padding_mask_module(self._chunk)
         self._pre_process = bool(getattr(self._gpt, "pre_process", True))
+        # GPTModel's first stage scatters padding_mask for sequence parallelism; HybridModel
+        # hands it to its layers as given, so the hook cuts it to this rank's share itself.
+        self._model_scatters_mask = self._pre_process and self._hybrid is None
+        self._input_shape: Optional[tuple[int, int]] = None
         self._active_mask: Optional[torch.Tensor] = None
         self._microbatch = 0
         self._num_microbatches: Optional[int] = None
@@ -381,6 +398,8 @@ class ReplayHook:
     # --------------------------------------------------------------- internals
 
     def _stage_layers(self, config) -> range:
+        if self._hybrid is not None:  # one stage (refused otherwise): every layer of the pattern
+            return range(len(self._pattern))
         pp_size = getattr(config, "pipeline_model_parallel_size", 1) or 1
         vp_stage = getattr(self._chunk, "vp_stage", None)
         if parallel_state.model_parallel_is_initialized():
@@ -457,15 +476,19 @@ class ReplayHook:
             torch.stack([mask, pad], -1),
             rank,
             cu_seqlens=cu_seqlens,
-            model_scatters_mask=self._pre_process,
+            model_scatters_mask=self._model_scatters_mask,
             packed_balancing=self._packed_balancing,
         )
         router_mask, model_mask = masks[..., 0], masks[..., 1]
         # Widened to int64 because the router gathers and scatters with these indices; always
         # a copy the hook owns, so a caller refilling its batch cannot change what recompute replays.
         local = None if self._record else routes.to(dtype=torch.int64, copy=True)
-        if self._pre_process and rank.splits_sequence:
-            router_mask = router_mask[:, sequence_parallel_positions(router_mask.shape[1], rank.tp_size, rank.tp_rank)]
+        width = masks.shape[1]
+        if self._model_scatters_mask and rank.splits_sequence:
+            router_mask = router_mask[:, sequence_parallel_positions(width, rank.tp_size, rank.tp_rank)]
+        elif rank.splits_sequence:
+            width *= rank.tp_size  # the mask holds this rank's share; input_ids the whole (CP-local) row
+        self._input_shape = (masks.shape[0], width)
         uncaptured = router_mask.transpose(0, 1).reshape(-1)
         grad = torch.is_grad_enabled()
         for j, r in enumerate(self._routers):
@@ -515,7 +538,7 @@ class ReplayHook:
             ids = args[0] if args else kwargs.get("input_ids")
             if isinstance(ids, torch.Tensor):
                 check_model_input(
-                    self._active_mask.shape, ids.shape, microbatch=self._microbatch - 1, layer=self._routers[0].layer
+                    self._input_shape, ids.shape, microbatch=self._microbatch - 1, layer=self._routers[0].layer
                 )
         if kwargs.get("padding_mask") is not None:
             return None
@@ -563,6 +586,19 @@ def _as_chunks(model: Any) -> list[torch.nn.Module]:
         if not isinstance(chunk, torch.nn.Module):
             raise TypeError(f"model[{i}]: expected a torch.nn.Module, got {type(chunk).__name__}")
     return chunks
+
+
+def _find_hybrid_pattern(chunk: torch.nn.Module) -> Optional[str]:
+    # DDP and Float16Module keep the model in .module; HybridModel keeps its pattern.
+    module: Any = chunk
+    for _ in range(8):
+        pattern = getattr(module, "hybrid_layer_pattern", None)
+        if isinstance(pattern, str):
+            return pattern
+        module = getattr(module, "module", None)
+        if not isinstance(module, torch.nn.Module):
+            return None
+    return None
 
 
 def _find_padding_mask_module(chunk: torch.nn.Module) -> Optional[torch.nn.Module]:

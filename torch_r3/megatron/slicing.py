@@ -23,6 +23,7 @@ import torch
 __all__ = [
     "RankSlice",
     "context_parallel_positions",
+    "hybrid_moe_pattern",
     "moe_layer_pattern",
     "packed_positions",
     "route_layer_index",
@@ -251,6 +252,32 @@ def moe_layer_pattern(config: Any) -> tuple[bool, ...]:
             raise ValueError(f"moe_layer_freq has {len(freq)} entries, expected num_layers = {num_layers}")
         return tuple(bool(x) for x in freq)
     raise ValueError(f"moe_layer_freq must be an int or a list of 0/1, got {type(freq).__name__}")
+
+
+def hybrid_moe_pattern(pattern: str) -> tuple[bool, ...]:
+    """Which global layers of a `HybridModel` are MoE layers, from its `hybrid_layer_pattern`.
+
+    One symbol per layer (`E` MoE, `*` attention, `-` MLP, `M` Mamba, ...);
+    `|` separates pipeline stages and everything after the first `/` describes
+    multi-token prediction layers, which route live and are not counted.
+
+    Args:
+        pattern: The model's `hybrid_layer_pattern`.
+
+    Returns:
+        One bool per decoder layer.
+
+    Raises:
+        ValueError: When the pattern has no layer.
+
+    Examples:
+        >>> hybrid_moe_pattern("*E|*E/*E")
+        (False, True, False, True)
+    """
+    main = pattern.split("/", 1)[0].replace("|", "")
+    if not main:
+        raise ValueError(f"hybrid_layer_pattern={pattern!r} has no decoder layer")
+    return tuple(symbol == "E" for symbol in main)
 
 
 def route_layer_index(layer: int, routes_layers: int, pattern: Sequence[bool]) -> int:
