@@ -150,9 +150,11 @@ class ReplayedRouter:
         default_compute_topk: Optional[Callable] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         action = self.replay.router_replay_action
-        forward = action == RouterReplayAction.REPLAY_FORWARD and self.current is not None
-        if forward:
-            target = self.current
+        current = self.current
+        forward = action == RouterReplayAction.REPLAY_FORWARD and current is not None
+        target: RouterTarget
+        if current is not None and forward:
+            target = current
             target.consulted += 1
             if target.consulted > 1 and target.recompute:
                 raise RuntimeError(
@@ -182,19 +184,23 @@ class ReplayedRouter:
             layer=self.layer,
         )
         if forward:
+            if default_compute_topk is None:
+                raise RuntimeError(f"layer {self.layer}: the router passed no default_compute_topk to replay")
             with torch.no_grad():
                 _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-            if target.record:
+            if target.record or target.indices is None:
                 chosen = own
                 self.recorded[target.microbatch] = own
             else:
                 chosen = target.indices
                 if target.live:
-                    chosen = torch.where(target.uncaptured.unsqueeze(-1), own, target.indices)
+                    chosen = torch.where(target.uncaptured.unsqueeze(-1), own, chosen)
                 # On captured rows `chosen` is the replayed route in either mode.
                 self.stats.add_drift(self.layer, own, chosen, ~target.uncaptured)
             target.indices = chosen  # recompute replays exactly what this forward chose
             self._pending_drop = chosen
+        elif target.indices is None:  # a recorded microbatch is never recomputed (forward-only)
+            raise RuntimeError(f"layer {self.layer}: recompute of a recorded microbatch {target.microbatch}")
         else:
             chosen = target.indices
         return scores.gather(1, chosen), chosen
