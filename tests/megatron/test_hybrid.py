@@ -59,3 +59,35 @@ def test_hybrid_model_under_pipeline_parallelism_is_refused_by_name(cpu_megatron
     object.__setattr__(config, "pipeline_model_parallel_size", 2)
     with pytest.raises(ValueError, match="HybridModel with pipeline_model_parallel_size=2"):
         ReplayHook(model, config)
+
+
+@pytest.mark.parametrize("kind", ["gpt", "hybrid"])
+def test_under_sequence_parallelism_the_hook_cuts_padding_mask_only_for_models_that_do_not(cpu_megatron, kind):
+    """GPTModel scatters padding_mask for SP on its own; HybridModel hands it to its layers as given.
+
+    This rank's place is set to TP rank 1 of 2 with sequence parallelism (one process cannot
+    run TP=2): what the model is handed and what each router is given are compared with
+    the rank's share, built position by position.
+    """
+    from _models import build_model
+
+    from torch_r3.megatron import RankSlice
+
+    torch.manual_seed(0)
+    model = build_model() if kind == "gpt" else build_hybrid_model("E*E*")
+    hook = ReplayHook(model)
+    hook._rank = lambda: RankSlice(tp_size=2, tp_rank=1, sequence_parallel=True)
+    batch = make_batch()
+    with hook.step(forward_only=True):
+        hook._install(batch)
+        handed = hook._active_mask
+        targets = [r.current for r in hook._routers]
+    padding = batch["attention_mask"] == 0
+    share = slice(8, 16)  # TP rank 1's half of 16 positions
+    want_model = padding if kind == "gpt" else padding[:, share]
+    assert torch.equal(handed, want_model)
+    want_router = torch.tensor([bool(batch["router_padding_mask"][b, s]) for s in range(8, 16) for b in range(2)])
+    for j, target in enumerate(targets):
+        assert torch.equal(target.uncaptured, want_router)
+        routes = batch["rollout_expert_indices"][:, share, j].long()
+        assert torch.equal(target.indices, routes.transpose(0, 1).reshape(-1, routes.shape[-1]))
