@@ -321,8 +321,9 @@ class ReplayHook:
         iterator that yields that dict once, and switches the routers to
         `REPLAY_BACKWARD` as soon as it returns, so that recompute pops the
         matching routes. While it runs, the model's `forward` gets
-        `padding_mask` (the batch's `router_padding_mask`, sliced to this
-        rank) unless the call passes one.
+        `padding_mask` (`True` at padding only: the batch's `attention_mask == 0`,
+        sliced to this rank) unless the call passes one; `router_padding_mask`
+        is read by the routers only.
 
         Args:
             forward_step_func: Your forward step, Megatron's signature.

@@ -11,21 +11,23 @@ __all__ = ["InterleavedPipelineError", "check_config", "check_pipeline"]
 
 
 class InterleavedPipelineError(ValueError):
-    """The model uses the interleaved (virtual pipeline) schedule, which replay cannot follow.
+    """The model uses the interleaved (virtual pipeline) schedule, which this product refuses.
 
-    Megatron's interleaved 1F1B schedule runs the forwards of several model chunks
-    before their backwards, in an order where one microbatch's forward feeds the
-    routers of one chunk while recompute pops the routers of another. The
-    per-router replay FIFOs then fall out of step and recompute silently replays
-    another microbatch's routes.
+    The refusal is `torch_r3`'s contract, not a limit of Megatron. Megatron's
+    interleaved 1F1B schedule runs the forwards of several model chunks before
+    their backwards; a hook that installs every microbatch into every chunk's
+    routers (what one data iterator per chunk hands it) leaves the per-router
+    replay FIFOs out of step, and recompute silently replays another
+    microbatch's routes.
     """
 
 
 _VPP_ADVICE = (
-    "Megatron's interleaved schedule runs several chunks' forwards before their "
-    "backwards, so every router's replay FIFO receives microbatches in a different order "
-    "than activation recompute pops them, and recompute silently replays another "
-    "microbatch's routes. Build the model as one chunk per pipeline stage "
+    "ReplayHook does not support Megatron's interleaved schedule (torch_r3's choice): it runs "
+    "several chunks' forwards before their backwards, and installing every microbatch into "
+    "every chunk's routers leaves each router's replay FIFO out of step with activation "
+    "recompute, which would silently replay another microbatch's routes. Build the model as "
+    "one chunk per pipeline stage "
     "(virtual_pipeline_model_parallel_size=None or 1) and use the non-interleaved 1F1B "
     "schedule."
 )
