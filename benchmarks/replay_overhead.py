@@ -56,7 +56,7 @@ def step_with_hook(repeat: int) -> None:
     from megatron.core.transformer import TransformerConfig
 
     from torch_r3.megatron import ReplayHook, check_route_values
-    from torch_r3.testing._megatron_cpu import megatron_on_cpu
+    from torch_r3.megatron._cpu import megatron_on_cpu
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

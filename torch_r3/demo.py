@@ -121,7 +121,7 @@ def megatron_world():
         else:
             # Megatron hard-codes a few CUDA calls; the test suite redirects
             # exactly those to the CPU. A GPU machine needs none of this.
-            from torch_r3.testing._megatron_cpu import megatron_on_cpu
+            from torch_r3.megatron._cpu import megatron_on_cpu
 
             with megatron_on_cpu():
                 yield

@@ -37,7 +37,9 @@ class ReplayStats:
         microbatches: Microbatches this rank ran.
         route_drift: Per global layer (0-based), the fraction of captured tokens
             whose own top-k set differs from the replayed set: how far training
-            would have drifted from inference without replay.
+            would have drifted from inference without replay. `None` for a layer
+            whose replay never ran in the step (nothing was measured, which is
+            not the same as no drift).
         live_fraction: Share of routed tokens that took the router's own top-k.
         tokens: Captured, live and filler token positions (`TokenCounts`).
         dropped_fraction: Share of expert assignments (token, expert) that the
@@ -52,25 +54,27 @@ class ReplayStats:
     """
 
     microbatches: int
-    route_drift: dict[int, float]
+    route_drift: dict[int, Optional[float]]
     live_fraction: float
     tokens: TokenCounts
     dropped_fraction: Optional[float] = None
 
     @property
     def mean_drift(self) -> float:
-        """Mean of `route_drift` over this rank's layers (0.0 when there are none)."""
-        values = list(self.route_drift.values())
+        """Mean of `route_drift` over this rank's layers that replayed (0.0 when there are none)."""
+        values = [v for v in self.route_drift.values() if v is not None]
         return sum(values) / len(values) if values else 0.0
 
     def as_dict(self) -> dict[str, float]:
         """Flat `{name: number}` for a metrics logger (TensorBoard, W&B, ...).
 
         Returns:
-            One entry per layer's drift, plus the mean drift, the live fraction,
+            One entry per layer's drift (NaN where replay never ran), plus the mean drift, the live fraction,
             the token counts and, where measured, the dropped fraction.
         """
-        out: dict[str, float] = {f"route_drift/layer_{layer}": v for layer, v in self.route_drift.items()}
+        out: dict[str, float] = {
+            f"route_drift/layer_{layer}": float("nan") if v is None else v for layer, v in self.route_drift.items()
+        }
         out["route_drift/mean"] = self.mean_drift
         out["live_fraction"] = self.live_fraction
         out.update({f"tokens/{name}": n for name, n in self.tokens._asdict().items()})
@@ -127,10 +131,13 @@ class StatsCollector:
         rows.append(_total(self._lost))
         device = rows[-1].device if self._lost else rows[-2].device
         counts = torch.stack([r.to(device) for r in rows]).tolist()
-        drift = {}
+        drift: dict[int, Optional[float]] = {}
         for i, layer in enumerate(layers):
             differ, captured = counts[2 * i : 2 * i + 2]
-            drift[layer] = differ / captured if captured else 0.0
+            if layer not in self._differ:  # replay never ran on this layer: nothing measured
+                drift[layer] = None
+            else:
+                drift[layer] = differ / captured if captured else 0.0
         captured_tokens, uncaptured, lost = counts[-3:]
         assignments = self._assignments
         live = uncaptured if self._live else 0

@@ -117,9 +117,10 @@ def forward_step(data_iterator, model):
     return output, loss_func
 
 
-def run_step(hook, model, batches, *, forward_only=False, step=None, num_microbatches=None):
+def run_step(hook, model, batches, *, forward_only=False, step=None, num_microbatches=None, record=False):
     """One ``hook.forward_backward`` over ``batches`` with Megatron's default schedule."""
     return hook.forward_backward(
+        record=record,
         forward_step_func=step or forward_step,
         data_iterator=iter(batches),
         model=[model],
@@ -207,3 +208,42 @@ def own_choice(router, hidden):
         for e in sorted(allowed, key=lambda e: -s[e])[:k]:
             chosen[row, e] = True
     return chosen
+
+
+def build_hybrid_model(pattern="*E*E", *, seq_len=16, **overrides):
+    """A HybridModel (megatron-core 0.18+) of attention and MoE layers on local (no TE) modules.
+
+    Megatron's stock hybrid spec uses Transformer Engine; this one takes the same
+    pieces from the local GPT layer spec. No Mamba: its kernels need CUDA.
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import (
+        MoETransformerLayer,
+        TransformerLayer,
+        TransformerLayerSubmodules,
+    )
+
+    config = make_config(num_layers=len(pattern.replace("|", "")), **overrides)
+    local = get_gpt_layer_local_spec(num_experts=EXPERTS).submodules
+    attention = TransformerLayerSubmodules(
+        input_layernorm=local.input_layernorm, self_attention=local.self_attention, self_attn_bda=local.self_attn_bda
+    )
+    moe = TransformerLayerSubmodules(pre_mlp_layernorm=local.pre_mlp_layernorm, mlp=local.mlp, mlp_bda=local.mlp_bda)
+    spec = ModuleSpec(
+        module=HybridStack,
+        submodules=HybridStackSubmodules(
+            attention_layer=ModuleSpec(module=TransformerLayer, submodules=attention),
+            moe_layer=ModuleSpec(module=MoETransformerLayer, submodules=moe),
+        ),
+    )
+    return HybridModel(
+        config=config,
+        hybrid_stack_spec=spec,
+        vocab_size=VOCAB,
+        max_sequence_length=seq_len,
+        hybrid_layer_pattern=pattern,
+        position_embedding_type="learned_absolute",
+    )

@@ -41,7 +41,7 @@ PRELOAD = (
     "megatron.core.models.gpt",
     "megatron.core.pipeline_parallel",
     "torch_r3.megatron",
-    "torch_r3.testing._megatron_cpu",
+    "torch_r3.megatron._cpu",
 )
 
 
@@ -221,8 +221,6 @@ class StepLog:
 
     def _local_fields(self, batch):
         """This rank's tokens, labels, positions and keys, cut by Megatron's own CP helpers."""
-        from megatron.core.utils import get_batch_on_this_cp_rank, get_thd_batch_on_this_cp_rank
-
         ids = batch["input_ids"].to(self.device)
         sid = batch["sample_id"].to(self.device)
         if self.scenario.packed:
@@ -237,9 +235,7 @@ class StepLog:
             fields = dict(
                 tokens=ids, labels=labels, positions=positions, keep=~last, keys=torch.stack([owner, positions], -1)
             )
-            max_len = torch.tensor([max(lengths)], device=self.device)
-            fields, packed_seq_params = get_thd_batch_on_this_cp_rank(fields, cu, cu, max_len)
-            return fields, packed_seq_params
+            return _thd_on_this_cp_rank(fields, cu, max(lengths))
         b, s = ids.shape
         attention = batch["attention_mask"].to(self.device)
         columns = torch.arange(s, device=self.device).expand(b, s)
@@ -253,7 +249,69 @@ class StepLog:
             keep=keep,
             keys=torch.stack([sid[:, None].expand(b, s), columns], -1),
         )
-        return get_batch_on_this_cp_rank(fields), None
+        return _bshd_on_this_cp_rank(fields), None
+
+
+def _bshd_on_this_cp_rank(fields: dict) -> dict:
+    """Megatron's own per-sequence CP split, called the way the installed release wants it.
+
+    0.18 added a required ``is_hybrid_cp`` argument, and without an explicit group
+    its helper cuts the sequence across the whole world (DP ranks included).
+    """
+    import inspect
+
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    group = parallel_state.get_context_parallel_group()
+    if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:
+        return get_batch_on_this_cp_rank(fields, False, cp_group=group)
+    return get_batch_on_this_cp_rank(fields, cp_group=group)
+
+
+def _thd_on_this_cp_rank(fields: dict, cu: torch.Tensor, max_len: int):
+    """Megatron's own per-document CP split of a packed batch, and its PackedSeqParams.
+
+    0.16 has ``get_thd_batch_on_this_cp_rank``; 0.18 removed it, and its
+    ``get_batch_on_this_cp_rank`` splits per document (through Transformer
+    Engine's partitioned indices) only the keys tokens, labels, loss_mask and
+    position_ids: the worker's own keys ride in those slots, two calls.
+    """
+    from megatron.core import utils
+
+    if hasattr(utils, "get_thd_batch_on_this_cp_rank"):
+        max_seqlen = torch.tensor([max_len], device=cu.device)
+        return utils.get_thd_batch_on_this_cp_rank(fields, cu, cu, max_seqlen)
+    from megatron.core import parallel_state
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    group = parallel_state.get_context_parallel_group()
+    meta = dict(cu_seqlens=cu[None], cu_seqlens_padded=None, max_seqlen=None)
+    first = utils.get_batch_on_this_cp_rank(
+        dict(
+            meta,
+            tokens=fields["tokens"],
+            labels=fields["labels"],
+            position_ids=fields["positions"],
+            loss_mask=fields["keep"],
+        ),
+        False,
+        cp_group=group,
+    )
+    second = utils.get_batch_on_this_cp_rank(
+        dict(meta, tokens=fields["keys"][..., 0], labels=fields["keys"][..., 1]), False, cp_group=group
+    )
+    local = dict(
+        tokens=first["tokens"],
+        labels=first["labels"],
+        positions=first["position_ids"],
+        keep=first["loss_mask"],
+        keys=torch.stack([second["tokens"], second["labels"]], -1),
+    )
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len, max_seqlen_kv=max_len
+    )
+    return local, params
 
 
 def run_step(scenario: Scenario, model, loader, device, *, reference: bool = False) -> dict:
@@ -376,7 +434,7 @@ def _on_device(device: torch.device):
     if device.type == "cuda":
         yield
     else:
-        from torch_r3.testing._megatron_cpu import megatron_on_cpu
+        from torch_r3.megatron._cpu import megatron_on_cpu
 
         with megatron_on_cpu():
             yield

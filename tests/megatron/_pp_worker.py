@@ -55,7 +55,7 @@ def run(rank, world_size, port, out_dir):
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-    from torch_r3.testing._megatron_cpu import megatron_on_cpu
+    from torch_r3.megatron._cpu import megatron_on_cpu
     from _models import RouteRecorder, build_model, forward_step
 
     from torch_r3.megatron import InterleavedPipelineError, ReplayHook
@@ -75,8 +75,37 @@ def run(rank, world_size, port, out_dir):
         result["pp_layers"] = list(hook.layers)
         result["pp_checked"], result["pp_wrong"] = _recompute_mismatches(recorder, batches, lambda l, b: b)
         result["pp_drained"] = all(r.replay.replay_backward_list == [] for r in hook._routers)
-        recorder.close()
         hook.close()
+
+        # --- The same, with routes holding only this stage's MoE layers (told by L), and
+        # with an explicit route_layers= map; a map that lacks this stage's layers is refused.
+        stage = list(result["pp_layers"])
+        for name, kwargs in (("stage_only", {}), ("route_layers", {"route_layers": stage})):
+            recorder.clear()
+            hook = ReplayHook(model, uncaptured="replay", **kwargs)
+            batches = _batches(seed=5)
+            sliced = [
+                {**b, "rollout_expert_indices": b["rollout_expert_indices"][:, :, stage].clone()} for b in batches
+            ]
+            hook.forward_backward(**_schedule_kwargs(forward_step, sliced, [model]))
+            result[f"{name}_checked"], result[f"{name}_wrong"] = _recompute_mismatches(
+                recorder, batches, lambda l, b: b
+            )
+            hook.close()
+        other = [layer for layer in range(4) if layer not in stage]
+        try:
+            ReplayHook(model, route_layers=other)
+        except ValueError as err:
+            result["wrong_map"] = str(err)
+        hook = ReplayHook(model)
+        three = [{**b, "rollout_expert_indices": b["rollout_expert_indices"][:, :, :3]} for b in _batches(seed=5)]
+        try:  # this stage's own forward step, outside the schedule: a raise there cannot strand a peer
+            with hook.step(forward_only=True):
+                hook.wrap_forward_step(forward_step)(iter(three), model)
+        except ValueError as err:
+            result["wrong_width"] = str(err)
+        hook.close()
+        recorder.close()
         parallel_state.destroy_model_parallel()
 
         # --- VPP=2: refused before any step; a naive hook desynchronises.

@@ -1,7 +1,7 @@
 """Fixtures for the Megatron tests: gloo world of one, CPU redirections, a tiny MoE GPT.
 
 The CUDA-only spots of megatron-core are redirected to the CPU by
-``torch_r3.testing._megatron_cpu.megatron_on_cpu`` (see that module for the exact list).
+``torch_r3.megatron._cpu.megatron_on_cpu`` (see that module for the exact list).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ pytest.importorskip("megatron.core.transformer.moe.router_replay")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from torch_r3.testing._megatron_cpu import megatron_on_cpu  # noqa: E402
+from torch_r3.megatron._cpu import megatron_on_cpu  # noqa: E402
 from _models import build_model  # noqa: E402
 
 

@@ -6,10 +6,10 @@ import pytest
 
 pytest.importorskip("megatron.core.transformer.moe.router_replay")
 
-import torch_r3.megatron.validate  # noqa: E402
+import torch_r3.megatron.batch_checks  # noqa: E402
 
 
-@pytest.mark.parametrize("module", [torch_r3.megatron.validate])
+@pytest.mark.parametrize("module", [torch_r3.megatron.batch_checks])
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0 and result.attempted > 0

@@ -34,6 +34,18 @@ def test_pp2_full_recompute_replays_each_microbatch_exactly_on_both_stages(pp_re
         assert r["pp_drained"]
 
 
+def test_pp2_stage_only_routes_replay_exactly_and_a_wrong_layer_map_is_refused(pp_results):
+    for r in pp_results:
+        stage = r["pp_layers"]
+        for name in ("stage_only", "route_layers"):
+            assert r[f"{name}_checked"] == 2 * _pp_worker.M
+            assert r[f"{name}_wrong"] == 0
+        other = [layer for layer in range(4) if layer not in stage]
+        assert f"route_layers={other} does not hold layer {stage[0]}" in r["wrong_map"]
+        assert "rollout_expert_indices has 3 layers" in r["wrong_width"]
+        assert f"or 2 (this pipeline stage's MoE layers {stage} only)" in r["wrong_width"]
+
+
 def test_vpp2_is_refused_before_any_step(pp_results):
     for r in pp_results:
         chunk_list, one_chunk = r["vpp_refusals"]

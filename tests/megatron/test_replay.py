@@ -124,7 +124,7 @@ def test_dense_first_layers_map_to_their_global_layer_in_either_routes_layout(ma
     recorder.close()
 
 
-def test_model_gets_router_padding_mask_and_indices_are_int64(make_model):
+def test_model_gets_the_true_padding_mask_and_indices_are_int64(make_model):
     model = make_model()
     hook = ReplayHook(model)
     seen = {}
@@ -137,10 +137,33 @@ def test_model_gets_router_padding_mask_and_indices_are_int64(make_model):
     for dtype in (torch.uint8, torch.int16, torch.int32):
         batch = make_batch(dtype=dtype, padding="arange")
         run_step(hook, model, [batch], forward_only=True)
-        assert torch.equal(seen["padding_mask"], batch["router_padding_mask"])
+        # Megatron's padding_mask marks left padding only; real uncaptured tokens count as tokens.
+        assert torch.equal(seen["padding_mask"], batch["attention_mask"] == 0)
+        assert not torch.equal(seen["padding_mask"], batch["router_padding_mask"])
         assert all(t.dtype == torch.int64 and t.shape == (32, TOPK) for t in seen["targets"])
+        # Without attention_mask, padding is each row's leading run of uncaptured positions.
+        del batch["attention_mask"]
+        run_step(hook, model, [batch], forward_only=True, step=_forward_without_attention_mask)
+        assert torch.equal(seen["padding_mask"], _leading_true(batch["router_padding_mask"]))
     handle.remove()
     hook.close()
+
+
+def _leading_true(mask):
+    out = torch.zeros_like(mask)
+    for i, row in enumerate(mask.tolist()):
+        for t, value in enumerate(row):
+            if not value:
+                break
+            out[i, t] = True
+    return out
+
+
+def _forward_without_attention_mask(data_iterator, model):
+    batch = next(data_iterator)
+    ids = batch["input_ids"]
+    output = model(ids, torch.arange(ids.shape[1]).expand_as(ids), None, labels=ids)
+    return output, lambda out: (out.float().sum(), {})
 
 
 def test_closing_the_hook_stops_handing_the_padding_mask(make_model):
@@ -151,7 +174,7 @@ def test_closing_the_hook_stops_handing_the_padding_mask(make_model):
         # Registered after the hook's own pre-hook, so it sees what the model gets.
         handle = model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw.get("padding_mask")), with_kwargs=True)
         run_step(hook, model, [batch], forward_only=True)
-    assert torch.equal(seen[-1], batch["router_padding_mask"])
+    assert torch.equal(seen[-1], batch["attention_mask"] == 0)
     # Closed: the model runs as if the hook never existed, with no stale targets.
     model(batch["input_ids"], torch.arange(batch["input_ids"].shape[1]).expand_as(batch["input_ids"]), None)
     assert seen[-1] is None

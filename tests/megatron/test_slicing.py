@@ -133,3 +133,19 @@ def test_stage_layer_range_uses_megatrons_offsets(world_of_one):
     assert [stage_layer_range(even, pp_rank=r) for r in (0, 1)] == [range(0, 2), range(2, 4)]
     uneven = make_config(num_layers=5, pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=2)
     assert [stage_layer_range(uneven, pp_rank=r) for r in (0, 1)] == [range(0, 2), range(2, 5)]
+
+
+def test_packed_per_sequence_balancing_splits_the_whole_row_like_megatron():
+    """use_per_sequence_balancing=True: the packed row is one sequence cut into 2 * cp chunks."""
+    cu = torch.tensor([0, 3, 8])  # documents of 3 and 5 tokens: per-document splitting would refuse them
+    routes = torch.arange(8).reshape(8, 1, 1)
+    mask = torch.zeros(8, dtype=torch.bool)
+    for cp_rank, want in ((0, [0, 1, 6, 7]), (1, [2, 3, 4, 5])):
+        local, _ = slice_for_rank(routes, mask, RankSlice(2, cp_rank), cu_seqlens=cu, packed_balancing="per_sequence")
+        assert local.flatten().tolist() == want
+    with pytest.raises(ValueError, match="sequence 0 has 3 tokens"):
+        slice_for_rank(routes, mask, RankSlice(2, 0), cu_seqlens=cu)  # per_document, the default
+    with pytest.raises(ValueError, match="packed_balancing='hybrid': context-parallel partitioning mode not supported"):
+        slice_for_rank(routes, mask, RankSlice(2, 0), cu_seqlens=cu, packed_balancing="hybrid")
+    with pytest.raises(ValueError, match="cu_seqlens covers 6 tokens, rollout_expert_indices has 8"):
+        slice_for_rank(routes, mask, RankSlice(2, 0), cu_seqlens=torch.tensor([0, 6]), packed_balancing="per_sequence")

@@ -15,12 +15,12 @@ Public names:
 * `ReplayStats` (with `TokenCounts`) is what `ReplayHook.last_stats` holds after
   a step: per-layer route drift, live share, token counts, capacity drops.
 * `InterleavedPipelineError` is raised for the interleaved (virtual pipeline)
-  schedule, which replay cannot follow.
+  schedule, which this product refuses by contract.
 * The pure slicing helpers (`context_parallel_positions`,
   `sequence_parallel_positions`, `packed_positions`, `slice_for_rank`,
-  `router_indices`, `moe_layer_pattern`, `route_layer_index`,
-  `stage_layer_range`) and `check_route_values`, for users who install
-  routes themselves.
+  `router_indices`, `moe_layer_pattern`, `hybrid_moe_pattern`,
+  `route_layer_index`, `route_layer_map`, `stage_layer_range`) and
+  `check_route_values`, for users who install routes themselves.
 """
 
 from __future__ import annotations
@@ -28,22 +28,24 @@ from __future__ import annotations
 from torch_r3._extras import require
 
 require("megatron.core", "megatron")  # without megatron-core: name the extra that installs it
-from torch_r3.megatron.checks import InterleavedPipelineError  # noqa: E402
+from torch_r3.megatron.setup_checks import InterleavedPipelineError  # noqa: E402
 from torch_r3.megatron.hook import ReplayHook
 from torch_r3.megatron import slicing  # noqa: E402
 from torch_r3.megatron.slicing import (
     RankSlice,
     context_parallel_positions,
+    hybrid_moe_pattern,
     moe_layer_pattern,
     packed_positions,
     route_layer_index,
+    route_layer_map,
     router_indices,
     sequence_parallel_positions,
     slice_for_rank,
     stage_layer_range,
 )
 from torch_r3.stats import ReplayStats, TokenCounts
-from torch_r3.megatron.validate import check_route_values
+from torch_r3.megatron.batch_checks import check_route_values
 
 __all__ = [
     "InterleavedPipelineError",

@@ -1,4 +1,10 @@
-"""`ReplayHook`: install a batch's routes into one Megatron model's routers per microbatch."""
+"""`ReplayHook`: install a batch's routes into one Megatron model's routers per microbatch.
+
+Past 500 lines on purpose: it is one class whose per-step state (what each
+router was given, what recompute must pop, what was recorded for R2) is read and
+reset in one place; the pure parts already live elsewhere (`slicing`,
+`batch_checks`, `setup_checks`, `routers`), and most of the length is docstrings.
+"""
 
 from __future__ import annotations
 
@@ -12,19 +18,28 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-from torch_r3.megatron.checks import InterleavedPipelineError, as_chunks, check_config, check_pipeline
-from torch_r3.megatron.routers import RouterTarget, find_routers
+from torch_r3.megatron.setup_checks import InterleavedPipelineError, check_config, check_pipeline
+from torch_r3.keys import ROUTER_MASK, ROUTES
+from torch_r3.megatron.batch_checks import (
+    check_microbatch,
+    check_model_input,
+    check_record_microbatch,
+    check_route_values,
+    model_padding_mask,
+)
+from torch_r3.megatron.routers import RouterTarget, expert_bias_mask_is_broken, find_routers
 from torch_r3.megatron.slicing import (
+    PACKED_BALANCING,
     RankSlice,
+    hybrid_moe_pattern,
     moe_layer_pattern,
-    route_layer_index,
+    route_layer_map,
     router_indices,
     sequence_parallel_positions,
     slice_for_rank,
     stage_layer_range,
 )
 from torch_r3.stats import ReplayStats, StatsCollector
-from torch_r3.megatron.validate import check_microbatch, check_model_input, check_route_values
 
 __all__ = ["InterleavedPipelineError", "ReplayHook"]
 
@@ -66,6 +81,15 @@ class ReplayHook:
             `"live"` (default) routes them with the router's own top-k, in the
             same router call as the replayed tokens; `"replay"` replays the
             filler routes the batch holds for them.
+        route_layers: The global layer (0-based) each index of the routes' `L`
+            dimension holds, for routes that carry a subset of the layers.
+            Without it the layout is told by `L`: every layer (`num_layers`),
+            the MoE layers (their count), or this pipeline stage's MoE layers
+            only (their count on this stage, in layer order).
+        packed_balancing: How context parallelism splits a packed batch:
+            `"per_document"` (Megatron's default with `cu_seqlens`) or
+            `"per_sequence"` (its `use_per_sequence_balancing=True`). Other
+            modes are refused.
 
     Raises:
         InterleavedPipelineError: When `virtual_pipeline_model_parallel_size` is
@@ -73,9 +97,11 @@ class ReplayHook:
             a list of more than one chunk.
         ValueError: When the configuration bypasses or breaks replay
             (`moe_enable_routing_replay` off, `moe_router_fusion`, sinkhorn
-            routing, `overlap_moe_expert_parallel_comm`, a CUDA graph that
-            captures the router), the model has no router to replay, or
-            `uncaptured` is neither `"live"` nor `"replay"`.
+            or quantile-balancing routing, `overlap_moe_expert_parallel_comm`,
+            hybrid context parallelism, a CUDA graph that captures the router),
+            the model has no router to replay, `uncaptured` is neither
+            `"live"` nor `"replay"`, `packed_balancing` names another mode, or
+            `route_layers` lacks one of this stage's MoE layers.
         TypeError: When `model` is not a module or a list of modules.
     """
 
@@ -85,21 +111,41 @@ class ReplayHook:
         config: Optional[Any] = None,
         *,
         uncaptured: str = "live",
+        route_layers: Optional[Sequence[int]] = None,
+        packed_balancing: str = "per_document",
     ):
-        chunks = as_chunks(model)
+        chunks = _as_chunks(model)
         if config is None:
             config = getattr(chunks[0], "config", None)
             if config is None:
                 raise TypeError("config: the model has no .config; pass its TransformerConfig as config=")
         if uncaptured not in _UNCAPTURED:
             raise ValueError(f"uncaptured: expected 'live' or 'replay', got {uncaptured!r}")
+        if packed_balancing not in PACKED_BALANCING:
+            raise ValueError(
+                f"packed_balancing={packed_balancing!r}: this context-parallel partitioning mode is not "
+                f"supported (the hook cannot slice routes the way it splits tokens); expected one of "
+                f"{PACKED_BALANCING}"
+            )
         check_pipeline(config, len(chunks))
         check_config(config)
 
         self.config = config
         self.uncaptured = uncaptured
         self._chunk = chunks[0]
-        self._pattern = moe_layer_pattern(config)
+        self._hybrid = _find_hybrid_pattern(self._chunk)
+        if self._hybrid is not None:
+            # HybridModel: the layer pattern, not moe_layer_freq, says which layers are MoE.
+            pp_size = getattr(config, "pipeline_model_parallel_size", 1) or 1
+            if pp_size > 1:
+                raise ValueError(
+                    f"HybridModel with pipeline_model_parallel_size={pp_size}: the hook does not map a "
+                    "hybrid pattern's pipeline segments ('|') to stages yet; run HybridModel without "
+                    "pipeline parallelism or use GPTModel"
+                )
+            self._pattern = hybrid_moe_pattern(self._hybrid)
+        else:
+            self._pattern = moe_layer_pattern(config)
         self._num_experts = config.num_moe_experts
         stage = self._stage_layers(config)
         measure_drops = getattr(config, "moe_expert_capacity_factor", None) is not None
@@ -117,19 +163,31 @@ class ReplayHook:
                     f"model: decoder layer {r.layer - stage.start} of this stage holds a router, but "
                     f"the stage has layers {stage.start}..{stage.stop - 1} only"
                 )
+        self._route_layers = _check_route_layers(route_layers, self._pattern)
+        if self._route_layers is not None:
+            route_layer_map(self.layers, len(self._route_layers), self._pattern, route_layers=self._route_layers)
+        self._packed_balancing = packed_balancing
         self._gpt = _find_padding_mask_module(self._chunk)
         self._pre_process = bool(getattr(self._gpt, "pre_process", True))
+        # GPTModel's first stage scatters padding_mask for sequence parallelism; HybridModel
+        # hands it to its layers as given, so the hook cuts it to this rank's share itself.
+        self._model_scatters_mask = self._pre_process and self._hybrid is None
+        self._input_shape: Optional[tuple[int, int]] = None
         self._active_mask: Optional[torch.Tensor] = None
         self._microbatch = 0
         self._num_microbatches: Optional[int] = None
         self._in_step = False
         self._forward_only = False
+        self._record = False
+        self._recorded_shapes: list[tuple[int, int, bool, torch.Tensor]] = []  # (B, T, packed, padding)
+        self._last_recorded: Optional[list[dict[str, torch.Tensor]]] = None
         self._last_stats: Optional[ReplayStats] = None
         self._handle = None
         if self._gpt is not None:
             self._handle = self._gpt.register_forward_pre_hook(self._before_model_forward, with_kwargs=True)
+        fix_bias = expert_bias_mask_is_broken()
         for r in self._routers:
-            r.attach(measure_drops=measure_drops)
+            r.attach(measure_drops=measure_drops, fix_expert_bias=fix_bias)
 
     # ----------------------------------------------------------------- public
 
@@ -146,15 +204,32 @@ class ReplayHook:
         """The `ReplayStats` of the last step that completed; `None` before the first."""
         return self._last_stats
 
-    def forward_backward(self, forward_backward_func: Optional[Callable] = None, **kwargs: Any) -> Any:
+    @property
+    def last_recorded(self) -> Optional[list[dict[str, torch.Tensor]]]:
+        """The routes the last recording step's routers chose (R2), one batch-layout dict per microbatch.
+
+        Each dict holds `rollout_expert_indices` (`[B, T, L, K]`, or `[N, L, K]`
+        for the packed layout; `L` = this rank's replayed layers, in `layers`
+        order, the stage-only layout) and `router_padding_mask` (`True` on
+        padding only: every real token was routed and recorded), in microbatch
+        order; hand them back in the update step's microbatches. `None` before the
+        first recording step.
+        """
+        return self._last_recorded
+
+    def forward_backward(
+        self, forward_backward_func: Optional[Callable] = None, *, record: bool = False, **kwargs: Any
+    ) -> Any:
         """Run one training (or evaluation) step of Megatron's schedule with replay.
 
-        Equivalent to `with self.step(forward_only=..., num_microbatches=...)`
+        Equivalent to `with self.step(forward_only=..., num_microbatches=..., record=...)`
         around `forward_backward_func(forward_step_func=self.wrap_forward_step(fn), **rest)`.
 
         Args:
             forward_backward_func: Megatron's schedule function; by default
                 `get_forward_backward_func()` for the current parallel state.
+            record: Record the routers' own choice instead of replaying (R2, with
+                `forward_only=True`); the routes are in `last_recorded` after the step.
             **kwargs: The schedule's keyword arguments, including
                 `forward_step_func` (your unwrapped forward step).
 
@@ -171,11 +246,29 @@ class ReplayHook:
         with self.step(
             forward_only=bool(kwargs.get("forward_only", False)),
             num_microbatches=kwargs.get("num_microbatches"),
+            record=record,
         ):
             return forward_backward_func(**kwargs)
 
+    def record(self, *, num_microbatches: Optional[int] = None) -> contextlib.AbstractContextManager["ReplayHook"]:
+        """A forward-only step that records the routers' own routes instead of replaying (R2).
+
+        For inference engines that return no routes: run the old-log-prob
+        forward pass inside it, then replay `last_recorded` in the update step
+        through the same path as captured routes. The microbatches need no
+        routes; their token layout comes from `attention_mask` or `input_ids`
+        (`cu_seqlens` for the packed layout).
+
+        Raises:
+            ValueError: Under context parallelism or sequence parallelism, where
+                a rank routes only a share of each sequence.
+        """
+        return self.step(forward_only=True, num_microbatches=num_microbatches, record=True)
+
     @contextlib.contextmanager
-    def step(self, *, forward_only: bool = False, num_microbatches: Optional[int] = None) -> Iterator["ReplayHook"]:
+    def step(
+        self, *, forward_only: bool = False, num_microbatches: Optional[int] = None, record: bool = False
+    ) -> Iterator["ReplayHook"]:
         """Bracket one `forward_backward` call: clear replay state before and after.
 
         On a clean exit it checks every router's backward FIFO (routers that
@@ -189,23 +282,35 @@ class ReplayHook:
                 no FIFO entry is expected to be popped.
             num_microbatches: The schedule's `num_microbatches`, named in the
                 error when the data iterator runs out.
+            record: Record instead of replay (see `record`); needs `forward_only=True`.
 
         Raises:
-            RuntimeError: When a FIFO was not drained exactly, or steps are nested.
+            RuntimeError: When a FIFO was not drained exactly, a router ran
+                without consulting replay, or steps are nested.
+            ValueError: When recording is asked for a training step, or under
+                context or sequence parallelism.
         """
         if self._in_step:
             raise RuntimeError("ReplayHook.step() is already active; steps do not nest")
+        if self._handle is None and self._gpt is not None:
+            raise RuntimeError("ReplayHook.step(): the hook is closed; build a new ReplayHook for this model")
+        if record:
+            self._check_can_record(forward_only)
         self._in_step = True
         self._forward_only = forward_only
+        self._record = record
         self._num_microbatches = num_microbatches
         self._clear()
         try:
             yield self
             self._check_drained()
             self._last_stats = self._stats.finish(self.layers)
+            if record:
+                self._last_recorded = self._collect_recorded()
         finally:
             self._clear()
             self._in_step = False
+            self._record = False
 
     def wrap_forward_step(self, forward_step_func: Callable) -> Callable:
         """Wrap a Megatron `forward_step_func(data_iterator, model)` to replay routes.
@@ -216,8 +321,9 @@ class ReplayHook:
         iterator that yields that dict once, and switches the routers to
         `REPLAY_BACKWARD` as soon as it returns, so that recompute pops the
         matching routes. While it runs, the model's `forward` gets
-        `padding_mask` (the batch's `router_padding_mask`, sliced to this
-        rank) unless the call passes one.
+        `padding_mask` (`True` at padding only: the batch's `attention_mask == 0`,
+        sliced to this rank) unless the call passes one; `router_padding_mask`
+        is read by the routers only.
 
         Args:
             forward_step_func: Your forward step, Megatron's signature.
@@ -279,7 +385,16 @@ class ReplayHook:
 
         The routers get Megatron's own methods back. The hook is also a context
         manager: `with ReplayHook(model) as hook:` closes it on exit.
+
+        Raises:
+            RuntimeError: During a step (inside `step()` or `forward_backward`):
+                the routers would route live for the rest of it.
         """
+        if self._in_step:
+            raise RuntimeError(
+                "ReplayHook.close() during a step: the routers would route with their own top-k for the "
+                "rest of it; close the hook after forward_backward returns"
+            )
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
@@ -290,6 +405,8 @@ class ReplayHook:
     # --------------------------------------------------------------- internals
 
     def _stage_layers(self, config) -> range:
+        if self._hybrid is not None:  # one stage (refused otherwise): every layer of the pattern
+            return range(len(self._pattern))
         pp_size = getattr(config, "pipeline_model_parallel_size", 1) or 1
         vp_stage = getattr(self._chunk, "vp_stage", None)
         if parallel_state.model_parallel_is_initialized():
@@ -329,50 +446,97 @@ class ReplayHook:
     def _install(self, batch) -> None:
         microbatch = self._microbatch
         self._microbatch += 1
-        routes, mask, cu_seqlens = check_microbatch(batch, self.config.moe_router_topk)
-        # Map every router before touching any FIFO, so a bad L leaves no half-installed state.
-        index = [route_layer_index(r.layer, routes.shape[-2], self._pattern) for r in self._routers]
-        if index != list(range(routes.shape[-2])):
-            # Only this stage's MoE layers are checked, sliced and copied to the device.
-            routes = routes[..., index, :]
-        layers = [(r.layer, j) for j, r in enumerate(self._routers)]  # (global layer, index into routes)
         live = self.uncaptured == "live"
-        check_route_values(
-            routes,
-            ~mask if live else torch.ones_like(mask),
-            layers,
-            self._num_experts,
-            microbatch=microbatch,
-            cu_seqlens=cu_seqlens,
-        )
-        rank = self._rank()
-        # Only the first stage's GPTModel scatters padding_mask for sequence
-        # parallelism; later stages hand it to the MoE layers as given.
-        routes, model_mask = slice_for_rank(
-            routes, mask, rank, cu_seqlens=cu_seqlens, model_scatters_mask=self._pre_process
-        )
-        # One host-to-device copy for all layers, widened to int64 because the
-        # router gathers and scatters with these indices (uint8/int16 would not index);
-        # one copy of the mask, from which the routers' view is cut on the device.
+        # Each tensor goes to the model's device once, as the batch holds it (non-blocking:
+        # asynchronous from pinned memory); the checks, layer selection and slicing run there.
         device = _first_device(self._chunk)  # asked per call: models move after construction
-        local = routes.to(device=device, dtype=torch.int64, non_blocking=True)
-        model_mask = model_mask.to(device, non_blocking=True)
-        router_mask = model_mask
-        if self._pre_process and rank.splits_sequence:
-            router_mask = model_mask[:, sequence_parallel_positions(model_mask.shape[1], rank.tp_size, rank.tp_rank)]
+        if self._record:
+            (b, t), cu_seqlens = check_record_microbatch(batch)
+            shape = (t,) if cu_seqlens is not None else (b, t)
+            mask = torch.zeros(shape, dtype=torch.bool, device=device)
+            routes = torch.zeros((*shape, 1, 1), dtype=torch.uint8, device=device)  # shape only
+            index: list[int] = []
+        else:
+            routes, mask, cu_seqlens = check_microbatch(batch, self.config.moe_router_topk)
+            # Map every router before touching any FIFO, so a bad L leaves no half-installed state.
+            index = route_layer_map(self.layers, routes.shape[-2], self._pattern, route_layers=self._route_layers)
+            routes = routes.to(device, non_blocking=True)
+            mask = mask.to(device, non_blocking=True)
+            if index != list(range(routes.shape[-2])):
+                routes = routes[..., index, :]
+        pad = model_padding_mask(batch, mask, cu_seqlens, microbatch=microbatch, layer=self.layers[0])
+        if not self._record:
+            layers = [(r.layer, j) for j, r in enumerate(self._routers)]  # (global layer, index into routes)
+            check_route_values(
+                routes,
+                ~mask if live else torch.ones_like(mask),
+                layers,
+                self._num_experts,
+                microbatch=microbatch,
+                cu_seqlens=cu_seqlens,
+            )
+        rank = self._rank()
+        # Only the first stage's model scatters padding_mask for sequence parallelism;
+        # later stages hand it to the MoE layers as given. Both masks are cut in one pass.
+        routes, masks = slice_for_rank(
+            routes,
+            torch.stack([mask, pad], -1),
+            rank,
+            cu_seqlens=cu_seqlens,
+            model_scatters_mask=self._model_scatters_mask,
+            packed_balancing=self._packed_balancing,
+        )
+        router_mask, model_mask = masks[..., 0], masks[..., 1]
+        # Widened to int64 because the router gathers and scatters with these indices; always
+        # a copy the hook owns, so a caller refilling its batch cannot change what recompute replays.
+        local = None if self._record else routes.to(dtype=torch.int64, copy=True)
+        width = masks.shape[1]
+        if self._model_scatters_mask and rank.splits_sequence:
+            router_mask = router_mask[:, sequence_parallel_positions(width, rank.tp_size, rank.tp_rank)]
+        elif rank.splits_sequence:
+            width *= rank.tp_size  # the mask holds this rank's share; input_ids the whole (CP-local) row
+        self._input_shape = (masks.shape[0], width)
         uncaptured = router_mask.transpose(0, 1).reshape(-1)
         grad = torch.is_grad_enabled()
-        for r, (_, j) in zip(self._routers, layers):
+        for j, r in enumerate(self._routers):
             target = RouterTarget(
-                indices=router_indices(local, j).contiguous(),
+                indices=None if local is None else router_indices(local, j).contiguous(),
                 uncaptured=uncaptured,
                 live=live,
                 microbatch=microbatch,
-                batch_rows=local.shape[0],
+                batch_rows=routes.shape[0],
+                record=self._record,
             )
             r.push(target, expect_pop=r.recomputed and grad and r.module.training and not self._forward_only)
-        self._stats.add_microbatch(uncaptured, live=live)
+        if self._record:
+            self._recorded_shapes.append((routes.shape[0], routes.shape[1], cu_seqlens is not None, pad))
+        else:
+            self._stats.add_microbatch(uncaptured, live=live)
         self._active_mask = model_mask
+
+    def _check_can_record(self, forward_only: bool) -> None:
+        if not forward_only:
+            raise ValueError(
+                "record=True: recording routes is a forward-only pass (the old-log-prob pass); "
+                "pass forward_only=True and replay last_recorded in the training step"
+            )
+        rank = self._rank()
+        if rank.cp_size > 1 or rank.splits_sequence:
+            raise ValueError(
+                f"record=True under context parallelism (size {rank.cp_size}) or sequence parallelism "
+                f"(tensor parallel size {rank.tp_size}): each rank routes only a share of each sequence, "
+                "so no rank holds the whole microbatch's routes to hand back"
+            )
+
+    def _collect_recorded(self) -> list[dict[str, torch.Tensor]]:
+        # Each router kept its own choice per microbatch as [S*B, K], sequence-first.
+        dtype = torch.uint8 if self._num_experts <= 256 else torch.int16 if self._num_experts <= 32768 else torch.int32
+        out = []
+        for i, (b, t, packed, pad) in enumerate(self._recorded_shapes):
+            per_layer = [r.recorded[i].reshape(t, b, -1).transpose(0, 1) for r in self._routers]
+            routes = torch.stack(per_layer, 2).to(dtype)  # [B, T, L, K]
+            out.append({ROUTES: routes[0] if packed else routes, ROUTER_MASK: pad.clone()})
+        return out
 
     def _before_model_forward(self, module, args, kwargs):
         if self._active_mask is None:
@@ -381,7 +545,7 @@ class ReplayHook:
             ids = args[0] if args else kwargs.get("input_ids")
             if isinstance(ids, torch.Tensor):
                 check_model_input(
-                    self._active_mask.shape, ids.shape, microbatch=self._microbatch - 1, layer=self._routers[0].layer
+                    self._input_shape, ids.shape, microbatch=self._microbatch - 1, layer=self._routers[0].layer
                 )
         if kwargs.get("padding_mask") is not None:
             return None
@@ -390,6 +554,7 @@ class ReplayHook:
     def _clear(self) -> None:
         self._active_mask = None
         self._microbatch = 0
+        self._recorded_shapes = []
         self._stats.reset()
         for r in self._routers:
             r.clear()
@@ -414,6 +579,35 @@ class ReplayHook:
             )
 
 
+def _as_chunks(model: Any) -> list[torch.nn.Module]:
+    """A model or a list of model chunks as a list of modules.
+
+    Raises:
+        ValueError: When the list is empty.
+        TypeError: When an element is not a `torch.nn.Module`.
+    """
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    if not chunks:
+        raise ValueError("model: got an empty list of model chunks")
+    for i, chunk in enumerate(chunks):
+        if not isinstance(chunk, torch.nn.Module):
+            raise TypeError(f"model[{i}]: expected a torch.nn.Module, got {type(chunk).__name__}")
+    return chunks
+
+
+def _find_hybrid_pattern(chunk: torch.nn.Module) -> Optional[str]:
+    # DDP and Float16Module keep the model in .module; HybridModel keeps its pattern.
+    module: Any = chunk
+    for _ in range(8):
+        pattern = getattr(module, "hybrid_layer_pattern", None)
+        if isinstance(pattern, str):
+            return pattern
+        module = getattr(module, "module", None)
+        if not isinstance(module, torch.nn.Module):
+            return None
+    return None
+
+
 def _find_padding_mask_module(chunk: torch.nn.Module) -> Optional[torch.nn.Module]:
     # DDP and Float16Module keep the model in .module; the innermost module whose
     # forward takes padding_mask (GPTModel in megatron-core >= 0.16) gets it.
@@ -430,6 +624,20 @@ def _find_padding_mask_module(chunk: torch.nn.Module) -> Optional[torch.nn.Modul
             break
         module = inner
     return found
+
+
+def _check_route_layers(route_layers: Optional[Sequence[int]], pattern: Sequence[bool]) -> Optional[tuple[int, ...]]:
+    if route_layers is None:
+        return None
+    if isinstance(route_layers, (str, bytes)) or not isinstance(route_layers, Sequence):
+        raise TypeError(f"route_layers: expected a sequence of global layer numbers, got {type(route_layers).__name__}")
+    held = tuple(route_layers)
+    for layer in held:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < len(pattern):
+            raise ValueError(f"route_layers: {layer!r} is not a layer of the model (0..{len(pattern) - 1})")
+    if len(set(held)) != len(held):
+        raise ValueError(f"route_layers: {list(held)} names a layer twice")
+    return held
 
 
 def _first_device(chunk: torch.nn.Module) -> torch.device:

@@ -14,15 +14,26 @@ never a change to Megatron's classes:
   queue, checks their row count against the router's tokens, routes uncaptured
   tokens with the router's own top-k (`uncaptured="live"`), records the drift
   statistics, and hands recompute exactly what the forward chose;
-* on expert-bias routers, `_apply_expert_bias`, because megatron-core 0.16
-  masks the `[N, E]` routing map with the `[N]` padding mask (a broadcast error
-  on every training forward that passes `padding_mask`); the replacement counts
-  the same tokens per expert with the mask widened to `[N, 1]`.
+* on expert-bias routers, and only where the installed release has the bug
+  (`expert_bias_mask_is_broken`: 0.16 to 0.19.2 mask the `[N, E]` routing map
+  with the `[N]` padding mask, a broadcast error on every training forward that
+  passes `padding_mask`), `_apply_expert_bias`: the replacement counts the same
+  tokens per expert with the mask widened to `[N, 1]`.
+
+Each replayed router also gets a forward pre-hook and a forward hook, the
+tripwire: a router call that did not consult replay while the hook had routes
+installed for it (a routing type that bypasses `RouterReplay`, a
+`router_replay` removed or replaced after the hook was built, a replaced
+router forward) raises at once, naming the layer, instead of training on the
+router's own choice.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 import torch
@@ -30,9 +41,9 @@ import torch
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
 from torch_r3.stats import StatsCollector
-from torch_r3.megatron.validate import check_router_rows
+from torch_r3.megatron.batch_checks import check_router_rows
 
-__all__ = ["ReplayedRouter", "RouterTarget", "find_routers"]
+__all__ = ["ReplayedRouter", "RouterTarget", "expert_bias_mask_is_broken", "find_routers"]
 
 
 @dataclass(eq=False)
@@ -40,19 +51,27 @@ class RouterTarget:
     """One microbatch's routes for one router.
 
     Attributes:
-        indices: `[N, K]` int64 on the model's device, in the router's token order;
-            after the forward call, what the router actually used (recompute reuses it).
+        indices: `[N, K]` int64 on the model's device, in the router's token order,
+            owned by the hook (never a view of the caller's batch); after the
+            forward call, what the router actually used (recompute reuses it).
+            `None` when recording: the forward fills in the router's own choice.
         uncaptured: `[N]` bool, `True` for tokens without a captured route.
         live: Whether uncaptured tokens take the router's own top-k.
         microbatch: Index of the microbatch in the step.
         batch_rows: Batch rows of this rank's routes (1 for the packed layout).
+        recompute: Whether activation recompute will re-run the router for it.
+        record: Route every token with the router's own top-k and keep the choice (R2).
+        consulted: Forward router calls that took this target so far.
     """
 
-    indices: torch.Tensor
+    indices: Optional[torch.Tensor]
     uncaptured: torch.Tensor
     live: bool
     microbatch: int
     batch_rows: int
+    recompute: bool = False
+    record: bool = False
+    consulted: int = 0
 
 
 @dataclass(eq=False)
@@ -68,16 +87,21 @@ class ReplayedRouter:
     expected_pops: int = 0
     queue: list = field(default_factory=list)  # RouterTarget per entry of replay_backward_list
     current: Optional[RouterTarget] = None
+    recorded: dict = field(default_factory=dict)  # microbatch -> [N, K] own choice, when recording
+    consults: int = 0  # router calls that consulted replay, all phases (the tripwire compares)
+    _consults_before: int = 0
     _pending_drop: Optional[torch.Tensor] = None
-    _handle: Any = None
+    _handles: list = field(default_factory=list)
 
-    def attach(self, *, measure_drops: bool) -> None:
-        """Install the per-instance replacements (see the module docstring)."""
+    def attach(self, *, measure_drops: bool, fix_expert_bias: bool) -> None:
+        """Install the per-instance replacements and the tripwire (see the module docstring)."""
         self.replay.get_replay_topk = self._replay_topk
-        if getattr(self.module, "enable_expert_bias", False):
+        if fix_expert_bias and getattr(self.module, "enable_expert_bias", False):
             self.module._apply_expert_bias = self._count_tokens_per_expert
+        self._handles.append(self.module.register_forward_pre_hook(self._before_router))
+        self._handles.append(self.module.register_forward_hook(self._after_router))
         if measure_drops:
-            self._handle = self.module.register_forward_hook(self._count_drops)
+            self._handles.append(self.module.register_forward_hook(self._count_drops))
 
     def check_free(self) -> None:
         """Raise `ValueError` when another open `ReplayHook` already holds this router."""
@@ -91,9 +115,9 @@ class ReplayedRouter:
         """Remove the replacements; the instances route as Megatron's classes say again."""
         vars(self.replay).pop("get_replay_topk", None)
         vars(self.module).pop("_apply_expert_bias", None)
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
 
     def push(self, target: RouterTarget, *, expect_pop: bool) -> None:
         """Set one microbatch's routes for the forward and queue them for recompute."""
@@ -103,6 +127,7 @@ class ReplayedRouter:
         self.current = target
         self.pushes += 1
         self.expected_pops += expect_pop
+        target.recompute = expect_pop
 
     def clear(self) -> None:
         self.replay.clear_indices()
@@ -112,6 +137,9 @@ class ReplayedRouter:
         self._pending_drop = None
         self.pushes = 0
         self.expected_pops = 0
+        self.consults = 0
+        self._consults_before = 0
+        self.recorded = {}
 
     def _replay_topk(
         self,
@@ -122,32 +150,95 @@ class ReplayedRouter:
         default_compute_topk: Optional[Callable] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         action = self.replay.router_replay_action
-        forward = action == RouterReplayAction.REPLAY_FORWARD and self.current is not None
-        if forward:
-            target = self.current
-        elif action == RouterReplayAction.REPLAY_BACKWARD and self.queue:
+        current = self.current
+        forward = action == RouterReplayAction.REPLAY_FORWARD and current is not None
+        target: RouterTarget
+        if current is not None and forward:
+            target = current
+            target.consulted += 1
+            if target.consulted > 1 and target.recompute:
+                raise RuntimeError(
+                    f"microbatch {target.microbatch}, layer {self.layer}: the model ran {target.consulted} "
+                    "times in one forward step with activation recompute; recompute re-runs the router "
+                    "once per model call but the hook installs one set of routes per microbatch. Run "
+                    "the model once per forward_step_func call (derive every loss from that output), or "
+                    "run the extra pass outside the step or without recompute"
+                )
+        elif action == RouterReplayAction.REPLAY_BACKWARD and self.pushes:
+            if not self.queue:
+                raise RuntimeError(
+                    f"layer {self.layer}: activation recompute ran the router more often than the "
+                    f"{self.pushes} microbatches installed; did forward_step_func run the model more "
+                    "than once per microbatch?"
+                )
             target = self.queue.pop(0)
             self.replay.replay_backward_list.pop(0)  # keep Megatron's FIFO in step with ours
         else:  # not ours to replay (no step running, or someone else's action): Megatron's logic
             return RouterReplay.get_replay_topk(self.replay, scores, topk, num_groups, group_topk, default_compute_topk)
+        self.consults += 1
         check_router_rows(
             scores.shape[0],
-            target.indices.shape[0],
+            target.uncaptured.shape[0],
             target.batch_rows,
             microbatch=target.microbatch,
             layer=self.layer,
         )
-        chosen = target.indices
         if forward:
+            if default_compute_topk is None:
+                raise RuntimeError(f"layer {self.layer}: the router passed no default_compute_topk to replay")
             with torch.no_grad():
                 _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-            if target.live:
-                chosen = torch.where(target.uncaptured.unsqueeze(-1), own, target.indices)
-                target.indices = chosen  # recompute replays exactly what this forward chose
-            # On captured rows `chosen` is the replayed route in either mode.
-            self.stats.add_drift(self.layer, own, chosen, ~target.uncaptured)
+            if target.record or target.indices is None:
+                chosen = own
+                self.recorded[target.microbatch] = own
+            else:
+                chosen = target.indices
+                if target.live:
+                    chosen = torch.where(target.uncaptured.unsqueeze(-1), own, chosen)
+                # On captured rows `chosen` is the replayed route in either mode.
+                self.stats.add_drift(self.layer, own, chosen, ~target.uncaptured)
+            target.indices = chosen  # recompute replays exactly what this forward chose
             self._pending_drop = chosen
+        elif target.indices is None:  # a recorded microbatch is never recomputed (forward-only)
+            raise RuntimeError(f"layer {self.layer}: recompute of a recorded microbatch {target.microbatch}")
+        else:
+            chosen = target.indices
         return scores.gather(1, chosen), chosen
+
+    def _phase(self) -> Optional[str]:
+        """Which of this hook's phases a router call now is in, or `None` when replay is not ours."""
+        action = self.replay.router_replay_action
+        if action == RouterReplayAction.REPLAY_FORWARD and self.current is not None:
+            return "in the forward"
+        if action == RouterReplayAction.REPLAY_BACKWARD and self.pushes:
+            return "in activation recompute"
+        return None
+
+    def _before_router(self, module, args) -> None:
+        self._consults_before = self.consults
+
+    def _after_router(self, module, args, output) -> None:
+        phase = self._phase()
+        if phase is None or self.consults != self._consults_before:
+            return
+        target = self.current if phase == "in the forward" else (self.queue[0] if self.queue else None)
+        where = f"microbatch {target.microbatch}, " if target is not None else ""
+        if getattr(module, "router_replay", None) is not self.replay:
+            cause = (
+                "its router_replay is no longer the RouterReplay the hook was built with (removed or "
+                "replaced after the hook was built); build the hook after the model is final"
+            )
+        else:
+            config = getattr(module, "config", None)
+            cause = (
+                "likely setting: a routing path that bypasses RouterReplay (config."
+                f"moe_router_load_balancing_type={getattr(config, 'moe_router_load_balancing_type', None)!r}, "
+                f"moe_router_fusion={getattr(config, 'moe_router_fusion', None)!r}) or a replaced router forward"
+            )
+        raise RuntimeError(
+            f"{where}layer {self.layer}: the router ran {phase} without consulting replay, so it "
+            f"routed with its own top-k instead of the installed routes; {cause}"
+        )
 
     def _count_drops(self, module, args, output) -> None:
         if self._pending_drop is not None:
@@ -162,6 +253,35 @@ class ReplayedRouter:
                 if padding_mask is not None:
                     routing_map = routing_map & ~padding_mask.reshape(-1, 1)
                 self.module.local_tokens_per_expert += routing_map.sum(dim=0)
+
+
+@functools.lru_cache(maxsize=None)
+def expert_bias_mask_is_broken(apply_expert_bias: Optional[Callable] = None) -> bool:
+    """Whether `TopKRouter._apply_expert_bias` fails to mask an `[N, E]` map with an `[N]` padding mask.
+
+    Tried on a two-token, three-expert probe through the plain Python function
+    (the compiled wrapper keeps it in `__wrapped__`), so the answer comes from the
+    installed code's behaviour, not from its version number.
+
+    Args:
+        apply_expert_bias: The function to probe; by default the installed
+            `TopKRouter._apply_expert_bias`.
+
+    Returns:
+        `True` when the probe raises or counts a padded token.
+    """
+    if apply_expert_bias is None:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        apply_expert_bias = TopKRouter._apply_expert_bias
+    fn = inspect.unwrap(apply_expert_bias)
+    probe = SimpleNamespace(enable_expert_bias=True, local_tokens_per_expert=torch.zeros(3))
+    try:
+        with torch.enable_grad():
+            fn(probe, torch.ones(2, 3, dtype=torch.bool), torch.tensor([True, False]))
+    except Exception:  # the broadcast error (or anything else): keep the replacement
+        return True
+    return probe.local_tokens_per_expert.tolist() != [1.0, 1.0, 1.0]
 
 
 def find_routers(

@@ -23,14 +23,20 @@ import torch
 __all__ = [
     "RankSlice",
     "context_parallel_positions",
+    "hybrid_moe_pattern",
     "moe_layer_pattern",
     "packed_positions",
     "route_layer_index",
+    "route_layer_map",
     "router_indices",
     "sequence_parallel_positions",
     "slice_for_rank",
     "stage_layer_range",
 ]
+
+
+PACKED_BALANCING = ("per_document", "per_sequence")
+"""Context-parallel partitioning modes of a packed batch that the slicing follows exactly."""
 
 
 @dataclass(frozen=True)
@@ -248,6 +254,32 @@ def moe_layer_pattern(config: Any) -> tuple[bool, ...]:
     raise ValueError(f"moe_layer_freq must be an int or a list of 0/1, got {type(freq).__name__}")
 
 
+def hybrid_moe_pattern(pattern: str) -> tuple[bool, ...]:
+    """Which global layers of a `HybridModel` are MoE layers, from its `hybrid_layer_pattern`.
+
+    One symbol per layer (`E` MoE, `*` attention, `-` MLP, `M` Mamba, ...);
+    `|` separates pipeline stages and everything after the first `/` describes
+    multi-token prediction layers, which route live and are not counted.
+
+    Args:
+        pattern: The model's `hybrid_layer_pattern`.
+
+    Returns:
+        One bool per decoder layer.
+
+    Raises:
+        ValueError: When the pattern has no layer.
+
+    Examples:
+        >>> hybrid_moe_pattern("*E|*E/*E")
+        (False, True, False, True)
+    """
+    main = pattern.split("/", 1)[0].replace("|", "")
+    if not main:
+        raise ValueError(f"hybrid_layer_pattern={pattern!r} has no decoder layer")
+    return tuple(symbol == "E" for symbol in main)
+
+
 def route_layer_index(layer: int, routes_layers: int, pattern: Sequence[bool]) -> int:
     """Map a router's global layer (0-based) to an index into the routes' `L` dim.
 
@@ -290,6 +322,70 @@ def route_layer_index(layer: int, routes_layers: int, pattern: Sequence[bool]) -
     )
 
 
+def route_layer_map(
+    layers: Sequence[int],
+    routes_layers: int,
+    pattern: Sequence[bool],
+    *,
+    route_layers: Optional[Sequence[int]] = None,
+) -> list[int]:
+    """Map each router's global layer to an index into the routes' `L` dim, stage-only routes included.
+
+    Three layouts of `L` are accepted:
+
+    * every transformer layer (`L == num_layers`) or the MoE layers only
+      (`L` == the model's MoE layer count), as `route_layer_index` reads them;
+    * only this pipeline stage's MoE layers, in layer order (`L == len(layers)`
+      when that is neither count above), so a stage never receives the others';
+    * explicitly, `route_layers`: the global layer (0-based) that each index of
+      `L` holds, for any other subset.
+
+    Args:
+        layers: Global layers (0-based) of this stage's replayed routers, in model order.
+        routes_layers: `L`, the routes' layer dimension.
+        pattern: `moe_layer_pattern` of the model.
+        route_layers: The global layer of each index of `L`, or `None` to tell the layout by `L`.
+
+    Returns:
+        One index into `L` per router, in the order of `layers`.
+
+    Raises:
+        ValueError: When `L` fits no layout, or `route_layers` does not have `L`
+            entries or lacks one of `layers`.
+
+    Examples:
+        >>> pattern = (True, True, True, True)  # four MoE layers, two stages of two
+        >>> route_layer_map([2, 3], 4, pattern), route_layer_map([2, 3], 2, pattern)
+        ([2, 3], [0, 1])
+        >>> route_layer_map([2, 3], 3, pattern, route_layers=[1, 2, 3])
+        [1, 2]
+    """
+    if route_layers is not None:
+        held = list(route_layers)
+        if routes_layers != len(held):
+            raise ValueError(
+                f"rollout_expert_indices has {routes_layers} layers but route_layers names {len(held)} ({held})"
+            )
+        missing = [layer for layer in layers if layer not in held]
+        if missing:
+            raise ValueError(
+                f"route_layers={held} does not hold layer {missing[0]}, which this stage's router "
+                f"replays (this stage's MoE layers: {list(layers)})"
+            )
+        return [held.index(layer) for layer in layers]
+    if routes_layers not in (len(pattern), sum(pattern)) and routes_layers == len(layers):
+        return list(range(routes_layers))  # stage-only routes, in layer order
+    try:
+        return [route_layer_index(layer, routes_layers, pattern) for layer in layers]
+    except ValueError as err:
+        if routes_layers in (len(pattern), sum(pattern)):
+            raise
+        raise ValueError(
+            f"{err}, or {len(layers)} (this pipeline stage's MoE layers {list(layers)} only); "
+            "for another subset pass route_layers= to ReplayHook"
+        ) from None
+
+
 def stage_layer_range(config: Any, *, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None) -> range:
     """The global layers (0-based) built on a pipeline stage, from Megatron's own helpers.
 
@@ -320,6 +416,7 @@ def slice_for_rank(
     *,
     cu_seqlens: Optional[torch.Tensor] = None,
     model_scatters_mask: bool = True,
+    packed_balancing: str = "per_document",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cut a global microbatch of routes to what this rank's routers see.
 
@@ -333,6 +430,11 @@ def slice_for_rank(
             sequence-parallel split to `padding_mask` (Megatron's `GPTModel`
             does on its first pipeline stage only). When false, the returned mask
             is split here too.
+        packed_balancing: How context parallelism splits a packed batch:
+            `"per_document"` (each sequence on its own into `2 * cp_size`
+            chunks; Megatron's default with `cu_seqlens`) or `"per_sequence"`
+            (the whole packed row as one sequence; Megatron's
+            `use_per_sequence_balancing=True`).
 
     Returns:
         `(routes [B', S, L, K], padding_mask)`: `S` is the sequence length
@@ -354,8 +456,19 @@ def slice_for_rank(
         >>> local.flatten().tolist(), list(local_mask.shape)  # the model scatters the mask itself
         ([4, 5, 6, 7], [1, 8])
     """
+    if packed_balancing not in PACKED_BALANCING:
+        raise ValueError(
+            f"packed_balancing={packed_balancing!r}: context-parallel partitioning mode not supported; "
+            f"expected one of {PACKED_BALANCING}"
+        )
     if cu_seqlens is not None:
-        positions = packed_positions(cu_seqlens, rank.cp_size, rank.cp_rank)
+        if packed_balancing == "per_sequence":
+            total = _check_cu_seqlens(cu_seqlens)[-1]
+            if total != routes.shape[0]:
+                raise ValueError(f"cu_seqlens covers {total} tokens, rollout_expert_indices has {routes.shape[0]}")
+            positions = context_parallel_positions(routes.shape[0], rank.cp_size, rank.cp_rank)
+        else:
+            positions = packed_positions(cu_seqlens, rank.cp_size, rank.cp_rank)
         if positions.numel() * rank.cp_size != routes.shape[0]:
             raise ValueError(
                 f"cu_seqlens covers {positions.numel() * rank.cp_size} tokens, "

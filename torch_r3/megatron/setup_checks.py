@@ -5,45 +5,29 @@ from __future__ import annotations
 import warnings
 from typing import Any, Sequence
 
-import torch
-
 from megatron.core import parallel_state
 
-__all__ = ["InterleavedPipelineError", "as_chunks", "check_config", "check_pipeline"]
+__all__ = ["InterleavedPipelineError", "check_config", "check_pipeline"]
 
 
 class InterleavedPipelineError(ValueError):
-    """The model uses the interleaved (virtual pipeline) schedule, which replay cannot follow.
+    """The model uses the interleaved (virtual pipeline) schedule, which this product refuses.
 
-    Megatron's interleaved 1F1B schedule runs the forwards of several model chunks
-    before their backwards, in an order where one microbatch's forward feeds the
-    routers of one chunk while recompute pops the routers of another. The
-    per-router replay FIFOs then fall out of step and recompute silently replays
-    another microbatch's routes.
+    The refusal is `torch_r3`'s contract, not a limit of Megatron. Megatron's
+    interleaved 1F1B schedule runs the forwards of several model chunks before
+    their backwards; a hook that installs every microbatch into every chunk's
+    routers (what one data iterator per chunk hands it) leaves the per-router
+    replay FIFOs out of step, and recompute silently replays another
+    microbatch's routes.
     """
-
-
-def as_chunks(model: Any) -> list[torch.nn.Module]:
-    """A model or a list of model chunks as a list of modules.
-
-    Raises:
-        ValueError: When the list is empty.
-        TypeError: When an element is not a `torch.nn.Module`.
-    """
-    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-    if not chunks:
-        raise ValueError("model: got an empty list of model chunks")
-    for i, chunk in enumerate(chunks):
-        if not isinstance(chunk, torch.nn.Module):
-            raise TypeError(f"model[{i}]: expected a torch.nn.Module, got {type(chunk).__name__}")
-    return chunks
 
 
 _VPP_ADVICE = (
-    "Megatron's interleaved schedule runs several chunks' forwards before their "
-    "backwards, so every router's replay FIFO receives microbatches in a different order "
-    "than activation recompute pops them, and recompute silently replays another "
-    "microbatch's routes. Build the model as one chunk per pipeline stage "
+    "ReplayHook does not support Megatron's interleaved schedule (torch_r3's choice): it runs "
+    "several chunks' forwards before their backwards, and installing every microbatch into "
+    "every chunk's routers leaves each router's replay FIFO out of step with activation "
+    "recompute, which would silently replay another microbatch's routes. Build the model as "
+    "one chunk per pipeline stage "
     "(virtual_pipeline_model_parallel_size=None or 1) and use the non-interleaved 1F1B "
     "schedule."
 )
@@ -77,10 +61,15 @@ def check_pipeline(config: Any, num_chunks: int) -> None:
         )
 
 
-# CUDA-graph scopes that leave the router outside the graph; every other scope
+# CUDA-graph modules that leave the router outside the graph; every other choice
 # (an empty list = the whole layer, full_iteration, moe, moe_router,
 # moe_preprocess) captures it.
-_SCOPES_WITHOUT_ROUTER = {"attn", "mlp", "mamba"}
+_MODULES_WITHOUT_ROUTER = {"attn", "mlp", "mamba"}
+
+# Routing types that choose experts without asking RouterReplay (0.19 adds
+# quantile_balancing). A deny-list cannot know the next one: the tripwire in
+# routers.py catches any router call that skipped replay.
+_BALANCING_WITHOUT_REPLAY = ("sinkhorn", "quantile_balancing")
 
 
 def check_config(config: Any) -> None:
@@ -98,10 +87,18 @@ def check_config(config: Any) -> None:
         raise ValueError(
             "config.moe_router_fusion is True: Megatron's fused router bypasses replay; set moe_router_fusion=False"
         )
-    if getattr(config, "moe_router_load_balancing_type", None) == "sinkhorn":
+    balancing = getattr(config, "moe_router_load_balancing_type", None)
+    if balancing in _BALANCING_WITHOUT_REPLAY:
         raise ValueError(
-            "config.moe_router_load_balancing_type is 'sinkhorn': sinkhorn routing bypasses "
-            "replay; use 'aux_loss', 'seq_aux_loss' or 'none'"
+            f"config.moe_router_load_balancing_type is {balancing!r}: {balancing} routing picks "
+            "experts without consulting RouterReplay, so it bypasses replay; use 'aux_loss', "
+            "'seq_aux_loss', 'global_aux_loss' or 'none'"
+        )
+    if getattr(config, "hybrid_context_parallel", False):
+        raise ValueError(
+            "config.hybrid_context_parallel=True: hybrid context parallelism picks a context-parallel "
+            "group size per microbatch (local_cp_size), which the hook cannot know when it slices the "
+            "routes; use a fixed context_parallel_size"
         )
     if getattr(config, "overlap_moe_expert_parallel_comm", False):
         raise ValueError(
@@ -110,15 +107,18 @@ def check_config(config: Any) -> None:
             "REPLAY_BACKWARD for recompute, so forwards would consume recompute's routes; "
             "set overlap_moe_expert_parallel_comm=False"
         )
-    impl = getattr(config, "cuda_graph_impl", "none")
-    if impl not in (None, "none"):
-        scope = _scope_names(getattr(config, "cuda_graph_scope", None))
-        if not scope or not set(scope) <= _SCOPES_WITHOUT_ROUTER:
+    impl = getattr(config, "cuda_graph_impl", "none") or "none"
+    if impl != "none":
+        # megatron-core 0.18 renamed cuda_graph_scope to cuda_graph_modules (and sets
+        # the old field to None once migrated); read whichever this release has.
+        field = "cuda_graph_modules" if hasattr(config, "cuda_graph_modules") else "cuda_graph_scope"
+        modules = _module_names(getattr(config, field, None))
+        if impl == "full_iteration" or not modules or not set(modules) <= _MODULES_WITHOUT_ROUTER:
             raise ValueError(
-                f"config.cuda_graph_impl={impl!r} with cuda_graph_scope={scope} captures the "
-                "router in a CUDA graph: the graph replays the top-k of the capture run and "
-                "never consults the routes installed per microbatch; limit cuda_graph_scope "
-                "to 'attn' (or 'mlp'/'mamba') or set cuda_graph_impl='none'"
+                f"config.cuda_graph_impl={impl!r} with {field}={modules} captures the router in a "
+                "CUDA graph: the graph replays the top-k of the capture run and never consults the "
+                f"routes installed per microbatch; limit {field} to 'attn' (or 'mlp'/'mamba') with "
+                "cuda_graph_impl='local' or 'transformer_engine', or set cuda_graph_impl='none'"
             )
     factor = getattr(config, "moe_expert_capacity_factor", None)
     if factor is not None:
@@ -131,9 +131,19 @@ def check_config(config: Any) -> None:
             UserWarning,
             stacklevel=3,
         )
+    rank_factor = getattr(config, "moe_expert_rank_capacity_factor", None)
+    if rank_factor is not None:
+        warnings.warn(
+            f"config.moe_expert_rank_capacity_factor={rank_factor}: each expert-parallel rank drops "
+            "tokens beyond its token budget, and which tokens are dropped depends on the whole "
+            "microbatch, so training drops (token, expert) assignments that inference routed even "
+            "with every route replayed; set moe_expert_rank_capacity_factor=None",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
-def _scope_names(scope: Any) -> list[str]:
+def _module_names(scope: Any) -> list[str]:
     if scope is None:
         return []
     items: Sequence[Any] = scope if isinstance(scope, (list, tuple)) else [scope]

@@ -1,6 +1,9 @@
-"""CPU redirections for megatron-core's CUDA-only code paths (tests only).
+"""CPU redirections for megatron-core's CUDA-only code paths: the one module where they live.
 
-Exactly these spots of megatron-core 0.16, nothing else:
+For running Megatron on a CPU-only machine (the tests, the demo, the replay
+benchmark); `ReplayHook` itself never applies them.
+
+Exactly these spots of megatron-core (0.16 to 0.19), nothing else:
 
 * `torch.zeros(..., device="cuda")` inside the pipeline schedules;
 * `get_default_causal_mask` hard-coding `device="cuda"`;
@@ -8,7 +11,9 @@ Exactly these spots of megatron-core 0.16, nothing else:
 * checkpoint recompute reading and setting the CUDA RNG state;
 * the RNG tracker states that `model_parallel_cuda_manual_seed` would create on
   the GPU (attention forks them even with dropout 0): dummy CPU states;
-* `te_general_gemm` left undefined in `moe_utils` without Transformer Engine.
+* `te_general_gemm` left undefined in `moe_utils` without Transformer Engine;
+* 0.18+: `HybridStack` builds its final norm with Transformer Engine's `TENorm`
+  whatever the spec says: Megatron's own `WrappedTorchNorm` instead.
 
 Used by the in-process fixture (`tests/megatron/conftest.py`) and by the
 spawned multi-process workers, which cannot use fixtures.
@@ -52,7 +57,15 @@ def _patch_list():
     from megatron.core.transformer import utils as transformer_utils
     from megatron.core.transformer.moe import moe_utils
 
-    return [
+    patches = []
+    try:  # megatron-core 0.18+ only
+        from megatron.core.models.hybrid import hybrid_block
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        patches.append((hybrid_block, "TENorm", WrappedTorchNorm))
+    except ImportError:
+        pass
+    return patches + [
         (transformer_utils, "get_default_causal_mask", _cpu_causal_mask),
         (fused_softmax, "get_default_causal_mask", _cpu_causal_mask),
         (torch.cuda, "current_device", lambda: "cpu"),

@@ -19,10 +19,12 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from torch_r3.keys import CU_SEQLENS, ROUTER_MASK, ROUTES
+from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS, INPUT_IDS, ROUTER_MASK, ROUTES
 
 __all__ = [
     "check_microbatch",
+    "check_record_microbatch",
+    "model_padding_mask",
     "check_model_input",
     "check_route_values",
     "check_router_rows",
@@ -73,6 +75,73 @@ def check_microbatch(batch: Any, topk: int) -> tuple[torch.Tensor, torch.Tensor,
         if mask.shape != routes.shape[:2]:
             raise ValueError(f"{ROUTER_MASK}: expected [B, T] = {list(routes.shape[:2])}, got {list(mask.shape)}")
     return routes, mask, cu_seqlens
+
+
+def model_padding_mask(
+    batch: Mapping, uncaptured: torch.Tensor, cu_seqlens: Optional[torch.Tensor], *, microbatch: int, layer: int
+) -> torch.Tensor:
+    """The padding mask Megatron gets: `True` only where there is no real token.
+
+    `router_padding_mask` also marks real tokens without a captured route (the
+    last sampled token, a synthetic EOS); they carry loss, so aux-loss, z-loss and
+    expert-bias token counts must include them. The padded layout's
+    `attention_mask` (0 = padding) says which positions are padding; without it,
+    padding is the leading run of uncaptured positions of each row (left
+    padding). The packed layout has no padding.
+
+    Args:
+        batch: The microbatch dict.
+        uncaptured: Its `router_padding_mask`, already on the model's device.
+        cu_seqlens: The packed layout's offsets, or `None`.
+        microbatch: Index of the microbatch in the step, for the message.
+        layer: The stage's first MoE layer (global, 0-based), for the message.
+
+    Returns:
+        A bool tensor shaped like `uncaptured`, on its device.
+
+    Raises:
+        TypeError: When `attention_mask` is not an integer or bool tensor.
+        ValueError: When its shape differs from `router_padding_mask`'s (the
+            routes do not cover the tokens), naming the first token without a route.
+    """
+    if cu_seqlens is not None:
+        return torch.zeros_like(uncaptured)
+    attention = batch.get(ATTENTION_MASK)
+    if attention is None:
+        return (~uncaptured).cumsum(1) == 0
+    if not isinstance(attention, torch.Tensor) or attention.dtype.is_floating_point or attention.is_complex():
+        what = attention.dtype if isinstance(attention, torch.Tensor) else type(attention).__name__
+        raise TypeError(f"{ATTENTION_MASK}: expected an integer or bool torch.Tensor, got {what}")
+    check_model_input(uncaptured.shape, attention.shape, microbatch=microbatch, layer=layer, name=ATTENTION_MASK)
+    return attention.to(uncaptured.device, non_blocking=True) == 0
+
+
+def check_record_microbatch(batch: Any) -> tuple[tuple[int, int], Optional[torch.Tensor]]:
+    """The token layout of a microbatch whose routes are to be recorded (R2): `(B, T)` and `cu_seqlens`.
+
+    Read from `attention_mask` `[B, T]` (or `input_ids` `[B, T]`) in the padded
+    layout, and from `cu_seqlens` in the packed one (`B = 1`, `T = cu_seqlens[-1]`).
+
+    Raises:
+        TypeError: When the batch is no mapping.
+        ValueError: When it holds none of those keys, or they have the wrong rank.
+    """
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"microbatch: expected a dict, got {type(batch).__name__}")
+    cu_seqlens = batch.get(CU_SEQLENS)
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.ndim != 1 or cu_seqlens.numel() < 1:
+            raise ValueError(f"{CU_SEQLENS}: expected a [B + 1] tensor")
+        return (1, int(cu_seqlens[-1])), cu_seqlens
+    for key in (ATTENTION_MASK, INPUT_IDS):
+        value = batch.get(key)
+        if isinstance(value, torch.Tensor):
+            if value.ndim != 2:
+                raise ValueError(f"{key}: expected [B, T] to record routes, got {list(value.shape)}")
+            return (value.shape[0], value.shape[1]), None
+    raise ValueError(
+        f"microbatch: recording routes needs {ATTENTION_MASK!r} or {INPUT_IDS!r} [B, T], or {CU_SEQLENS!r}"
+    )
 
 
 def check_route_values(
@@ -170,7 +239,9 @@ def _position(b: int, t: int, cu_seqlens: Optional[torch.Tensor]) -> str:
     return f"sequence {seq}, token {t - bounds[seq]}"
 
 
-def check_model_input(mask_shape: Sequence[int], input_shape: Sequence[int], *, microbatch: int, layer: int) -> None:
+def check_model_input(
+    mask_shape: Sequence[int], input_shape: Sequence[int], *, microbatch: int, layer: int, name: str = "input_ids"
+) -> None:
     """On the first pipeline stage: the routes cover exactly the model's `input_ids`.
 
     Args:
@@ -178,6 +249,7 @@ def check_model_input(mask_shape: Sequence[int], input_shape: Sequence[int], *, 
         input_shape: Shape of the `input_ids` the model gets, `[B, S]`.
         microbatch: Index of the microbatch in the step.
         layer: The stage's first MoE layer (global, 0-based), for the message.
+        name: What `input_shape` is the shape of, for the message.
 
     Raises:
         ValueError: When the shapes differ, naming the first token without a route.
@@ -186,14 +258,14 @@ def check_model_input(mask_shape: Sequence[int], input_shape: Sequence[int], *, 
         return
     prefix = f"microbatch {microbatch}, layer {layer}: "
     if len(input_shape) != 2 or mask_shape[0] != input_shape[0]:
-        raise ValueError(prefix + f"the routes have {mask_shape[0]} rows, input_ids has shape {list(input_shape)}")
+        raise ValueError(prefix + f"the routes have {mask_shape[0]} rows, {name} has shape {list(input_shape)}")
     have, want = mask_shape[1], input_shape[1]
     if have < want:
         raise ValueError(
-            prefix + f"the routes cover {have} positions per row, input_ids has {want}; "
+            prefix + f"the routes cover {have} positions per row, {name} has {want}; "
             f"first token without a route: row 0, token {have}"
         )
-    raise ValueError(prefix + f"the routes cover {have} positions per row, input_ids has only {want}")
+    raise ValueError(prefix + f"the routes cover {have} positions per row, {name} has only {want}")
 
 
 def check_router_rows(tokens: int, rows: int, batch_rows: int, *, microbatch: int, layer: int) -> None:
