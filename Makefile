@@ -29,7 +29,7 @@ $(STAMP_NEXT): pyproject.toml Makefile
 	$(VENV_NEXT)/bin/pip install --quiet --upgrade pip
 	$(VENV_NEXT)/bin/pip install --quiet torch==2.13.0
 	$(VENV_NEXT)/bin/pip install --quiet --no-deps --ignore-requires-python megatron-core==$(MEGATRON_NEXT)
-	$(VENV_NEXT)/bin/pip install --quiet numpy 'packaging>=24.2' triton 'pytest>=8' 'pytest-timeout>=2.3' 'hypothesis>=6.100' 'aiohttp>=3.9'
+	$(VENV_NEXT)/bin/pip install --quiet numpy==2.4.6 packaging==26.4 triton==3.9.0 'setuptools>=77' 'pytest>=8' 'pytest-timeout>=2.3' 'hypothesis>=6.100' 'aiohttp>=3.9'
 	$(VENV_NEXT)/bin/pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP_NEXT)
 
