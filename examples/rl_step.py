@@ -32,7 +32,7 @@ def build_models() -> tuple[torch.nn.Module, torch.nn.Module]:
     """(fp32 policy to train, bf16 copy to serve), identical weights."""
     config = transformers.Qwen3MoeConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=4, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
         norm_topk_prob=True, initializer_range=0.1, pad_token_id=PAD, bos_token_id=None, eos_token_id=None,
     )  # fmt: skip
     torch.manual_seed(0)
@@ -74,7 +74,6 @@ async def rollout(url: str, engine: Bf16Engine) -> list[dict]:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, VOCAB, 12).tolist() for _ in range(PROMPTS)]
     tool_answers = [[rng.integers(2, VOCAB, 4).tolist() for _ in range(TURNS - 1)] for _ in range(PROMPTS)]
-    shape = {"num_layers": engine.num_layers, "topk": engine.topk, "num_experts": engine.num_experts}
 
     async def one(client: RemoteGenerateClient, i: int) -> dict:
         tokens, trace = list(prompts[i]), RoutedExpertTrace()
@@ -100,7 +99,10 @@ async def rollout(url: str, engine: Bf16Engine) -> list[dict]:
             "reward": float((generated % 2 == 0).mean()),  # a toy task: say even tokens
         }
 
-    async with RemoteGenerateClient(url, **shape) as client:
+    # The routing shape makes the client check every route it decodes before the trace sees it.
+    async with RemoteGenerateClient(
+        url, num_layers=engine.num_layers, topk=engine.topk, num_experts=engine.num_experts
+    ) as client:
         samples = await asyncio.gather(*(one(client, i) for i in range(PROMPTS)))
     baseline = np.mean([s["reward"] for s in samples])  # group baseline, as in GRPO
     return [{**s, "advantage": s["reward"] - baseline} for s in samples]
@@ -118,8 +120,8 @@ def run(policy: torch.nn.Module, batches: list[dict], hook: ReplayHook | None, o
     """Score (and, given an optimizer, train on) every microbatch; figures over the captured tokens."""
     used: list[torch.Tensor] = []  # the experts each router hands its MoE block, in layer order
     # Registered after ReplayHook's hooks, so these see the choice the experts really get.
-    layers = policy.model.layers
-    spies = [layer.mlp.gate.register_forward_hook(lambda m, a, out: used.append(out[2])) for layer in layers]
+    gates = [module for name, module in policy.named_modules() if name.endswith(".mlp.gate")]
+    spies = [gate.register_forward_hook(lambda m, a, out: used.append(out[2])) for gate in gates]
     agree, captured_tokens, gap, loss_tokens = torch.zeros(len(spies)), 0, 0.0, 0
     try:
         with hook.step() if hook else contextlib.nullcontext(), torch.set_grad_enabled(optimizer is not None):
@@ -146,7 +148,7 @@ def run(policy: torch.nn.Module, batches: list[dict], hook: ReplayHook | None, o
             spy.remove()
     figures = {"agreement": (agree / captured_tokens).tolist(), "gap": gap / loss_tokens}
     if optimizer is not None:  # replay recomputes the weights of the replayed experts from live logits
-        figures["router_grad"] = float(torch.stack([layer.mlp.gate.weight.grad.norm() for layer in layers]).norm())
+        figures["router_grad"] = float(torch.stack([gate.weight.grad.norm() for gate in gates]).norm())
         optimizer.step()
         optimizer.zero_grad()
     return figures

@@ -33,7 +33,7 @@ HANG_GUARD_S = 600  # a stuck server or worker fails the test instead of the sui
 
 def imported_modules(path: Path) -> list[tuple[str, list[str]]]:
     """`(module, names)` for every import statement of a script (`names` empty for `import x`)."""
-    found = []
+    found: list[tuple[str, list[str]]] = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found += [(alias.name, []) for alias in node.names]
