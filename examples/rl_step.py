@@ -105,7 +105,7 @@ async def rollout(url: str, engine: Bf16Engine) -> list[dict]:
     ) as client:
         samples = await asyncio.gather(*(one(client, i) for i in range(PROMPTS)))
     baseline = np.mean([s["reward"] for s in samples])  # group baseline, as in GRPO
-    return [{**s, "advantage": s["reward"] - baseline} for s in samples]
+    return [{**s, "advantage": np.float32(s["reward"] - baseline)} for s in samples]
 
 
 def token_logprobs(model: torch.nn.Module, batch: dict) -> torch.Tensor:
