@@ -17,7 +17,7 @@
    uncaptured position, and `hook.last_stats` (route drift per layer, live
    fraction, token counts).
 
-Run it with `torch-r3 demo` or `python examples/rl_step.py [--json PATH]`;
+Run it with `torch-r3 demo` or `python -m torch_r3.demo [--json PATH]`;
 `--trainer transformers` runs the same step with a Hugging Face `transformers`
 model on both sides (`torch_r3.transformers.demo`).
 On a machine without CUDA, Megatron's few CUDA-only calls are redirected to the
