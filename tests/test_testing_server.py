@@ -123,7 +123,7 @@ def test_async_mode_runs_on_the_current_loop_and_restarts_on_the_same_port():
         "torch_r3.testing",
         "torch_r3.testing.model",
         "torch_r3.testing.server",
-        "torch_r3.testing.engine",
+        "torch_r3.testing._engine",
         "torch_r3.testing.faults",
         "torch_r3.testing.wire",
         "torch_r3.testing.wire.vllm",

@@ -23,7 +23,7 @@ Examples:
 This package imports aiohttp; `import torch_r3` does not.
 """
 
-from torch_r3.testing.engine import Engine, GenerateRequest, Generation, PrefixCache
+from torch_r3.testing._engine import Engine, GenerateRequest, Generation, PrefixCache
 from torch_r3.testing.faults import Faults
 from torch_r3.testing.model import GenerateOutput, ServedModel, TinyMoELM
 from torch_r3.testing.server import LoopbackServer, ServerStats, make_app

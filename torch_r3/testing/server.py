@@ -24,7 +24,7 @@ require("aiohttp", "testing")  # without aiohttp: name the extra that installs i
 from aiohttp import web
 
 from torch_r3.protocols.torch_r3 import MODEL_INFO_PATH
-from torch_r3.testing.engine import Engine, ModelOutputError, PrefixCache
+from torch_r3.testing._engine import Engine, ModelOutputError, PrefixCache
 from torch_r3.testing.faults import Faults
 from torch_r3.testing.model import ServedModel, TinyMoELM
 from torch_r3.testing.wire import WireProtocol, make_protocol

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from torch_r3.protocols.sglang import FLUSH_CACHE_PATH, GENERATE_PATH
-from torch_r3.testing.engine import GenerateRequest, Generation
+from torch_r3.testing._engine import GenerateRequest, Generation
 from torch_r3.testing.model import ServedModel
 from torch_r3.testing.wire.base import (
     WireProtocol,
