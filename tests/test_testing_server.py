@@ -125,8 +125,8 @@ def test_async_mode_runs_on_the_current_loop_and_restarts_on_the_same_port():
         "torch_r3.testing.server",
         "torch_r3.testing._engine",
         "torch_r3.testing.faults",
-        "torch_r3.testing.wire",
-        "torch_r3.testing.wire.vllm",
+        "torch_r3.testing._wire",
+        "torch_r3.testing._wire.vllm",
     ],
 )
 def test_docstring_examples_run(module):

@@ -27,7 +27,7 @@ from torch_r3.testing._engine import Engine, GenerateRequest, Generation, Prefix
 from torch_r3.testing.faults import Faults
 from torch_r3.testing.model import GenerateOutput, ServedModel, TinyMoELM
 from torch_r3.testing.server import LoopbackServer, ServerStats, make_app
-from torch_r3.testing.wire import PROTOCOLS, WireProtocol
+from torch_r3.testing._wire import PROTOCOLS, WireProtocol
 
 __all__ = [
     "PROTOCOLS",

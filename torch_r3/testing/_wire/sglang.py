@@ -42,7 +42,7 @@ import numpy as np
 from torch_r3.protocols.sglang import FLUSH_CACHE_PATH, GENERATE_PATH
 from torch_r3.testing._engine import GenerateRequest, Generation
 from torch_r3.testing.model import ServedModel
-from torch_r3.testing.wire.base import (
+from torch_r3.testing._wire.base import (
     WireProtocol,
     check_body,
     check_bool,

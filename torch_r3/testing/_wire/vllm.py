@@ -35,7 +35,7 @@ import numpy as np
 from torch_r3.protocols.vllm import GENERATE_PATH, RESET_PREFIX_CACHE_PATH
 from torch_r3.testing._engine import GenerateRequest, Generation
 from torch_r3.testing.model import ServedModel
-from torch_r3.testing.wire.base import (
+from torch_r3.testing._wire.base import (
     WireProtocol,
     check_body,
     check_bool,
