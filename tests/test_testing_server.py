@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from torch_r3.client import RemoteGenerateClient, RemoteGenerateError
-from torch_r3.testing import GenerateOutput, LoopbackServer, PrefixCache, ServedModel, TinyMoELM
+from torch_r3.testing import GenerateOutput, LoopbackServer, ServedModel, TinyMoELM
+from torch_r3.testing._engine import PrefixCache
 
 FAST = {"retries": 3, "backoff": 0.01, "max_backoff": 0.05, "timeout": 20.0}
 

@@ -25,11 +25,11 @@ from aiohttp import web
 
 from torch_r3.protocols.torch_r3 import MODEL_INFO_PATH
 from torch_r3.testing._engine import Engine, ModelOutputError, PrefixCache
+from torch_r3.testing._wire import WireProtocol, make_protocol
 from torch_r3.testing.faults import Faults
 from torch_r3.testing.model import ServedModel, TinyMoELM
-from torch_r3.testing._wire import WireProtocol, make_protocol
 
-__all__ = ["LoopbackServer", "ServerStats", "make_app"]
+__all__ = ["LoopbackServer", "ServerStats"]  # `make_app` builds the application `LoopbackServer` runs
 
 
 @dataclass
