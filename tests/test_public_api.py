@@ -30,6 +30,7 @@ from __future__ import annotations
 import ast
 import functools
 import importlib
+import os
 import re
 import subprocess
 import sys
@@ -295,3 +296,49 @@ def test_import_torch_r3_stays_lazy_and_free_of_optional_dependencies():
         "assert not heavy, heavy"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def api_html(tmp_path_factory) -> dict[str, str]:
+    """The built API pages (`docs/api/x.md` -> its HTML), the reference for what the directives render."""
+    pytest.importorskip("mkdocs", reason="the docs extra is not installed: pip install 'torch_r3[docs]'")
+    pytest.importorskip("mkdocstrings_handlers.python", reason="the docs extra is not installed")
+    out = tmp_path_factory.mktemp("site")
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--site-dir", str(out), "--config-file", str(ROOT / "mkdocs.yml")],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert done.returncode == 0, done.stderr
+    return {f"docs/api/{p.parent.name}.md": p.read_text(encoding="utf-8") for p in (out / "api").glob("*/index.html")}
+
+
+def _module_level_anchors(html: str) -> set[tuple[str, str]]:
+    """(module, name) of each object heading mkdocstrings wrote whose parent is a module."""
+    found = set()
+    for anchor in re.findall(r'id="(torch_r3(?:\.\w+)+)"', html):
+        parent, _, name = anchor.rpartition(".")
+        try:
+            if _is_module(parent) and not _is_module(anchor):  # a module's own heading is not a name in it
+                found.add((parent, name))
+        except ImportError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("page", API_PAGES, ids=lambda p: p.name)
+def test_the_built_page_renders_exactly_the_names_its_directives_list(page, api_html):
+    key = str(page.relative_to(ROOT))
+    built = _module_level_anchors(api_html[key])
+    parsed = set()
+    for directive in _directives(page):
+        try:
+            parsed |= {(r.module, r.name) for r in _rendered(directive)}
+        except ImportError:
+            continue
+    assert parsed - built == set(), f"{key}: listed but not rendered (no docstring?): {sorted(parsed - built)}"
+    assert built - parsed == set(), f"{key}: rendered but not read from the directives: {sorted(built - parsed)}"
