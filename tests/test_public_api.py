@@ -39,7 +39,6 @@ from types import ModuleType
 from typing import Any, NamedTuple
 
 import pytest
-import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "torch_r3"
@@ -50,7 +49,7 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 
 # Command-line programs: users run them (`torch-r3 ...`, `python -m torch_r3.bench`) and the
 # guides document them as commands, not as Python API, so their `__all__` is not on an API page.
-COMMAND_MODULES = ("torch_r3.__main__", "torch_r3.bench", "torch_r3.cli", "torch_r3.demo")
+COMMAND_MODULES = ("torch_r3.__main__", "torch_r3.bench", "torch_r3.cli", "torch_r3.demo", "torch_r3.doctor")
 
 _DIRECTIVE = re.compile(r"^::: *(?P<path>[\w.]+) *$")
 
@@ -99,8 +98,33 @@ class Directive(NamedTuple):
     prose_only: bool  # `members: false` and no heading: the module's docstring as page text
 
 
+def _options(block: list[str]) -> tuple[Any, bool]:
+    """`members` (a list, `False`, or `None` when unsaid or in another form) and whether
+    `show_root_heading: false`, from the YAML block under a directive.
+
+    Read with a few patterns rather than a YAML parser, which the test extra does not
+    install; the pages use only these forms (`members: false`, a `- name` list).
+    """
+    members: Any = None
+    no_heading = False
+    for i, line in enumerate(block):
+        key, _, value = line.strip().partition(":")
+        if key == "members" and value.strip() == "false":
+            members = False
+        elif key == "members" and value.strip() == "":
+            members = []
+            for item in block[i + 1 :]:
+                match = re.fullmatch(r"\s*- *(\w+)\s*", item)
+                if match is None:
+                    break
+                members.append(match[1])
+        elif key == "show_root_heading" and value.strip() == "false":
+            no_heading = True
+    return members, no_heading
+
+
 def _directives(page: Path) -> list[Directive]:
-    """The `:::` directives of a page, each with its `options.members` (YAML indented under it)."""
+    """The `:::` directives of a page, each with its `options` (the indented block under it)."""
     lines = page.read_text(encoding="utf-8").splitlines()
     found = []
     for i, line in enumerate(lines):
@@ -112,9 +136,8 @@ def _directives(page: Path) -> list[Directive]:
             if following.strip() and not following.startswith(" "):
                 break
             block.append(following)
-        options = (yaml.safe_load("\n".join(block)) or {}).get("options") or {}
-        members = options.get("members")
-        prose_only = members is False and options.get("show_root_heading") is False
+        members, no_heading = _options(block)
+        prose_only = members is False and no_heading
         found.append(Directive(match["path"], members, f"{page.relative_to(ROOT)}:{i + 1}", prose_only))
     return found
 
@@ -230,7 +253,7 @@ def _imports_from_the_package(source: str) -> list[tuple[str, str]]:
     except SyntaxError:  # a fragment (`<!-- not run -->`): read its import lines alone
         lines = [line.strip() for line in source.splitlines() if re.match(r"\s*(from|import) torch_r3\b", line)]
         tree = ast.parse("\n".join(line for line in lines if not line.endswith("(")))
-    found = []
+    found: list[tuple[str, str]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "torch_r3":
             found.extend((node.module, alias.name) for alias in node.names)
@@ -240,7 +263,7 @@ def _imports_from_the_package(source: str) -> list[tuple[str, str]]:
 
 
 def _reader_imports() -> list[tuple[str, str, str]]:
-    found = []
+    found: list[tuple[str, str, str]] = []
     for page in READER_PAGES:
         for block in _code_blocks(page):
             found.extend(
