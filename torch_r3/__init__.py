@@ -1,8 +1,11 @@
 """Routed-expert replay (R3) plumbing for PyTorch and Megatron RL trainers.
 
-`import torch_r3` stays quick and imports neither Megatron nor aiohttp: the
-client, codec and trace names are resolved on first use, and the Megatron hook
-lives in `torch_r3.megatron`. A part whose optional dependency is missing says
+The top level holds what the guides teach: the collators and their layout, the
+route-array helpers, the wire codec, the trace and the client. Everything else
+is reached through its module, and the API reference documents exactly each
+module's `__all__`. `import torch_r3` stays quick and imports neither Megatron
+nor aiohttp: the client, codec and trace names are resolved on first use, and
+the Megatron hook lives in `torch_r3.megatron`. A part whose optional dependency is missing says
 which extra installs it (`pip install 'torch_r3[megatron]'`, `'torch_r3[client]'`).
 """
 
