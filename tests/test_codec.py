@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from torch_r3 import canonical_dtype_for, check_expert_ids
+from torch_r3 import check_expert_ids
 from torch_r3.codec import (
     WireFormatError,
     base64_decoded_length,
@@ -22,6 +22,7 @@ from torch_r3.codec import (
     decode_vllm_routes,
     encode_routes,
 )
+from torch_r3.routes import canonical_dtype_for
 
 
 def _envelope(array: np.ndarray) -> dict:

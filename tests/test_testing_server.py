@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from torch_r3.client import RemoteGenerateClient, RemoteGenerateError
-from torch_r3.testing import GenerateOutput, LoopbackServer, PrefixCache, ServedModel, TinyMoELM
+from torch_r3.testing import GenerateOutput, LoopbackServer, ServedModel, TinyMoELM
+from torch_r3.testing._engine import PrefixCache
 
 FAST = {"retries": 3, "backoff": 0.01, "max_backoff": 0.05, "timeout": 20.0}
 
@@ -123,10 +124,10 @@ def test_async_mode_runs_on_the_current_loop_and_restarts_on_the_same_port():
         "torch_r3.testing",
         "torch_r3.testing.model",
         "torch_r3.testing.server",
-        "torch_r3.testing.engine",
+        "torch_r3.testing._engine",
         "torch_r3.testing.faults",
-        "torch_r3.testing.wire",
-        "torch_r3.testing.wire.vllm",
+        "torch_r3.testing._wire",
+        "torch_r3.testing._wire.vllm",
     ],
 )
 def test_docstring_examples_run(module):

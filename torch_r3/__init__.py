@@ -1,8 +1,11 @@
 """Routed-expert replay (R3) plumbing for PyTorch and Megatron RL trainers.
 
-`import torch_r3` stays quick and imports neither Megatron nor aiohttp: the
-client, codec and trace names are resolved on first use, and the Megatron hook
-lives in `torch_r3.megatron`. A part whose optional dependency is missing says
+The top level holds what the guides teach: the collators and their layout, the
+route-array helpers, the wire codec, the trace and the client. Everything else
+is reached through its module, and the API reference documents exactly each
+module's `__all__`. `import torch_r3` stays quick and imports neither Megatron
+nor aiohttp: the client, codec and trace names are resolved on first use, and
+the Megatron hook lives in `torch_r3.megatron`. A part whose optional dependency is missing says
 which extra installs it (`pip install 'torch_r3[megatron]'`, `'torch_r3[client]'`).
 """
 
@@ -10,13 +13,12 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from torch_r3.routes import CANONICAL_DTYPES, canonical_dtype_for, check_expert_ids, compact_routes
 from torch_r3._buffers import BufferPool
-from torch_r3._memory import accelerator_available
 from torch_r3.collate import R3Collator, collate_routes
 from torch_r3.layout import BatchLayout, global_layout
+from torch_r3.routes import check_expert_ids, compact_routes
 from torch_r3.shard import ShardCollator, plan_microbatches
 
 __version__ = "0.1.0"
@@ -24,41 +26,46 @@ __version__ = "0.1.0"
 logging.getLogger(__name__).addHandler(logging.NullHandler())  # silent unless the application configures logging
 
 # name -> module that defines it; imported lazily (PEP 562) so that the core
-# import never pulls in aiohttp.
-_LAZY = {
+# import never pulls in aiohttp. Like the eager names above, these are the names
+# the guides teach; the rest of each module is reached through its module.
+_LAZY: dict[str, str] = {
     "encode_routes": "torch_r3.codec",
     "decode_routes": "torch_r3.codec",
     "decode_sglang_routes": "torch_r3.codec",
     "decode_vllm_routes": "torch_r3.codec",
-    "decode_npy": "torch_r3.codec",
-    "base64_decoded_length": "torch_r3.codec",
     "WireFormatError": "torch_r3.codec",
     "RoutedExpertTrace": "torch_r3.trace",
-    "TokenMetadataTrace": "torch_r3.trace",
     "RemoteGenerateClient": "torch_r3.client",
     "RemoteGenerateResult": "torch_r3.client",
     "RemoteGenerateError": "torch_r3.errors",
     "ZeroRoutesWarning": "torch_r3.client",
 }
 
+# Written out (not built from _LAZY) so that type checkers and linters read the surface.
 __all__ = [
     "BatchLayout",
     "BufferPool",
-    "CANONICAL_DTYPES",
     "R3Collator",
+    "RemoteGenerateClient",
+    "RemoteGenerateError",
+    "RemoteGenerateResult",
+    "RoutedExpertTrace",
     "ShardCollator",
-    "accelerator_available",
-    "canonical_dtype_for",
+    "WireFormatError",
+    "ZeroRoutesWarning",
     "check_expert_ids",
     "collate_routes",
     "compact_routes",
+    "decode_routes",
+    "decode_sglang_routes",
+    "decode_vllm_routes",
+    "encode_routes",
     "global_layout",
     "plan_microbatches",
-    *_LAZY,
 ]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'torch_r3' has no attribute {name!r}")
@@ -67,20 +74,18 @@ def __getattr__(name: str):
     return value
 
 
-def __dir__():
+def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch_r3.client import RemoteGenerateClient, RemoteGenerateResult, ZeroRoutesWarning
-    from torch_r3.errors import RemoteGenerateError
     from torch_r3.codec import (
         WireFormatError,
-        base64_decoded_length,
-        decode_npy,
         decode_routes,
         decode_sglang_routes,
         decode_vllm_routes,
         encode_routes,
     )
-    from torch_r3.trace import RoutedExpertTrace, TokenMetadataTrace
+    from torch_r3.errors import RemoteGenerateError
+    from torch_r3.trace import RoutedExpertTrace

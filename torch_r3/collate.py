@@ -38,7 +38,7 @@ import torch
 
 from torch_r3 import _memory, _pool
 from torch_r3._buffers import BufferPool
-from torch_r3._padding import PADDINGS, PadFill, as_int, check_padding, padding_rows
+from torch_r3._padding import PadFill, as_int, check_padding, padding_rows
 from torch_r3._samples import batch_samples, check_pad_number, collate_extra
 from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS, INPUT_IDS, OUTPUT_KEYS, ROUTER_MASK, ROUTES, SAMPLE_ROUTES
 from torch_r3.layout import (
@@ -54,7 +54,7 @@ from torch_r3.layout import (
 )
 from torch_r3.routes import CANONICAL_DTYPES, canonical_dtype_for, compact_routes, widest
 
-__all__ = ["LAYOUTS", "MAX_WORKERS", "PADDINGS", "R3Collator", "collate_routes", "padded_length", "padding_rows"]
+__all__ = ["R3Collator", "collate_routes", "padding_rows"]
 
 LAYOUTS = ("padded", "packed")
 MAX_WORKERS = _pool.MAX_WORKERS

@@ -30,7 +30,7 @@ def _version(distribution: str) -> str | None:
 def _accelerator() -> dict[str, Any]:
     import torch
 
-    from torch_r3 import accelerator_available
+    from torch_r3._memory import accelerator_available
 
     available = accelerator_available()
     current = torch.accelerator.current_accelerator() if available and hasattr(torch, "accelerator") else None

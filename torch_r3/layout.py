@@ -22,21 +22,9 @@ import torch
 from torch_r3._padding import as_int, check_padding
 from torch_r3.routes import CANONICAL_DTYPES, canonical_dtype_for, widest
 
-__all__ = [
-    "MAX_OUTPUT_BYTES_ENV",
-    "BatchLayout",
-    "check_layers",
-    "check_layers_in_range",
-    "check_max_output_bytes",
-    "check_output_size",
-    "check_route_dtype",
-    "check_sample_ids",
-    "check_seq_len",
-    "default_max_output_bytes",
-    "global_layout",
-    "output_size",
-    "padded_length",
-]
+# The `check_*` helpers and the output-size bound are shared with the collators,
+# not offered to users.
+__all__ = ["BatchLayout", "global_layout", "padded_length"]
 
 #: Environment variable overriding the default output-size bound (bytes).
 MAX_OUTPUT_BYTES_ENV = "TORCH_R3_MAX_OUTPUT_BYTES"

@@ -14,6 +14,10 @@ from typing import Any
 
 import numpy as np
 
+# The rest (the dtype table, `widest`, `as_host_array`) is shared with the
+# codec, trace and collator, not offered to users.
+__all__ = ["canonical_dtype_for", "check_expert_ids", "compact_routes"]
+
 #: Canonical route dtypes, narrowest first, native byte order.
 CANONICAL_DTYPES: tuple[np.dtype, ...] = (
     np.dtype(np.uint8),

@@ -7,7 +7,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["ReplayStats", "StatsCollector", "TokenCounts"]
+__all__ = ["ReplayStats", "TokenCounts"]  # `StatsCollector` is the hooks' accumulator
 
 
 class TokenCounts(NamedTuple):

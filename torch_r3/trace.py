@@ -26,7 +26,8 @@ import numpy as np
 
 from torch_r3.routes import CANONICAL_DTYPES, as_host_array, check_expert_ids, compact_routes, is_canonical, widest
 
-__all__ = ["RoutedExpertTrace", "TokenMetadataTrace"]
+# `TokenMetadataTrace` is the row store `RoutedExpertTrace` is built on, not offered to users.
+__all__ = ["RoutedExpertTrace"]
 
 
 def _check_count(value: Any, what: str) -> int:

@@ -52,12 +52,9 @@ import aiohttp
 
 from torch_r3.errors import RemoteGenerateError
 
-__all__ = [
-    "DEFAULT_MAX_RESPONSE_BYTES",
-    "RETRYABLE_STATUSES",
-    "HttpTransport",
-    "TransportConfig",
-]
+# `HttpTransport` and its defaults serve `RemoteGenerateClient`, which owns one;
+# users configure it through `TransportConfig`.
+__all__ = ["TransportConfig"]
 
 # 1 GiB: a 128k-token SGLang capture of a 61-layer top-8 model is 256 MiB of
 # int32, 341 MiB as base64; four times that still fits.

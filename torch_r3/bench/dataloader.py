@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 from torch.utils.data import DataLoader, Dataset
 
-from torch_r3 import R3Collator, accelerator_available
+from torch_r3 import R3Collator
+from torch_r3._memory import accelerator_available
 from torch_r3.bench.config import Batch, BenchConfig, make_batch
 from torch_r3.bench.memory import collector_paused
 from torch_r3.bench.results import DataLoaderResult, DataLoaderRow

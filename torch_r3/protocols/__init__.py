@@ -15,9 +15,9 @@ from __future__ import annotations
 from torch_r3.protocols import sglang, torch_r3, vllm
 from torch_r3.protocols.base import GenerateCall, ParsedResponse, RouteLimits, ServerProtocol, WeightVersionSpan
 
+# The registry (`PROTOCOLS`, `SERVERS`) serves the client, which users reach by
+# `server=` name; the public part is the contract each protocol implements.
 __all__ = [
-    "PROTOCOLS",
-    "SERVERS",
     "GenerateCall",
     "ParsedResponse",
     "RouteLimits",

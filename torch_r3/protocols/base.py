@@ -26,10 +26,9 @@ import numpy as np
 
 from torch_r3.codec import WireFormatError
 
+# The contract a protocol implements and the types the client hands it; the
+# field readers and constants below it are shared by the three protocols.
 __all__ = [
-    "MAX_SALT_CHARS",
-    "PROMPT_START_PARAM",
-    "SALT_FORBIDDEN",
     "ChoicesProtocol",
     "GenerateCall",
     "ParsedResponse",
@@ -37,17 +36,6 @@ __all__ = [
     "ServerProtocol",
     "WeightVersionSpan",
     "check_cache_salt",
-    "expected_rows",
-    "finish_reason",
-    "first_choice",
-    "get_field",
-    "logprob",
-    "newest_version",
-    "params_with_start",
-    "slice_to_start",
-    "token_ids",
-    "weight_spans",
-    "weight_version",
 ]
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,9 @@ from torch_r3.codec import WireFormatError, decode_sglang_routes
 from torch_r3.protocols import base
 from torch_r3.protocols.base import GenerateCall, ParsedResponse, RouteLimits, ServerProtocol
 
-__all__ = ["FLUSH_CACHE_PATH", "GENERATE_PATH", "PROTOCOL", "SGLangProtocol"]
+# Reached by `RemoteGenerateClient(server="sglang")`: the docstring above is this
+# server's format; `SGLangProtocol`, its paths and `PROTOCOL` serve the client.
+__all__: list[str] = []
 
 GENERATE_PATH = "/generate"
 #: SGLang's endpoint that drops its radix (prefix) cache.

@@ -23,7 +23,9 @@ from torch_r3.codec import WireFormatError, decode_routes
 from torch_r3.protocols import base
 from torch_r3.protocols.base import ChoicesProtocol, GenerateCall, RouteLimits
 
-__all__ = ["GENERATE_PATH", "MODEL_INFO_PATH", "PROTOCOL", "TorchR3Protocol"]
+# Reached by `RemoteGenerateClient(server="torch_r3")`: the docstring above is this
+# server's format; `TorchR3Protocol`, its paths and `PROTOCOL` serve the client.
+__all__: list[str] = []
 
 GENERATE_PATH = "/v1/generate"
 MODEL_INFO_PATH = "/v1/model_info"

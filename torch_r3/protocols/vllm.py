@@ -32,7 +32,9 @@ from torch_r3.codec import WireFormatError, decode_vllm_routes
 from torch_r3.protocols import base
 from torch_r3.protocols.base import ChoicesProtocol, GenerateCall, RouteLimits
 
-__all__ = ["GENERATE_PATH", "PROTOCOL", "RESET_PREFIX_CACHE_PATH", "VLLMProtocol"]
+# Reached by `RemoteGenerateClient(server="vllm")`: the docstring above is this
+# server's format; `VLLMProtocol`, its paths and `PROTOCOL` serve the client.
+__all__: list[str] = []
 
 GENERATE_PATH = "/inference/v1/generate"
 #: vLLM's endpoint that drops its prefix cache.

@@ -21,26 +21,15 @@ Examples:
     (3, (5, 2, 2))
 
 This package imports aiohttp; `import torch_r3` does not.
+
+The front is small, as `numpy.testing`'s is: the server, the model it serves or
+the interface to serve your own, and the faults and counters a test reads. The
+engine, its prefix cache and the per-protocol wire code are machinery
+(`_engine`, `_wire`).
 """
 
-from torch_r3.testing.engine import Engine, GenerateRequest, Generation, PrefixCache
 from torch_r3.testing.faults import Faults
 from torch_r3.testing.model import GenerateOutput, ServedModel, TinyMoELM
-from torch_r3.testing.server import LoopbackServer, ServerStats, make_app
-from torch_r3.testing.wire import PROTOCOLS, WireProtocol
+from torch_r3.testing.server import LoopbackServer, ServerStats
 
-__all__ = [
-    "PROTOCOLS",
-    "Engine",
-    "Faults",
-    "GenerateOutput",
-    "GenerateRequest",
-    "Generation",
-    "LoopbackServer",
-    "PrefixCache",
-    "ServedModel",
-    "ServerStats",
-    "TinyMoELM",
-    "WireProtocol",
-    "make_app",
-]
+__all__ = ["Faults", "GenerateOutput", "LoopbackServer", "ServedModel", "ServerStats", "TinyMoELM"]

@@ -1,7 +1,7 @@
 """An `aiohttp.web` inference server on loopback, with fault injection.
 
 It serves one protocol (our own `POST /v1/generate`, SGLang's `POST /generate`
-or vLLM's `POST /inference/v1/generate`; see `torch_r3.testing.wire`) from a
+or vLLM's `POST /inference/v1/generate`, one module each in `_wire`) from a
 `ServedModel`, returning the genuine routes of every position the model
 evaluated from the requested start on, through a prefix cache that keeps routes
 with its blocks as the real servers do. Tests run it in-process on
@@ -24,12 +24,12 @@ require("aiohttp", "testing")  # without aiohttp: name the extra that installs i
 from aiohttp import web
 
 from torch_r3.protocols.torch_r3 import MODEL_INFO_PATH
-from torch_r3.testing.engine import Engine, ModelOutputError, PrefixCache
+from torch_r3.testing._engine import Engine, ModelOutputError, PrefixCache
+from torch_r3.testing._wire import WireProtocol, make_protocol
 from torch_r3.testing.faults import Faults
 from torch_r3.testing.model import ServedModel, TinyMoELM
-from torch_r3.testing.wire import WireProtocol, make_protocol
 
-__all__ = ["LoopbackServer", "ServerStats", "make_app"]
+__all__ = ["LoopbackServer", "ServerStats"]  # `make_app` builds the application `LoopbackServer` runs
 
 
 @dataclass
@@ -207,8 +207,8 @@ class LoopbackServer:
 
     Args:
         model: The model to serve; a seeded `TinyMoELM` by default.
-        protocol: `"torch_r3"` (our own format), `"sglang"` or `"vllm"`; see
-            `torch_r3.testing.wire` for each one's fields.
+        protocol: `"torch_r3"` (our own format), `"sglang"` or `"vllm"`; the Test
+            server page of the API reference lists each one's fields.
         faults: Faults to inject; a fresh `Faults` by default (see `faults`).
         host: Address to bind.
         port: Port to bind; `0` picks a free one (see `port`).

@@ -40,9 +40,8 @@ from typing import Any
 import numpy as np
 
 from torch_r3.protocols.sglang import FLUSH_CACHE_PATH, GENERATE_PATH
-from torch_r3.testing.engine import GenerateRequest, Generation
-from torch_r3.testing.model import ServedModel
-from torch_r3.testing.wire.base import (
+from torch_r3.testing._engine import GenerateRequest, Generation
+from torch_r3.testing._wire.base import (
     WireProtocol,
     check_body,
     check_bool,
@@ -51,6 +50,7 @@ from torch_r3.testing.wire.base import (
     check_object,
     weight_spans,
 )
+from torch_r3.testing.model import ServedModel
 
 __all__ = ["SGLangWire"]
 

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from torch_r3.protocols.base import MAX_SALT_CHARS, SALT_FORBIDDEN
-from torch_r3.testing.engine import GenerateRequest, Generation
+from torch_r3.testing._engine import GenerateRequest, Generation
 from torch_r3.testing.model import ServedModel
 
 __all__ = [

@@ -33,9 +33,8 @@ from typing import Any
 import numpy as np
 
 from torch_r3.protocols.vllm import GENERATE_PATH, RESET_PREFIX_CACHE_PATH
-from torch_r3.testing.engine import GenerateRequest, Generation
-from torch_r3.testing.model import ServedModel
-from torch_r3.testing.wire.base import (
+from torch_r3.testing._engine import GenerateRequest, Generation
+from torch_r3.testing._wire.base import (
     WireProtocol,
     check_body,
     check_bool,
@@ -45,6 +44,7 @@ from torch_r3.testing.wire.base import (
     check_salt,
     weight_spans,
 )
+from torch_r3.testing.model import ServedModel
 
 __all__ = ["VLLMWire", "npy_bytes"]
 

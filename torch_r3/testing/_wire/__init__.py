@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch_r3.testing.wire.base import WireProtocol
-from torch_r3.testing.wire.sglang import SGLangWire
-from torch_r3.testing.wire.torch_r3 import TorchR3Wire
-from torch_r3.testing.wire.vllm import VLLMWire
+from torch_r3.testing._wire.base import WireProtocol
+from torch_r3.testing._wire.sglang import SGLangWire
+from torch_r3.testing._wire.torch_r3 import TorchR3Wire
+from torch_r3.testing._wire.vllm import VLLMWire
 
 __all__ = ["PROTOCOLS", "SGLangWire", "TorchR3Wire", "VLLMWire", "WireProtocol", "make_protocol"]
 

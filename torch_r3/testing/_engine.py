@@ -9,7 +9,7 @@ reproduces exactly that: blocks of `block_size` tokens, keyed by the salt and
 the whole token prefix up to the block's end, each holding its routes.
 `Engine` runs a `ServedModel` through it and keeps the weight version.
 
-Nothing here knows about HTTP; the protocol modules in `torch_r3.testing.wire`
+Nothing here knows about HTTP; the protocol modules in `torch_r3.testing._wire`
 parse requests into a `GenerateRequest` and render a `Generation`.
 """
 
