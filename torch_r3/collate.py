@@ -38,7 +38,7 @@ import torch
 
 from torch_r3 import _memory, _pool
 from torch_r3._buffers import BufferPool
-from torch_r3._checks import check_bool, check_choice, check_int, check_positive
+from torch_r3._checks import check_bool, check_choice, check_int, check_non_negative, check_positive
 from torch_r3._padding import PADDINGS, PadFill, check_padding, padding_rows
 from torch_r3._samples import batch_samples, check_pad_number, collate_extra
 from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS, INPUT_IDS, OUTPUT_KEYS, ROUTER_MASK, ROUTES, SAMPLE_ROUTES
@@ -623,7 +623,8 @@ class R3Collator:
             raise ValueError(f"pad_keys may not include the routes/tokens/output keys {sorted(clash)}")
         self.routes_key = routes_key
         self.tokens_key = tokens_key
-        self.buffers = BufferPool(cache_bytes)
+        # Checked here so that the message names this class's keyword, not BufferPool's.
+        self.buffers = BufferPool(None if cache_bytes is None else check_non_negative(cache_bytes, "cache_bytes"))
 
     def __repr__(self) -> str:
         o = self._options
