@@ -227,6 +227,11 @@ def _testing(kind: str, **kwargs: Any) -> Any:
     if kind == "model":
         model = testing.TinyMoELM(**kwargs)
         return repr((model.vocab_size, model.num_layers, model.num_experts, model.topk, model.first_k_dense))
+    if kind == "server":  # built, never started: the arguments are checked before any socket
+        server = testing.LoopbackServer(**kwargs)
+        cache = server.engine.cache
+        blocks = None if cache is None else (cache.block_size, cache.max_blocks)
+        return repr((server.port, server.wire.routes_enabled, blocks))
     faults = testing.Faults()
     faults.disconnect(**kwargs)
     return faults.pending
@@ -298,6 +303,9 @@ SIZES: list[tuple[str, int, Callable[[Any], Any]]] = [
     ("vocab_size", 16, lambda v: _testing("model", vocab_size=v)),
     ("first_k_dense", 1, lambda v: _testing("model", first_k_dense=v)),
     ("n", 2, lambda v: _testing("faults", n=v)),
+    ("block_size", 2, lambda v: _testing("server", block_size=v)),
+    ("cache_blocks", 8, lambda v: _testing("server", cache_blocks=v)),
+    ("port", 0, lambda v: _testing("server", port=v)),
 ]
 SIZE_IDS = [f"{i}-{name}" for i, (name, _, _) in enumerate(SIZES)]
 
@@ -326,6 +334,12 @@ def test_a_negative_size_is_a_value_error_naming_the_argument(name, valid, call)
     assert name in str(info.value) and "-1" in str(info.value)
 
 
+def test_a_zero_block_size_is_refused_not_replaced_by_the_default():
+    # LoopbackServer(block_size=0) used to serve with the protocol's default block size.
+    with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
+        _testing("server", block_size=0)
+
+
 def _generate(**kwargs: Any) -> Any:
     from torch_r3.client import RemoteGenerateClient
 
@@ -342,6 +356,9 @@ FLAGS: list[tuple[str, Callable[[Any], Any]]] = [
     ("compact", lambda v: R3Collator(compact=v)),
     ("prefetch", lambda v: ShardCollator(lambda i: [], [[0]], prefetch=v)),
     ("allow_mixed_versions", lambda v: RoutedExpertTrace(allow_mixed_versions=v)),
+    ("routes_enabled", lambda v: _testing("server", routes_enabled=v)),
+    ("sglang_ignores_start", lambda v: _testing("server", protocol="sglang", sglang_ignores_start=v)),
+    ("prefix_cache", lambda v: _testing("server", prefix_cache=v)),
 ]
 
 
