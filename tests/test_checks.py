@@ -237,6 +237,12 @@ def _testing(kind: str, **kwargs: Any) -> Any:
     return faults.pending
 
 
+def _wire(protocol: str, **kwargs: Any) -> Any:
+    from torch_r3.testing import PROTOCOLS
+
+    return PROTOCOLS[protocol](**kwargs)
+
+
 def _output(out: Any) -> Any:
     """A comparable form of a site's result."""
     if isinstance(out, dict):
@@ -359,6 +365,8 @@ FLAGS: list[tuple[str, Callable[[Any], Any]]] = [
     ("routes_enabled", lambda v: _testing("server", routes_enabled=v)),
     ("sglang_ignores_start", lambda v: _testing("server", protocol="sglang", sglang_ignores_start=v)),
     ("prefix_cache", lambda v: _testing("server", prefix_cache=v)),
+    ("routes_enabled", lambda v: _wire("vllm", routes_enabled=v)),
+    ("ignores_start", lambda v: _wire("sglang", ignores_start=v)),
 ]
 
 

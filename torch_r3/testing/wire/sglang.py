@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from torch_r3._checks import check_bool as check_flag
 from torch_r3._checks import check_choice
 from torch_r3.protocols.sglang import FLUSH_CACHE_PATH, GENERATE_PATH
 from torch_r3.testing.engine import GenerateRequest, Generation
@@ -98,7 +99,7 @@ class SGLangWire(WireProtocol):
         self, *, routes_enabled: bool = True, ignores_start: bool = False, routes_dtype: str | None = None
     ) -> None:
         super().__init__(routes_enabled=routes_enabled)
-        self.ignores_start = check_bool(ignores_start, "ignores_start")
+        self.ignores_start = check_flag(ignores_start, "ignores_start")
         if routes_dtype is not None:
             check_choice(routes_dtype, "routes_dtype", sorted(_NARROW))
         self.routes_dtype = routes_dtype
