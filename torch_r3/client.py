@@ -185,10 +185,9 @@ class RemoteGenerateClient:
     ) -> None:
         self.base_url = _check_base_url(base_url)
         self.server = check_choice(server, "server", SERVERS)
-        num_layers, topk, num_experts = (
-            None if value is None else check_positive(value, name)
-            for name, value in (("num_layers", num_layers), ("topk", topk), ("num_experts", num_experts))
-        )
+        num_layers = None if num_layers is None else check_positive(num_layers, "num_layers")
+        topk = None if topk is None else check_positive(topk, "topk")
+        num_experts = None if num_experts is None else check_positive(num_experts, "num_experts")
         self.moe_layers = _check_moe_layers(moe_layers, num_layers)
         self.cache_salt = _check_salt(cache_salt)
         flat = {
