@@ -20,19 +20,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["PADDINGS", "PadFill", "as_int", "check_padding", "padding_rows"]
+from torch_r3._checks import check_choice, check_positive
+
+__all__ = ["PADDINGS", "PadFill", "check_padding", "padding_rows"]
 
 PADDINGS = ("arange", "balanced")
 # Bytes of one cached padding template; a padding region of any length is
 # filled by copying it chunk by chunk, so the cache stays small after a huge batch.
 _TEMPLATE_BYTES = 256 << 10
-
-
-def as_int(value: Any, name: str) -> int:
-    """A Python or NumPy integer as an `int` (bools refused, naming `name`)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    return int(value)
 
 
 def padding_rows(
@@ -80,12 +75,9 @@ def padding_rows(
 
 
 def check_padding(padding: str, num_experts: Any, topk: int) -> int | None:
-    if padding not in PADDINGS:
-        raise ValueError(f"padding must be one of {PADDINGS}, got {padding!r}")
+    check_choice(padding, "padding", PADDINGS)
     if num_experts is not None:
-        num_experts = as_int(num_experts, "num_experts")
-        if num_experts < 1:
-            raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+        num_experts = check_positive(num_experts, "num_experts")
     if padding == "balanced":
         if num_experts is None:
             raise ValueError("padding='balanced' needs num_experts (the model's expert count)")

@@ -26,6 +26,7 @@ import aiohttp
 import numpy as np
 import yarl
 
+from torch_r3._checks import check_choice, check_int, check_positive, check_str
 from torch_r3.errors import RemoteGenerateError
 from torch_r3.protocols import PROTOCOLS, SERVERS, GenerateCall, RouteLimits, WeightVersionSpan
 from torch_r3.protocols.base import check_cache_salt
@@ -183,12 +184,10 @@ class RemoteGenerateClient:
         trace_configs: Sequence[aiohttp.TraceConfig] | None = None,
     ) -> None:
         self.base_url = _check_base_url(base_url)
-        if server not in PROTOCOLS:
-            raise ValueError(f"server must be one of {list(SERVERS)}, got {server!r}")
-        self.server = server
-        for name, value in (("num_layers", num_layers), ("topk", topk), ("num_experts", num_experts)):
-            if value is not None:
-                _check_count(value, name)
+        self.server = check_choice(server, "server", SERVERS)
+        num_layers = None if num_layers is None else check_positive(num_layers, "num_layers")
+        topk = None if topk is None else check_positive(topk, "topk")
+        num_experts = None if num_experts is None else check_positive(num_experts, "num_experts")
         self.moe_layers = _check_moe_layers(moe_layers, num_layers)
         self.cache_salt = _check_salt(cache_salt)
         flat = {
@@ -203,9 +202,9 @@ class RemoteGenerateClient:
         config = _transport_config(transport_config, flat)
         self.limits = RouteLimits(
             max_bytes=config.max_route_bytes,
-            num_layers=None if num_layers is None else int(num_layers),
-            topk=None if topk is None else int(topk),
-            num_experts=None if num_experts is None else int(num_experts),
+            num_layers=num_layers,
+            topk=topk,
+            num_experts=num_experts,
         )
         self._transport = HttpTransport(
             self.base_url, config, headers=headers, session=session, ssl=ssl, trace_configs=trace_configs
@@ -294,8 +293,10 @@ class RemoteGenerateClient:
         protocol = PROTOCOLS[self.server]
         prompt = _token_list(prompt_token_ids)
         params = _sampling_params(sampling_params)
-        if not isinstance(return_routed_experts, bool):
+        # Not check_bool: a test pins this wording ("must be a bool"); the rule (NumPy bools accepted) is the same.
+        if not isinstance(return_routed_experts, (bool, np.bool_)):
             raise TypeError(f"return_routed_experts must be a bool, got {type(return_routed_experts).__name__}")
+        return_routed_experts = bool(return_routed_experts)
         start = _check_start(routed_experts_prompt_start, len(prompt), return_routed_experts)
         if (
             return_routed_experts
@@ -306,13 +307,11 @@ class RemoteGenerateClient:
                 f"server={self.server!r} sends routes without their shape: give the client num_layers= "
                 "(the model's num_hidden_layers) and topk= (num_experts_per_tok)"
             )
-        if model is not None and not isinstance(model, str):
-            raise TypeError(f"model must be a str, got {type(model).__name__}")
+        if model is not None:
+            check_str(model, "model")
         headers = {}
         if session_id is not None:
-            if not isinstance(session_id, str):
-                raise TypeError(f"session_id must be a str, got {type(session_id).__name__}")
-            headers["X-Session-ID"] = session_id
+            headers["X-Session-ID"] = check_str(session_id, "session_id")
         salt = _check_salt(cache_salt) if cache_salt is not None else self.cache_salt
         call = GenerateCall(prompt, params, return_routed_experts, start, salt, model)
         body = protocol.request_body(call)
@@ -395,8 +394,7 @@ def _transport_config(config: Any, flat: dict[str, Any]) -> TransportConfig:
 
 
 def _check_base_url(base_url: Any) -> str:
-    if not isinstance(base_url, str):
-        raise TypeError(f"base_url must be a str, got {type(base_url).__name__}")
+    check_str(base_url, "base_url")
     try:
         url = yarl.URL(base_url)
         port = url.port
@@ -427,13 +425,6 @@ def _check_base_url(base_url: Any) -> str:
     return base_url.rstrip("/")
 
 
-def _check_count(value: Any, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-
-
 def _check_moe_layers(moe_layers: Any, num_layers: int | None) -> tuple[int, ...]:
     if moe_layers is None:
         return ()
@@ -441,11 +432,10 @@ def _check_moe_layers(moe_layers: Any, num_layers: int | None) -> tuple[int, ...
         raise TypeError(f"moe_layers must be a sequence of layer indices, got {type(moe_layers).__name__}")
     out = []
     for i, layer in enumerate(moe_layers):
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
-            raise TypeError(f"moe_layers[{i}] must be an int, got {type(layer).__name__}")
+        layer = check_int(layer, f"moe_layers[{i}]")
         if layer < 0 or (num_layers is not None and layer >= num_layers):
             raise ValueError(f"moe_layers[{i}] = {layer} is outside the layers [0, {num_layers})")
-        out.append(int(layer))
+        out.append(layer)
     return tuple(out)
 
 
@@ -456,13 +446,12 @@ def _check_salt(salt: Any) -> str | None:
 def _check_start(start: Any, prompt_len: int, want_routes: bool) -> int:
     if start is None:
         return 0
-    if isinstance(start, bool) or not isinstance(start, (int, np.integer)):
-        raise TypeError(f"routed_experts_prompt_start must be an int, got {type(start).__name__}")
+    start = check_int(start, "routed_experts_prompt_start")
     if not 0 <= start <= prompt_len:
         raise ValueError(f"routed_experts_prompt_start must be in [0, len(prompt)={prompt_len}], got {start}")
     if not want_routes:
         raise ValueError("routed_experts_prompt_start requires return_routed_experts=True")
-    return int(start)
+    return start
 
 
 def _warn_zero_layers(routes: np.ndarray, moe_layers: tuple[int, ...], url: str) -> None:
@@ -486,10 +475,7 @@ def _token_list(tokens: Any) -> list[int]:
             raise TypeError(f"prompt_token_ids: expected a 1-D integer array, got {tokens.ndim}-D {tokens.dtype}")
         out = tokens.tolist()
     elif isinstance(tokens, (list, tuple)):
-        for i, t in enumerate(tokens):
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-                raise TypeError(f"prompt_token_ids[{i}]: expected an int, got {type(t).__name__}")
-        out = [int(t) for t in tokens]
+        out = [check_int(t, f"prompt_token_ids[{i}]") for i, t in enumerate(tokens)]
     else:
         raise TypeError(f"prompt_token_ids: expected a list of ints, got {type(tokens).__name__}")
     for i, t in enumerate(out):

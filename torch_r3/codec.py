@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from torch_r3._checks import check_at_least
 from torch_r3.routes import CANONICAL_DTYPES, check_expert_ids, compact_routes
 
 # `decode_npy` and `base64_decoded_length` are the decoders' own parsers, kept
@@ -479,10 +480,7 @@ def _check_cap(max_bytes: Any, name: str) -> None:
 
 def _check_int_arg(value: Any, what: str, name: str, *, minimum: int) -> None:
     # Caller arguments, not wire data: the plain TypeError/ValueError.
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}: {what} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name}: {what} must be >= {minimum}, got {value}")
+    check_at_least(value, f"{name}: {what}", minimum)
 
 
 def _check_model_counts(num_layers: Any, topk: Any, name: str) -> None:

@@ -38,7 +38,8 @@ import torch
 
 from torch_r3 import _memory, _pool
 from torch_r3._buffers import BufferPool
-from torch_r3._padding import PadFill, as_int, check_padding, padding_rows
+from torch_r3._checks import check_bool, check_choice, check_int, check_non_negative, check_positive
+from torch_r3._padding import PADDINGS, PadFill, check_padding, padding_rows
 from torch_r3._samples import batch_samples, check_pad_number, collate_extra
 from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS, INPUT_IDS, OUTPUT_KEYS, ROUTER_MASK, ROUTES, SAMPLE_ROUTES
 from torch_r3.layout import (
@@ -88,14 +89,11 @@ class _Options:
     compact: bool = False
 
     def __post_init__(self) -> None:
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        check_choice(self.layout, "layout", LAYOUTS)
         if self.pad_to_multiple_of is not None:
             if self.layout != "padded":
                 raise ValueError("pad_to_multiple_of applies to layout='padded' only; the packed layout has no padding")
-            multiple = as_int(self.pad_to_multiple_of, "pad_to_multiple_of")
-            if multiple < 1:
-                raise ValueError(f"pad_to_multiple_of must be >= 1, got {multiple}")
+            multiple = check_positive(self.pad_to_multiple_of, "pad_to_multiple_of")
             object.__setattr__(self, "pad_to_multiple_of", multiple)
         if self.seq_len is not None:
             if self.layout != "padded":
@@ -109,8 +107,7 @@ class _Options:
         if self.layers is not None:
             object.__setattr__(self, "layers", check_layers(self.layers))
         object.__setattr__(self, "max_output_bytes", check_max_output_bytes(self.max_output_bytes))
-        if not isinstance(self.compact, (bool, np.bool_)):
-            raise TypeError(f"compact must be True or False, got {self.compact!r}")
+        object.__setattr__(self, "compact", check_bool(self.compact, "compact"))
         object.__setattr__(self, "num_experts", check_padding(self.padding, self.num_experts, 1))
         if self.workers is not None:
             object.__setattr__(self, "workers", _pool.check_workers(self.workers))
@@ -613,7 +610,7 @@ class R3Collator:
             max_output_bytes=max_output_bytes,
             compact=compact,
         )
-        self.pad_token_id = as_int(pad_token_id, "pad_token_id")
+        self.pad_token_id = check_int(pad_token_id, "pad_token_id")
         if not -(2**63) <= self.pad_token_id < 2**63:
             raise ValueError(f"pad_token_id must fit int64 (input_ids are torch.long), got {self.pad_token_id}")
         if isinstance(pad_keys, str):
@@ -626,7 +623,8 @@ class R3Collator:
             raise ValueError(f"pad_keys may not include the routes/tokens/output keys {sorted(clash)}")
         self.routes_key = routes_key
         self.tokens_key = tokens_key
-        self.buffers = BufferPool(cache_bytes)
+        # Checked here so that the message names this class's keyword, not BufferPool's.
+        self.buffers = BufferPool(None if cache_bytes is None else check_non_negative(cache_bytes, "cache_bytes"))
 
     def __repr__(self) -> str:
         o = self._options

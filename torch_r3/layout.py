@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from torch_r3._padding import as_int, check_padding
+from torch_r3._checks import check_dtype, check_int, check_positive
+from torch_r3._padding import check_padding
 from torch_r3.routes import CANONICAL_DTYPES, canonical_dtype_for, widest
 
 # The `check_*` helpers and the output-size bound are shared with the collators,
@@ -29,34 +30,15 @@ __all__ = ["BatchLayout", "global_layout", "padded_length"]
 #: Environment variable overriding the default output-size bound (bytes).
 MAX_OUTPUT_BYTES_ENV = "TORCH_R3_MAX_OUTPUT_BYTES"
 
-_TORCH_TO_NP: dict[torch.dtype, np.dtype] = {
-    torch.uint8: np.dtype(np.uint8),
-    torch.int16: np.dtype(np.int16),
-    torch.int32: np.dtype(np.int32),
-}
-
 
 def check_route_dtype(dtype: Any, name: str = "dtype") -> np.dtype:
     """A requested route dtype (NumPy, torch or a string) as one of `CANONICAL_DTYPES`."""
-    if isinstance(dtype, torch.dtype):
-        if dtype not in _TORCH_TO_NP:
-            raise ValueError(f"{name} must be uint8, int16 or int32, got {dtype}")
-        return _TORCH_TO_NP[dtype]
-    try:
-        np_dtype = np.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"{name} must be a NumPy or torch dtype (uint8, int16 or int32), got {dtype!r}") from None
-    if np_dtype not in CANONICAL_DTYPES:
-        raise ValueError(f"{name} must be uint8, int16 or int32 (native byte order), got {np_dtype.str} ({np_dtype})")
-    return np_dtype
+    return check_dtype(dtype, name, CANONICAL_DTYPES)
 
 
 def check_seq_len(seq_len: Any) -> int:
     """`seq_len=`: a positive int."""
-    value = as_int(seq_len, "seq_len")
-    if value < 1:
-        raise ValueError(f"seq_len must be >= 1, got {value}")
-    return value
+    return check_positive(seq_len, "seq_len")
 
 
 def check_layers(layers: Any) -> tuple[int, ...]:
@@ -69,7 +51,7 @@ def check_layers(layers: Any) -> tuple[int, ...]:
         raise TypeError(f"layers must be a sequence of layer indices, got {type(layers).__name__}")
     if len(layers) == 0:
         raise ValueError("layers must hold at least one layer index, got an empty sequence")
-    out = tuple(as_int(v, f"layers[{k}]") for k, v in enumerate(layers))
+    out = tuple(check_int(v, f"layers[{k}]") for k, v in enumerate(layers))
     for k, v in enumerate(out):
         if v < 0:
             raise ValueError(f"layers[{k}]: layer indices must be >= 0, got {v}")
@@ -95,7 +77,7 @@ def check_sample_ids(sample_ids: Any, batch_size: int) -> list[int]:
         raise TypeError(f"sample_ids must be a sequence of ints, got {type(sample_ids).__name__}")
     if len(sample_ids) != batch_size:
         raise ValueError(f"sample_ids: expected {batch_size} ids (one per sample), got {len(sample_ids)}")
-    ids = [as_int(v, f"sample_ids[{i}]") for i, v in enumerate(sample_ids)]
+    ids = [check_int(v, f"sample_ids[{i}]") for i, v in enumerate(sample_ids)]
     seen: set[int] = set()
     for i, v in enumerate(ids):
         if not 0 <= v < 2**62:
@@ -130,10 +112,7 @@ def check_max_output_bytes(value: Any) -> int | None:
     """`max_output_bytes=`: `None` (the default bound) or a positive int."""
     if value is None:
         return None
-    value = as_int(value, "max_output_bytes")
-    if value < 1:
-        raise ValueError(f"max_output_bytes must be >= 1, got {value}")
-    return value
+    return check_positive(value, "max_output_bytes")
 
 
 def output_size(needed: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[int, str]:
@@ -179,9 +158,7 @@ def padded_length(token_counts: Sequence[int], pad_to_multiple_of: int | None = 
     longest = max(int(n) for n in token_counts)
     if pad_to_multiple_of is None:
         return longest
-    multiple = as_int(pad_to_multiple_of, "pad_to_multiple_of")
-    if multiple < 1:
-        raise ValueError(f"pad_to_multiple_of must be >= 1, got {multiple}")
+    multiple = check_positive(pad_to_multiple_of, "pad_to_multiple_of")
     return -(-longest // multiple) * multiple
 
 
@@ -247,7 +224,7 @@ def global_layout(
         raise ValueError("token_counts: expected at least one trajectory, got none")
     counts = []
     for i, n in enumerate(token_counts):
-        n = as_int(n, f"token_counts[{i}]")
+        n = check_int(n, f"token_counts[{i}]")
         if n <= 0:
             raise ValueError(f"token_counts[{i}]: expected a positive token count, got {n}")
         counts.append(n)

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from torch_r3._checks import check_integer_dtype, check_non_negative, check_positive
+
 # The rest (the dtype table, `widest`, `as_host_array`) is shared with the
 # codec, trace and collator, not offered to users.
 __all__ = ["canonical_dtype_for", "check_expert_ids", "compact_routes"]
@@ -46,10 +48,7 @@ def canonical_dtype_for(max_id: int) -> np.dtype:
         >>> canonical_dtype_for(255), canonical_dtype_for(256), canonical_dtype_for(40000)
         (dtype('uint8'), dtype('int16'), dtype('int32'))
     """
-    if isinstance(max_id, bool) or not isinstance(max_id, (int, np.integer)):
-        raise TypeError(f"max_id must be an int, got {type(max_id).__name__}")
-    if max_id < 0:
-        raise ValueError(f"max_id must be >= 0, got {max_id}")
+    max_id = check_non_negative(max_id, "max_id")
     for dtype, limit in _LIMITS:
         if max_id < limit:
             return dtype
@@ -175,10 +174,7 @@ def check_expert_ids(routes: np.ndarray, num_experts: int | None = None, *, name
 
 def _check_num_experts(num_experts: Any, name: str) -> None:
     if num_experts is not None:
-        if isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)):
-            raise TypeError(f"{name}: num_experts must be an int or None, got {type(num_experts).__name__}")
-        if num_experts <= 0:
-            raise ValueError(f"{name}: num_experts must be > 0, got {num_experts}")
+        check_positive(num_experts, f"{name}: num_experts")
 
 
 def compact_routes(array: Any, *, name: str = "routes", num_experts: int | None = None) -> np.ndarray:
@@ -215,8 +211,7 @@ def compact_routes(array: Any, *, name: str = "routes", num_experts: int | None 
     """
     _check_num_experts(num_experts, name)
     a = as_host_array(array, name)
-    if a.dtype.kind not in "iu":
-        raise TypeError(f"{name}: expected an integer dtype, got {a.dtype}")
+    check_integer_dtype(a, name)
     if a.ndim != 3:
         raise ValueError(f"{name}: expected shape [rows, layers, topk], got {a.ndim}-D shape {a.shape}")
     if a.shape[1] == 0 or a.shape[2] == 0:

@@ -34,20 +34,11 @@ import numpy as np
 import torch
 
 from torch_r3._buffers import BufferPool
-from torch_r3._padding import as_int
+from torch_r3._checks import check_bool, check_int, check_positive
 from torch_r3.collate import R3Collator
 from torch_r3.layout import check_sample_ids
 
 __all__ = ["ShardCollator", "plan_microbatches"]
-
-
-def _positive(value: Any, name: str) -> int | None:
-    if value is None:
-        return None
-    value = as_int(value, name)
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
 
 
 def _split_rank(
@@ -113,14 +104,17 @@ def plan_microbatches(
         token_counts = token_counts.tolist()
     if isinstance(token_counts, (str, bytes)) or not isinstance(token_counts, Sequence):
         raise TypeError(f"token_counts: expected a sequence of ints, got {type(token_counts).__name__}")
-    counts = [as_int(n, f"token_counts[{i}]") for i, n in enumerate(token_counts)]
+    counts = [check_int(n, f"token_counts[{i}]") for i, n in enumerate(token_counts)]
     for i, n in enumerate(counts):
         if n <= 0:
             raise ValueError(f"token_counts[{i}]: expected a positive token count, got {n}")
-    dp = _positive(dp_size, "dp_size")
-    assert dp is not None
-    mbs = _positive(micro_batch_size, "micro_batch_size")
-    cap = _positive(max_tokens_per_microbatch, "max_tokens_per_microbatch")
+    dp = check_positive(dp_size, "dp_size")
+    mbs = None if micro_batch_size is None else check_positive(micro_batch_size, "micro_batch_size")
+    cap = (
+        None
+        if max_tokens_per_microbatch is None
+        else check_positive(max_tokens_per_microbatch, "max_tokens_per_microbatch")
+    )
     if len(counts) < dp:
         raise ValueError(f"token_counts: {len(counts)} samples cannot give each of dp_size={dp} ranks one")
     if cap is not None:
@@ -231,11 +225,9 @@ class ShardCollator:
     ) -> None:
         if not callable(fetch):
             raise TypeError(f"fetch must be callable (indices -> samples), got {type(fetch).__name__}")
-        if not isinstance(prefetch, (bool, np.bool_)):
-            raise TypeError(f"prefetch must be True or False, got {prefetch!r}")
+        self.prefetch = check_bool(prefetch, "prefetch")
         self.fetch = fetch
         self.microbatches = _check_microbatches(microbatches)
-        self.prefetch = bool(prefetch)
         if buffers is not None and not isinstance(buffers, BufferPool):
             raise TypeError(f"buffers must be None or a torch_r3.BufferPool, got {type(buffers).__name__}")
         self.collator = R3Collator(seq_len=seq_len, dtype=dtype, layers=layers, **options)

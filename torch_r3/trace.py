@@ -24,18 +24,11 @@ from typing import Any
 
 import numpy as np
 
+from torch_r3._checks import check_bool, check_int, check_integer_dtype, check_non_negative, check_positive
 from torch_r3.routes import CANONICAL_DTYPES, as_host_array, check_expert_ids, compact_routes, is_canonical, widest
 
 # `TokenMetadataTrace` is the row store `RoutedExpertTrace` is built on, not offered to users.
 __all__ = ["RoutedExpertTrace"]
-
-
-def _check_count(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{what} must be an int, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{what} must be >= 0, got {value}")
-    return int(value)
 
 
 def _id_tuple(ids: Any, what: str) -> tuple[int, ...]:
@@ -47,10 +40,7 @@ def _id_tuple(ids: Any, what: str) -> tuple[int, ...]:
         return tuple(ids.tolist())
     if not isinstance(ids, (list, tuple)):
         raise TypeError(f"{what}: expected a list of token ids, got {type(ids).__name__}")
-    for i, t in enumerate(ids):
-        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-            raise TypeError(f"{what}[{i}]: expected an int, got {type(t).__name__}")
-    return tuple(int(t) for t in ids)
+    return tuple(check_int(t, f"{what}[{i}]") for i, t in enumerate(ids))
 
 
 class TokenMetadataTrace:
@@ -81,7 +71,7 @@ class TokenMetadataTrace:
         if row_shape is not None:
             if not isinstance(row_shape, (tuple, list)):
                 raise TypeError(f"{name}: row_shape must be a tuple of ints, got {type(row_shape).__name__}")
-            row_shape = tuple(_check_count(d, f"{name}: row_shape[{i}]") for i, d in enumerate(row_shape))
+            row_shape = tuple(check_non_negative(d, f"{name}: row_shape[{i}]") for i, d in enumerate(row_shape))
         self._name = name
         self._row_shape: tuple[int, ...] | None = row_shape
         self._chunks: list[np.ndarray] = []
@@ -123,7 +113,7 @@ class TokenMetadataTrace:
         """
         what = label if label is not None else f"{self._name}: chunk {len(self._chunks)}"
         if expected_rows is not None:
-            expected_rows = _check_count(expected_rows, f"{what}: expected_rows")
+            expected_rows = check_non_negative(expected_rows, f"{what}: expected_rows")
         array = _as_rows(chunk, what)
         if array.ndim < 1:
             raise ValueError(f"{what}: expected an array [rows, ...], got a 0-d array")
@@ -159,8 +149,7 @@ class TokenMetadataTrace:
 
 def _as_rows(chunk: Any, what: str) -> np.ndarray:
     chunk = as_host_array(chunk, what)
-    if chunk.dtype.kind not in "iu":
-        raise TypeError(f"{what}: expected an integer dtype, got {chunk.dtype}")
+    check_integer_dtype(chunk, what)
     if is_canonical(chunk.dtype):
         return np.ascontiguousarray(chunk)
     # Any rank: compaction only looks at values, so a [values, 1, 1] view serves.
@@ -238,13 +227,10 @@ class RoutedExpertTrace:
             raise ValueError("RoutedExpertTrace: give both num_layers and topk, or neither")
         row_shape = None
         if num_layers is not None:
-            row_shape = (_check_count(num_layers, "num_layers"), _check_count(topk, "topk"))
-            if 0 in row_shape:
-                raise ValueError(f"RoutedExpertTrace: num_layers and topk must be > 0, got {row_shape}")
-        if num_experts is not None and _check_count(num_experts, "num_experts") == 0:
-            raise ValueError("RoutedExpertTrace: num_experts must be > 0, got 0")
-        if not isinstance(allow_mixed_versions, bool):
-            raise TypeError(f"allow_mixed_versions must be a bool, got {type(allow_mixed_versions).__name__}")
+            row_shape = (check_positive(num_layers, "num_layers"), check_positive(topk, "topk"))
+        if num_experts is not None:
+            num_experts = check_positive(num_experts, "num_experts")
+        allow_mixed_versions = check_bool(allow_mixed_versions, "allow_mixed_versions")
         self._rows = TokenMetadataTrace(row_shape=row_shape, name="routes")
         self._num_experts = None if num_experts is None else int(num_experts)
         self._allow_mixed = allow_mixed_versions
@@ -383,8 +369,8 @@ class RoutedExpertTrace:
         scan_ids: bool,
     ) -> None:
         turn = f"turn {self.turns}"
-        prompt_len = _check_count(prompt_len, f"{turn}: prompt_len")
-        generated_len = _check_count(generated_len, f"{turn}: generated_len")
+        prompt_len = check_non_negative(prompt_len, f"{turn}: prompt_len")
+        generated_len = check_non_negative(generated_len, f"{turn}: generated_len")
         weight_version = self._span_version(weight_version, weight_versions, turn)
         self._check_version(weight_version, turn)
         start = self.prompt_start
@@ -401,8 +387,7 @@ class RoutedExpertTrace:
             raise TypeError(f"{turn}: routes is None; request with return_routed_experts=True")
         label = f"{turn}: routes"
         array = as_host_array(routes, label)
-        if array.dtype.kind not in "iu":
-            raise TypeError(f"{label}: expected an integer dtype, got {array.dtype}")
+        check_integer_dtype(array, label)
         if array.ndim != 3:
             raise ValueError(f"{label}: routes must be [rows, layers, topk], got shape {array.shape}")
         if array.shape[0] != expected:
@@ -507,7 +492,7 @@ class RoutedExpertTrace:
             ValueError: more rows were captured than the trajectory has tokens,
                 or no rows were recorded and the row shape is unknown.
         """
-        token_count = _check_count(token_count, "token_count")
+        token_count = check_non_negative(token_count, "token_count")
         if self.prompt_start > token_count:
             raise ValueError(
                 f"routes: {self.prompt_start} rows captured but the trajectory has only {token_count} tokens"

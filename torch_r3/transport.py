@@ -39,7 +39,6 @@ import asyncio
 import email.utils
 import json
 import logging
-import math
 import random
 import threading
 import time
@@ -50,6 +49,7 @@ from typing import Any
 
 import aiohttp
 
+from torch_r3._checks import check_finite_float, check_non_negative, check_positive
 from torch_r3.errors import RemoteGenerateError
 
 # `HttpTransport` and its defaults serve `RemoteGenerateClient`, which owns one;
@@ -99,26 +99,21 @@ class TransportConfig:
     max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
 
     def __post_init__(self) -> None:
-        for name in ("retries", "max_concurrency", "max_response_bytes"):
+        # Frozen: the checked values (NumPy scalars become int/float) are set through object.__setattr__.
+        checked: dict[str, Any] = {
+            "retries": check_non_negative(self.retries, "retries"),
+            "max_concurrency": check_positive(self.max_concurrency, "max_concurrency"),
+            "max_response_bytes": check_positive(self.max_response_bytes, "max_response_bytes"),
+        }
+        # Finite: max_backoff=inf would let one Retry-After park a call for years.
+        for name in ("backoff", "max_backoff"):
+            checked[name] = check_finite_float(getattr(self, name), name)
+        for name in ("timeout", "connect_timeout"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if self.retries < 0:
-            raise ValueError(f"retries must be >= 0, got {self.retries}")
-        for name in ("max_concurrency", "max_response_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("backoff", "max_backoff", "timeout", "connect_timeout"):
-            value = getattr(self, name)
-            is_timeout = name.endswith("timeout")
-            if value is None and is_timeout:
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
-            # Finite: max_backoff=inf would let one Retry-After park a call for years.
-            if not math.isfinite(value) or value < 0 or (is_timeout and value == 0):
-                bound = "> 0 and finite (None for no limit)" if is_timeout else ">= 0 and finite"
-                raise ValueError(f"{name} must be {bound}, got {value}")
+            if value is not None:
+                checked[name] = check_finite_float(value, name, allow_zero=False, note="None for no limit")
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
 
     @property
     def max_route_bytes(self) -> int:

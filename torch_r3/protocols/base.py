@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from torch_r3._checks import check_str
 from torch_r3.codec import WireFormatError
 
 # The contract a protocol implements and the types the client hands it; the
@@ -298,8 +299,7 @@ def check_cache_salt(salt: Any) -> str:
         >>> check_cache_salt("v12")
         'v12'
     """
-    if not isinstance(salt, str):
-        raise TypeError(f"cache_salt must be a str, got {type(salt).__name__}")
+    check_str(salt, "cache_salt")
     if not salt:
         raise ValueError(
             "cache_salt must be a non-empty string (servers refuse or ignore an empty salt); pass None for none"

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from torch_r3._checks import check_positive, check_str
 from torch_r3.testing.model import ServedModel
 
 __all__ = ["Engine", "GenerateRequest", "Generation", "ModelOutputError", "PrefixCache"]
@@ -103,11 +104,8 @@ class PrefixCache:
     """
 
     def __init__(self, block_size: int = 16, max_blocks: int = 4096) -> None:
-        for name, value in (("block_size", block_size), ("max_blocks", max_blocks)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        self.block_size = block_size
-        self.max_blocks = max_blocks
+        self.block_size = check_positive(block_size, "block_size")
+        self.max_blocks = check_positive(max_blocks, "max_blocks")
         self._blocks: collections.OrderedDict[bytes, np.ndarray] = collections.OrderedDict()
 
     def __len__(self) -> int:
@@ -244,8 +242,8 @@ class Engine:
         Returns:
             The new weight version.
         """
-        if weight_version is not None and not isinstance(weight_version, str):
-            raise TypeError(f"weight_version must be a str, got {type(weight_version).__name__}")
+        if weight_version is not None:
+            check_str(weight_version, "weight_version")
         with self._lock:
             self.model.update_weights(self._updates + 1)
             self._updates += 1

@@ -6,6 +6,8 @@ import collections
 import threading
 from typing import Any
 
+from torch_r3._checks import check_finite_float, check_int, check_non_negative
+
 __all__ = ["Faults"]
 
 
@@ -48,8 +50,9 @@ class Faults:
 
     def status(self, code: int, n: int = 1, *, message: str | None = None, json_error: bool = True) -> None:
         """Answer with HTTP `code`: a `{"error": {"message"}}` body, or plain text when `json_error=False`."""
-        if isinstance(code, bool) or not isinstance(code, int) or not 100 <= code <= 599:
-            raise ValueError(f"code must be an HTTP status int, got {code!r}")
+        code = check_int(code, "code")
+        if not 100 <= code <= 599:
+            raise ValueError(f"code must be an HTTP status in [100, 599], got {code}")
         self._push("status", n, code=code, message=message or f"injected {code}", json_error=json_error)
 
     def truncate(self, n: int = 1) -> None:
@@ -74,9 +77,7 @@ class Faults:
 
     def stall(self, seconds: float, n: int = 1) -> None:
         """Wait `seconds` before handling the request (to outlast a client timeout)."""
-        if not seconds >= 0:
-            raise ValueError(f"seconds must be >= 0, got {seconds!r}")
-        self._push("stall", n, seconds=float(seconds))
+        self._push("stall", n, seconds=check_finite_float(seconds, "seconds"))
 
     def clear(self) -> None:
         """Drop every pending fault."""
@@ -109,6 +110,4 @@ class Faults:
 
 
 def _count(n: Any) -> int:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"n must be an int >= 0, got {n!r}")
-    return n
+    return check_non_negative(n, "n")

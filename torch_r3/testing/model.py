@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from torch_r3._checks import check_int, check_positive
+
 __all__ = ["GenerateOutput", "ServedModel", "TinyMoELM"]
 
 
@@ -150,13 +152,19 @@ class TinyMoELM(ServedModel):
         eos_token_id: int | None = None,
         first_k_dense: int = 0,
     ) -> None:
-        if not 1 <= topk <= num_experts:
+        vocab_size = check_positive(vocab_size, "vocab_size")
+        hidden_size = check_positive(hidden_size, "hidden_size")
+        num_layers = check_positive(num_layers, "num_layers")
+        num_experts = check_positive(num_experts, "num_experts")
+        topk = check_positive(topk, "topk")
+        if topk > num_experts:
             raise ValueError(f"topk must be in [1, num_experts={num_experts}], got {topk}")
-        for field, value in (("vocab_size", vocab_size), ("hidden_size", hidden_size), ("num_layers", num_layers)):
-            if value < 1:
-                raise ValueError(f"{field} must be >= 1, got {value}")
-        if isinstance(first_k_dense, bool) or not isinstance(first_k_dense, int) or not 0 <= first_k_dense < num_layers:
-            raise ValueError(f"first_k_dense must be an int in [0, num_layers={num_layers}), got {first_k_dense!r}")
+        first_k_dense = check_int(first_k_dense, "first_k_dense")
+        if not 0 <= first_k_dense < num_layers:
+            raise ValueError(f"first_k_dense must be in [0, num_layers={num_layers}), got {first_k_dense}")
+        seed = check_int(seed, "seed")
+        if eos_token_id is not None:
+            eos_token_id = check_int(eos_token_id, "eos_token_id")
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.num_layers = num_layers
@@ -183,8 +191,7 @@ class TinyMoELM(ServedModel):
             >>> bool((model.generate([1, 2, 3], {"max_new_tokens": 4}).routes != before).any())
             True
         """
-        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-            raise ValueError(f"step must be an int >= 1, got {step!r}")
+        step = check_positive(step, "step")
         with self._lock:
             self._init_weights(self.seed + 1_000_003 * step)
 

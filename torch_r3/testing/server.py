@@ -23,6 +23,7 @@ from torch_r3._extras import require
 require("aiohttp", "testing")  # without aiohttp: name the extra that installs it
 from aiohttp import web
 
+from torch_r3._checks import check_bool, check_finite_float, check_int, check_positive
 from torch_r3.protocols.torch_r3 import MODEL_INFO_PATH
 from torch_r3.testing._engine import Engine, ModelOutputError, PrefixCache
 from torch_r3.testing._wire import WireProtocol, make_protocol
@@ -252,6 +253,16 @@ class LoopbackServer:
         block_size: int | None = None,
         cache_blocks: int = 4096,
     ) -> None:
+        routes_enabled = check_bool(routes_enabled, "routes_enabled")
+        sglang_ignores_start = check_bool(sglang_ignores_start, "sglang_ignores_start")
+        prefix_cache = check_bool(prefix_cache, "prefix_cache")
+        if block_size is not None:
+            block_size = check_positive(block_size, "block_size")
+        cache_blocks = check_positive(cache_blocks, "cache_blocks")
+        port = check_int(port, "port")
+        if not 0 <= port <= 65535:
+            raise ValueError(f"port must be in [0, 65535] (0: any free port), got {port}")
+        shutdown_timeout = check_finite_float(shutdown_timeout, "shutdown_timeout")
         self.model = model if model is not None else TinyMoELM()
         options: dict[str, Any] = {"routes_enabled": routes_enabled}
         if protocol == "sglang":
@@ -261,7 +272,9 @@ class LoopbackServer:
                 f"sglang_ignores_start and sglang_routes_dtype apply to protocol='sglang', not {protocol!r}"
             )
         self.wire = make_protocol(protocol, **options)
-        cache = PrefixCache(block_size or self.wire.default_block_size, cache_blocks) if prefix_cache else None
+        if block_size is None:
+            block_size = self.wire.default_block_size
+        cache = PrefixCache(block_size, cache_blocks) if prefix_cache else None
         self.engine = Engine(self.model, cache)
         self.faults = faults if faults is not None else Faults()
         self.stats = ServerStats()

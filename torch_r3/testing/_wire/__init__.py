@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch_r3._checks import check_choice
 from torch_r3.testing._wire.base import WireProtocol
 from torch_r3.testing._wire.sglang import SGLangWire
 from torch_r3.testing._wire.torch_r3 import TorchR3Wire
@@ -30,6 +31,5 @@ def make_protocol(protocol: str | WireProtocol, **options: Any) -> WireProtocol:
         if options:
             raise ValueError(f"options {sorted(options)} apply to a protocol name, not to a WireProtocol instance")
         return protocol
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"protocol must be one of {sorted(PROTOCOLS)}, got {protocol!r}")
+    check_choice(protocol, "protocol", sorted(PROTOCOLS))
     return PROTOCOLS[protocol](**options)

@@ -14,6 +14,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+# Aliased: this module's own check_bool checks JSON request fields (no NumPy bools on the wire).
+from torch_r3._checks import check_bool as check_flag
 from torch_r3.protocols.base import MAX_SALT_CHARS, SALT_FORBIDDEN
 from torch_r3.testing._engine import GenerateRequest, Generation
 from torch_r3.testing.model import ServedModel
@@ -51,7 +53,7 @@ class WireProtocol(abc.ABC):
     default_block_size: ClassVar[int] = 16
 
     def __init__(self, *, routes_enabled: bool = True) -> None:
-        self.routes_enabled = check_bool(routes_enabled, "routes_enabled")
+        self.routes_enabled = check_flag(routes_enabled, "routes_enabled")
 
     @abc.abstractmethod
     def parse(self, body: Any, model: ServedModel) -> GenerateRequest:

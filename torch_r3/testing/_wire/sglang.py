@@ -39,6 +39,8 @@ from typing import Any
 
 import numpy as np
 
+from torch_r3._checks import check_bool as check_flag
+from torch_r3._checks import check_choice
 from torch_r3.protocols.sglang import FLUSH_CACHE_PATH, GENERATE_PATH
 from torch_r3.testing._engine import GenerateRequest, Generation
 from torch_r3.testing._wire.base import (
@@ -97,9 +99,9 @@ class SGLangWire(WireProtocol):
         self, *, routes_enabled: bool = True, ignores_start: bool = False, routes_dtype: str | None = None
     ) -> None:
         super().__init__(routes_enabled=routes_enabled)
-        self.ignores_start = check_bool(ignores_start, "ignores_start")
-        if routes_dtype is not None and routes_dtype not in _NARROW:
-            raise ValueError(f"routes_dtype must be None, 'uint8' or 'uint16', got {routes_dtype!r}")
+        self.ignores_start = check_flag(ignores_start, "ignores_start")
+        if routes_dtype is not None:
+            check_choice(routes_dtype, "routes_dtype", sorted(_NARROW))
         self.routes_dtype = routes_dtype
 
     def parse(self, body: Any, model: ServedModel) -> GenerateRequest:

@@ -1,0 +1,437 @@
+"""The argument checks: one rule per kind, and the same mistake read the same at every public site.
+
+The first half specifies each kind's rule on `torch_r3._checks` itself. The
+second half makes the same four mistakes (a NumPy integer, a bool, a float, a
+negative size) at every public integer argument of the collation, layout,
+shard, route, codec, trace, client, transport and testing modules, and checks
+that each site answers them alike: the NumPy integer is accepted and gives the
+result the Python `int` gives, the bool and the float are `TypeError`, the
+negative size is `ValueError`, and every message names the argument.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from torch_r3 import (
+    R3Collator,
+    canonical_dtype_for,
+    check_expert_ids,
+    collate_routes,
+    compact_routes,
+    global_layout,
+    plan_microbatches,
+)
+from torch_r3._checks import (
+    check_at_least,
+    check_bool,
+    check_choice,
+    check_dtype,
+    check_finite_float,
+    check_int,
+    check_integer_dtype,
+    check_non_negative,
+    check_positive,
+    check_str,
+)
+from torch_r3.codec import decode_routes, decode_sglang_routes, decode_vllm_routes, encode_routes
+from torch_r3.layout import padded_length
+from torch_r3.shard import ShardCollator
+from torch_r3.trace import RoutedExpertTrace, TokenMetadataTrace
+
+NUMPY_INTS = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
+CANONICAL = (np.dtype(np.uint8), np.dtype(np.int16), np.dtype(np.int32))
+
+
+# -- each kind's rule ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", NUMPY_INTS)
+def test_an_integer_is_any_python_or_numpy_integer_returned_as_a_python_int(kind):
+    got = check_int(kind(7), "n")
+    assert got == 7 and type(got) is int
+    assert type(check_int(2**70, "n")) is int  # no bound of its own: sizes bound themselves
+
+
+@pytest.mark.parametrize(
+    "value, shown",
+    [
+        (True, "bool"),
+        (np.bool_(False), "bool"),
+        (2.0, "float"),
+        (np.float64(2), "float64"),
+        ("2", "str"),
+        (None, "NoneType"),
+    ],
+)
+def test_a_bool_a_float_a_string_or_none_is_not_an_integer(value, shown):
+    with pytest.raises(TypeError) as info:
+        check_int(value, "num_layers")
+    assert str(info.value) == f"num_layers must be an int, got {shown}"
+
+
+def test_sizes_have_one_wording_per_bound():
+    assert check_positive(np.uint8(1), "topk") == 1
+    assert check_non_negative(0, "retries") == 0
+    assert check_at_least(5, "x", 5) == 5
+    for check, value, words in [
+        (check_positive, 0, "topk must be >= 1, got 0"),
+        (check_positive, -1, "topk must be >= 1, got -1"),
+        (check_non_negative, np.int64(-1), "topk must be >= 0, got -1"),
+    ]:
+        with pytest.raises(ValueError) as info:
+            check(value, "topk")
+        assert str(info.value) == words
+    with pytest.raises(ValueError, match="x must be >= 5, got 4"):
+        check_at_least(4, "x", 5)
+    # The type is checked before the value: a negative float is a wrong type, not a bad value.
+    with pytest.raises(TypeError, match="topk must be an int, got float"):
+        check_positive(-1.0, "topk")
+
+
+def test_a_flag_is_python_or_numpy_true_or_false_and_nothing_else():
+    assert check_bool(np.True_, "compact") is True and check_bool(False, "compact") is False
+    for value in (1, 0, "yes", None, np.int64(1)):
+        with pytest.raises(TypeError) as info:
+            check_bool(value, "compact")
+        assert str(info.value) == f"compact must be True or False, got {value!r}"
+
+
+def test_a_finite_float_refuses_bools_and_non_numbers_by_type_and_infinities_by_value():
+    assert check_finite_float(np.float32(0.25), "backoff") == 0.25
+    assert type(check_finite_float(np.int64(3), "backoff")) is float
+    assert check_finite_float(0, "backoff") == 0.0
+    for value in (True, "1", None):
+        with pytest.raises(TypeError, match="backoff must be a number, got"):
+            check_finite_float(value, "backoff")
+    for value in (math.inf, -math.inf, math.nan, -0.5):
+        with pytest.raises(ValueError, match=r"backoff must be a finite number >= 0, got"):
+            check_finite_float(value, "backoff")
+    with pytest.raises(ValueError) as info:
+        check_finite_float(0.0, "timeout", allow_zero=False, note="None for no limit")
+    assert str(info.value) == "timeout must be a finite number > 0, got 0.0 (None for no limit)"
+
+
+def test_a_choice_is_one_member_of_its_enum_compared_by_type():
+    assert check_choice("packed", "layout", ("padded", "packed")) == "packed"
+    assert check_choice(np.str_("packed"), "layout", ("padded", "packed")) == "packed"
+    with pytest.raises(ValueError) as info:
+        check_choice("ragged", "layout", ("padded", "packed"))
+    assert str(info.value) == "layout must be one of ['padded', 'packed'], got 'ragged'"
+    # True == 1, but a bool is not the member 1; an array's == would be elementwise.
+    for value in (True, np.array(["padded", "packed"]), None):
+        with pytest.raises(ValueError, match="layout must be one of"):
+            check_choice(value, "layout", ("padded", "packed"))
+    with pytest.raises(ValueError, match="n must be one of"):
+        check_choice(True, "n", (1, 2))
+
+
+@pytest.mark.parametrize(
+    "value, want", [(np.uint8, np.uint8), ("int16", np.int16), (torch.int32, np.int32), (np.dtype("=i2"), np.int16)]
+)
+def test_a_dtype_is_named_by_numpy_torch_or_a_string(value, want):
+    assert check_dtype(value, "dtype", CANONICAL) == np.dtype(want)
+
+
+@pytest.mark.parametrize(
+    "value, error, words",
+    [
+        (torch.float32, ValueError, "dtype must be uint8, int16 or int32, got torch.float32"),
+        (np.int64, ValueError, "dtype must be uint8, int16 or int32 (native byte order), got <i8 (int64)"),
+        (">i2", ValueError, r"dtype must be uint8, int16 or int32 (native byte order), got >i2 (>i2)"),
+        ("bogus", TypeError, "dtype must be a NumPy or torch dtype (uint8, int16 or int32), got 'bogus'"),
+    ],
+)
+def test_a_dtype_outside_the_allowed_ones_is_a_value_error_and_a_non_dtype_a_type_error(value, error, words):
+    with pytest.raises(error) as info:
+        check_dtype(value, "dtype", CANONICAL)
+    assert str(info.value) == words
+
+
+def test_an_array_of_a_non_integer_dtype_is_a_type_error():
+    check_integer_dtype(np.zeros(2, np.uint64), "routes")
+    for dtype in (np.float32, bool, np.complex64):
+        with pytest.raises(TypeError, match=r"routes: expected an integer dtype, got"):
+            check_integer_dtype(np.zeros(2, dtype), "routes")
+
+
+def test_a_string_argument_refuses_bytes():
+    assert check_str("m", "model") == "m"
+    with pytest.raises(TypeError, match="model must be a str, got bytes"):
+        check_str(b"m", "model")
+
+
+# -- the same mistake at every public site -------------------------------------------------
+
+GOOD = np.array([[[0, 1]]], np.uint8)  # one route row: a trajectory of 2 tokens, 1 layer, top-2
+
+
+def _npy_text(array: np.ndarray) -> str:
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _raw_text(array: np.ndarray) -> str:
+    """SGLang's form: base64 of the raw int32 ids."""
+    return base64.b64encode(array.astype(np.int32).tobytes()).decode()
+
+
+def _client_moe_layers(moe_layers: list[Any]) -> Any:
+    from torch_r3.client import RemoteGenerateClient
+
+    layers = RemoteGenerateClient("http://127.0.0.1:9", num_layers=4, topk=2, moe_layers=moe_layers).moe_layers
+    assert all(type(layer) is int for layer in layers)
+    return layers
+
+
+def _client(**kwargs: Any) -> Any:
+    from torch_r3.client import RemoteGenerateClient
+
+    return repr(RemoteGenerateClient("http://127.0.0.1:9", **kwargs).limits)
+
+
+def _client_config(**kwargs: Any) -> Any:
+    from torch_r3.client import RemoteGenerateClient
+
+    return repr(RemoteGenerateClient("http://127.0.0.1:9", **kwargs).transport_config)
+
+
+def _transport(**kwargs: Any) -> Any:
+    from torch_r3.client import TransportConfig
+
+    return repr(TransportConfig(**kwargs))
+
+
+def _trace_record(trace: RoutedExpertTrace | None = None, **kwargs: Any) -> Any:
+    trace = trace if trace is not None else RoutedExpertTrace()
+    trace.record(**{"prompt_len": 2, "generated_len": 1, "routes": np.array([[[0, 1]], [[1, 0]]], np.uint8), **kwargs})
+    return trace.finalize(token_count=3).tolist()
+
+
+def _testing(kind: str, **kwargs: Any) -> Any:
+    from torch_r3 import testing
+
+    if kind == "cache":
+        cache = testing.PrefixCache(**kwargs)
+        return repr((cache.block_size, cache.max_blocks))
+    if kind == "model":
+        model = testing.TinyMoELM(**kwargs)
+        return repr((model.vocab_size, model.num_layers, model.num_experts, model.topk, model.first_k_dense))
+    if kind == "server":  # built, never started: the arguments are checked before any socket
+        server = testing.LoopbackServer(**kwargs)
+        cache = server.engine.cache
+        blocks = None if cache is None else (cache.block_size, cache.max_blocks)
+        return repr((server.port, server.wire.routes_enabled, blocks))
+    faults = testing.Faults()
+    faults.disconnect(**kwargs)
+    return faults.pending
+
+
+def _wire(protocol: str, **kwargs: Any) -> Any:
+    from torch_r3.testing import PROTOCOLS
+
+    return PROTOCOLS[protocol](**kwargs)
+
+
+def _output(out: Any) -> Any:
+    """A comparable form of a site's result."""
+    if isinstance(out, dict):
+        return {k: _output(v) for k, v in out.items()}
+    if isinstance(out, (torch.Tensor, np.ndarray)):
+        return (str(out.dtype), out.tolist())
+    if isinstance(out, (list, tuple)):
+        return [_output(v) for v in out]
+    return repr(out)
+
+
+# (argument, a valid value, the call) for every public integer argument of these modules.
+SIZES: list[tuple[str, int, Callable[[Any], Any]]] = [
+    ("pad_to_multiple_of", 4, lambda v: collate_routes([GOOD], [2], pad_to_multiple_of=v)),
+    ("seq_len", 4, lambda v: collate_routes([GOOD], [2], seq_len=v)),
+    ("max_output_bytes", 10**6, lambda v: collate_routes([GOOD], [2], max_output_bytes=v)),
+    ("num_experts", 4, lambda v: collate_routes([GOOD], [2], padding="balanced", num_experts=v, seq_len=4)),
+    ("pad_to_multiple_of", 4, lambda v: R3Collator(pad_to_multiple_of=v)([{"input_ids": [1, 2], "routes": GOOD}])),
+    ("cache_bytes", 0, lambda v: R3Collator(cache_bytes=v).buffers.max_cached_bytes),
+    ("pad_to_multiple_of", 4, lambda v: global_layout([3], [np.uint8], pad_to_multiple_of=v)),
+    ("num_experts", 300, lambda v: global_layout([3], [np.uint8], padding="balanced", num_experts=v)),
+    ("pad_to_multiple_of", 4, lambda v: padded_length([3, 5], pad_to_multiple_of=v)),
+    ("dp_size", 2, lambda v: plan_microbatches([3, 4], dp_size=v)),
+    ("micro_batch_size", 1, lambda v: plan_microbatches([3, 4], dp_size=1, micro_batch_size=v)),
+    ("max_tokens_per_microbatch", 8, lambda v: plan_microbatches([3, 4], dp_size=1, max_tokens_per_microbatch=v)),
+    (
+        "seq_len",
+        4,
+        lambda v: next(iter(ShardCollator(lambda i: [{"input_ids": [1, 2], "routes": GOOD}], [[0]], seq_len=v))),
+    ),
+    ("max_id", 255, canonical_dtype_for),
+    ("num_experts", 2, lambda v: compact_routes(GOOD, num_experts=v)),
+    ("num_experts", 2, lambda v: check_expert_ids(GOOD, v)),
+    ("num_experts", 2, lambda v: decode_routes(encode_routes(GOOD), num_experts=v)),
+    ("max_bytes", 64, lambda v: decode_routes(encode_routes(GOOD), max_bytes=v)),
+    ("num_layers", 1, lambda v: decode_routes(encode_routes(GOOD), num_layers=v, topk=2)),
+    ("topk", 2, lambda v: decode_routes(encode_routes(GOOD), num_layers=1, topk=v)),
+    ("num_layers", 1, lambda v: decode_sglang_routes(_raw_text(GOOD), num_layers=v, topk=2)),
+    ("num_tokens", 1, lambda v: decode_sglang_routes(_raw_text(GOOD), num_layers=1, topk=2, num_tokens=v)),
+    ("topk", 2, lambda v: decode_vllm_routes(_npy_text(GOOD), num_layers=1, topk=v)),
+    ("num_experts", 2, lambda v: decode_vllm_routes(_npy_text(GOOD), num_experts=v)),
+    ("num_layers", 1, lambda v: RoutedExpertTrace(num_layers=v, topk=2).finalize(token_count=1)),
+    ("topk", 2, lambda v: RoutedExpertTrace(num_layers=1, topk=v).finalize(token_count=1)),
+    ("num_experts", 8, lambda v: _trace_record(RoutedExpertTrace(num_experts=v))),
+    ("prompt_len", 2, lambda v: _trace_record(prompt_len=v)),
+    ("generated_len", 1, lambda v: _trace_record(generated_len=v)),
+    ("token_count", 1, lambda v: RoutedExpertTrace(num_layers=1, topk=2).finalize(token_count=v)),
+    ("row_shape[0]", 1, lambda v: TokenMetadataTrace(row_shape=(v, 2)).finalize()),
+    ("expected_rows", 1, lambda v: TokenMetadataTrace().append(GOOD, expected_rows=v)),
+    ("num_layers", 4, lambda v: _client(num_layers=v, topk=2)),
+    ("topk", 2, lambda v: _client(num_layers=4, topk=v)),
+    ("num_experts", 8, lambda v: _client(num_experts=v)),
+    ("moe_layers[0]", 1, lambda v: _client_moe_layers([v])),
+    ("retries", 2, lambda v: _client_config(retries=v)),
+    ("max_concurrency", 3, lambda v: _client_config(max_concurrency=v)),
+    ("max_response_bytes", 1024, lambda v: _client_config(max_response_bytes=v)),
+    ("retries", 2, lambda v: _transport(retries=v)),
+    ("max_concurrency", 3, lambda v: _transport(max_concurrency=v)),
+    ("max_response_bytes", 1024, lambda v: _transport(max_response_bytes=v)),
+    ("block_size", 2, lambda v: _testing("cache", block_size=v)),
+    ("max_blocks", 8, lambda v: _testing("cache", max_blocks=v)),
+    ("num_layers", 3, lambda v: _testing("model", num_layers=v)),
+    ("topk", 2, lambda v: _testing("model", topk=v)),
+    ("vocab_size", 16, lambda v: _testing("model", vocab_size=v)),
+    ("first_k_dense", 1, lambda v: _testing("model", first_k_dense=v)),
+    ("n", 2, lambda v: _testing("faults", n=v)),
+    ("block_size", 2, lambda v: _testing("server", block_size=v)),
+    ("cache_blocks", 8, lambda v: _testing("server", cache_blocks=v)),
+    ("port", 0, lambda v: _testing("server", port=v)),
+]
+SIZE_IDS = [f"{i}-{name}" for i, (name, _, _) in enumerate(SIZES)]
+
+
+@pytest.mark.parametrize(("name", "valid", "call"), SIZES, ids=SIZE_IDS)
+def test_a_numpy_integer_is_accepted_wherever_a_python_int_is(name, valid, call):
+    assert _output(call(np.int64(valid))) == _output(call(valid))
+    assert _output(call(np.uint32(valid))) == _output(call(valid))
+
+
+@pytest.mark.parametrize(("name", "valid", "call"), SIZES, ids=SIZE_IDS)
+@pytest.mark.parametrize(
+    "mistake", [True, np.True_, float, np.float64], ids=["bool", "np.bool_", "float", "np.float64"]
+)
+def test_a_bool_or_a_float_for_an_integer_is_a_type_error_naming_the_argument(name, valid, call, mistake):
+    value = mistake(valid) if mistake in (float, np.float64) else mistake
+    with pytest.raises(TypeError) as info:
+        call(value)
+    assert f"{name} must be an int, got" in str(info.value)
+
+
+@pytest.mark.parametrize(("name", "valid", "call"), SIZES, ids=SIZE_IDS)
+def test_a_negative_size_is_a_value_error_naming_the_argument(name, valid, call):
+    with pytest.raises(ValueError) as info:
+        call(-1)
+    assert name in str(info.value) and "-1" in str(info.value)
+
+
+def test_a_zero_block_size_is_refused_not_replaced_by_the_default():
+    # LoopbackServer(block_size=0) used to serve with the protocol's default block size.
+    with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
+        _testing("server", block_size=0)
+
+
+def _generate(**kwargs: Any) -> Any:
+    from torch_r3.client import RemoteGenerateClient
+
+    async def main() -> None:
+        async with RemoteGenerateClient("http://127.0.0.1:9", retries=0) as client:
+            await client.generate([1, 2], **kwargs)
+
+    return asyncio.run(main())
+
+
+# (argument, the call) for every public flag of these modules; each call stops before any I/O.
+FLAGS: list[tuple[str, Callable[[Any], Any]]] = [
+    ("compact", lambda v: collate_routes([GOOD], [2], compact=v)),
+    ("compact", lambda v: R3Collator(compact=v)),
+    ("prefetch", lambda v: ShardCollator(lambda i: [], [[0]], prefetch=v)),
+    ("allow_mixed_versions", lambda v: RoutedExpertTrace(allow_mixed_versions=v)),
+    ("routes_enabled", lambda v: _testing("server", routes_enabled=v)),
+    ("sglang_ignores_start", lambda v: _testing("server", protocol="sglang", sglang_ignores_start=v)),
+    ("prefix_cache", lambda v: _testing("server", prefix_cache=v)),
+    ("routes_enabled", lambda v: _wire("vllm", routes_enabled=v)),
+    ("ignores_start", lambda v: _wire("sglang", ignores_start=v)),
+]
+
+
+@pytest.mark.parametrize(("name", "call"), FLAGS, ids=[f"{i}-{n}" for i, (n, _) in enumerate(FLAGS)])
+def test_a_flag_takes_numpy_bools_and_refuses_ints_and_strings_with_one_wording(name, call):
+    call(np.True_)
+    call(np.False_)
+    for value in (1, "yes", None):
+        with pytest.raises(TypeError) as info:
+            call(value)
+        assert str(info.value) == f"{name} must be True or False, got {value!r}"
+
+
+def test_return_routed_experts_takes_a_numpy_bool_and_refuses_an_int():
+    # The one flag whose wording a test pins ("must be a bool"); its rule is the others'.
+    with pytest.raises(Exception) as info:  # a NumPy bool passes the check; the call then finds no server
+        _generate(return_routed_experts=np.False_)
+    assert not isinstance(info.value, TypeError)
+    with pytest.raises(TypeError, match="return_routed_experts must be a bool, got int"):
+        _generate(return_routed_experts=1)
+
+
+@pytest.mark.parametrize(
+    "value, error", [(np.float32(0.5), None), (True, TypeError), ("1", TypeError), (math.inf, ValueError)]
+)
+@pytest.mark.parametrize("name", ["backoff", "max_backoff", "timeout", "connect_timeout"])
+def test_seconds_follow_the_finite_float_rule_in_the_client_and_its_config(name, value, error):
+    from torch_r3.client import RemoteGenerateClient, TransportConfig
+
+    for build in (TransportConfig, lambda **kw: RemoteGenerateClient("http://127.0.0.1:9", **kw).transport_config):
+        if error is None:
+            assert getattr(build(**{name: value}), name) == 0.5
+            assert type(getattr(build(**{name: value}), name)) is float
+        else:
+            with pytest.raises(error, match=name):
+                build(**{name: value})
+
+
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (
+            lambda: collate_routes([GOOD], [2], layout="ragged"),
+            "layout must be one of ['padded', 'packed'], got 'ragged'",
+        ),
+        (
+            lambda: collate_routes([GOOD], [2], padding="zeros"),
+            "padding must be one of ['arange', 'balanced'], got 'zeros'",
+        ),
+        (lambda: _client(server="tgi"), "server must be one of ['torch_r3', 'sglang', 'vllm'], got 'tgi'"),
+    ],
+)
+def test_an_enum_names_its_members_the_same_way_at_every_site(call, words):
+    with pytest.raises(ValueError) as info:
+        call()
+    assert str(info.value) == words
+
+
+def test_a_route_dtype_argument_follows_the_dtype_rule_in_collation_and_layout():
+    for call in (
+        lambda d: collate_routes([GOOD], [2], dtype=d),
+        lambda d: global_layout([2], [d]),
+        lambda d: R3Collator(dtype=d),
+    ):
+        with pytest.raises(ValueError, match=r"must be uint8, int16 or int32, got torch.float32"):
+            call(torch.float32)
+        with pytest.raises(TypeError, match=r"must be a NumPy or torch dtype"):
+            call("bogus")
