@@ -24,7 +24,6 @@ import torch
 
 from torch_r3 import (
     R3Collator,
-    canonical_dtype_for,
     check_expert_ids,
     collate_routes,
     compact_routes,
@@ -45,6 +44,7 @@ from torch_r3._checks import (
 )
 from torch_r3.codec import decode_routes, decode_sglang_routes, decode_vllm_routes, encode_routes
 from torch_r3.layout import padded_length
+from torch_r3.routes import canonical_dtype_for
 from torch_r3.shard import ShardCollator
 from torch_r3.trace import RoutedExpertTrace, TokenMetadataTrace
 
@@ -219,11 +219,10 @@ def _trace_record(trace: RoutedExpertTrace | None = None, **kwargs: Any) -> Any:
 
 
 def _testing(kind: str, **kwargs: Any) -> Any:
+    # The public front of torch_r3.testing only: its machinery (the prefix cache, the wire
+    # protocols) is private since the public surface was trimmed, and checked through the server.
     from torch_r3 import testing
 
-    if kind == "cache":
-        cache = testing.PrefixCache(**kwargs)
-        return repr((cache.block_size, cache.max_blocks))
     if kind == "model":
         model = testing.TinyMoELM(**kwargs)
         return repr((model.vocab_size, model.num_layers, model.num_experts, model.topk, model.first_k_dense))
@@ -235,12 +234,6 @@ def _testing(kind: str, **kwargs: Any) -> Any:
     faults = testing.Faults()
     faults.disconnect(**kwargs)
     return faults.pending
-
-
-def _wire(protocol: str, **kwargs: Any) -> Any:
-    from torch_r3.testing import PROTOCOLS
-
-    return PROTOCOLS[protocol](**kwargs)
 
 
 def _output(out: Any) -> Any:
@@ -302,8 +295,6 @@ SIZES: list[tuple[str, int, Callable[[Any], Any]]] = [
     ("retries", 2, lambda v: _transport(retries=v)),
     ("max_concurrency", 3, lambda v: _transport(max_concurrency=v)),
     ("max_response_bytes", 1024, lambda v: _transport(max_response_bytes=v)),
-    ("block_size", 2, lambda v: _testing("cache", block_size=v)),
-    ("max_blocks", 8, lambda v: _testing("cache", max_blocks=v)),
     ("num_layers", 3, lambda v: _testing("model", num_layers=v)),
     ("topk", 2, lambda v: _testing("model", topk=v)),
     ("vocab_size", 16, lambda v: _testing("model", vocab_size=v)),
@@ -365,8 +356,6 @@ FLAGS: list[tuple[str, Callable[[Any], Any]]] = [
     ("routes_enabled", lambda v: _testing("server", routes_enabled=v)),
     ("sglang_ignores_start", lambda v: _testing("server", protocol="sglang", sglang_ignores_start=v)),
     ("prefix_cache", lambda v: _testing("server", prefix_cache=v)),
-    ("routes_enabled", lambda v: _wire("vllm", routes_enabled=v)),
-    ("ignores_start", lambda v: _wire("sglang", ignores_start=v)),
 ]
 
 

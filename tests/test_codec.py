@@ -198,7 +198,7 @@ def _peak_bytes(fn, *args, **kwargs):
     try:
         fn(*args, **kwargs)
         raised = None
-    except Exception as exc:  # noqa: BLE001 - the caller asserts on it
+    except Exception as exc:
         raised = exc
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()

@@ -12,8 +12,14 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from torch_r3.codec import WireFormatError, base64_decoded_length, decode_npy, decode_routes
-from torch_r3.codec import decode_sglang_routes, decode_vllm_routes
+from torch_r3.codec import (
+    WireFormatError,
+    base64_decoded_length,
+    decode_npy,
+    decode_routes,
+    decode_sglang_routes,
+    decode_vllm_routes,
+)
 from torch_r3.routes import CANONICAL_DTYPES
 
 CAP = 1 << 16

@@ -39,7 +39,7 @@ import torch
 from torch_r3 import _memory, _pool
 from torch_r3._buffers import BufferPool
 from torch_r3._checks import check_bool, check_choice, check_int, check_non_negative, check_positive
-from torch_r3._padding import PADDINGS, PadFill, check_padding, padding_rows
+from torch_r3._padding import PadFill, check_padding, padding_rows
 from torch_r3._samples import batch_samples, check_pad_number, collate_extra
 from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS, INPUT_IDS, OUTPUT_KEYS, ROUTER_MASK, ROUTES, SAMPLE_ROUTES
 from torch_r3.layout import (

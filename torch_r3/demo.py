@@ -40,8 +40,9 @@ import socket
 import sys
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,7 +50,6 @@ import torch
 from torch_r3 import R3Collator, RoutedExpertTrace
 from torch_r3.keys import ATTENTION_MASK, ROUTER_MASK, ROUTES
 from torch_r3.testing.model import GenerateOutput, ServedModel
-
 
 #: The training sides `--trainer` chooses from; the transformers one lives in `torch_r3.transformers.demo`.
 TRAINERS = ("megatron", "transformers")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
@@ -54,10 +54,10 @@ class ReplayStats:
     """
 
     microbatches: int
-    route_drift: dict[int, Optional[float]]
+    route_drift: dict[int, float | None]
     live_fraction: float
     tokens: TokenCounts
-    dropped_fraction: Optional[float] = None
+    dropped_fraction: float | None = None
 
     @property
     def mean_drift(self) -> float:
@@ -131,7 +131,7 @@ class StatsCollector:
         rows.append(_total(self._lost))
         device = rows[-1].device if self._lost else rows[-2].device
         counts = torch.stack([r.to(device) for r in rows]).tolist()
-        drift: dict[int, Optional[float]] = {}
+        drift: dict[int, float | None] = {}
         for i, layer in enumerate(layers):
             differ, captured = counts[2 * i : 2 * i + 2]
             if layer not in self._differ:  # replay never ran on this layer: nothing measured

@@ -348,7 +348,7 @@ class HttpTransport:
             call.attempts = attempt
             try:
                 answer = await self._attempt(call)
-            except Exception as exc:  # noqa: BLE001 - every exception is looked up in the table
+            except Exception as exc:
                 outcome, message, status = _translate(exc, call)
                 if not outcome.retryable:
                     raise RemoteGenerateError(

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
 from _models import EXPERTS, TOPK, VOCAB, RouteRecorder, make_config
 
 NUM_SAMPLES = 8

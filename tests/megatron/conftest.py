@@ -13,11 +13,11 @@ import pytest
 
 pytest.importorskip("megatron.core.transformer.moe.router_replay")
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
+from _models import build_model
 
-from torch_r3.megatron._cpu import megatron_on_cpu  # noqa: E402
-from _models import build_model  # noqa: E402
+from torch_r3.megatron._cpu import megatron_on_cpu
 
 
 def _free_port() -> int:

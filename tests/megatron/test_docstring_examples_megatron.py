@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("megatron.core.transformer.moe.router_replay")
 
-import torch_r3.megatron.batch_checks  # noqa: E402
+import torch_r3.megatron.batch_checks
 
 
 @pytest.mark.parametrize("module", [torch_r3.megatron.batch_checks])

@@ -6,7 +6,6 @@ import importlib.util
 
 import pytest
 import torch
-
 from _models import RouteRecorder, build_hybrid_model, expected_map, make_batch, run_step
 
 from torch_r3.megatron import ReplayHook, hybrid_moe_pattern

@@ -7,7 +7,6 @@ import warnings
 
 import pytest
 import torch
-
 from _models import EXPERTS, RouteRecorder, expected_map, make_batch, own_choice, run_step
 
 from torch_r3.megatron import ReplayHook

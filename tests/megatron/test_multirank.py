@@ -34,11 +34,10 @@ import os
 import socket
 from collections import defaultdict
 
+import _mr_worker
 import pytest
 import torch
 import torch.multiprocessing as mp
-
-import _mr_worker
 from _mr_worker import NUM_SAMPLES, SCENARIOS, SEQ, make_samples
 
 pytestmark = pytest.mark.slow

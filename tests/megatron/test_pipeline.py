@@ -8,10 +8,9 @@ from __future__ import annotations
 import json
 import socket
 
+import _pp_worker
 import pytest
 import torch.multiprocessing as mp
-
-import _pp_worker
 
 pytestmark = pytest.mark.slow
 

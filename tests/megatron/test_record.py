@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _models import EXPERTS, RouteRecorder, expected_map, make_batch, run_step
 
 from torch_r3.megatron import ReplayHook

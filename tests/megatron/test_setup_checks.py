@@ -6,7 +6,6 @@ import dataclasses
 import warnings
 
 import pytest
-
 from _models import make_config
 
 from torch_r3.megatron import ReplayHook

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _models import RouteRecorder, expected_map, forward_step, make_batch, run_step
 
 from torch_r3.megatron import ReplayHook

@@ -28,9 +28,10 @@ from __future__ import annotations
 from torch_r3._extras import require
 
 require("megatron.core", "megatron")  # without megatron-core: name the extra that installs it
-from torch_r3.megatron.setup_checks import InterleavedPipelineError  # noqa: E402
-from torch_r3.megatron.hook import ReplayHook
 from torch_r3.megatron import slicing  # noqa: E402
+from torch_r3.megatron.batch_checks import check_route_values
+from torch_r3.megatron.hook import ReplayHook
+from torch_r3.megatron.setup_checks import InterleavedPipelineError  # noqa: E402
 from torch_r3.megatron.slicing import (
     RankSlice,
     context_parallel_positions,
@@ -45,7 +46,6 @@ from torch_r3.megatron.slicing import (
     stage_layer_range,
 )
 from torch_r3.stats import ReplayStats, TokenCounts
-from torch_r3.megatron.batch_checks import check_route_values
 
 __all__ = [
     "InterleavedPipelineError",

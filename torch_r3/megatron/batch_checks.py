@@ -15,7 +15,8 @@ and a duplicate or a missing row trains silently on the wrong experts):
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ __all__ = [
 ROUTE_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
-def check_microbatch(batch: Any, topk: int) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+def check_microbatch(batch: Any, topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Check a microbatch dict's route keys, dtypes and shapes.
 
     Args:
@@ -78,7 +79,7 @@ def check_microbatch(batch: Any, topk: int) -> tuple[torch.Tensor, torch.Tensor,
 
 
 def model_padding_mask(
-    batch: Mapping, uncaptured: torch.Tensor, cu_seqlens: Optional[torch.Tensor], *, microbatch: int, layer: int
+    batch: Mapping, uncaptured: torch.Tensor, cu_seqlens: torch.Tensor | None, *, microbatch: int, layer: int
 ) -> torch.Tensor:
     """The padding mask Megatron gets: `True` only where there is no real token.
 
@@ -116,7 +117,7 @@ def model_padding_mask(
     return attention.to(uncaptured.device, non_blocking=True) == 0
 
 
-def check_record_microbatch(batch: Any) -> tuple[tuple[int, int], Optional[torch.Tensor]]:
+def check_record_microbatch(batch: Any) -> tuple[tuple[int, int], torch.Tensor | None]:
     """The token layout of a microbatch whose routes are to be recorded (R2): `(B, T)` and `cu_seqlens`.
 
     Read from `attention_mask` `[B, T]` (or `input_ids` `[B, T]`) in the padded
@@ -151,7 +152,7 @@ def check_route_values(
     num_experts: int,
     *,
     microbatch: int,
-    cu_seqlens: Optional[torch.Tensor] = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> None:
     """Every checked route holds K distinct expert ids in `[0, num_experts)`.
 
@@ -231,7 +232,7 @@ def _bad_rows(view: torch.Tensor, num_experts: int) -> torch.Tensor:
     return bad
 
 
-def _position(b: int, t: int, cu_seqlens: Optional[torch.Tensor]) -> str:
+def _position(b: int, t: int, cu_seqlens: torch.Tensor | None) -> str:
     if cu_seqlens is None:
         return f"row {b}, token {t}"
     bounds = cu_seqlens.tolist()

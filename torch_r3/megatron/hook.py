@@ -11,14 +11,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from typing import Any, Callable, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
-
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-from torch_r3.megatron.setup_checks import InterleavedPipelineError, check_config, check_pipeline
 from torch_r3.keys import ROUTER_MASK, ROUTES
 from torch_r3.megatron.batch_checks import (
     check_microbatch,
@@ -28,6 +27,7 @@ from torch_r3.megatron.batch_checks import (
     model_padding_mask,
 )
 from torch_r3.megatron.routers import RouterTarget, expert_bias_mask_is_broken, find_routers
+from torch_r3.megatron.setup_checks import InterleavedPipelineError, check_config, check_pipeline
 from torch_r3.megatron.slicing import (
     PACKED_BALANCING,
     RankSlice,
@@ -108,10 +108,10 @@ class ReplayHook:
     def __init__(
         self,
         model: torch.nn.Module | Sequence[torch.nn.Module],
-        config: Optional[Any] = None,
+        config: Any | None = None,
         *,
         uncaptured: str = "live",
-        route_layers: Optional[Sequence[int]] = None,
+        route_layers: Sequence[int] | None = None,
         packed_balancing: str = "per_document",
     ):
         chunks = _as_chunks(model)
@@ -172,16 +172,16 @@ class ReplayHook:
         # GPTModel's first stage scatters padding_mask for sequence parallelism; HybridModel
         # hands it to its layers as given, so the hook cuts it to this rank's share itself.
         self._model_scatters_mask = self._pre_process and self._hybrid is None
-        self._input_shape: Optional[tuple[int, int]] = None
-        self._active_mask: Optional[torch.Tensor] = None
+        self._input_shape: tuple[int, int] | None = None
+        self._active_mask: torch.Tensor | None = None
         self._microbatch = 0
-        self._num_microbatches: Optional[int] = None
+        self._num_microbatches: int | None = None
         self._in_step = False
         self._forward_only = False
         self._record = False
         self._recorded_shapes: list[tuple[int, int, bool, torch.Tensor]] = []  # (B, T, packed, padding)
-        self._last_recorded: Optional[list[dict[str, torch.Tensor]]] = None
-        self._last_stats: Optional[ReplayStats] = None
+        self._last_recorded: list[dict[str, torch.Tensor]] | None = None
+        self._last_stats: ReplayStats | None = None
         self._handle = None
         if self._gpt is not None:
             self._handle = self._gpt.register_forward_pre_hook(self._before_model_forward, with_kwargs=True)
@@ -200,12 +200,12 @@ class ReplayHook:
         return tuple(r.layer for r in self._routers)
 
     @property
-    def last_stats(self) -> Optional[ReplayStats]:
+    def last_stats(self) -> ReplayStats | None:
         """The `ReplayStats` of the last step that completed; `None` before the first."""
         return self._last_stats
 
     @property
-    def last_recorded(self) -> Optional[list[dict[str, torch.Tensor]]]:
+    def last_recorded(self) -> list[dict[str, torch.Tensor]] | None:
         """The routes the last recording step's routers chose (R2), one batch-layout dict per microbatch.
 
         Each dict holds `rollout_expert_indices` (`[B, T, L, K]`, or `[N, L, K]`
@@ -218,7 +218,7 @@ class ReplayHook:
         return self._last_recorded
 
     def forward_backward(
-        self, forward_backward_func: Optional[Callable] = None, *, record: bool = False, **kwargs: Any
+        self, forward_backward_func: Callable | None = None, *, record: bool = False, **kwargs: Any
     ) -> Any:
         """Run one training (or evaluation) step of Megatron's schedule with replay.
 
@@ -250,7 +250,7 @@ class ReplayHook:
         ):
             return forward_backward_func(**kwargs)
 
-    def record(self, *, num_microbatches: Optional[int] = None) -> contextlib.AbstractContextManager["ReplayHook"]:
+    def record(self, *, num_microbatches: int | None = None) -> contextlib.AbstractContextManager[ReplayHook]:
         """A forward-only step that records the routers' own routes instead of replaying (R2).
 
         For inference engines that return no routes: run the old-log-prob
@@ -267,8 +267,8 @@ class ReplayHook:
 
     @contextlib.contextmanager
     def step(
-        self, *, forward_only: bool = False, num_microbatches: Optional[int] = None, record: bool = False
-    ) -> Iterator["ReplayHook"]:
+        self, *, forward_only: bool = False, num_microbatches: int | None = None, record: bool = False
+    ) -> Iterator[ReplayHook]:
         """Bracket one `forward_backward` call: clear replay state before and after.
 
         On a clean exit it checks every router's backward FIFO (routers that
@@ -374,7 +374,7 @@ class ReplayHook:
 
         return replaying_forward_step
 
-    def __enter__(self) -> "ReplayHook":
+    def __enter__(self) -> ReplayHook:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -595,7 +595,7 @@ def _as_chunks(model: Any) -> list[torch.nn.Module]:
     return chunks
 
 
-def _find_hybrid_pattern(chunk: torch.nn.Module) -> Optional[str]:
+def _find_hybrid_pattern(chunk: torch.nn.Module) -> str | None:
     # DDP and Float16Module keep the model in .module; HybridModel keeps its pattern.
     module: Any = chunk
     for _ in range(8):
@@ -608,7 +608,7 @@ def _find_hybrid_pattern(chunk: torch.nn.Module) -> Optional[str]:
     return None
 
 
-def _find_padding_mask_module(chunk: torch.nn.Module) -> Optional[torch.nn.Module]:
+def _find_padding_mask_module(chunk: torch.nn.Module) -> torch.nn.Module | None:
     # DDP and Float16Module keep the model in .module; the innermost module whose
     # forward takes padding_mask (GPTModel in megatron-core >= 0.16) gets it.
     module = chunk
@@ -626,7 +626,7 @@ def _find_padding_mask_module(chunk: torch.nn.Module) -> Optional[torch.nn.Modul
     return found
 
 
-def _check_route_layers(route_layers: Optional[Sequence[int]], pattern: Sequence[bool]) -> Optional[tuple[int, ...]]:
+def _check_route_layers(route_layers: Sequence[int] | None, pattern: Sequence[bool]) -> tuple[int, ...] | None:
     if route_layers is None:
         return None
     if isinstance(route_layers, (str, bytes)) or not isinstance(route_layers, Sequence):

@@ -32,16 +32,16 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
-
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
-from torch_r3.stats import StatsCollector
 from torch_r3.megatron.batch_checks import check_router_rows
+from torch_r3.stats import StatsCollector
 
 __all__ = ["ReplayedRouter", "RouterTarget", "expert_bias_mask_is_broken", "find_routers"]
 
@@ -64,7 +64,7 @@ class RouterTarget:
         consulted: Forward router calls that took this target so far.
     """
 
-    indices: Optional[torch.Tensor]
+    indices: torch.Tensor | None
     uncaptured: torch.Tensor
     live: bool
     microbatch: int
@@ -86,11 +86,11 @@ class ReplayedRouter:
     pushes: int = 0
     expected_pops: int = 0
     queue: list = field(default_factory=list)  # RouterTarget per entry of replay_backward_list
-    current: Optional[RouterTarget] = None
+    current: RouterTarget | None = None
     recorded: dict = field(default_factory=dict)  # microbatch -> [N, K] own choice, when recording
     consults: int = 0  # router calls that consulted replay, all phases (the tripwire compares)
     _consults_before: int = 0
-    _pending_drop: Optional[torch.Tensor] = None
+    _pending_drop: torch.Tensor | None = None
     _handles: list = field(default_factory=list)
 
     def attach(self, *, measure_drops: bool, fix_expert_bias: bool) -> None:
@@ -145,9 +145,9 @@ class ReplayedRouter:
         self,
         scores: torch.Tensor,
         topk: int,
-        num_groups: Optional[int] = None,
-        group_topk: Optional[int] = None,
-        default_compute_topk: Optional[Callable] = None,
+        num_groups: int | None = None,
+        group_topk: int | None = None,
+        default_compute_topk: Callable | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         action = self.replay.router_replay_action
         current = self.current
@@ -205,7 +205,7 @@ class ReplayedRouter:
             chosen = target.indices
         return scores.gather(1, chosen), chosen
 
-    def _phase(self) -> Optional[str]:
+    def _phase(self) -> str | None:
         """Which of this hook's phases a router call now is in, or `None` when replay is not ours."""
         action = self.replay.router_replay_action
         if action == RouterReplayAction.REPLAY_FORWARD and self.current is not None:
@@ -245,7 +245,7 @@ class ReplayedRouter:
             self.stats.add_drops(self._pending_drop, output[1])
             self._pending_drop = None
 
-    def _count_tokens_per_expert(self, routing_map: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> None:
+    def _count_tokens_per_expert(self, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None) -> None:
         # Megatron's own rule: count only in training forwards and recomputes with
         # gradients, never in evaluation; padding tokens (mask True) do not count.
         if torch.is_grad_enabled():
@@ -255,8 +255,8 @@ class ReplayedRouter:
                 self.module.local_tokens_per_expert += routing_map.sum(dim=0)
 
 
-@functools.lru_cache(maxsize=None)
-def expert_bias_mask_is_broken(apply_expert_bias: Optional[Callable] = None) -> bool:
+@functools.cache
+def expert_bias_mask_is_broken(apply_expert_bias: Callable | None = None) -> bool:
     """Whether `TopKRouter._apply_expert_bias` fails to mask an `[N, E]` map with an `[N]` padding mask.
 
     Tried on a two-token, three-expert probe through the plain Python function
@@ -332,7 +332,7 @@ def find_routers(
     return replayed, live
 
 
-def _decoder_layer_index(parts: list[str]) -> Optional[int]:
+def _decoder_layer_index(parts: list[str]) -> int | None:
     # "decoder.layers.3.mlp.router" -> 3: the index in this stage's TransformerBlock
     # (also what recompute_method="block" counts).
     for a, b, c in zip(parts, parts[1:], parts[2:]):

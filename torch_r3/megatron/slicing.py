@@ -15,8 +15,9 @@ so they are easy to test against a reference; `ReplayHook` asks
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -327,7 +328,7 @@ def route_layer_map(
     routes_layers: int,
     pattern: Sequence[bool],
     *,
-    route_layers: Optional[Sequence[int]] = None,
+    route_layers: Sequence[int] | None = None,
 ) -> list[int]:
     """Map each router's global layer to an index into the routes' `L` dim, stage-only routes included.
 
@@ -386,7 +387,7 @@ def route_layer_map(
         ) from None
 
 
-def stage_layer_range(config: Any, *, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None) -> range:
+def stage_layer_range(config: Any, *, vp_stage: int | None = None, pp_rank: int | None = None) -> range:
     """The global layers (0-based) built on a pipeline stage, from Megatron's own helpers.
 
     Uses `get_transformer_layer_offset` and `get_num_layers_to_build`, so
@@ -414,7 +415,7 @@ def slice_for_rank(
     padding_mask: torch.Tensor,
     rank: RankSlice,
     *,
-    cu_seqlens: Optional[torch.Tensor] = None,
+    cu_seqlens: torch.Tensor | None = None,
     model_scatters_mask: bool = True,
     packed_balancing: str = "per_document",
 ) -> tuple[torch.Tensor, torch.Tensor]:
