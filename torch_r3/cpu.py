@@ -28,7 +28,6 @@ __all__ = [
     "cgroup_cpu_limit",
     "cgroup_memory_room",
     "cgroup_quotas",
-    "cpu_topology",
     "loadavg_1min",
     "pool_workers",
     "usable_cpus",

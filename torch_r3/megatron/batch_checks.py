@@ -22,14 +22,8 @@ import torch
 
 from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS, INPUT_IDS, ROUTER_MASK, ROUTES
 
-__all__ = [
-    "check_microbatch",
-    "check_record_microbatch",
-    "model_padding_mask",
-    "check_model_input",
-    "check_route_values",
-    "check_router_rows",
-]
+# The other checks are the hook's internals, shared with `hook.py` under plain names.
+__all__ = ["check_route_values"]
 
 
 ROUTE_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)

@@ -19,7 +19,8 @@ import torch
 
 from torch_r3.keys import CU_SEQLENS, ROUTER_MASK, ROUTES
 
-__all__ = ["check_batch", "check_expert_ids", "check_router_tokens", "layer_columns"]
+# Internals of the hook, shared with `hook.py` under plain names: nothing here is public.
+__all__: list[str] = []
 
 _ROUTE_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)
 
