@@ -254,7 +254,7 @@ SIZES: list[tuple[str, int, Callable[[Any], Any]]] = [
     ("max_output_bytes", 10**6, lambda v: collate_routes([GOOD], [2], max_output_bytes=v)),
     ("num_experts", 4, lambda v: collate_routes([GOOD], [2], padding="balanced", num_experts=v, seq_len=4)),
     ("pad_to_multiple_of", 4, lambda v: R3Collator(pad_to_multiple_of=v)([{"input_ids": [1, 2], "routes": GOOD}])),
-    ("cache_bytes", 0, lambda v: R3Collator(cache_bytes=v).buffers.max_cached_bytes),
+    ("cache_bytes", 0, lambda v: R3Collator(cache_bytes=v).buffers.cache_bytes),
     ("pad_to_multiple_of", 4, lambda v: global_layout([3], [np.uint8], pad_to_multiple_of=v)),
     ("num_experts", 300, lambda v: global_layout([3], [np.uint8], padding="balanced", num_experts=v)),
     ("pad_to_multiple_of", 4, lambda v: padded_length([3, 5], pad_to_multiple_of=v)),

@@ -34,7 +34,7 @@
 
 Every strategy writes plain (`pin_memory=False`) memory, so that all of them
 allocate the same kind of buffer. The floors' buffers are plain outputs too
-(`BufferPool(max_cached_bytes=0).empty`): hugepage-backed where the kernel
+(`BufferPool(cache_bytes=0).empty`): hugepage-backed where the kernel
 gives torch_r3's outputs hugepages, small pages where it does not, so a floor
 is always like-for-like with what it judges.
 
@@ -108,7 +108,7 @@ _TEMPLATE_BYTES = 64 << 10
 
 def _plain(nbytes: int) -> np.ndarray:
     """`nbytes` of the memory a fresh plain output gets (see the module docstring)."""
-    return BufferPool(max_cached_bytes=0).empty((nbytes,), torch.uint8).numpy()
+    return BufferPool(cache_bytes=0).empty((nbytes,), torch.uint8).numpy()
 
 
 class Context:
