@@ -16,6 +16,7 @@ import base64
 import io
 import math
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ import pytest
 import torch
 
 from torch_r3 import (
+    BufferPool,
     R3Collator,
     check_expert_ids,
     collate_routes,
@@ -43,6 +45,7 @@ from torch_r3._checks import (
     check_str,
 )
 from torch_r3.codec import decode_routes, decode_sglang_routes, decode_vllm_routes, encode_routes
+from torch_r3.cpu import pool_workers
 from torch_r3.layout import padded_length
 from torch_r3.routes import canonical_dtype_for
 from torch_r3.shard import ShardCollator
@@ -303,7 +306,40 @@ SIZES: list[tuple[str, int, Callable[[Any], Any]]] = [
     ("block_size", 2, lambda v: _testing("server", block_size=v)),
     ("cache_blocks", 8, lambda v: _testing("server", cache_blocks=v)),
     ("port", 0, lambda v: _testing("server", port=v)),
+    ("workers", 2, lambda v: collate_routes([GOOD], [2], workers=v)),
+    ("workers", 2, lambda v: R3Collator(workers=v)([{"input_ids": [1, 2], "routes": GOOD}])),
+    ("cache_bytes", 0, lambda v: BufferPool(cache_bytes=v).cache_bytes),
+    ("shape[1]", 3, lambda v: BufferPool().empty((2, v), torch.uint8)),
+    ("cap", 2, lambda v: pool_workers(cap=v, usable=8.0)),
+    ("reserve", 1, lambda v: pool_workers(reserve=v, usable=8.0)),
+    ("share", 2, lambda v: pool_workers(share=v, usable=8.0)),
+    ("cp_size", 2, lambda v: _megatron().RankSlice(cp_size=v)),
+    ("tp_size", 2, lambda v: _megatron().RankSlice(tp_size=v, sequence_parallel=True)),
+    ("cp_rank", 1, lambda v: _megatron().RankSlice(cp_size=2, cp_rank=v)),
+    ("tp_rank", 1, lambda v: _megatron().RankSlice(tp_size=2, tp_rank=v)),
+    ("moe_layer_freq", 2, lambda v: _megatron().moe_layer_pattern(SimpleNamespace(num_layers=4, moe_layer_freq=v))),
+    ("num_sequences", 4, lambda v: _bench_config(num_sequences=v)),
+    ("warmup", 2, lambda v: _bench_config(warmup=v)),
+    ("workers", 2, lambda v: _bench_config(workers=v)),
+    ("num_experts", 8, lambda v: _bench_config(num_experts=v)),
+    ("seed", 3, lambda v: _bench_config(seed=v)),
 ]
+
+
+def _megatron() -> Any:
+    """`torch_r3.megatron.slicing`, or a skip where megatron-core is not installed."""
+    pytest.importorskip("megatron.core", reason="the megatron extra is not installed")
+    from torch_r3.megatron import slicing
+
+    return slicing
+
+
+def _bench_config(**kwargs: Any) -> Any:
+    from torch_r3.bench.config import BenchConfig
+
+    return BenchConfig(**kwargs)
+
+
 SIZE_IDS = [f"{i}-{name}" for i, (name, _, _) in enumerate(SIZES)]
 
 

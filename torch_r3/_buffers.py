@@ -74,12 +74,10 @@ def _check_shape(shape: Any) -> tuple[int, ...]:
         dims = tuple(shape)
     except TypeError:
         raise TypeError(f"shape must be a tuple of ints, got {shape!r}") from None
-    for d in dims:
-        if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)):
-            raise TypeError(f"shape must be a tuple of ints, got {shape!r} (a {type(d).__name__} dimension)")
-    if any(d < 0 for d in dims):
-        raise ValueError(f"shape must have dimensions >= 0, got {shape!r}")
-    return tuple(int(d) for d in dims)
+    try:
+        return tuple(check_non_negative(d, f"shape[{i}]") for i, d in enumerate(dims))
+    except (TypeError, ValueError) as exc:  # the whole shape too: which call asked for it
+        raise type(exc)(f"{exc} (shape {shape!r})") from None
 
 
 def _check_dtype(dtype: Any) -> torch.dtype:

@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from torch_r3 import BufferPool
+from torch_r3._checks import check_choice
 from torch_r3.bench.config import TORCH_DTYPES, Batch
 from torch_r3.collate import collate_routes
 from torch_r3.cpu import pool_workers
@@ -468,8 +469,7 @@ def get_strategy(name: str) -> Strategy:
     Raises:
         ValueError: `name` is not one of `STRATEGIES`.
     """
-    if name not in _REGISTRY:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {name!r}")
+    check_choice(name, "strategy", STRATEGIES)
     return _REGISTRY[name]
 
 
