@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import importlib
 import io
 import math
 from collections.abc import Callable
@@ -460,3 +461,34 @@ def test_a_route_dtype_argument_follows_the_dtype_rule_in_collation_and_layout()
             call(torch.float32)
         with pytest.raises(TypeError, match=r"must be a NumPy or torch dtype"):
             call("bogus")
+
+
+def test_both_hooks_find_the_same_bad_route_with_one_framework_free_check():
+    """The id range and duplicate rule has one home, shared by the Megatron and transformers hooks."""
+    import subprocess
+    import sys
+
+    from torch_r3._route_checks import first_bad_route
+
+    # A reference: scan every checked route in batch order in plain Python.
+    rng = np.random.default_rng(0)
+    for dtype in (torch.uint8, torch.int16, torch.int32, torch.int64):
+        routes = torch.from_numpy(rng.integers(0, 6, size=(3, 4, 2, 2)).astype(np.int64)).to(dtype)
+        checked = torch.from_numpy(rng.random((3, 4)) < 0.6)
+        want = None
+        for b in range(3):
+            for t in range(4):
+                for j in range(2):
+                    r = routes[b, t, j].tolist()
+                    if want is None and bool(checked[b, t]) and (len(set(r)) < 2 or max(r) >= 5):
+                        want = (b, t, j, r)
+        assert first_bad_route(routes, checked, 5) == want
+    # The module imports no training framework: the transformers hook needs no megatron-core.
+    code = (
+        "import sys, torch_r3._route_checks; assert not [m for m in ('megatron', 'transformers') if m in sys.modules]"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    for hook_checks in ("torch_r3.megatron.batch_checks", "torch_r3.transformers.checks"):
+        pytest.importorskip(hook_checks.rsplit(".", 1)[0])
+        source = open(importlib.import_module(hook_checks).__file__, encoding="utf-8").read()
+        assert "first_bad_route" in source and "_any_bad" not in source and ".sort(" not in source
