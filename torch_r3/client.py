@@ -17,9 +17,12 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any
 
 from torch_r3._extras import require
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self is Python 3.11+, and the package supports 3.10
 
 require("aiohttp", "client")  # without aiohttp: name the extra that installs it
 import aiohttp
