@@ -545,7 +545,10 @@ class ReplayHook:
             ids = args[0] if args else kwargs.get("input_ids")
             if isinstance(ids, torch.Tensor):
                 check_model_input(
-                    self._input_shape, ids.shape, microbatch=self._microbatch - 1, layer=self._routers[0].layer
+                    self._input_shape,  # type: ignore[arg-type]  # set with _active_mask, checked above
+                    ids.shape,
+                    microbatch=self._microbatch - 1,
+                    layer=self._routers[0].layer,
                 )
         if kwargs.get("padding_mask") is not None:
             return None
