@@ -10,6 +10,7 @@ from then on everything trusts the dtype and never rescans values.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -63,7 +64,7 @@ def is_canonical(dtype: Any) -> bool:
         return False
 
 
-def widest(dtypes) -> np.dtype:
+def widest(dtypes: Iterable[np.dtype]) -> np.dtype:
     """The widest of some canonical dtypes: promotion by dtype alone, no value scan.
 
     Examples:

@@ -43,7 +43,7 @@ import random
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,7 +179,7 @@ class _LoopState:
         self.closer: Any = None
 
 
-async def _close_at_loop_shutdown(session: aiohttp.ClientSession):
+async def _close_at_loop_shutdown(session: aiohttp.ClientSession) -> AsyncIterator[None]:
     try:
         yield
     finally:
