@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,22 @@ def test_every_long_module_says_why_in_its_docstring() -> None:
     assert missing == [], 'modules over 500 lines without a reason ("500 lines") in their docstring: ' + ", ".join(
         missing
     )
+
+
+def test_deprecations_fail_the_suite_unless_a_third_party_one_is_filtered_by_name(
+    pytestconfig: pytest.Config,
+) -> None:
+    filters = pytestconfig.getini("filterwarnings")
+    assert "error::DeprecationWarning" in filters and "error::FutureWarning" in filters
+    for entry in filters:
+        action, message, category, module = (entry.split(":") + ["", "", "", ""])[:4]
+        if action == "ignore" and category in ("DeprecationWarning", "PendingDeprecationWarning", "FutureWarning"):
+            assert message or module, f"{entry!r} ignores a whole category; name the module or the message"
+    # The filters are in force in every test: one attributed to our code raises, Megatron's does not.
+    with pytest.raises(DeprecationWarning, match="ours"):
+        warnings.warn_explicit("ours", DeprecationWarning, "codec.py", 1, module="torch_r3.codec")
+    with pytest.raises(FutureWarning, match="ours"):
+        warnings.warn_explicit("ours", FutureWarning, "collate.py", 1, module="torch_r3.collate")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.warn_explicit("theirs", DeprecationWarning, "layers.py", 1, module="megatron.core.tensor_parallel")
+    assert seen == []
