@@ -234,7 +234,8 @@ class SampledServedModel(ServedModel):
         return GenerateOutput(
             token_ids=generated,
             logprobs=lps,
-            routes=routes.numpy(),  # type: ignore[union-attr]  # the last forward records, so routes is set
+            # the server compacts what it sends; the last forward recorded, so routes is set
+            routes=routes.numpy(),  # type: ignore[union-attr]
             finish_reason="length",
         )
 
