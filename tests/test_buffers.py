@@ -123,13 +123,13 @@ def test_a_freed_buffer_serves_a_smaller_batch_only_within_bounded_waste():
 
 
 def test_idle_bytes_stay_within_the_bound_and_zero_turns_recycling_off():
-    pool = BufferPool(max_cached_bytes=3 << 20)
+    pool = BufferPool(cache_bytes=3 << 20)
     tensors = [pool.empty((1 << 20,), torch.uint8) for _ in range(8)]
     del tensors
     stats = pool.stats()
     assert stats["live_bytes"] == 0
     assert 0 < stats["cached_bytes"] <= 3 << 20
-    off = BufferPool(max_cached_bytes=0)
+    off = BufferPool(cache_bytes=0)
     for _ in range(3):
         off.empty((1 << 20,), torch.uint8)
     assert off.stats() == {"cached_bytes": 0, "live_bytes": 0, "buffers": 0, "hits": 0, "misses": 0}
@@ -168,7 +168,7 @@ def test_pickling_keeps_the_setting_and_never_the_buffers():
     data = pickle.dumps(collate)
     assert len(data) < 4096
     copy = pickle.loads(data)
-    assert copy.buffers.max_cached_bytes == 5 << 20
+    assert copy.buffers.cache_bytes == 5 << 20
     assert copy.buffers.stats()["cached_bytes"] == 0
     samples = make_samples(1)
     assert_batch_equal(copy(samples), expected(samples))
@@ -265,7 +265,7 @@ def test_a_pinned_buffer_is_reused_only_after_copies_queued_before_its_release_c
 
 @needs_cuda
 def test_an_evicted_pinned_buffer_waits_for_its_copies_before_it_is_unlocked():
-    pool = BufferPool(max_cached_bytes=1)  # every released buffer is evicted
+    pool = BufferPool(cache_bytes=1)  # every released buffer is evicted
     host = pool.empty((64, 1024), torch.uint8, pinned=True)
     host.fill_(5)
     device = _slow_copy_of(host)
@@ -382,7 +382,7 @@ def test_a_mapping_the_os_refuses_is_a_memory_error_naming_the_size(monkeypatch)
     unraisable = []
     monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
     nbytes = 1 << 47  # beyond any user address space: the mapping is always refused
-    for pool in (BufferPool(), BufferPool(max_cached_bytes=0)):
+    for pool in (BufferPool(), BufferPool(cache_bytes=0)):
         with pytest.raises(MemoryError, match=f"{nbytes:,} bytes"):
             pool.empty((nbytes,), torch.uint8)
     gc.collect()
@@ -393,7 +393,7 @@ def test_output_memory_is_private_and_hugepage_advised_where_the_kernel_allows()
     from torch_r3._memory import thp_mode
 
     mode = thp_mode()
-    for pool in (BufferPool(), BufferPool(max_cached_bytes=0)):
+    for pool in (BufferPool(), BufferPool(cache_bytes=0)):
         t = pool.empty((8 << 20,), torch.uint8)
         t.fill_(1)
         lo = t.data_ptr()
@@ -438,3 +438,28 @@ def test_a_kernel_that_refuses_the_hugepage_advice_gets_small_pages_not_an_error
     t = BufferPool().empty((4 << 20,), torch.uint8)
     t.fill_(3)
     assert int(t.sum()) == 3 * (4 << 20)
+
+
+def test_cache_bytes_is_the_keyword_and_attribute_as_on_r3collator():
+    pool = BufferPool(cache_bytes=3 << 20)
+    assert pool.cache_bytes == 3 << 20
+    assert R3Collator(cache_bytes=3 << 20).buffers.cache_bytes == 3 << 20
+    assert pickle.loads(pickle.dumps(pool)).cache_bytes == 3 << 20
+    assert "cache_bytes=3145728" in repr(pool)
+    assert BufferPool().cache_bytes is None
+
+
+def test_max_cached_bytes_still_works_and_warns_that_it_is_deprecated():
+    with pytest.deprecated_call(match="cache_bytes"):
+        pool = BufferPool(max_cached_bytes=3 << 20)
+    assert pool.cache_bytes == 3 << 20
+    with pytest.deprecated_call(match="cache_bytes"):
+        assert pool.max_cached_bytes == 3 << 20
+    with pytest.deprecated_call(), pytest.raises(TypeError, match="not both"):
+        BufferPool(cache_bytes=1, max_cached_bytes=1)
+
+
+def test_an_old_pickle_with_max_cached_bytes_still_loads():
+    pool = BufferPool.__new__(BufferPool)
+    pool.__setstate__({"max_cached_bytes": 5})
+    assert pool.cache_bytes == 5

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import importlib
 import io
 import math
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -23,6 +25,7 @@ import pytest
 import torch
 
 from torch_r3 import (
+    BufferPool,
     R3Collator,
     check_expert_ids,
     collate_routes,
@@ -43,6 +46,7 @@ from torch_r3._checks import (
     check_str,
 )
 from torch_r3.codec import decode_routes, decode_sglang_routes, decode_vllm_routes, encode_routes
+from torch_r3.cpu import pool_workers
 from torch_r3.layout import padded_length
 from torch_r3.routes import canonical_dtype_for
 from torch_r3.shard import ShardCollator
@@ -254,7 +258,7 @@ SIZES: list[tuple[str, int, Callable[[Any], Any]]] = [
     ("max_output_bytes", 10**6, lambda v: collate_routes([GOOD], [2], max_output_bytes=v)),
     ("num_experts", 4, lambda v: collate_routes([GOOD], [2], padding="balanced", num_experts=v, seq_len=4)),
     ("pad_to_multiple_of", 4, lambda v: R3Collator(pad_to_multiple_of=v)([{"input_ids": [1, 2], "routes": GOOD}])),
-    ("cache_bytes", 0, lambda v: R3Collator(cache_bytes=v).buffers.max_cached_bytes),
+    ("cache_bytes", 0, lambda v: R3Collator(cache_bytes=v).buffers.cache_bytes),
     ("pad_to_multiple_of", 4, lambda v: global_layout([3], [np.uint8], pad_to_multiple_of=v)),
     ("num_experts", 300, lambda v: global_layout([3], [np.uint8], padding="balanced", num_experts=v)),
     ("pad_to_multiple_of", 4, lambda v: padded_length([3, 5], pad_to_multiple_of=v)),
@@ -303,7 +307,40 @@ SIZES: list[tuple[str, int, Callable[[Any], Any]]] = [
     ("block_size", 2, lambda v: _testing("server", block_size=v)),
     ("cache_blocks", 8, lambda v: _testing("server", cache_blocks=v)),
     ("port", 0, lambda v: _testing("server", port=v)),
+    ("workers", 2, lambda v: collate_routes([GOOD], [2], workers=v)),
+    ("workers", 2, lambda v: R3Collator(workers=v)([{"input_ids": [1, 2], "routes": GOOD}])),
+    ("cache_bytes", 0, lambda v: BufferPool(cache_bytes=v).cache_bytes),
+    ("shape[1]", 3, lambda v: BufferPool().empty((2, v), torch.uint8)),
+    ("cap", 2, lambda v: pool_workers(cap=v, usable=8.0)),
+    ("reserve", 1, lambda v: pool_workers(reserve=v, usable=8.0)),
+    ("share", 2, lambda v: pool_workers(share=v, usable=8.0)),
+    ("cp_size", 2, lambda v: _megatron().RankSlice(cp_size=v)),
+    ("tp_size", 2, lambda v: _megatron().RankSlice(tp_size=v, sequence_parallel=True)),
+    ("cp_rank", 1, lambda v: _megatron().RankSlice(cp_size=2, cp_rank=v)),
+    ("tp_rank", 1, lambda v: _megatron().RankSlice(tp_size=2, tp_rank=v)),
+    ("moe_layer_freq", 2, lambda v: _megatron().moe_layer_pattern(SimpleNamespace(num_layers=4, moe_layer_freq=v))),
+    ("num_sequences", 4, lambda v: _bench_config(num_sequences=v)),
+    ("warmup", 2, lambda v: _bench_config(warmup=v)),
+    ("workers", 2, lambda v: _bench_config(workers=v)),
+    ("num_experts", 8, lambda v: _bench_config(num_experts=v)),
+    ("seed", 3, lambda v: _bench_config(seed=v)),
 ]
+
+
+def _megatron() -> Any:
+    """`torch_r3.megatron.slicing`, or a skip where megatron-core is not installed."""
+    pytest.importorskip("megatron.core", reason="the megatron extra is not installed")
+    from torch_r3.megatron import slicing
+
+    return slicing
+
+
+def _bench_config(**kwargs: Any) -> Any:
+    from torch_r3.bench.config import BenchConfig
+
+    return BenchConfig(**kwargs)
+
+
 SIZE_IDS = [f"{i}-{name}" for i, (name, _, _) in enumerate(SIZES)]
 
 
@@ -424,3 +461,34 @@ def test_a_route_dtype_argument_follows_the_dtype_rule_in_collation_and_layout()
             call(torch.float32)
         with pytest.raises(TypeError, match=r"must be a NumPy or torch dtype"):
             call("bogus")
+
+
+def test_both_hooks_find_the_same_bad_route_with_one_framework_free_check():
+    """The id range and duplicate rule has one home, shared by the Megatron and transformers hooks."""
+    import subprocess
+    import sys
+
+    from torch_r3._route_checks import first_bad_route
+
+    # A reference: scan every checked route in batch order in plain Python.
+    rng = np.random.default_rng(0)
+    for dtype in (torch.uint8, torch.int16, torch.int32, torch.int64):
+        routes = torch.from_numpy(rng.integers(0, 6, size=(3, 4, 2, 2)).astype(np.int64)).to(dtype)
+        checked = torch.from_numpy(rng.random((3, 4)) < 0.6)
+        want = None
+        for b in range(3):
+            for t in range(4):
+                for j in range(2):
+                    r = routes[b, t, j].tolist()
+                    if want is None and bool(checked[b, t]) and (len(set(r)) < 2 or max(r) >= 5):
+                        want = (b, t, j, r)
+        assert first_bad_route(routes, checked, 5) == want
+    # The module imports no training framework: the transformers hook needs no megatron-core.
+    code = (
+        "import sys, torch_r3._route_checks; assert not [m for m in ('megatron', 'transformers') if m in sys.modules]"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    for hook_checks in ("torch_r3.megatron.batch_checks", "torch_r3.transformers.checks"):
+        pytest.importorskip(hook_checks.rsplit(".", 1)[0])
+        source = open(importlib.import_module(hook_checks).__file__, encoding="utf-8").read()
+        assert "first_bad_route" in source and "_any_bad" not in source and ".sort(" not in source

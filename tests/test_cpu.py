@@ -166,7 +166,7 @@ def test_processes_sharing_the_cpus_each_get_their_share_of_workers(tmp_path, af
     write(tmp_path, "proc/self/cgroup", "0::/\n")
     write(tmp_path, "proc/self/mountinfo", V2_MOUNT)
     assert [cpu.pool_workers(share=n, root=tmp_path) for n in (1, 2, 3, 8)] == [7, 3, 2, 1]
-    with pytest.raises(ValueError, match="share >= 1"):
+    with pytest.raises(ValueError, match="share must be >= 1, got 0"):  # the one wording of _checks
         cpu.pool_workers(share=0, root=tmp_path)
 
 
@@ -192,7 +192,7 @@ def test_the_environment_overrides_pool_workers(tmp_path, affinity, monkeypatch)
 def test_pool_workers_refuses_bad_arguments(tmp_path, affinity):
     with pytest.raises(TypeError, match="cap must be an int"):
         cpu.pool_workers(cap=2.5, root=tmp_path)
-    with pytest.raises(ValueError, match="cap >= 1"):
+    with pytest.raises(ValueError, match="cap must be >= 1, got 0"):  # the one wording of _checks
         cpu.pool_workers(cap=0, root=tmp_path)
 
 

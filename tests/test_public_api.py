@@ -49,7 +49,14 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 
 # Command-line programs: users run them (`torch-r3 ...`, `python -m torch_r3.bench`) and the
 # guides document them as commands, not as Python API, so their `__all__` is not on an API page.
-COMMAND_MODULES = ("torch_r3.__main__", "torch_r3.bench", "torch_r3.cli", "torch_r3.demo", "torch_r3.doctor")
+COMMAND_MODULES = (
+    "torch_r3.__main__",
+    "torch_r3.bench",
+    "torch_r3.cli",
+    "torch_r3.demo",
+    "torch_r3.doctor",
+    "torch_r3.transformers.demo",  # `torch-r3 demo --trainer transformers`
+)
 
 _DIRECTIVE = re.compile(r"^::: *(?P<path>[\w.]+) *$")
 

@@ -22,7 +22,7 @@ batches the loop has finished with and hands it out again:
   provided at most about half the buffer would go unused; otherwise a new
   buffer is mapped, a sixteenth larger than asked and rounded to a page (room
   for the next slightly longer batch, never a power of two).
-* Idle buffers are kept up to `max_cached_bytes` (by default twice the
+* Idle buffers are kept up to `cache_bytes` (by default twice the
   largest batch served, a batch being the tensors of one `empty_batch`: the `for batch in loader` loop holds the previous
   batch while the next is collated, so one idle batch is all it reuses); the
   least recently released go first.
@@ -46,6 +46,7 @@ import math
 import mmap
 import os
 import threading
+import warnings
 import weakref
 from typing import Any
 
@@ -53,6 +54,7 @@ import numpy as np
 import torch
 
 from torch_r3 import _memory
+from torch_r3._checks import check_non_negative
 
 __all__ = ["BufferPool"]
 
@@ -72,12 +74,10 @@ def _check_shape(shape: Any) -> tuple[int, ...]:
         dims = tuple(shape)
     except TypeError:
         raise TypeError(f"shape must be a tuple of ints, got {shape!r}") from None
-    for d in dims:
-        if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)):
-            raise TypeError(f"shape must be a tuple of ints, got {shape!r} (a {type(d).__name__} dimension)")
-    if any(d < 0 for d in dims):
-        raise ValueError(f"shape must have dimensions >= 0, got {shape!r}")
-    return tuple(int(d) for d in dims)
+    try:
+        return tuple(check_non_negative(d, f"shape[{i}]") for i, d in enumerate(dims))
+    except (TypeError, ValueError) as exc:  # the whole shape too: which call asked for it
+        raise type(exc)(f"{exc} (shape {shape!r})") from None
 
 
 def _check_dtype(dtype: Any) -> torch.dtype:
@@ -163,9 +163,12 @@ class BufferPool:
     picklable (a copy starts empty).
 
     Args:
-        max_cached_bytes: the most bytes of idle buffers kept for reuse;
+        cache_bytes: the most bytes of idle buffers kept for reuse;
             `None` for twice the largest batch served so far, `0` to turn
-            recycling off (every request gets fresh memory).
+            recycling off (every request gets fresh memory). The same setting
+            as `R3Collator(cache_bytes=)`.
+        max_cached_bytes: deprecated, the old name of `cache_bytes`
+            (a `DeprecationWarning`).
 
     Examples:
         >>> import torch
@@ -181,24 +184,35 @@ class BufferPool:
         True
     """
 
-    def __init__(self, max_cached_bytes: int | None = None) -> None:
+    def __init__(self, cache_bytes: int | None = None, *, max_cached_bytes: int | None = None) -> None:
         if max_cached_bytes is not None:
-            if isinstance(max_cached_bytes, (bool, np.bool_)) or not isinstance(max_cached_bytes, (int, np.integer)):
-                raise TypeError(f"max_cached_bytes must be None or an int, got {type(max_cached_bytes).__name__}")
-            if max_cached_bytes < 0:
-                raise ValueError(f"max_cached_bytes must be >= 0 (0 turns recycling off), got {max_cached_bytes}")
-            max_cached_bytes = int(max_cached_bytes)
-        self.max_cached_bytes = max_cached_bytes
+            # The old name of the keyword: `R3Collator(cache_bytes=)` names the same setting.
+            warnings.warn(
+                "BufferPool(max_cached_bytes=) is deprecated: use BufferPool(cache_bytes=)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            if cache_bytes is not None:
+                raise TypeError("BufferPool: pass cache_bytes or max_cached_bytes (deprecated), not both")
+            cache_bytes = max_cached_bytes
+        self.cache_bytes = None if cache_bytes is None else check_non_negative(cache_bytes, "cache_bytes")
         self._state = _State()
 
+    @property
+    def max_cached_bytes(self) -> int | None:
+        """Deprecated: the old name of `cache_bytes`."""
+        warnings.warn("BufferPool.max_cached_bytes is deprecated: use .cache_bytes", DeprecationWarning, stacklevel=2)
+        return self.cache_bytes
+
     def __getstate__(self) -> dict[str, Any]:
-        return {"max_cached_bytes": self.max_cached_bytes}
+        return {"cache_bytes": self.cache_bytes}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        BufferPool.__init__(self, state["max_cached_bytes"])
+        # A pickle written before the rename carries the old key.
+        BufferPool.__init__(self, state["cache_bytes"] if "cache_bytes" in state else state["max_cached_bytes"])
 
     def __repr__(self) -> str:
-        return f"BufferPool(max_cached_bytes={self.max_cached_bytes!r}, {self.stats()})"
+        return f"BufferPool(cache_bytes={self.cache_bytes!r}, {self.stats()})"
 
     def _current(self) -> _State:
         state = self._state
@@ -207,7 +221,7 @@ class BufferPool:
         return state
 
     def _bound(self, state: _State) -> int:
-        return 2 * state.largest if self.max_cached_bytes is None else self.max_cached_bytes
+        return 2 * state.largest if self.cache_bytes is None else self.cache_bytes
 
     def _fold_released(self, state: _State) -> None:
         """Move released buffers to the idle list and evict beyond the bound (lock held)."""
@@ -275,7 +289,7 @@ class BufferPool:
         specs = {k: (_check_shape(shape), _check_dtype(dt)) for k, (shape, dt) in specs.items()}
         kind = "pinned" if pinned else "plain"
         state = self._current()
-        if self.max_cached_bytes == 0:
+        if self.cache_bytes == 0:
             return {k: _memory.empty(shape, dt, kind) for k, (shape, dt) in specs.items()}
         sizes = {k: math.prod(shape) * dt.itemsize for k, (shape, dt) in specs.items()}
         with state.lock:

@@ -24,9 +24,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
+from torch_r3._checks import check_positive
 from torch_r3.cpu import ENV_NUM_WORKERS, MAX_WORKERS, pool_workers
 
 #: Seconds a helper thread waits for work before it exits.
@@ -41,16 +41,13 @@ _THREAD_NAME = "torch_r3-collate"
 
 def check_workers(workers: Any) -> int:
     """`workers` validated: an int in `1 .. MAX_WORKERS` (`None`, the machine's default, is resolved per call)."""
-    if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)):
-        raise TypeError(f"workers must be None or an int, got {type(workers).__name__}")
-    if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
+    workers = check_positive(workers, "workers")
     if workers > MAX_WORKERS:
         raise ValueError(
             f"workers must be <= {MAX_WORKERS}, got {workers}: copies are bound by memory bandwidth, "
             f"more threads only contend (None picks a default from the usable CPUs)"
         )
-    return int(workers)
+    return workers
 
 
 @functools.cache

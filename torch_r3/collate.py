@@ -38,7 +38,7 @@ import torch
 
 from torch_r3 import _memory, _pool
 from torch_r3._buffers import BufferPool
-from torch_r3._checks import check_bool, check_choice, check_int, check_non_negative, check_positive
+from torch_r3._checks import check_bool, check_choice, check_int, check_positive
 from torch_r3._padding import PadFill, check_padding, padding_rows
 from torch_r3._samples import SeqField, batch_samples, check_pad_number, collate_extra
 from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS, INPUT_IDS, OUTPUT_KEYS, ROUTER_MASK, ROUTES, SAMPLE_ROUTES
@@ -648,7 +648,7 @@ class R3Collator:
         self.routes_key = routes_key
         self.tokens_key = tokens_key
         # Checked here so that the message names this class's keyword, not BufferPool's.
-        self.buffers = BufferPool(None if cache_bytes is None else check_non_negative(cache_bytes, "cache_bytes"))
+        self.buffers = BufferPool(cache_bytes)
 
     def __repr__(self) -> str:
         o = self._options
@@ -660,7 +660,7 @@ class R3Collator:
         return (
             f"R3Collator(layout={o.layout!r}, routes_key={self.routes_key!r}, tokens_key={self.tokens_key!r}, "
             f"pad_keys={self.pad_keys!r}, padding={o.padding!r}{geometry}, "
-            f"cache_bytes={self.buffers.max_cached_bytes!r})"
+            f"cache_bytes={self.buffers.cache_bytes!r})"
         )
 
     def __call__(self, samples: Sequence[Mapping[str, Any]], sample_ids: Sequence[int] | None = None) -> dict[str, Any]:

@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from torch_r3._checks import check_non_negative, check_positive
+
 __all__ = [
     "DEFAULT_POOL_CAP",
     "ENV_NUM_WORKERS",
@@ -28,7 +30,6 @@ __all__ = [
     "cgroup_cpu_limit",
     "cgroup_memory_room",
     "cgroup_quotas",
-    "cpu_topology",
     "loadavg_1min",
     "pool_workers",
     "usable_cpus",
@@ -294,13 +295,11 @@ def pool_workers(
                 f"unset it for the default"
             )
         return value
-    for name, v in (("cap", cap), ("reserve", reserve), ("share", share)):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"pool_workers: {name} must be an int, got {type(v).__name__}")
-    if cap < 1 or reserve < 0 or share < 1:
-        raise ValueError(
-            f"pool_workers: need cap >= 1, reserve >= 0 and share >= 1, got cap={cap}, reserve={reserve}, share={share}"
-        )
+    cap, reserve, share = (
+        check_positive(cap, "cap"),
+        check_non_negative(reserve, "reserve"),
+        check_positive(share, "share"),
+    )
     usable = usable_cpus(root) if usable is None else usable
     return max(1, min(cap, math.floor(usable / share) - reserve))
 

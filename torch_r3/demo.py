@@ -35,8 +35,6 @@ import asyncio
 import contextlib
 import functools
 import json
-import os
-import socket
 import sys
 import time
 import warnings
@@ -99,21 +97,15 @@ def _progress(msg: str, quiet: bool) -> None:
 # ---------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def megatron_world():
     """A gloo process group of one and Megatron's parallel state, CPU redirections where needed."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    # A world of one needs no rendezvous: an in-process store, so no TCP port is probed and
+    # then lost to another process between the probe and the bind (EADDRINUSE on busy machines).
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
     try:
         if torch.cuda.is_available():

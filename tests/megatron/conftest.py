@@ -6,9 +6,6 @@ The CUDA-only spots of megatron-core are redirected to the CPU by
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 
 pytest.importorskip("megatron.core.transformer.moe.router_replay")
@@ -20,21 +17,14 @@ from _models import build_model
 from torch_r3.megatron._cpu import megatron_on_cpu
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def world_of_one():
     """A gloo process group of size 1 and Megatron's parallel state (TP=PP=CP=1)."""
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(_free_port())
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        # An in-process store: no TCP port to lose to another process between probe and bind.
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
     yield
     parallel_state.destroy_model_parallel()

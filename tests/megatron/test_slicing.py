@@ -122,7 +122,7 @@ def test_dense_layer_mapping_refusals():
 def test_rank_slice_validates():
     with pytest.raises(ValueError, match="cp_rank must be an int in \\[0, 2\\)"):
         RankSlice(cp_size=2, cp_rank=2)
-    with pytest.raises(ValueError, match="tp_size must be an int >= 1"):
+    with pytest.raises(ValueError, match="tp_size must be >= 1, got 0"):  # the one wording of _checks
         RankSlice(tp_size=0)
 
 

@@ -13,8 +13,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from torch_r3._checks import check_choice, check_non_negative, check_positive
+from torch_r3._pool import check_workers
 from torch_r3.collate import padded_length
-from torch_r3.cpu import MAX_WORKERS
 from torch_r3.routes import canonical_dtype_for
 
 __all__ = [
@@ -77,30 +78,22 @@ class BenchConfig:
     workers: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("num_sequences", "max_seqlen", "num_layers", "topk", "repeats", "seed"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-            if v < (0 if name == "seed" else 1):
-                raise ValueError(f"{name} must be >= {0 if name == 'seed' else 1}, got {v}")
-        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 1:
-            raise ValueError(
-                f"warmup must be an int >= 1 (the first call is checked, never timed), got {self.warmup!r}"
-            )
-        if self.workers is not None and (
-            isinstance(self.workers, bool) or not isinstance(self.workers, int) or not 1 <= self.workers <= MAX_WORKERS
-        ):
-            raise ValueError(f"workers must be an int from 1 to {MAX_WORKERS}, got {self.workers!r}")
-        if self.distribution not in DISTRIBUTIONS:
-            raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {self.distribution!r}")
-        if self.dtype is not None and self.dtype not in TORCH_DTYPES:
-            raise ValueError(f"dtype must be one of {tuple(TORCH_DTYPES)}, got {self.dtype!r}")
+        # `warmup` >= 1: the first call is checked, never timed.
+        for name in ("num_sequences", "max_seqlen", "num_layers", "topk", "repeats", "warmup"):
+            object.__setattr__(self, name, check_positive(getattr(self, name), name))
+        object.__setattr__(self, "seed", check_non_negative(self.seed, "seed"))
+        if self.workers is not None:
+            object.__setattr__(self, "workers", check_workers(self.workers))
+        check_choice(self.distribution, "distribution", DISTRIBUTIONS)
+        if self.dtype is not None:
+            check_choice(self.dtype, "dtype", tuple(TORCH_DTYPES))
         dtype = self.dtype or ("int16" if self.mixed_dtypes else None)
         experts = self.num_experts
         if experts is None:
             experts = _DEFAULT_EXPERTS[dtype or "uint8"]
-        elif isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
-            raise ValueError(f"num_experts must be a positive int, got {experts!r}")
+        else:
+            experts = check_positive(experts, "num_experts")
+            object.__setattr__(self, "num_experts", experts)
         needed = canonical_dtype_for(experts - 1).name
         if dtype is None:
             dtype = needed
@@ -190,8 +183,7 @@ def sequence_lengths(distribution: str, num_sequences: int, max_seqlen: int, rng
     """
     if distribution == "uniform":
         return rng.integers(1, max_seqlen + 1, size=num_sequences, dtype=np.int64)
-    if distribution not in _SHAPES:
-        raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")
+    check_choice(distribution, "distribution", DISTRIBUTIONS)
     sigma, mean_fraction, truncated = _SHAPES[distribution]
     body = np.exp(sigma * rng.standard_normal(num_sequences))
     hit_limit = rng.choice(num_sequences, size=max(1, round(truncated * num_sequences)), replace=False)

@@ -35,6 +35,7 @@ import numpy as np
 from torch.utils.data import DataLoader, Dataset
 
 from torch_r3 import R3Collator
+from torch_r3._checks import check_int
 from torch_r3._memory import accelerator_available
 from torch_r3.bench.config import Batch, BenchConfig, make_batch
 from torch_r3.bench.memory import collector_paused
@@ -334,7 +335,8 @@ def run_dataloader(
         ValueError: `batch_size` is not between 1 and `config.num_sequences`.
         AssertionError: a DataLoader batch differs from `collate_routes`'s.
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= config.num_sequences:
+    batch_size = check_int(batch_size, "batch_size")
+    if not 1 <= batch_size <= config.num_sequences:
         raise ValueError(f"batch_size must be an int in [1, num_sequences={config.num_sequences}], got {batch_size!r}")
     batch = make_batch(config)
     dataset = RouteSamples(batch, config.seed)

@@ -34,7 +34,7 @@
 
 Every strategy writes plain (`pin_memory=False`) memory, so that all of them
 allocate the same kind of buffer. The floors' buffers are plain outputs too
-(`BufferPool(max_cached_bytes=0).empty`): hugepage-backed where the kernel
+(`BufferPool(cache_bytes=0).empty`): hugepage-backed where the kernel
 gives torch_r3's outputs hugepages, small pages where it does not, so a floor
 is always like-for-like with what it judges.
 
@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from torch_r3 import BufferPool
+from torch_r3._checks import check_choice
 from torch_r3.bench.config import TORCH_DTYPES, Batch
 from torch_r3.collate import collate_routes
 from torch_r3.cpu import pool_workers
@@ -108,7 +109,7 @@ _TEMPLATE_BYTES = 64 << 10
 
 def _plain(nbytes: int) -> np.ndarray:
     """`nbytes` of the memory a fresh plain output gets (see the module docstring)."""
-    return BufferPool(max_cached_bytes=0).empty((nbytes,), torch.uint8).numpy()
+    return BufferPool(cache_bytes=0).empty((nbytes,), torch.uint8).numpy()
 
 
 class Context:
@@ -468,8 +469,7 @@ def get_strategy(name: str) -> Strategy:
     Raises:
         ValueError: `name` is not one of `STRATEGIES`.
     """
-    if name not in _REGISTRY:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {name!r}")
+    check_choice(name, "strategy", STRATEGIES)
     return _REGISTRY[name]
 
 

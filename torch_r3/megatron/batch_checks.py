@@ -20,19 +20,11 @@ from typing import Any
 
 import torch
 
+from torch_r3._route_checks import bad_route_message, check_route_tensors, first_bad_route, route_position
 from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS, INPUT_IDS, ROUTER_MASK, ROUTES
 
-__all__ = [
-    "check_microbatch",
-    "check_record_microbatch",
-    "model_padding_mask",
-    "check_model_input",
-    "check_route_values",
-    "check_router_rows",
-]
-
-
-ROUTE_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)
+# The other checks are the hook's internals, shared with `hook.py` under plain names.
+__all__ = ["check_route_values"]
 
 
 def check_microbatch(batch: Any, topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -55,12 +47,7 @@ def check_microbatch(batch: Any, topk: int) -> tuple[torch.Tensor, torch.Tensor,
         if key not in batch:
             raise ValueError(f"microbatch: missing key {key!r}")
     routes, mask = batch[ROUTES], batch[ROUTER_MASK]
-    if not isinstance(routes, torch.Tensor) or routes.dtype not in ROUTE_DTYPES:
-        what = routes.dtype if isinstance(routes, torch.Tensor) else type(routes).__name__
-        raise TypeError(f"{ROUTES}: expected a uint8/int16/int32/int64 torch.Tensor, got {what}")
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-        what = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise TypeError(f"{ROUTER_MASK}: expected a torch.bool tensor, got {what}")
+    check_route_tensors(routes, mask)
     cu_seqlens = batch.get(CU_SEQLENS)
     if cu_seqlens is not None:
         if routes.ndim != 3 or routes.shape[-1] != topk:
@@ -180,64 +167,13 @@ def check_route_values(
         routes, checked = routes.unsqueeze(0), checked.unsqueeze(0)
     index = [i for _, i in layers]
     view = routes if index == list(range(routes.shape[2])) else routes[:, :, index]
-    if not _any_bad(view, num_experts):  # the one host sync per microbatch
+    found = first_bad_route(view, checked, num_experts)  # the one host sync per microbatch
+    if found is None:
         return
-    bad_row = _bad_rows(view, num_experts) & checked.to(view.device).unsqueeze(-1)
-    if not bool(bad_row.any()):  # only filler rows that are never replayed were bad
-        return
-    b, t, j = (int(x) for x in bad_row.nonzero()[0])
-    route = view[b, t, j].tolist()
-    where = _position(b, t, cu_seqlens)
-    prefix = f"microbatch {microbatch}, layer {layers[j][0]}: {where}: "
-    out_of_range = [e for e in route if not 0 <= e < num_experts]
-    if out_of_range:
-        raise ValueError(
-            prefix + f"expert id {out_of_range[0]} outside [0, {num_experts}) in route {route} "
-            f"(the model has num_moe_experts={num_experts})"
-        )
-    twice = [e for e in route if route.count(e) > 1][0]
-    raise ValueError(
-        prefix + f"expert id {twice} twice in one route {route}; the K={len(route)} experts of a token must be distinct"
-    )
-
-
-def _fits(view: torch.Tensor, num_experts: int) -> bool:
-    # Compare with scalars the dtype can hold: `uint8 >= 256` would wrap 256 to 0.
-    return num_experts <= torch.iinfo(view.dtype).max
-
-
-def _any_bad(view: torch.Tensor, num_experts: int) -> bool:
-    """Fast path over the whole tensor: any id out of range or repeated in a route, anywhere?
-
-    Whole-tensor reductions, no per-row masks (reducing over a short last
-    dimension is several times slower); K - 1 shifted comparisons find a repeated
-    id without sorting.
-    """
-    flags = [view.max() >= num_experts] if _fits(view, num_experts) else []
-    if view.dtype.is_signed:  # uint8 routes cannot be negative
-        flags.append(view.min() < 0)
-    flags += [(view[..., shift:] == view[..., :-shift]).any() for shift in range(1, view.shape[-1])]
-    return bool(torch.stack(flags).any()) if flags else False
-
-
-def _bad_rows(view: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Per route `[B, T, L]`: out of range or repeated (only run when `_any_bad` found something)."""
-    bad = torch.zeros(view.shape[:-1], dtype=torch.bool, device=view.device)
-    if _fits(view, num_experts):
-        bad |= (view >= num_experts).any(-1)
-    if view.dtype.is_signed:
-        bad |= (view < 0).any(-1)
-    for shift in range(1, view.shape[-1]):
-        bad |= (view[..., shift:] == view[..., :-shift]).any(-1)
-    return bad
-
-
-def _position(b: int, t: int, cu_seqlens: torch.Tensor | None) -> str:
-    if cu_seqlens is None:
-        return f"row {b}, token {t}"
-    bounds = cu_seqlens.tolist()
-    seq = max(i for i, start in enumerate(bounds[:-1]) if start <= t)
-    return f"sequence {seq}, token {t - bounds[seq]}"
+    b, t, j, route = found
+    where = route_position(b, t, cu_seqlens)
+    message = bad_route_message(route, num_experts, experts=f"num_moe_experts={num_experts}")
+    raise ValueError(f"microbatch {microbatch}, layer {layers[j][0]}: {where}: {message}")
 
 
 def check_model_input(

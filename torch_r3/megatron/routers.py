@@ -43,7 +43,8 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 from torch_r3.megatron.batch_checks import check_router_rows
 from torch_r3.stats import StatsCollector
 
-__all__ = ["ReplayedRouter", "RouterTarget", "expert_bias_mask_is_broken", "find_routers"]
+# Internals of the hook, shared with `hook.py` under plain names: nothing here is public.
+__all__: list[str] = []
 
 
 @dataclass(eq=False)

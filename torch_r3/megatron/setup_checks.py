@@ -8,7 +8,8 @@ from typing import Any
 
 from megatron.core import parallel_state
 
-__all__ = ["InterleavedPipelineError", "check_config", "check_pipeline"]
+# `check_config` and `check_pipeline` are the hook's internals, shared with `hook.py` under plain names.
+__all__ = ["InterleavedPipelineError"]
 
 
 class InterleavedPipelineError(ValueError):

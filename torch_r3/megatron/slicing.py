@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from torch_r3._checks import check_non_negative, check_positive
+
 __all__ = [
     "RankSlice",
     "context_parallel_positions",
@@ -67,10 +69,12 @@ class RankSlice:
 
     def __post_init__(self):
         for size, rank, what in ((self.cp_size, self.cp_rank, "cp"), (self.tp_size, self.tp_rank, "tp")):
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise ValueError(f"{what}_size must be an int >= 1, got {size!r}")
-            if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
+            size = check_positive(size, f"{what}_size")
+            rank = check_non_negative(rank, f"{what}_rank")
+            if rank >= size:
                 raise ValueError(f"{what}_rank must be an int in [0, {size}), got {rank!r}")
+            object.__setattr__(self, f"{what}_size", size)
+            object.__setattr__(self, f"{what}_rank", rank)
 
     @property
     def splits_sequence(self) -> bool:
@@ -242,17 +246,12 @@ def moe_layer_pattern(config: Any) -> tuple[bool, ...]:
     """
     freq = getattr(config, "moe_layer_freq", 1)
     num_layers = config.num_layers
-    if isinstance(freq, bool):
-        raise ValueError(f"moe_layer_freq must be an int or a list of 0/1, got {freq!r}")
-    if isinstance(freq, int):
-        if freq < 1:
-            raise ValueError(f"moe_layer_freq must be >= 1, got {freq}")
-        return tuple(i % freq == 0 for i in range(num_layers))
     if isinstance(freq, (list, tuple)):
         if len(freq) != num_layers:
             raise ValueError(f"moe_layer_freq has {len(freq)} entries, expected num_layers = {num_layers}")
         return tuple(bool(x) for x in freq)
-    raise ValueError(f"moe_layer_freq must be an int or a list of 0/1, got {type(freq).__name__}")
+    freq = check_positive(freq, "moe_layer_freq")  # not a list: an every-n-th-layer frequency
+    return tuple(i % freq == 0 for i in range(num_layers))
 
 
 def hybrid_moe_pattern(pattern: str) -> tuple[bool, ...]:

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
+from torch_r3._route_checks import bad_route_message, check_route_tensors, first_bad_route, route_position
 from torch_r3.keys import CU_SEQLENS, ROUTER_MASK, ROUTES
 
-__all__ = ["check_batch", "check_expert_ids", "check_router_tokens", "layer_columns"]
-
-_ROUTE_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)
+# Internals of the hook, shared with `hook.py` under plain names: nothing here is public.
+__all__: list[str] = []
 
 
 def check_batch(batch: Any, topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -44,12 +44,7 @@ def check_batch(batch: Any, topk: int) -> tuple[torch.Tensor, torch.Tensor, torc
         if key not in batch:
             raise ValueError(f"batch: missing key {key!r}")
     routes, mask = batch[ROUTES], batch[ROUTER_MASK]
-    if not isinstance(routes, torch.Tensor) or routes.dtype not in _ROUTE_DTYPES:
-        what = routes.dtype if isinstance(routes, torch.Tensor) else type(routes).__name__
-        raise TypeError(f"{ROUTES}: expected a uint8/int16/int32/int64 torch.Tensor, got {what}")
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-        what = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise TypeError(f"{ROUTER_MASK}: expected a torch.bool tensor, got {what}")
+    check_route_tensors(routes, mask)
     cu_seqlens = batch.get(CU_SEQLENS)
     if cu_seqlens is not None:
         if routes.ndim != 3 or routes.shape[-1] != topk:
@@ -124,34 +119,12 @@ def check_expert_ids(
         ...
         ValueError: layer 3: row 0, token 1: expert id 2 twice in one route [2, 2]; the K=2 experts of a token must be distinct
     """
-    wide = routes.to(torch.int64)  # uint8 - 1 would wrap; the sort below needs a signed type
-    ordered = wide.sort(dim=-1).values
-    bad = (ordered[..., 0] < 0) | (ordered[..., -1] >= num_experts)
-    bad |= (ordered[..., 1:] == ordered[..., :-1]).any(-1)
-    bad &= checked.to(bad.device).unsqueeze(-1)
-    if not bool(bad.any()):  # the one host sync
+    found = first_bad_route(routes, checked, num_experts)  # the one host sync of a clean batch
+    if found is None:
         return
-    b, t, j = (int(x) for x in bad.nonzero()[0])
-    route = wide[b, t, j].tolist()
-    prefix = f"layer {layers[j]}: {_position(b, t, cu_seqlens)}: "
-    outside = [e for e in route if not 0 <= e < num_experts]
-    if outside:
-        raise ValueError(
-            prefix + f"expert id {outside[0]} outside [0, {num_experts}) in route {route} "
-            f"(the model has {num_experts} experts)"
-        )
-    twice = next(e for e in route if route.count(e) > 1)
-    raise ValueError(
-        prefix + f"expert id {twice} twice in one route {route}; the K={len(route)} experts of a token must be distinct"
-    )
-
-
-def _position(b: int, t: int, cu_seqlens: torch.Tensor | None) -> str:
-    if cu_seqlens is None:
-        return f"row {b}, token {t}"
-    bounds = cu_seqlens.tolist()
-    seq = max(i for i, start in enumerate(bounds[:-1]) if start <= t)
-    return f"sequence {seq}, token {t - bounds[seq]}"
+    b, t, j, route = found
+    message = bad_route_message(route, num_experts, experts=f"{num_experts} experts")
+    raise ValueError(f"layer {layers[j]}: {route_position(b, t, cu_seqlens)}: {message}")
 
 
 def check_router_tokens(tokens: int, rows: int, positions: int, *, layer: int) -> None:

@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["FAMILIES", "Family", "family_of", "supported_families"]
+# `family_of` is the hook's internal lookup, shared with `hook.py` under a plain name.
+__all__ = ["FAMILIES", "Family", "supported_families"]
 
 WeightRule = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
