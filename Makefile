@@ -38,7 +38,13 @@ setup: $(STAMP) $(STAMP_NEXT)
 bench: $(STAMP)
 	$(BIN)/torch-r3 bench
 
+# The paths ruff checks; mypy's are in pyproject.toml ([tool.mypy] files).
+LINT_PATHS := torch_r3 tests benchmarks examples docs/img
+
 test: $(STAMP) $(STAMP_NEXT)
+	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/ruff format --check $(LINT_PATHS)
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 	# The whole Megatron suite again, on megatron-core $(MEGATRON_NEXT).
 	$(VENV_NEXT)/bin/python -m pytest -q tests/megatron

@@ -142,10 +142,16 @@ def test_memory_check_refuses_a_run_that_does_not_fit():
     config = bench.BenchConfig(**bench.PRESETS["production"])
     need = bench.estimate_memory(config)
     assert need > 100 * 2**30
-    short = lambda: {"available": 8 * 2**30, "mem_available": 8 * 2**30, "cgroup_room": None, "cgroup": None}
+
+    def short() -> dict:
+        return {"available": 8 * 2**30, "mem_available": 8 * 2**30, "cgroup_room": None, "cgroup": None}
+
     with pytest.raises(bench.InsufficientMemoryError, match=r"needs about .* GiB"):
         bench.check_memory(need, config.label, short)
-    plenty = lambda: {"available": need + 1, "mem_available": need + 1, "cgroup_room": None, "cgroup": None}
+
+    def plenty() -> dict:
+        return {"available": need + 1, "mem_available": need + 1, "cgroup_room": None, "cgroup": None}
+
     bench.check_memory(need, config.label, plenty)
 
 

@@ -21,8 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from aiohttp import web
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from torch_r3.client import RemoteGenerateClient, RemoteGenerateError, ZeroRoutesWarning
 from torch_r3.codec import WireFormatError

@@ -10,10 +10,8 @@ import time
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from reference_collate import ROUTE_DTYPES as ORDER
-from reference_collate import assert_batch_equal, reference_collate_routes, reference_r3_collator
+from hypothesis import given, settings, strategies as st
+from reference_collate import ROUTE_DTYPES as ORDER, assert_batch_equal, reference_collate_routes, reference_r3_collator
 from torch.utils.data import DataLoader
 
 import torch_r3._buffers

@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from reference_collate import assert_batch_equal, reference_collate_routes
 
 from torch_r3 import R3Collator, collate_routes, global_layout

@@ -17,8 +17,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from reference_collate import assert_batch_equal, reference_r3_collator
 
 from torch_r3 import BufferPool, R3Collator, ShardCollator, collate_routes, global_layout, plan_microbatches

@@ -7,8 +7,8 @@ One client for three servers, picked with `server=`: the torch_r3 server format
 whose routes are the canonical `[rows, layers, topk]` array of positions
 `[start, P + O - 1)`. Transport concerns (sessions, retries, the body cap) live
 in `torch_r3.transport`; the request path here only checks the arguments,
-lets the protocol build the body, and reads the answer. It is slightly over
-the usual module size because its argument checks (prompt ids, salt, base URL)
+lets the protocol build the body, and reads the answer. It is slightly past
+500 lines because its argument checks (prompt ids, salt, base URL)
 sit beside the one client that uses them.
 """
 
@@ -17,9 +17,12 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any
 
 from torch_r3._extras import require
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self is Python 3.11+, and the package supports 3.10
 
 require("aiohttp", "client")  # without aiohttp: name the extra that installs it
 import aiohttp

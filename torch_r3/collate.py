@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -40,7 +40,7 @@ from torch_r3 import _memory, _pool
 from torch_r3._buffers import BufferPool
 from torch_r3._checks import check_bool, check_choice, check_int, check_positive
 from torch_r3._padding import PadFill, check_padding, padding_rows
-from torch_r3._samples import batch_samples, check_pad_number, collate_extra
+from torch_r3._samples import SeqField, batch_samples, check_pad_number, collate_extra
 from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS, INPUT_IDS, OUTPUT_KEYS, ROUTER_MASK, ROUTES, SAMPLE_ROUTES
 from torch_r3.layout import (
     check_layers,
@@ -167,7 +167,7 @@ def _as_count(value: Any, i: int) -> int:
     return count
 
 
-def _check_batch(routes: Any, token_counts: Any, opts: _Options | None = None):
+def _check_batch(routes: Any, token_counts: Any, opts: _Options | None = None) -> tuple[list[np.ndarray], list[int]]:
     compact = opts is not None and opts.compact
     if isinstance(routes, (np.ndarray, torch.Tensor)) or not isinstance(routes, Sequence):
         raise TypeError(f"routes: expected a sequence of per-trajectory arrays, got {type(routes).__name__}")
@@ -202,7 +202,7 @@ def _check_batch(routes: Any, token_counts: Any, opts: _Options | None = None):
     return arrays, counts
 
 
-def _output_dtype(arrays: list[np.ndarray], topk: int, opts: _Options) -> np.dtype:
+def _output_dtype(arrays: Sequence[np.ndarray], topk: int, opts: _Options) -> np.dtype:
     # Promotion by dtype alone (the sender compacted, no value is rescanned),
     # widened where a padding expert id would not fit the inputs' dtype.
     experts = opts.num_experts  # set whenever padding is balanced (checked by _Options)
@@ -225,7 +225,7 @@ def _output_dtype(arrays: list[np.ndarray], topk: int, opts: _Options) -> np.dty
     return opts.dtype
 
 
-def _check_aliasing(result: dict[str, torch.Tensor], arrays, fields) -> None:
+def _check_aliasing(result: dict[str, torch.Tensor], arrays: Sequence[np.ndarray], fields: Sequence[SeqField]) -> None:
     """Refuse an input that lives inside a caller-supplied output (it would be overwritten before it is read)."""
     for key, t in result.items():
         view = t.numpy()
@@ -238,7 +238,7 @@ def _check_aliasing(result: dict[str, torch.Tensor], arrays, fields) -> None:
                     raise ValueError(f"sample {i}: {f.key!r} lies in the memory of out[{key!r}]; use a copy of it")
 
 
-def _row_copier(layers: tuple[int, ...] | None):
+def _row_copier(layers: tuple[int, ...] | None) -> Callable[[np.ndarray, np.ndarray], None]:
     """`copy(dst, src)` writing `src`'s selected layers into `dst`, each byte of `dst` once."""
     if layers is None:
         return lambda dst, src: np.copyto(dst, src, casting="safe")
@@ -292,7 +292,16 @@ def _check_out(out: Any, want: dict[str, tuple[tuple[int, ...], torch.dtype]]) -
 # --------------------------------------------------------------------------
 
 
-def _padded_writer(views, arrays, counts, ids, T, fill_pad, copy_rows, fields):
+def _padded_writer(
+    views: dict[str, np.ndarray],
+    arrays: Sequence[np.ndarray],
+    counts: list[int],
+    ids: Sequence[int],
+    T: int,
+    fill_pad: PadFill,
+    copy_rows: Callable[[np.ndarray, np.ndarray], None],
+    fields: Sequence[SeqField],
+) -> tuple[list[int], Callable[[int, int], None]]:
     routes_out, mask_out, att_out = views[ROUTES], views[ROUTER_MASK], views[ATTENTION_MASK]
     fviews = [(views[f.key], f.arrays, f.pad) for f in fields]
 
@@ -320,7 +329,15 @@ def _padded_writer(views, arrays, counts, ids, T, fill_pad, copy_rows, fields):
     return [T] * len(arrays), write_rows
 
 
-def _packed_writer(views, arrays, counts, ids, fill_pad, copy_rows, fields):
+def _packed_writer(
+    views: dict[str, np.ndarray],
+    arrays: Sequence[np.ndarray],
+    counts: list[int],
+    ids: Sequence[int],
+    fill_pad: PadFill,
+    copy_rows: Callable[[np.ndarray, np.ndarray], None],
+    fields: Sequence[SeqField],
+) -> tuple[list[int], Callable[[int, int], None]]:
     routes_out, mask_out = views[ROUTES], views[ROUTER_MASK]
     fviews = [(views[f.key], f.arrays) for f in fields]
     cu = np.zeros(len(arrays) + 1, dtype=np.int64)
@@ -341,7 +358,14 @@ def _packed_writer(views, arrays, counts, ids, fill_pad, copy_rows, fields):
 
 
 def _collate(
-    arrays, counts, opts: _Options, *, out=None, buffers=None, fields=(), sample_ids=None
+    arrays: Sequence[np.ndarray],
+    counts: list[int],
+    opts: _Options,
+    *,
+    out: torch.Tensor | Mapping[str, torch.Tensor] | None = None,
+    buffers: BufferPool | None = None,
+    fields: Sequence[SeqField] = (),
+    sample_ids: Any = None,
 ) -> dict[str, torch.Tensor]:
     B, (_, num_layers, topk) = len(arrays), arrays[0].shape
     check_padding(opts.padding, opts.num_experts, topk)

@@ -23,7 +23,7 @@ model on both sides (`torch_r3.transformers.demo`).
 On a machine without CUDA, Megatron's few CUDA-only calls are redirected to the
 CPU (`torch_r3.testing._megatron_cpu`); with a GPU nothing is redirected.
 
-The module is longer than most in the package on purpose: it is the tutorial's
+The module is past 500 lines on purpose: it is the tutorial's
 single file, read from top to bottom (set-up, inference side, rollouts,
 training side, report).
 """
@@ -226,7 +226,8 @@ class SampledServedModel(ServedModel):
         return GenerateOutput(
             token_ids=generated,
             logprobs=lps,
-            routes=routes.numpy(),  # the server compacts what it sends
+            # the server compacts what it sends; the last forward recorded, so routes is set
+            routes=routes.numpy(),  # type: ignore[union-attr]
             finish_reason="length",
         )
 
@@ -246,7 +247,7 @@ class MegatronServedModel(SampledServedModel):
         self.num_layers = cfg.num_layers
         self.num_experts = cfg.num_experts
         self.topk = cfg.topk
-        self.replays = [r.router_replay for r in own_routers(model)]
+        self.replays: list[Any] = [r.router_replay for r in own_routers(model)]  # Megatron's RouterReplay
 
     @torch.no_grad()
     def forward(self, ids: Sequence[int], *, record: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -457,7 +458,7 @@ def run_schedule(model, microbatches: list[dict[str, torch.Tensor]], cfg: DemoCo
     forward_step = ForwardStep()
     spy = RouterSpy(own_routers(model))
     model.zero_grad(set_to_none=True)
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         forward_step_func=forward_step,
         data_iterator=iter(microbatches),
         model=[model],
@@ -663,7 +664,13 @@ def _run(cfg: DemoConfig, *, server_url: str | None, retries: int, num_workers: 
             "has_reference_logprob",
         )
         collator = R3Collator(pad_token_id=0, pad_keys={key: 0.0 for key in per_token})
-        loader = DataLoader(samples, batch_size=cfg.micro_batch_size, collate_fn=collator, num_workers=num_workers)
+        # a list is a map-style dataset (__getitem__ and __len__); torch types the argument as Dataset
+        loader: DataLoader[dict[str, Any]] = DataLoader(
+            samples,  # type: ignore[arg-type]
+            batch_size=cfg.micro_batch_size,
+            collate_fn=collator,
+            num_workers=num_workers,
+        )
         microbatches = list(loader)
         _progress(
             f"collated {len(samples)} trajectories into {len(microbatches)} microbatches "

@@ -101,7 +101,9 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def _encode(samples: Sequence[Mapping[str, Any]], indices: list[int], keys: list[str]):
+def _encode(
+    samples: Sequence[Mapping[str, Any]], indices: list[int], keys: list[str]
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     table = np.zeros((len(indices), len(keys), _ROW), dtype=np.int64)
     payloads = []
     for k, key in enumerate(keys):
@@ -221,7 +223,9 @@ def _split(buf: np.ndarray, table: np.ndarray, k: int) -> list[np.ndarray]:
     return out
 
 
-def _check_samples(samples: dict[int, dict[str, Any]], counts: list[int], routes_key: str, tokens_key: str, src: int):
+def _check_samples(
+    samples: dict[int, dict[str, Any]], counts: list[int], routes_key: str, tokens_key: str, src: int
+) -> None:
     for g, s in samples.items():
         if routes_key not in s or tokens_key not in s:
             raise ValueError(f"rank {src} sent sample {g} without {routes_key!r} or {tokens_key!r}")
@@ -240,28 +244,39 @@ def _check_samples(samples: dict[int, dict[str, Any]], counts: list[int], routes
 # --------------------------------------------------------------------------
 
 
-def _device(group) -> torch.device:
+def _device(group: dist.ProcessGroup | None) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def _global_rank(group, r: int) -> int:
+def _global_rank(group: dist.ProcessGroup | None, r: int) -> int:
     # send/recv take global ranks; the plan and `src` are in the group's ranks.
     return r if group is None else dist.get_global_rank(group, r)
 
 
-def _send(t: torch.Tensor, dst: int, group, device: torch.device) -> None:
+def _send(t: torch.Tensor, dst: int, group: dist.ProcessGroup | None, device: torch.device) -> None:
     dist.send(t.to(device), dst=dst, group=group)
 
 
-def _recv(shape: tuple[int, ...], dtype: torch.dtype, src: int, group, device: torch.device) -> torch.Tensor:
+def _recv(
+    shape: tuple[int, ...], dtype: torch.dtype, src: int, group: dist.ProcessGroup | None, device: torch.device
+) -> torch.Tensor:
     t = torch.empty(shape, dtype=dtype, device=device)
     dist.recv(t, src=src, group=group)
     return t.cpu()
 
 
-def _send_rank(samples, plan_r, counts, dtypes, keys, dst, group, device):
+def _send_rank(
+    samples: Sequence[Mapping[str, Any]],
+    plan_r: Sequence[Sequence[int]],
+    counts: Sequence[int],
+    dtypes: Sequence[np.dtype],
+    keys: list[str],
+    dst: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> None:
     indices = [i for mb in plan_r for i in mb]
     table, payloads = _encode(samples, indices, keys)
     schema = torch.frombuffer(bytearray(json.dumps(keys).encode("utf-8")), dtype=torch.uint8)
@@ -278,7 +293,14 @@ def _send_rank(samples, plan_r, counts, dtypes, keys, dst, group, device):
             _send(p, dst, group, device)
 
 
-def _recv_rank(src, group, device, max_bytes, routes_key, tokens_key) -> RankShard:
+def _recv_rank(
+    src: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    max_bytes: int,
+    routes_key: str,
+    tokens_key: str,
+) -> RankShard:
     header = _recv((8,), torch.int64, src, group, device).tolist()
     _check_header(header, src, max_bytes)
     _, _, num_global, num_mb, num_samples, num_keys, schema_len, payload = header

@@ -10,6 +10,7 @@ from then on everything trusts the dtype and never rescans values.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -63,7 +64,7 @@ def is_canonical(dtype: Any) -> bool:
         return False
 
 
-def widest(dtypes) -> np.dtype:
+def widest(dtypes: Iterable[np.dtype]) -> np.dtype:
     """The widest of some canonical dtypes: promotion by dtype alone, no value scan.
 
     Examples:
@@ -95,7 +96,7 @@ def as_host_array(array: Any, what: str) -> np.ndarray:
     try:
         import torch
     except ImportError:  # pragma: no cover - torch is a dependency
-        torch = None
+        torch = None  # type: ignore[assignment]  # the isinstance checks below are skipped without torch
     if torch is not None and isinstance(array, torch.Tensor):
         if array.dtype.is_floating_point or array.dtype.is_complex or array.dtype == torch.bool:
             raise TypeError(f"{what}: expected an integer tensor, got dtype {array.dtype}")
@@ -163,8 +164,7 @@ def check_expert_ids(routes: np.ndarray, num_experts: int | None = None, *, name
         if int(routes.max()) >= num_experts:
             bad = routes >= num_experts
     if bad is not None:
-        index = np.unravel_index(int(np.argmax(bad)), routes.shape)
-        index = tuple(int(i) for i in index)
+        index = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), routes.shape))
         raise ValueError(
             f"{name}: expert ids must be in [0, num_experts), found {int(routes[index])} at index {index}"
             + (f" (num_experts={num_experts})" if num_experts is not None else "")

@@ -71,7 +71,7 @@ def run(rank, world_size, port, out_dir):
         batches = _batches(seed=3)
         hook.forward_backward(**_schedule_kwargs(forward_step, batches, [model]))
         result["pp_layers"] = list(hook.layers)
-        result["pp_checked"], result["pp_wrong"] = _recompute_mismatches(recorder, batches, lambda l, b: b)
+        result["pp_checked"], result["pp_wrong"] = _recompute_mismatches(recorder, batches, lambda _layer, b: b)
         result["pp_drained"] = all(r.replay.replay_backward_list == [] for r in hook._routers)
         hook.close()
 
@@ -87,7 +87,7 @@ def run(rank, world_size, port, out_dir):
             ]
             hook.forward_backward(**_schedule_kwargs(forward_step, sliced, [model]))
             result[f"{name}_checked"], result[f"{name}_wrong"] = _recompute_mismatches(
-                recorder, batches, lambda l, b: b
+                recorder, batches, lambda _layer, b: b
             )
             hook.close()
         other = [layer for layer in range(4) if layer not in stage]
@@ -153,7 +153,7 @@ def run(rank, world_size, port, out_dir):
         get_forward_backward_func()(**kwargs)
         checked = wrong = 0
         for rec in recorders:
-            c, w = _recompute_mismatches(rec, batches, lambda l, b: b)
+            c, w = _recompute_mismatches(rec, batches, lambda _layer, b: b)
             checked += c
             wrong += w
         result["naive_checked"], result["naive_wrong"] = checked, wrong

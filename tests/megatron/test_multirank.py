@@ -185,7 +185,8 @@ def _check(results, name: str, *, layers_per_stage) -> None:
         for param, grad in r["grads"].items():
             want = ref["grads"][param].float()
             scale = float(want.abs().max()) or 1.0
-            torch.testing.assert_close(grad.float() / scale, want / scale, **tolerance, msg=lambda m: f"{param}: {m}")
+            # B023: assert_close calls `msg` before it returns, while `param` is this iteration's.
+            torch.testing.assert_close(grad.float() / scale, want / scale, **tolerance, msg=lambda m: f"{param}: {m}")  # noqa: B023
 
     # hook.last_stats counts this rank's token positions: per pipeline stage, the
     # ranks together counted every captured position once and routed the rest live.

@@ -165,7 +165,7 @@ def make_batch(hook, *, lengths=LENGTHS, seed=0, layers="all", layout="padded"):
     moe = list(hook.layers)
     columns = hook.num_layers if layers == "all" else len(moe)
     samples = []
-    for i, n in enumerate(lengths):
+    for _i, n in enumerate(lengths):
         routes = np.zeros((n - 1, columns, hook.topk), np.uint8)  # dense layers keep zero rows
         for c, layer in enumerate(moe):
             col = layer if layers == "all" else c

@@ -29,7 +29,7 @@ def samples(n=8, seed=5):
     moe = [0, 2]  # mlp_only_layers=[1] in the tiny config
     g = np.random.default_rng(seed)
     out = []
-    for i in range(n):
+    for _ in range(n):
         length = int(g.integers(3, 8))
         routes = np.zeros((length - 1, layers, topk), np.uint8)
         for layer in moe:

@@ -268,7 +268,8 @@ def make_batch(config: BenchConfig) -> Batch:
     if len(can_eos):
         k = min(len(can_eos), max(1, round(_EOS_FRACTION * config.num_sequences)))
         rows[rng.choice(can_eos, size=k, replace=False)] -= 1
-    L, K, E = config.num_layers, config.topk, config.num_experts
+    L, K = config.num_layers, config.topk
+    E: int = config.num_experts  # type: ignore[assignment]  # __post_init__ resolved None to the default
     dtype = np.dtype(config.dtype)
     routes = []
     for i, r in enumerate(rows):

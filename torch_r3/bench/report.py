@@ -30,7 +30,7 @@ __all__ = [
 TOO_SMALL_BYTES = 32 * 10**6
 
 
-def _table(head: Sequence[str], rows: list[Sequence[str]]) -> str:
+def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     lines = []
     for k, r in enumerate([head, *rows]):

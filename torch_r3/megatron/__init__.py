@@ -28,22 +28,25 @@ from __future__ import annotations
 from torch_r3._extras import require
 
 require("megatron.core", "megatron")  # without megatron-core: name the extra that installs it
-from torch_r3.megatron import slicing  # noqa: E402
+from torch_r3.megatron import slicing
 from torch_r3.megatron.batch_checks import check_route_values
 from torch_r3.megatron.hook import ReplayHook
-from torch_r3.megatron.setup_checks import InterleavedPipelineError  # noqa: E402
+from torch_r3.megatron.setup_checks import InterleavedPipelineError
+
+# Redundant aliases mark these as re-exports: `__all__` lists them through `*slicing.__all__`,
+# which static tools cannot expand.
 from torch_r3.megatron.slicing import (
-    RankSlice,
-    context_parallel_positions,
-    hybrid_moe_pattern,
-    moe_layer_pattern,
-    packed_positions,
-    route_layer_index,
-    route_layer_map,
-    router_indices,
-    sequence_parallel_positions,
-    slice_for_rank,
-    stage_layer_range,
+    RankSlice as RankSlice,
+    context_parallel_positions as context_parallel_positions,
+    hybrid_moe_pattern as hybrid_moe_pattern,
+    moe_layer_pattern as moe_layer_pattern,
+    packed_positions as packed_positions,
+    route_layer_index as route_layer_index,
+    route_layer_map as route_layer_map,
+    router_indices as router_indices,
+    sequence_parallel_positions as sequence_parallel_positions,
+    slice_for_rank as slice_for_rank,
+    stage_layer_range as stage_layer_range,
 )
 from torch_r3.stats import ReplayStats, TokenCounts
 

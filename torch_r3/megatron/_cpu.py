@@ -128,5 +128,5 @@ def _under_cpu_mode(fn):
         with _CudaToCpu():
             return fn(*args, **kwargs)
 
-    run.__wrapped__ = fn
+    run.__wrapped__ = fn  # type: ignore[attr-defined]  # functions take attributes; mypy does not model it
     return run

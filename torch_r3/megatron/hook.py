@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -341,7 +341,7 @@ class ReplayHook:
             raise TypeError(f"forward_step_func: expected a callable, got {type(forward_step_func).__name__}")
 
         @functools.wraps(forward_step_func)
-        def replaying_forward_step(data_iterator, model, *args, **kwargs):
+        def replaying_forward_step(data_iterator: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
             if not self._in_step:
                 raise RuntimeError(
                     "the replaying forward step ran outside ReplayHook.step(); use "
@@ -404,7 +404,7 @@ class ReplayHook:
 
     # --------------------------------------------------------------- internals
 
-    def _stage_layers(self, config) -> range:
+    def _stage_layers(self, config: Any) -> range:
         if self._hybrid is not None:  # one stage (refused otherwise): every layer of the pattern
             return range(len(self._pattern))
         pp_size = getattr(config, "pipeline_model_parallel_size", 1) or 1
@@ -418,7 +418,7 @@ class ReplayHook:
             )
         return stage_layer_range(config, vp_stage=vp_stage, pp_rank=0)
 
-    def _next_microbatch(self, data_iterator):
+    def _next_microbatch(self, data_iterator: Iterator[Any]) -> Any:
         try:
             return next(data_iterator)
         except StopIteration:
@@ -443,7 +443,7 @@ class ReplayHook:
             sequence_parallel=sp,
         )
 
-    def _install(self, batch) -> None:
+    def _install(self, batch: Mapping[str, Any]) -> None:
         microbatch = self._microbatch
         self._microbatch += 1
         live = self.uncaptured == "live"
@@ -538,14 +538,19 @@ class ReplayHook:
             out.append({ROUTES: routes[0] if packed else routes, ROUTER_MASK: pad.clone()})
         return out
 
-    def _before_model_forward(self, module, args, kwargs):
+    def _before_model_forward(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if self._active_mask is None:
             return None
         if self._pre_process and kwargs.get("decoder_input") is None:
             ids = args[0] if args else kwargs.get("input_ids")
             if isinstance(ids, torch.Tensor):
                 check_model_input(
-                    self._input_shape, ids.shape, microbatch=self._microbatch - 1, layer=self._routers[0].layer
+                    self._input_shape,  # type: ignore[arg-type]  # set with _active_mask, checked above
+                    ids.shape,
+                    microbatch=self._microbatch - 1,
+                    layer=self._routers[0].layer,
                 )
         if kwargs.get("padding_mask") is not None:
             return None

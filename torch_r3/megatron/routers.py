@@ -80,7 +80,7 @@ class ReplayedRouter:
     """One replayed router of this model and what the hook tracks about it."""
 
     replay: RouterReplay
-    module: torch.nn.Module
+    module: Any  # Megatron's TopKRouter (untyped): its replaced methods and buffers are Megatron's
     layer: int  # global, 0-based
     recomputed: bool  # does activation recompute re-run this router in backward?
     stats: StatsCollector
@@ -287,7 +287,7 @@ def expert_bias_mask_is_broken(apply_expert_bias: Callable | None = None) -> boo
 
 def find_routers(
     chunk: torch.nn.Module, config: Any, first_layer: int, stats: StatsCollector
-) -> tuple[list[ReplayedRouter], list[torch.nn.Module]]:
+) -> tuple[list[ReplayedRouter], list[Any]]:
     """This chunk's routers with a `RouterReplay`: decoder routers to replay, MTP routers to leave live.
 
     Args:

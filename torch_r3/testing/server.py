@@ -16,9 +16,12 @@ import socket
 import struct
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Self, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from torch_r3._extras import require
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self is Python 3.11+, and the package supports 3.10
 
 require("aiohttp", "testing")  # without aiohttp: name the extra that installs it
 from aiohttp import web

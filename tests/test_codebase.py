@@ -1,0 +1,168 @@
+"""House rules that a reader can check with grep, checked on every module of `torch_r3/`.
+
+The private-name rule: a name that starts with one underscore (and is not a dunder) belongs
+to the module that defines it. Another module of the package may import a private *module*
+(`from torch_r3 import _memory`, `import torch_r3._memory as memory`) and use its public
+names, but it never reaches a private *name* of another module: neither
+`from torch_r3.a import _b` nor `a._b` on a module it imported. A private name that is
+itself a module (`torch_r3.testing._wire`) counts as a module.
+
+The size rule: a module past 500 lines says why in its docstring, in a sentence that
+contains "500 lines".
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "torch_r3"
+MAX_LINES = 500
+
+
+def _modules() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_module(dotted: str) -> bool:
+    """Whether `dotted` (`torch_r3.a._b`) names a module or package of this package."""
+    path = PACKAGE.parent.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _resolve(node: ast.ImportFrom, here: str, is_package: bool) -> str | None:
+    if node.level == 0:
+        return node.module
+    base = here.split(".") if is_package else here.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def private_reaches(path: Path) -> list[str]:
+    """Every private name of another `torch_r3` module that `path` imports or reads as an attribute."""
+    here = _module_name(path)
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: list[str] = []
+    modules: dict[str, str] = {}  # local name -> the torch_r3 module it is bound to
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "torch_r3" or alias.name.startswith("torch_r3."):
+                    if alias.asname:
+                        modules[alias.asname] = alias.name
+                    else:
+                        modules["torch_r3"] = "torch_r3"
+        elif isinstance(node, ast.ImportFrom):
+            source = _resolve(node, here, path.name == "__init__.py")
+            if source is None or not (source == "torch_r3" or source.startswith("torch_r3.")):
+                continue
+            for alias in node.names:
+                target = f"{source}.{alias.name}"
+                if _is_module(target):
+                    modules[alias.asname or alias.name] = target
+                elif _is_private(alias.name) and source != here:
+                    found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: from {source} import {alias.name}")
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        chain = []
+        inner: ast.expr = node
+        while isinstance(inner, ast.Attribute):
+            chain.append(inner.attr)
+            inner = inner.value
+        if not isinstance(inner, ast.Name) or inner.id not in modules:
+            continue
+        # Walk `m.a.b` from the outermost module: the first attribute that is not a
+        # module is the name read from that module.
+        dotted = modules[inner.id]
+        for attr in reversed(chain):
+            if _is_module(f"{dotted}.{attr}"):
+                dotted = f"{dotted}.{attr}"
+                continue
+            if _is_private(attr) and dotted != here:
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {dotted}.{attr}")
+            break
+    return sorted(set(found))
+
+
+def test_the_scanner_finds_each_kind_of_reach(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A fixture package laid out like ours, so the rule's edges are pinned down.
+    root = tmp_path / "torch_r3"
+    (root / "sub").mkdir(parents=True)
+    for name in ["__init__.py", "_memory.py", "a.py", "sub/__init__.py", "sub/_wire.py"]:
+        (root / name).write_text("")
+    user = root / "user.py"
+    user.write_text(
+        "import torch_r3._memory as memory\n"
+        "from torch_r3 import _memory, a\n"
+        "from torch_r3.a import _hidden, public\n"
+        "from torch_r3.sub import _wire\n"
+        "from . import a as same\n"
+        "memory.pinned_bytes(); memory._pool_size(); _memory.__name__\n"
+        "a._secret; same._other; _wire.make; _wire._table\n"
+        "import torch_r3\n"
+        "torch_r3.sub._wire._deep\n"
+        "def _mine(): pass\n"
+        "_mine()\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", root)
+    assert sorted(line.split(": ", 1)[1] for line in private_reaches(user)) == [
+        "from torch_r3.a import _hidden",
+        "torch_r3._memory._pool_size",
+        "torch_r3.a._other",
+        "torch_r3.a._secret",
+        "torch_r3.sub._wire._deep",
+        "torch_r3.sub._wire._table",
+    ]
+
+
+def test_no_private_name_is_reached_across_modules() -> None:
+    found = [line for path in _modules() for line in private_reaches(path)]
+    assert found == [], "private names used outside their module:\n" + "\n".join(found)
+
+
+def test_every_long_module_says_why_in_its_docstring() -> None:
+    missing = []
+    for path in _modules():
+        source = path.read_text()
+        lines = source.count("\n") + (not source.endswith("\n"))
+        if lines <= MAX_LINES:
+            continue
+        docstring = ast.get_docstring(ast.parse(source)) or ""
+        if "500 lines" not in " ".join(docstring.split()):
+            missing.append(f"{path.relative_to(PACKAGE.parent)} ({lines} lines)")
+    assert missing == [], 'modules over 500 lines without a reason ("500 lines") in their docstring: ' + ", ".join(
+        missing
+    )
+
+
+def test_deprecations_fail_the_suite_unless_a_third_party_one_is_filtered_by_name(
+    pytestconfig: pytest.Config,
+) -> None:
+    filters = pytestconfig.getini("filterwarnings")
+    assert "error::DeprecationWarning" in filters and "error::FutureWarning" in filters
+    for entry in filters:
+        action, message, category, module = (entry.split(":") + ["", "", "", ""])[:4]
+        if action == "ignore" and category in ("DeprecationWarning", "PendingDeprecationWarning", "FutureWarning"):
+            assert message or module, f"{entry!r} ignores a whole category; name the module or the message"
+    # The filters are in force in every test: one attributed to our code raises, Megatron's does not.
+    with pytest.raises(DeprecationWarning, match="ours"):
+        warnings.warn_explicit("ours", DeprecationWarning, "codec.py", 1, module="torch_r3.codec")
+    with pytest.raises(FutureWarning, match="ours"):
+        warnings.warn_explicit("ours", FutureWarning, "collate.py", 1, module="torch_r3.collate")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.warn_explicit("theirs", DeprecationWarning, "layers.py", 1, module="megatron.core.tensor_parallel")
+    assert seen == []
