@@ -21,7 +21,7 @@ Run it with `torch-r3 demo` or `python -m torch_r3.demo [--json PATH]`;
 `--trainer transformers` runs the same step with a Hugging Face `transformers`
 model on both sides (`torch_r3.transformers.demo`).
 On a machine without CUDA, Megatron's few CUDA-only calls are redirected to the
-CPU (`torch_r3.testing._megatron_cpu`); with a GPU nothing is redirected.
+CPU (`torch_r3.megatron._cpu`); with a GPU nothing is redirected.
 
 The module is past 500 lines on purpose: it is the tutorial's
 single file, read from top to bottom (set-up, inference side, rollouts,
