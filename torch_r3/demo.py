@@ -38,7 +38,7 @@ import json
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,7 +87,7 @@ class DemoConfig:
         return -(-n // 16) * 16
 
 
-def _progress(msg: str, quiet: bool) -> None:
+def progress(msg: str, quiet: bool) -> None:
     if not quiet:
         print(f"[demo] {msg}", file=sys.stderr, flush=True)
 
@@ -351,7 +351,7 @@ async def rollout(url: str, cfg: DemoConfig, retries: int, quiet: bool) -> list[
             rollout_lp.append(0.0)
             has_lp.append(0.0)  # not sampled by the engine: no rollout log-prob
         done += 1
-        _progress(f"rollout {done}/{cfg.trajectories} done ({len(tokens)} tokens, {trace.turns} turns)", quiet)
+        progress(f"rollout {done}/{cfg.trajectories} done ({len(tokens)} tokens, {trace.turns} turns)", quiet)
         return {
             "input_ids": tokens,
             "routes": trace.finalize(len(tokens)),
@@ -627,6 +627,50 @@ def quiet_third_party_warnings():
         yield
 
 
+def collate_and_measure(
+    samples: list[dict[str, Any]],
+    train_model: Any,
+    measure: Callable[..., dict[str, Any]],
+    cfg: DemoConfig,
+    *,
+    num_workers: int,
+    quiet: bool,
+) -> dict[str, dict[str, Any]]:
+    """The trainer side both demos share: collate the rollouts with `R3Collator` in a
+    `DataLoader`, warn about loss-active tokens without a captured route, and run every
+    entry of `RUNS` through the trainer's own `measure(model, microbatches, cfg, uncaptured=)`."""
+    from torch.utils.data import DataLoader
+
+    per_token = ("loss_mask", "rollout_logprobs", "has_rollout_logprob", "reference_logprobs", "has_reference_logprob")
+    collator = R3Collator(pad_token_id=0, pad_keys={key: 0.0 for key in per_token})
+    # a list is a map-style dataset (__getitem__ and __len__); torch types the argument as Dataset
+    loader: DataLoader[dict[str, Any]] = DataLoader(
+        samples,  # type: ignore[arg-type]
+        batch_size=cfg.micro_batch_size,
+        collate_fn=collator,
+        num_workers=num_workers,
+    )
+    microbatches = list(loader)
+    progress(
+        f"collated {len(samples)} trajectories into {len(microbatches)} microbatches "
+        f"({num_workers} DataLoader workers)",
+        quiet,
+    )
+    uncaptured = sum(int(loss_active_uncaptured(mb).sum()) for mb in microbatches)
+    if uncaptured:
+        warnings.warn(
+            f"{uncaptured} loss-active token(s) are predicted from positions without a captured route "
+            f"(an uncaptured tail, e.g. a synthetic EOS); ReplayHook routes them with the model's own "
+            f'router (uncaptured="live"), or replays a filler route there with uncaptured="replay"',
+            stacklevel=4,  # one frame deeper than when each demo warned itself: the same frame named
+        )
+    results = {}
+    for name, (mode, column) in RUNS.items():
+        progress(f"fp32 training forward/backward, {column}", quiet)
+        results[name] = measure(train_model, microbatches, cfg, uncaptured=mode)
+    return results
+
+
 def run(cfg: DemoConfig, *, server_url: str | None = None, retries: int = 3, num_workers: int = 2, quiet: bool = False):
     """Run the whole step; returns the figures of each run in `RUNS`, by name."""
     with quiet_third_party_warnings():
@@ -634,62 +678,27 @@ def run(cfg: DemoConfig, *, server_url: str | None = None, retries: int = 3, num
 
 
 def _run(cfg: DemoConfig, *, server_url: str | None, retries: int, num_workers: int, quiet: bool):
-    from torch.utils.data import DataLoader
-
     from torch_r3.testing import LoopbackServer
 
     t0 = time.perf_counter()
     if server_url is not None:
-        _progress(f"checking the inference server at {server_url}", quiet)
+        progress(f"checking the inference server at {server_url}", quiet)
         asyncio.run(check_server(server_url, cfg, retries))
     with megatron_world():
-        _progress("building the fp32 training model and its bf16 inference copy", quiet)
+        progress("building the fp32 training model and its bf16 inference copy", quiet)
         train_model, infer_model = build_models(cfg)
         served = MegatronServedModel(infer_model, cfg)
         with contextlib.ExitStack() as stack:
             url = server_url
             if url is None:
                 url = stack.enter_context(LoopbackServer(served)).url
-                _progress(f"bf16 inference server on {url}", quiet)
+                progress(f"bf16 inference server on {url}", quiet)
                 asyncio.run(check_server(url, cfg, retries))
             samples = asyncio.run(rollout(url, cfg, retries, quiet))
         # Another server's weights are not this bf16 copy's: no reference then.
         add_reference_logprobs(samples, served if server_url is None else None)
-
-        per_token = (
-            "loss_mask",
-            "rollout_logprobs",
-            "has_rollout_logprob",
-            "reference_logprobs",
-            "has_reference_logprob",
-        )
-        collator = R3Collator(pad_token_id=0, pad_keys={key: 0.0 for key in per_token})
-        # a list is a map-style dataset (__getitem__ and __len__); torch types the argument as Dataset
-        loader: DataLoader[dict[str, Any]] = DataLoader(
-            samples,  # type: ignore[arg-type]
-            batch_size=cfg.micro_batch_size,
-            collate_fn=collator,
-            num_workers=num_workers,
-        )
-        microbatches = list(loader)
-        _progress(
-            f"collated {len(samples)} trajectories into {len(microbatches)} microbatches "
-            f"({num_workers} DataLoader workers)",
-            quiet,
-        )
-        uncaptured = sum(int(loss_active_uncaptured(mb).sum()) for mb in microbatches)
-        if uncaptured:
-            warnings.warn(
-                f"{uncaptured} loss-active token(s) are predicted from positions without a captured route "
-                f"(an uncaptured tail, e.g. a synthetic EOS); ReplayHook routes them with the model's own "
-                f'router (uncaptured="live"), or replays a filler route there with uncaptured="replay"',
-                stacklevel=3,
-            )
-        results = {}
-        for name, (mode, column) in RUNS.items():
-            _progress(f"fp32 training forward/backward, {column}", quiet)
-            results[name] = measure(train_model, microbatches, cfg, uncaptured=mode)
-    _progress(f"done in {time.perf_counter() - t0:.1f} s", quiet)
+        results = collate_and_measure(samples, train_model, measure, cfg, num_workers=num_workers, quiet=quiet)
+    progress(f"done in {time.perf_counter() - t0:.1f} s", quiet)
     return results
 
 

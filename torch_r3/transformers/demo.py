@@ -19,24 +19,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 import time
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from torch_r3 import R3Collator
 from torch_r3.demo import (
-    RUNS,
     DemoConfig,
     SampledServedModel,
     StepOutputs,
     add_reference_logprobs,
     check_server,
+    collate_and_measure,
     logprob_mismatch,
-    loss_active_uncaptured,
+    progress,
     rollout,
 )
 from torch_r3.keys import ATTENTION_MASK, ROUTER_MASK, ROUTES
@@ -182,48 +179,23 @@ def run(
     cfg: DemoConfig, *, server_url: str | None = None, retries: int = 3, num_workers: int = 2, quiet: bool = False
 ) -> dict[str, dict[str, Any]]:
     """Run the whole step with a transformers model; returns the figures of each run in `RUNS`, by name."""
-    from torch.utils.data import DataLoader
-
     from torch_r3.testing import LoopbackServer
-
-    def progress(msg: str) -> None:
-        if not quiet:
-            print(f"[demo] {msg}", flush=True, file=sys.stderr)
 
     t0 = time.perf_counter()
     if server_url is not None:
-        progress(f"checking the inference server at {server_url}")
+        progress(f"checking the inference server at {server_url}", quiet)
         asyncio.run(check_server(server_url, cfg, retries))
-    progress("building the fp32 transformers Qwen3-MoE model and its bf16 inference copy")
+    progress("building the fp32 transformers Qwen3-MoE model and its bf16 inference copy", quiet)
     train_model, infer_model = build_models(cfg)
     served = TransformersServedModel(infer_model, cfg)
     with contextlib.ExitStack() as stack:
         url = server_url
         if url is None:
             url = stack.enter_context(LoopbackServer(served)).url
-            progress(f"bf16 inference server on {url}")
+            progress(f"bf16 inference server on {url}", quiet)
             asyncio.run(check_server(url, cfg, retries))
         samples = asyncio.run(rollout(url, cfg, retries, quiet))
     add_reference_logprobs(samples, served if server_url is None else None)
-    per_token = ("loss_mask", "rollout_logprobs", "has_rollout_logprob", "reference_logprobs", "has_reference_logprob")
-    collator = R3Collator(pad_token_id=0, pad_keys={key: 0.0 for key in per_token})
-    dataset: Any = samples  # a list is a map-style dataset
-    loader: DataLoader[Any] = DataLoader(
-        dataset, batch_size=cfg.micro_batch_size, collate_fn=collator, num_workers=num_workers
-    )
-    microbatches = list(loader)
-    progress(f"collated {len(samples)} trajectories into {len(microbatches)} microbatches ({num_workers} workers)")
-    uncaptured = sum(int(loss_active_uncaptured(mb).sum()) for mb in microbatches)
-    if uncaptured:
-        warnings.warn(
-            f"{uncaptured} loss-active token(s) are predicted from positions without a captured route "
-            f"(an uncaptured tail, e.g. a synthetic EOS); ReplayHook routes them with the model's own "
-            f'router (uncaptured="live"), or replays a filler route there with uncaptured="replay"',
-            stacklevel=3,
-        )
-    results = {}
-    for name, (mode, column) in RUNS.items():
-        progress(f"fp32 training forward/backward, {column}")
-        results[name] = measure(train_model, microbatches, cfg, uncaptured=mode)
-    progress(f"done in {time.perf_counter() - t0:.1f} s")
+    results = collate_and_measure(samples, train_model, measure, cfg, num_workers=num_workers, quiet=quiet)
+    progress(f"done in {time.perf_counter() - t0:.1f} s", quiet)
     return results
