@@ -10,10 +10,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,22 +25,9 @@ SECTION = re.compile(
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory) -> dict[str, str]:
+def site(built_site: Path) -> dict[str, str]:
     """Every page of the built site: its path (e.g. `api/collate/`) -> its HTML."""
-    pytest.importorskip("mkdocs", reason="the docs extra is not installed: pip install 'torch_r3[docs]'")
-    pytest.importorskip("mkdocstrings_handlers.python", reason="the docs extra is not installed")
-    out = tmp_path_factory.mktemp("site")
-    done = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--site-dir", str(out), "--config-file", str(ROOT / "mkdocs.yml")],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
-    )
-    assert done.returncode == 0, done.stderr
-    pages = {p.parent.relative_to(out).as_posix() + "/": p.read_text() for p in out.rglob("index.html")}
+    pages = {p.parent.relative_to(built_site).as_posix() + "/": p.read_text() for p in built_site.rglob("index.html")}
     assert "api/collate/" in pages and "./" in pages
     return pages
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import ast
 import functools
 import importlib
-import os
 import re
 import subprocess
 import sys
@@ -329,22 +328,10 @@ def test_import_torch_r3_stays_lazy_and_free_of_optional_dependencies():
 
 
 @pytest.fixture(scope="module")
-def api_html(tmp_path_factory) -> dict[str, str]:
+def api_html(built_site: Path) -> dict[str, str]:
     """The built API pages (`docs/api/x.md` -> its HTML), the reference for what the directives render."""
-    pytest.importorskip("mkdocs", reason="the docs extra is not installed: pip install 'torch_r3[docs]'")
-    pytest.importorskip("mkdocstrings_handlers.python", reason="the docs extra is not installed")
-    out = tmp_path_factory.mktemp("site")
-    done = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--site-dir", str(out), "--config-file", str(ROOT / "mkdocs.yml")],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
-    )
-    assert done.returncode == 0, done.stderr
-    return {f"docs/api/{p.parent.name}.md": p.read_text(encoding="utf-8") for p in (out / "api").glob("*/index.html")}
+    pages = (built_site / "api").glob("*/index.html")
+    return {f"docs/api/{p.parent.name}.md": p.read_text(encoding="utf-8") for p in pages}
 
 
 def _module_level_anchors(html: str) -> set[tuple[str, str]]:
