@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from aiohttp import web
+from http_stub import serve_routes
 
 from torch_r3.client import RemoteGenerateClient, RemoteGenerateError
 from torch_r3.codec import WireFormatError
@@ -41,13 +42,7 @@ def parse(server, raw, *, routes=True):
 
 
 async def serve(server, handler):
-    app = web.Application()
-    app.router.add_post(PROTOCOLS[server].generate_path, handler)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    return await serve_routes([("POST", PROTOCOLS[server].generate_path, handler)])
 
 
 def ask(server, response, *, status=200, params=None, **generate_kwargs):

@@ -17,6 +17,7 @@ import aiohttp
 import numpy as np
 import pytest
 from aiohttp import web
+from http_stub import serve_routes
 
 from torch_r3.client import RemoteGenerateClient, RemoteGenerateError, TransportConfig
 from torch_r3.codec import encode_routes
@@ -32,14 +33,7 @@ def ok_body(token_ids=(5, 6), routes=None, **extra) -> dict:
 
 async def serve(handler, path=GENERATE_PATH, method="POST"):
     """Start `handler` on a free port; returns (runner, base_url)."""
-    app = web.Application()
-    app.router.add_route(method, path, handler)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    return runner, f"http://127.0.0.1:{port}"
+    return await serve_routes([(method, path, handler)])
 
 
 def run_against(handler, call, *, path=GENERATE_PATH, client_kwargs=None):

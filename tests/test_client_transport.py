@@ -13,6 +13,7 @@ import tracemalloc
 
 import pytest
 from aiohttp import web
+from http_stub import serve_routes
 
 from torch_r3.client import RemoteGenerateClient, RemoteGenerateError, TransportConfig
 from torch_r3.protocols.torch_r3 import GENERATE_PATH
@@ -26,22 +27,9 @@ def ok_body(token_ids=(5, 6)) -> dict:
     return {"choices": [choice]}
 
 
-async def serve(routes):
-    """Serve `routes` ((method, path, handler) triples) on a free port; returns (runner, base_url)."""
-    app = web.Application()
-    for method, path, handler in routes:
-        app.router.add_route(method, path, handler)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    return runner, f"http://127.0.0.1:{port}"
-
-
 def generate_against(handler, **client_kwargs):
     async def main():
-        runner, url = await serve([("POST", GENERATE_PATH, handler)])
+        runner, url = await serve_routes([("POST", GENERATE_PATH, handler)])
         try:
             async with RemoteGenerateClient(url, **{**FAST, **client_kwargs}) as client:
                 return await client.generate([1, 2, 3], {"max_new_tokens": 2})
@@ -68,7 +56,7 @@ def test_a_stalled_body_declaring_256_mib_does_not_make_the_client_allocate_it()
             await release.wait()
             return response
 
-        runner, url = await serve([("POST", GENERATE_PATH, handler)])
+        runner, url = await serve_routes([("POST", GENERATE_PATH, handler)])
         try:
             async with RemoteGenerateClient(url, retries=0, timeout=1.0, max_response_bytes=512 << 20) as client:
                 tracemalloc.start()
@@ -115,14 +103,14 @@ def test_a_redirect_is_an_error_naming_the_url_and_the_location_and_is_not_follo
         return web.json_response(ok_body())
 
     async def main():
-        other_runner, other_url = await serve([("*", GENERATE_PATH, other)])
+        other_runner, other_url = await serve_routes([("*", GENERATE_PATH, other)])
         location = other_url + GENERATE_PATH
 
         async def handler(request):
             await request.read()
             return web.Response(status=status, headers={"Location": location})
 
-        runner, url = await serve([("POST", GENERATE_PATH, handler)])
+        runner, url = await serve_routes([("POST", GENERATE_PATH, handler)])
         try:
             async with RemoteGenerateClient(url, headers={"X-Api-Key": "secret"}, **FAST) as client:
                 with pytest.raises(RemoteGenerateError) as info:
