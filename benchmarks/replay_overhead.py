@@ -13,8 +13,6 @@ Medians of `--repeat` runs; run it on an idle machine.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
 import time
 
@@ -59,10 +57,8 @@ def step_with_hook(repeat: int) -> None:
     from torch_r3.megatron import ReplayHook, check_route_values
     from torch_r3.megatron._cpu import megatron_on_cpu
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    # a world of one: an in-process store, no probed TCP port to lose to another process
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
     b, t, layers, experts, k, vocab, m = 4, 256, 4, 8, 2, 128, 4
     with megatron_on_cpu():
