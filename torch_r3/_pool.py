@@ -109,8 +109,9 @@ class _Threads:
     def _loop(self, fn: Callable[[], None] | None) -> None:
         while fn is not None:
             fn()
-            # Drop the finished call's closure before waiting: it holds the
-            # batch being written, which must die when its caller lets go.
+            # Drop the finished call's closure before waiting: `run` empties its
+            # work list, but the closure's error list can still hold a traceback
+            # into the batch, which must die when its caller lets go.
             fn = None
             me = _Idle()
             with self._lock:
