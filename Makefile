@@ -14,8 +14,21 @@ STAMP := $(VENV)/.installed
 MEGATRON_NEXT := 0.19.2
 VENV_NEXT := .venv-megatron-0.19
 STAMP_NEXT := $(VENV_NEXT)/.installed
+# The trainers torch_r3.integrations is proven against (tests/integrations): their released
+# wheels, installed --no-deps --ignore-requires-python (SkyRL 0.4.0 declares Python >= 3.12;
+# the modules the tests load run on 3.11), plus the light dependencies those modules import,
+# pinned. transformers 5.10.4 is inside both trainers' ranges (verl's Megatron utilities import
+# it at module level); the tests register bare parent packages to skip the heavy package
+# __init__s (Ray, hydra, datasets). About 1.2 GB (torch is 1 GB of it), 1.5 minutes once.
+SKYRL := 0.4.0
+VERL := 0.9.1
+VENV_FW := .venv-frameworks
+STAMP_FW := $(VENV_FW)/.installed
+FW_DEPS := numpy==2.4.6 packaging==25.0 jaxtyping==0.3.11 tensordict==0.10.0 loguru==0.7.3 \
+	pybase64==1.5.1 orjson==3.13.0 cloudpathlib==0.26.0 omegaconf==2.4.0 pydantic==2.14.4 \
+	transformers==5.10.4 'pytest>=8' 'pytest-timeout>=2.3' 'setuptools>=77'
 
-.PHONY: setup bench test docs dist clean
+.PHONY: setup frameworks bench test docs dist clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,7 +46,19 @@ $(STAMP_NEXT): pyproject.toml Makefile
 	$(VENV_NEXT)/bin/pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP_NEXT)
 
-setup: $(STAMP) $(STAMP_NEXT)
+$(STAMP_FW): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV_FW)
+	$(VENV_FW)/bin/pip install --quiet --upgrade pip
+	$(VENV_FW)/bin/pip install --quiet torch==2.13.0
+	$(VENV_FW)/bin/pip install --quiet --no-deps --ignore-requires-python skyrl==$(SKYRL) verl==$(VERL)
+	$(VENV_FW)/bin/pip install --quiet --no-deps megatron-core==0.16.1
+	$(VENV_FW)/bin/pip install --quiet $(FW_DEPS)
+	$(VENV_FW)/bin/pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(STAMP_FW)
+
+frameworks: $(STAMP_FW)
+
+setup: $(STAMP) $(STAMP_NEXT) $(STAMP_FW)
 
 bench: $(STAMP)
 	$(BIN)/torch-r3 bench
@@ -41,13 +66,15 @@ bench: $(STAMP)
 # The paths ruff checks; mypy's are in pyproject.toml ([tool.mypy] files).
 LINT_PATHS := torch_r3 tests benchmarks examples docs/img
 
-test: $(STAMP) $(STAMP_NEXT)
+test: $(STAMP) $(STAMP_NEXT) $(STAMP_FW)
 	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/ruff format --check $(LINT_PATHS)
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 	# The whole Megatron suite again, on megatron-core $(MEGATRON_NEXT).
 	$(VENV_NEXT)/bin/python -m pytest -q tests/megatron
+	# torch_r3.integrations against SkyRL $(SKYRL)'s and verl $(VERL)'s installed code.
+	$(VENV_FW)/bin/python -m pytest -q tests/integrations
 	# The host-to-GPU check measures only where CUDA exists; elsewhere it says so and exits 0.
 	$(BIN)/python benchmarks/gpu_check.py
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
@@ -60,4 +87,4 @@ dist: $(STAMP)
 	$(BIN)/pip wheel . --no-deps --no-build-isolation -w dist
 
 clean:
-	rm -rf $(VENV) $(VENV_NEXT) site build dist *.egg-info
+	rm -rf $(VENV) $(VENV_NEXT) $(VENV_FW) site build dist *.egg-info

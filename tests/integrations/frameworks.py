@@ -1,0 +1,95 @@
+"""Load SkyRL's and verl's own modules from their installed wheels, skipping heavy package `__init__`s.
+
+`make test` installs `skyrl==0.4.0` and `verl==0.9.1` into `.venv-frameworks`
+(`--no-deps --ignore-requires-python`, plus the light dependencies the modules
+below import). Three parent packages cannot be imported there, and are
+registered here as bare package objects with the wheel's own `__path__`, so that
+the import system then loads the real submodule files from the wheel (no copy
+of their code lives in this repository):
+
+* `skyrl.train`, `skyrl.train.dataset`: their `__init__`s import
+  `PromptDataset` and through it `datasets`; `skyrl.backends` imports the Tinker
+  backend; `skyrl.backends.skyrl_train.utils` imports its IO helpers (cloud storage).
+* `verl` and the `verl.*` packages on the way to the modules used: `verl/__init__.py`
+  imports `DataProto`, and with it Ray; `verl.utils` imports the tokenizer and
+  config helpers (hydra).
+
+What is then imported is exactly the wheel's code: `preprocess`,
+`training_batch`, `packed_tensor`, `replay_utils`, `token_metadata` (SkyRL);
+`workers/utils/padding.py`, `utils/megatron/router_replay_utils.py` and what
+they import (verl).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+SKYRL_VERSION = "0.4.0"
+VERL_VERSION = "0.9.1"
+
+_BARE = {
+    "skyrl": ["skyrl.backends", "skyrl.train", "skyrl.train.dataset", "skyrl.backends.skyrl_train.utils"],
+    "verl": [
+        "verl",
+        "verl.utils",
+        "verl.workers",
+        "verl.workers.utils",
+        "verl.models",
+        "verl.models.mcore",
+        "verl.utils.megatron",
+    ],
+}
+
+
+def _bare(name: str, root: Path) -> None:
+    if name in sys.modules:
+        return
+    path = str(root.joinpath(*name.split(".")[1:]))
+    spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    spec.submodule_search_locations = [path]
+    module = types.ModuleType(name)
+    module.__path__ = [path]
+    module.__spec__ = spec
+    sys.modules[name] = module
+    parent, _, child = name.rpartition(".")
+    if parent:
+        setattr(importlib.import_module(parent), child, module)
+
+
+def installed(framework: str) -> bool:
+    """Whether `framework`'s wheel is installed here (found, not imported: verl's `__init__` needs Ray)."""
+    return importlib.util.find_spec(framework) is not None
+
+
+def requires(framework: str) -> pytest.MarkDecorator:
+    """Skip unless `framework` is installed (`make frameworks` builds `.venv-frameworks` with both)."""
+    return pytest.mark.skipif(
+        not installed(framework),
+        reason=f"{framework} is not installed here; `make frameworks` builds .venv-frameworks with it",
+    )
+
+
+def installed_version(distribution: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
+
+
+def load(framework: str, *modules: str) -> list[types.ModuleType]:
+    """Import `modules` from the installed `framework` ("skyrl" or "verl") behind bare parents."""
+    spec = importlib.util.find_spec(framework)  # a top-level find does not run the package's __init__
+    assert spec is not None and spec.submodule_search_locations, framework
+    root = Path(list(spec.submodule_search_locations)[0])
+    for name in _BARE[framework]:
+        _bare(name, root)
+    return [importlib.import_module(m) for m in modules]
