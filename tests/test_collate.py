@@ -199,10 +199,10 @@ GOOD = np.zeros((2, 3, 2), np.uint8)
         ([GOOD, GOOD], [2], {}, ValueError, "expected 2 counts"),
         ([GOOD], [2], {"padding": "balanced"}, ValueError, "needs num_experts"),
         ([GOOD], [2], {"padding": "balanced", "num_experts": 1}, ValueError, "num_experts >= topk"),
-        ([GOOD], [2], {"padding": "zeros"}, ValueError, "padding must be one of"),
+        ([GOOD], [2], {"padding": "ones"}, ValueError, "padding must be one of"),
         ([GOOD], [2], {"layout": "ragged"}, ValueError, "layout must be one of"),
         ([GOOD], [2], {"pad_to_multiple_of": 0}, ValueError, "pad_to_multiple_of must be >= 1"),
-        ([GOOD], [2], {"layout": "packed", "pad_to_multiple_of": 8}, ValueError, "padded' only"),
+        ([GOOD], [2], {"layout": "packed", "seq_len": 8}, ValueError, "padded' only"),
         ([GOOD], [2], {"workers": 0}, ValueError, "workers must be >= 1"),
         (
             [GOOD],

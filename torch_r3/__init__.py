@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from torch_r3._buffers import BufferPool
 from torch_r3.collate import R3Collator, collate_routes
 from torch_r3.layout import BatchLayout, global_layout
+from torch_r3.nested import as_nested
 from torch_r3.routes import check_expert_ids, compact_routes
 from torch_r3.shard import ShardCollator, plan_microbatches
 
@@ -53,6 +54,7 @@ __all__ = [
     "ShardCollator",
     "WireFormatError",
     "ZeroRoutesWarning",
+    "as_nested",
     "check_expert_ids",
     "collate_routes",
     "compact_routes",
