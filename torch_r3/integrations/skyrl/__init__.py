@@ -23,5 +23,13 @@ from torch_r3.integrations.skyrl.controller import (
     install,
     make_router_padding_mask,
 )
+from torch_r3.integrations.skyrl.worker import microbatch, microbatches
 
-__all__ = ["Installed", "collate_rollout_expert_indices", "install", "make_router_padding_mask"]
+__all__ = [
+    "Installed",
+    "collate_rollout_expert_indices",
+    "install",
+    "make_router_padding_mask",
+    "microbatch",
+    "microbatches",
+]

@@ -110,26 +110,11 @@ def make_router_padding_mask(attention_mask: torch.Tensor, captured_route_length
         ValueError: a wrong shape, a row that is not left-padded, or a length
             out of range (naming the trajectory).
     """
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype.is_floating_point:
-        what = attention_mask.dtype if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
-        raise TypeError(f"attention_mask: expected an integer or bool [B, T] tensor, got {what}")
-    if attention_mask.ndim != 2:
-        raise ValueError(f"attention_mask: expected [B, T], got shape {list(attention_mask.shape)}")
+    lengths = left_padded_lengths(attention_mask)
     b, t = attention_mask.shape
     if len(captured_route_lengths) != b:
         raise ValueError(
             f"captured_route_lengths: expected {b} lengths (one per trajectory), got {len(captured_route_lengths)}"
-        )
-    real = attention_mask != 0
-    lengths = real.sum(1)
-    positions = torch.arange(t, device=attention_mask.device)
-    left_padded = positions >= (t - lengths).unsqueeze(1)
-    bad = (left_padded != real).any(1).nonzero()
-    if bad.numel():
-        i = int(bad[0])
-        raise ValueError(
-            f"attention_mask[{i}]: expected a left-padded row (zeros, then {int(lengths[i])} ones), got "
-            f"{attention_mask[i].tolist()}; SkyRL's batch layout left-pads every trajectory"
         )
     for i, c in enumerate(captured_route_lengths):
         if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or not 0 <= int(c) <= int(lengths[i]):
@@ -137,9 +122,36 @@ def make_router_padding_mask(attention_mask: torch.Tensor, captured_route_length
                 f"captured_route_lengths[{i}]: expected an int in [0, {int(lengths[i])}] (the trajectory's "
                 f"tokens), got {c!r}"
             )
+    positions = torch.arange(t, device=attention_mask.device)
     captured = torch.as_tensor([int(c) for c in captured_route_lengths], dtype=torch.long, device=positions.device)
     start = t - lengths
     return ~((positions >= start.unsqueeze(1)) & (positions < (start + captured).unsqueeze(1)))
+
+
+def left_padded_lengths(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Each row's token count of a left-padded `[B, T]` attention mask (SkyRL's batch layout).
+
+    Raises:
+        TypeError: not an integer or bool tensor.
+        ValueError: not `[B, T]`, or a row that is not zeros then ones (naming the row).
+    """
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype.is_floating_point:
+        what = attention_mask.dtype if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+        raise TypeError(f"attention_mask: expected an integer or bool [B, T] tensor, got {what}")
+    if attention_mask.ndim != 2:
+        raise ValueError(f"attention_mask: expected [B, T], got shape {list(attention_mask.shape)}")
+    t = attention_mask.shape[1]
+    real = attention_mask != 0
+    lengths = real.sum(1)
+    positions = torch.arange(t, device=attention_mask.device)
+    bad = ((positions >= (t - lengths).unsqueeze(1)) != real).any(1).nonzero()
+    if bad.numel():
+        i = int(bad[0])
+        raise ValueError(
+            f"attention_mask[{i}]: expected a left-padded row (zeros, then {int(lengths[i])} ones), got "
+            f"{attention_mask[i].tolist()}; SkyRL's batch layout left-pads every trajectory"
+        )
+    return lengths
 
 
 @contextmanager

@@ -1,0 +1,164 @@
+"""SkyRL's Megatron worker side: its per-microbatch replay set-up, replaced by `torch_r3.megatron.ReplayHook`.
+
+SkyRL 0.4.0's Megatron worker replays routes through its own
+`setup_per_microbatch_replay_forward` and `router_replay_schedule`
+(`backends/skyrl_train/utils/replay_utils.py`): it aligns the packed routes to
+the model's token layout (`distributed/megatron/token_metadata.py`), slices them
+for tensor parallelism, hands them to Megatron's `RouterReplay`, and patches
+`TopKRouter.set_layer_number` to map dense-first models' layers. Nothing checks
+the routes at use, nothing reports drift, and a router that skipped replay goes
+unnoticed.
+
+`microbatch` takes one micro-batch in SkyRL's batch form (a `TrainingInputBatch`
+chunk: left-padded `sequences` and `attention_mask`, the packed
+`rollout_expert_indices` and the left-padded `router_padding_mask` of
+`torch_r3.integrations.skyrl.controller`) and collates it, in one write, into
+the batch `torch_r3.megatron.ReplayHook` replays, in the token layout SkyRL's
+Megatron model gets: right-padded to a multiple (`remove_left_padding`), or
+packed with each sequence aligned (`cu_seqlens_padded`,
+`remove_microbatch_padding=True`). The routes and router mask are bit-identical
+to what SkyRL's `align_token_metadata` / `align_packed_token_metadata` make; the
+hook then does what the replaced SkyRL functions did (layer selection for
+pipeline stages and dense-first models, sequence- and context-parallel slicing,
+the FIFO for recompute), plus validation at use, live routing of uncaptured
+tokens, drift statistics and the skipped-replay tripwire.
+
+One difference, on purpose: SkyRL passes its router padding mask as the model's
+`padding_mask`, so real tokens without a captured route (the last sampled token)
+leave the routers' load-balancing counts; the hook's `padding_mask` is the true
+padding only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from torch_r3._buffers import BufferPool
+from torch_r3.collate import R3Collator
+from torch_r3.integrations.skyrl.controller import left_padded_lengths
+from torch_r3.keys import ATTENTION_MASK, INPUT_IDS, ROUTER_MASK, ROUTES, SAMPLE_ROUTES
+
+__all__ = ["SEQUENCES", "microbatch", "microbatches"]
+
+SEQUENCES = "sequences"
+"""SkyRL's `TrainingInputBatch` key for the left-padded token ids."""
+
+
+def _field(batch: Any, key: str) -> Any:
+    try:
+        value = batch[key]
+    except (KeyError, TypeError):
+        value = None
+    if value is None:
+        raise ValueError(f"batch: missing {key!r} (a SkyRL TrainingInputBatch with routed-expert replay has it)")
+    return value
+
+
+def _captured_rows(mask_row: torch.Tensor, i: int) -> int:
+    """The captured prefix of one trajectory's real tokens in its router mask (False, then True)."""
+    captured = int((~mask_row).sum())
+    if captured and bool(mask_row[:captured].any()):
+        raise ValueError(
+            f"{ROUTER_MASK}[{i}]: its captured tokens are not a prefix of the trajectory "
+            f"(False then True over the real tokens), got {mask_row.int().tolist()}"
+        )
+    return captured
+
+
+def microbatch(
+    batch: Any,
+    *,
+    packed: bool = False,
+    pad_to_multiple_of: int | None = None,
+    pad_token_id: int = 0,
+    buffers: BufferPool | None = None,
+) -> dict[str, torch.Tensor]:
+    """One SkyRL micro-batch as the batch `torch_r3.megatron.ReplayHook` replays.
+
+    Args:
+        batch: a SkyRL `TrainingInputBatch` (or mapping) with `sequences`
+            `[B, T]`, `attention_mask` `[B, T]` (left-padded),
+            `rollout_expert_indices` (SkyRL's `PackedTensor`, one segment of
+            `n_i` rows per trajectory) and `router_padding_mask` `[B, T]`.
+        packed: SkyRL's `remove_microbatch_padding=True` layout (THD):
+            `[sum(n'), L, K]` with `cu_seqlens` and `cu_seqlens_padded`; by
+            default right-padded `[B, T', L, K]` (`remove_left_padding`).
+        pad_to_multiple_of: SkyRL's alignment unit (its
+            `get_unpacked_seq_align_size` / `get_packed_seq_align_size` for
+            the run's TP, CP and FP8 settings): `T'` (padded), or each
+            sequence (packed), rounded up to a multiple of it.
+        pad_token_id: the id written into padded `input_ids` (SkyRL's
+            `remove_left_padding` writes 0).
+        buffers: a `torch_r3.BufferPool` to take the batch from (recycled
+            across micro-batches); by default fresh memory.
+
+    Returns:
+        `input_ids`, `rollout_expert_indices`, `router_padding_mask`, and
+        `attention_mask` (padded) or `cu_seqlens` and `cu_seqlens_padded`
+        (packed; `cu_seqlens_padded` only with `pad_to_multiple_of`).
+
+    Raises:
+        TypeError: a field of the wrong kind.
+        ValueError: a missing field, shapes that do not agree, a mask that is
+            not left-padded, or captured rows that are not a prefix of a
+            trajectory's tokens (naming the trajectory).
+    """
+    sequences = _field(batch, SEQUENCES)
+    attention = _field(batch, ATTENTION_MASK)
+    routes = _field(batch, ROUTES)
+    mask = _field(batch, ROUTER_MASK)
+    lengths = left_padded_lengths(attention)
+    b, t = attention.shape
+    for key, value in ((SEQUENCES, sequences), (ROUTER_MASK, mask)):
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != (b, t):
+            what = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"{key}: expected a [B, T] = {[b, t]} tensor like attention_mask, got {what}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"{ROUTER_MASK}: expected a bool tensor, got {mask.dtype}")
+    values, cu_seqlens = getattr(routes, "values", None), getattr(routes, "cu_seqlens", None)
+    if not isinstance(values, torch.Tensor) or not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"{ROUTES}: expected SkyRL's PackedTensor (values, cu_seqlens), got {type(routes).__name__}")
+    segments = cu_seqlens.diff().tolist()
+    if segments != lengths.tolist():
+        raise ValueError(
+            f"{ROUTES}: its segments hold {segments} rows, the trajectories have {lengths.tolist()} tokens"
+        )
+    samples = []
+    starts = cu_seqlens.tolist()
+    host = values.cpu()
+    for i in range(b):
+        real = slice(t - int(lengths[i]), t)
+        if not bool(mask[i, : real.start].all()):
+            raise ValueError(f"{ROUTER_MASK}[{i}]: expected True on the left padding, got {mask[i].int().tolist()}")
+        captured = _captured_rows(mask[i, real], i)
+        samples.append(
+            {
+                INPUT_IDS: sequences[i, real],
+                SAMPLE_ROUTES: host[starts[i] : starts[i] + captured].numpy(),
+            }
+        )
+    collator = R3Collator(
+        layout="packed" if packed else "padded",
+        padding_side="left" if packed else "right",
+        pad_to_multiple_of=pad_to_multiple_of,
+        pad_token_id=pad_token_id,
+        padding="arange",
+        pin_memory=False,
+    )
+    if buffers is not None:
+        collator.buffers = buffers
+    return collator(samples)
+
+
+def microbatches(batches: Iterable[Any], **options: Any) -> Iterator[dict[str, torch.Tensor]]:
+    """`microbatch(b, **options)` for each of SkyRL's micro-batches (`mini_batch.chunk(micro_batch_size)`).
+
+    The iterator a `ReplayHook` step's `data_iterator` takes.
+    """
+    for b in batches:
+        if not isinstance(b, Mapping) and not hasattr(b, "__getitem__"):
+            raise TypeError(f"batches: expected SkyRL TrainingInputBatch chunks, got {type(b).__name__}")
+        yield microbatch(b, **options)
