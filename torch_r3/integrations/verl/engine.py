@@ -1,0 +1,132 @@
+"""verl's Megatron engine side: its R3 alignment, replaced by `torch_r3.megatron.ReplayHook`.
+
+verl 0.9.1's `MegatronEngine` (`workers/engine/megatron/transformer_impl.py`)
+replays per micro-batch inside its own forward step: `align_r3_router_replay_data`
+appends a zero row to each sequence with `n - 1` routes, `build_r3_replay_mask`
+marks every row but each sequence's last for replay, and `set_router_replay_data`
+packs both with `preprocess_thd_engine` (each sequence padded to the TP/CP
+alignment), scatters them for sequence parallelism and writes them into verl's
+own `RouterReplay` (a monkeypatch of Megatron's `TopKRouter`,
+`utils/megatron/router_replay_patch.py`).
+
+`microbatch` takes one micro-batch in verl's no-padding form (the nested
+`routed_experts` and `input_ids` of `left_right_2_no_padding`) and writes the
+packed batch the hook replays: the captured rows of each sequence (a prefix;
+verl's zero rows after it are not replayed but routed live), each sequence
+aligned to `pad_to_multiple_of` as `preprocess_thd_engine` aligns it, with
+`cu_seqlens` and `cu_seqlens_padded`. The hook then does the layer selection,
+sequence- and context-parallel slicing and recompute FIFO, with validation at
+use, drift statistics and the skipped-replay tripwire.
+
+What cannot be replaced, and why: the engine calls `set_router_replay_data`
+from inside its own forward step and owns the schedule call, so the swap is a
+subclass of the engine whose `forward_backward_batch` runs
+`hook.forward_backward` (verl's `router_replay.mode` off, the model built with
+`moe_enable_routing_replay=True`); verl's R2 recording under pipeline and
+sequence parallelism (`merge_router_topk_indices`, the hook records R2 without
+SP or CP only), its interleaved (VPP) chunks (the hook refuses interleaved
+schedules) and its context-parallel `contiguous` layout for DSv4 hybrid
+attention (the hook slices CP per document or per sequence, zigzag) stay verl's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from torch_r3._buffers import BufferPool
+from torch_r3.collate import R3Collator
+from torch_r3.keys import INPUT_IDS, SAMPLE_ROUTES
+
+__all__ = ["captured_lengths", "microbatch"]
+
+
+def _components(nested: Any, name: str) -> list[torch.Tensor]:
+    if not isinstance(nested, torch.Tensor) or not nested.is_nested:
+        raise TypeError(f"{name}: expected verl's jagged nested tensor, got {type(nested).__name__}")
+    return list(nested.unbind())
+
+
+def captured_lengths(routed_experts: torch.Tensor) -> list[int]:
+    """Each sequence's captured rows in verl's nested `routed_experts`: the rows before its trailing zero rows.
+
+    verl fills rows without a route with zeros; a captured route holds `K`
+    distinct experts, so for `K > 1` it is never all zeros.
+
+    Raises:
+        TypeError: not a nested tensor.
+        ValueError: `K == 1` (a captured route `[0]` looks like a zero row:
+            pass the captured lengths to `microbatch` instead), or an all-zero
+            row before a captured one (naming the sequence).
+    """
+    lengths = []
+    for i, rows in enumerate(_components(routed_experts, "routed_experts")):
+        if rows.ndim != 3:
+            raise ValueError(f"routed_experts[{i}]: expected [n, L, K], got {list(rows.shape)}")
+        if rows.shape[-1] == 1:
+            raise ValueError(
+                "routed_experts: with K = 1 a captured route [0] cannot be told from verl's zero filler; "
+                "pass captured= to microbatch"
+            )
+        zero = (rows == 0).flatten(1).all(1)
+        captured = int((~zero).nonzero().max()) + 1 if bool((~zero).any()) else 0
+        if bool(zero[:captured].any()):
+            raise ValueError(
+                f"routed_experts[{i}]: row {int(zero[:captured].nonzero()[0])} is all zeros (no route) before "
+                f"captured row {captured - 1}; captured rows must be a prefix of the sequence"
+            )
+        lengths.append(captured)
+    return lengths
+
+
+def microbatch(
+    routed_experts: torch.Tensor,
+    input_ids: torch.Tensor,
+    *,
+    captured: list[int] | None = None,
+    pad_to_multiple_of: int | None = None,
+    buffers: BufferPool | None = None,
+) -> dict[str, torch.Tensor]:
+    """One verl micro-batch as the packed batch `torch_r3.megatron.ReplayHook` replays.
+
+    Args:
+        routed_experts: verl's nested `routed_experts` `[B, j, L, K]` (from
+            `left_right_2_no_padding`, or `nested_routed_experts`).
+        input_ids: verl's nested `input_ids` `[B, j]`.
+        captured: each sequence's captured rows; by default `captured_lengths`.
+        pad_to_multiple_of: `preprocess_thd_engine`'s alignment (TP size,
+            times `2 * CP` under context parallelism): each sequence padded to
+            a multiple of it, with `cu_seqlens_padded`.
+        buffers: a `torch_r3.BufferPool` to take the batch from.
+
+    Returns:
+        `input_ids` `[N]`, `rollout_expert_indices` `[N, L, K]`,
+        `router_padding_mask` `[N]` (`True` off the captured rows),
+        `cu_seqlens` and, aligned, `cu_seqlens_padded`.
+
+    Raises:
+        TypeError: not nested tensors.
+        ValueError: sequences whose route and token counts differ by more
+            than verl allows (`n` or `n - 1` rows), or a bad `captured`.
+    """
+    routes = _components(routed_experts, "routed_experts")
+    ids = _components(input_ids, "input_ids")
+    if len(routes) != len(ids):
+        raise ValueError(f"routed_experts has {len(routes)} sequences, input_ids {len(ids)}")
+    rows = captured_lengths(routed_experts) if captured is None else captured
+    if len(rows) != len(ids):
+        raise ValueError(f"captured: expected {len(ids)} lengths (one per sequence), got {len(rows)}")
+    samples = []
+    for i, (r, t, c) in enumerate(zip(routes, ids, rows)):
+        if r.shape[0] not in (t.shape[0], t.shape[0] - 1):
+            raise ValueError(
+                f"routed_experts[{i}]: {r.shape[0]} rows for {t.shape[0]} tokens; verl's batch has n or n - 1"
+            )
+        if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= r.shape[0]:
+            raise ValueError(f"captured[{i}]: expected an int in [0, {r.shape[0]}], got {c!r}")
+        samples.append({INPUT_IDS: t, SAMPLE_ROUTES: r[:c].cpu().numpy()})
+    collator = R3Collator(layout="packed", pad_to_multiple_of=pad_to_multiple_of, padding="arange", pin_memory=False)
+    if buffers is not None:
+        collator.buffers = buffers
+    return collator(samples)
