@@ -17,6 +17,7 @@ SkyRL is imported on first use; importing this package needs only `torch_r3`.
 
 from __future__ import annotations
 
+from torch_r3.integrations.skyrl.cluster import put_rollouts, shard_batches
 from torch_r3.integrations.skyrl.controller import (
     Installed,
     collate_rollout_expert_indices,
@@ -32,4 +33,6 @@ __all__ = [
     "make_router_padding_mask",
     "microbatch",
     "microbatches",
+    "put_rollouts",
+    "shard_batches",
 ]

@@ -140,7 +140,8 @@ def replay_mask(router_padding_mask: torch.Tensor) -> torch.Tensor:
         raise TypeError("router_padding_mask: expected a bool tensor (nested or not)")
     if router_padding_mask.is_nested:
         return torch.nested.nested_tensor_from_jagged(
-            ~router_padding_mask.values(), offsets=router_padding_mask.offsets()
+            ~router_padding_mask.values(),
+            offsets=router_padding_mask.offsets(),  # type: ignore[attr-defined]  # a jagged tensor's offsets
         )
     return ~router_padding_mask
 
