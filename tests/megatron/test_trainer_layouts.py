@@ -1,11 +1,13 @@
-"""The packed layout with per-sequence alignment (`cu_seqlens_padded`) through the Megatron hook.
+"""The trainers' layouts through the Megatron hook (one process, gloo, the suite's tiny MoE GPT on the CPU).
 
-Transformer Engine's THD kernels and context parallelism need every packed
-sequence padded to a multiple; `R3Collator(layout="packed", pad_to_multiple_of=m)`
-writes that layout. The hook must replay exactly from it (one process, gloo,
-the suite's tiny MoE GPT on the CPU), give the model a padding mask that marks
-the alignment rows, record (R2) in it, split it over context-parallel ranks by
-the aligned bounds, and refuse zero-filled rows marked to replay.
+The packed layout with per-sequence alignment (`cu_seqlens_padded`), as
+Transformer Engine's THD kernels and context parallelism need it
+(`R3Collator(layout="packed", pad_to_multiple_of=m)`): the hook must replay
+exactly from it, give the model a padding mask that marks the alignment rows,
+record (R2) in it, split it over context-parallel ranks by the aligned bounds,
+and refuse zero-filled rows marked to replay. Right padding and the
+prompt-left/response-right layout must replay exactly too, their padding
+(wherever it is) handed to the model as padding.
 """
 
 from __future__ import annotations
@@ -239,3 +241,51 @@ def test_context_parallel_slicing_follows_the_aligned_bounds(cp_size):
         want = _te_thd_positions(spans, cp_size, rank)
         assert torch.equal(local[0], batch["rollout_expert_indices"][want])
         assert torch.equal(mask[0], batch["router_padding_mask"][want])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"layout": "padded", "padding_side": "right"},
+        {"layout": "prompt_response", "prompt_width": 6, "response_width": 7},
+    ],
+    ids=["right", "prompt_response"],
+)
+def test_routers_replay_exactly_from_right_and_prompt_response_padding(make_model, options):
+    from _models import forward_step
+
+    model = make_model(seq_len=16)
+    samples = _samples(7, lengths=(9, 12, 4), captured=(8, 11, 4))
+    for s, p in zip(samples, (3, 6, 0)):
+        s["prompt_length"] = p
+    batch = R3Collator(padding="balanced", num_experts=EXPERTS, **options)(samples)
+    want_starts = [0, 0, 0] if options["layout"] == "padded" else [3, 0, 6]
+    for i, (s, start) in enumerate(zip(samples, want_starts)):  # where the real tokens are, written out
+        n = len(s["input_ids"])
+        assert batch["attention_mask"][i].tolist() == [
+            int(start <= t < start + n) for t in range(batch["input_ids"].shape[1])
+        ]
+    hook = ReplayHook(model)
+    recorder = RouteRecorder(model)
+    seen, handle = _capture_padding_mask(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("router.weight"):
+                p.add_(torch.randn_like(p) * 5)
+    hook.forward_backward(
+        forward_step_func=forward_step,
+        data_iterator=iter([batch]),
+        model=[model],
+        num_microbatches=1,
+        seq_length=batch["input_ids"].shape[1],
+        micro_batch_size=batch["input_ids"].shape[0],
+    )
+    handle.remove()
+    recorder.close()
+    real = (~batch["router_padding_mask"]).transpose(0, 1).reshape(-1)
+    for layer, calls in recorder.calls.items():
+        want = expected_map(batch["rollout_expert_indices"][:, :, layer])
+        for _, routing_map in calls:
+            assert torch.equal(routing_map[real], want[real]), layer
+    assert torch.equal(seen[0], batch["attention_mask"] == 0)  # padding on the right is padding too
+    hook.close()
