@@ -244,6 +244,42 @@ def test_every_microbatch_equals_its_part_of_the_global_batch(name, padding, see
                     assert batch[key].dtype == value.dtype and torch.equal(batch[key], value), (rank, indices, key)
 
 
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_property_any_plan_of_any_new_layout_slices_the_global_batch(data):
+    samples = make_samples(np.random.default_rng(data.draw(st.integers(0, 2**32 - 1))))
+    counts = [len(s["input_ids"]) for s in samples]
+    name = data.draw(st.sampled_from(sorted(LAYOUTS)))
+    opts = options_for(name, samples, data.draw(st.sampled_from(["arange", "balanced", "zeros"])))
+    opts["pad_keys"] = {"loss_mask": 2.0}
+    full = R3Collator(**opts)(samples)
+    layout = opts["layout"]
+    geometry = global_layout(
+        counts,
+        {s["routes"].dtype for s in samples},
+        padding=opts.get("padding", "arange"),
+        num_experts=opts.get("num_experts"),
+        pad_to_multiple_of=opts.get("pad_to_multiple_of"),
+    )
+    dp = data.draw(st.integers(1, 3))
+    plan = plan_microbatches(counts, dp_size=dp, micro_batch_size=data.draw(st.none() | st.integers(2, 4)))
+    layers = data.draw(st.permutations(range(L)).flatmap(lambda p: st.integers(1, L).map(lambda k: list(p[:k]))))
+    for rank in range(dp):
+        shard = ShardCollator(
+            lambda idx: [samples[i] for i in idx],
+            plan[rank],
+            seq_len=geometry.seq_len if layout == "padded" else None,
+            dtype=geometry.dtype,
+            layers=layers,
+            **opts,
+        )
+        for indices, batch in zip(plan[rank], shard):
+            want = expected_part(full, indices, layers, layout)
+            assert set(batch) == set(want)
+            for key, value in want.items():
+                assert batch[key].dtype == value.dtype and torch.equal(batch[key], value), (name, key)
+
+
 def test_global_layout_and_the_plan_count_aligned_tokens():
     counts = [3, 5, 8, 1]
     aligned = global_layout(counts, {np.uint8}, layout="packed", pad_to_multiple_of=4)

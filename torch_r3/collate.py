@@ -4,18 +4,22 @@
 `torch.utils.data.DataLoader`. Both write the layouts described on the route
 layout page of the documentation:
 
-* `padded`: `rollout_expert_indices [B, T, L, K]`, right-aligned like a
-  left-padded token batch; `router_padding_mask [B, T]` (`True` = no captured
-  route); `attention_mask [B, T]`.
+* `padded`: `rollout_expert_indices [B, T, L, K]`, aligned like a left-
+  (or, `padding_side="right"`, right-) padded token batch;
+  `router_padding_mask [B, T]` (`True` = no captured route); `attention_mask [B, T]`.
+* `prompt_response`: the same keys, `[B, P + R, ...]`, each prompt
+  left-padded to `P` and each response right-padded to `R`.
 * `packed`: `rollout_expert_indices [sum(n), L, K]`, `router_padding_mask
-  [sum(n)]` and `cu_seqlens [B + 1]` for THD training.
+  [sum(n)]` and `cu_seqlens [B + 1]` for THD training; with
+  `pad_to_multiple_of`, each sequence aligned and `cu_seqlens_padded`.
 
 Argument rules of the batch's geometry (`seq_len`, `dtype`, `layers`,
-`sample_ids`, the output-size bound) live in `torch_r3.layout`, the samples'
-side of `R3Collator` in `torch_r3._samples`. What remains here, past the usual
-500 lines, is the kernel: the checks that must all pass before the first byte
-is written and the two writers that then write each byte once; splitting them
-would spread one invariant over two modules.
+`sample_ids`, padding side, prompt widths and lengths, the output-size bound)
+live in `torch_r3.layout`, the samples' side of `R3Collator` in
+`torch_r3._samples`, the two writers in `torch_r3._writers`. What remains
+here, past the usual 500 lines, is the kernel: the options and the checks that
+must all pass before the first byte is written, the allocation, and the
+hand-over to the writers.
 
 How it stays fast: the output is allocated uninitialised (or recycled, see
 `torch_r3.BufferPool`) and every byte is written exactly once, row by row, by
