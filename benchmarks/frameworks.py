@@ -15,8 +15,8 @@ Run it where the trainers are installed (`make frameworks` builds `.venv-framewo
   `torch.cat` of the batch), then verl's own `left_right_2_no_padding`, against
   `torch_r3.integrations.verl.nested_routed_experts` from the compact samples.
 
-Every output is checked equal to the framework's before timing counts. The
-cases run in interleaved rounds (each once per round) and the table gives
+Every output is checked equal to the framework's before timing counts. After
+one warm-up round the cases run in interleaved rounds (each once per round) and the table gives
 medians: on a loaded machine, read the ratios, not the absolute figures. SkyRL's
 and verl's modules are loaded behind bare parent packages, as the tests load them
 (`tests/integrations/frameworks.py`). A framework that is not installed is skipped.
@@ -55,6 +55,8 @@ def routes_for(prompts, responses, seed=1):
 
 def timed(cases: dict, rounds: int) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in cases}
+    for run in cases.values():  # a warm-up round, not counted (first-touch page faults, pool fills)
+        run()
     for _ in range(rounds):
         for name, run in cases.items():
             t0 = time.perf_counter()
@@ -205,10 +207,21 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=192)
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (SkyRL's and verl's copies are torch ops; on a loaded 2-core machine "
+        "2 threads made them up to 10x slower than 1, so 1, their best there, is the default)",
+    )
     args = ap.parse_args()
+    torch.set_num_threads(args.torch_threads)
     from importlib.metadata import version
 
-    print(f"torch {torch.__version__}; {args.rounds} interleaved rounds, medians (a loaded machine: read the ratios)")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} intra-op thread(s); one warm-up round, then "
+        f"{args.rounds} interleaved rounds, medians (on a loaded machine: read the ratios)"
+    )
     for name, run in (("skyrl", skyrl), ("verl", verl)):
         if not installed(name):
             print(f"\n{name}: not installed here, skipped (make frameworks builds .venv-frameworks with it)")

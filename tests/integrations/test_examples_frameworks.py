@@ -1,0 +1,49 @@
+"""The framework examples run as a reader runs them, in `.venv-frameworks` where SkyRL is installed.
+
+`examples/skyrl_swap.py` imports SkyRL the way a SkyRL user's trainer does
+(`from skyrl.train.dataset import preprocess`). SkyRL 0.4.0's package
+`__init__`s need Python 3.12 and `datasets`, so here (3.11, `--no-deps`) the
+script runs after `frameworks.load` has registered the bare parent packages;
+the script itself is unchanged. Its stated output (the comment lines at its end)
+must be what it prints.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from frameworks import requires
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+
+
+def stated_output(path: Path) -> list[str]:
+    lines = path.read_text().rstrip().splitlines()
+    tail = []
+    while lines and lines[-1].startswith("# "):
+        tail.append(lines.pop()[2:])
+    return tail[::-1]
+
+
+@requires("skyrl")
+def test_skyrl_swap_example_prints_what_it_states():
+    script = ROOT / "examples" / "skyrl_swap.py"
+    runner = (
+        "import runpy, sys; sys.path.insert(0, sys.argv[1]); import frameworks; "
+        "frameworks.load('skyrl', 'skyrl.train.dataset.preprocess'); "
+        "runpy.run_path(sys.argv[2], run_name='__main__')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", runner, str(HERE), str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines() == stated_output(script)
