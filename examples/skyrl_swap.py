@@ -15,8 +15,8 @@ import torch
 from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
 from skyrl.train.dataset import preprocess
 
+import torch_r3.integrations.skyrl as r3_skyrl
 from torch_r3 import BufferPool
-from torch_r3.integrations import skyrl as r3_skyrl
 
 rng = np.random.default_rng(0)
 L, K, EXPERTS = 4, 2, 16

@@ -6,3 +6,5 @@ unchanged. They import the trainer lazily (on first call), so that importing
 them needs only `torch_r3`; the versions each is tested against are in its
 docstring. `import torch_r3` never imports them.
 """
+
+__all__: list[str] = []  # the subpackages are the surface: torch_r3.integrations.skyrl, .verl

@@ -32,7 +32,7 @@ from torch_r3._buffers import BufferPool
 from torch_r3.collate import collate_routes
 from torch_r3.keys import CU_SEQLENS, ROUTES
 
-__all__ = ["collate_rollout_expert_indices", "install", "make_router_padding_mask"]
+__all__ = ["Installed", "collate_rollout_expert_indices", "install", "make_router_padding_mask"]
 
 PREPROCESS = "skyrl.train.dataset.preprocess"
 """The SkyRL module whose functions `install` replaces."""
