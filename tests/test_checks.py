@@ -468,7 +468,7 @@ def test_both_hooks_find_the_same_bad_route_with_one_framework_free_check():
     import subprocess
     import sys
 
-    from torch_r3._route_checks import first_bad_route
+    from torch_r3.replay.checks import first_bad_route
 
     # A reference: scan every checked route in batch order in plain Python.
     rng = np.random.default_rng(0)
@@ -484,11 +484,9 @@ def test_both_hooks_find_the_same_bad_route_with_one_framework_free_check():
                         want = (b, t, j, r)
         assert first_bad_route(routes, checked, 5) == want
     # The module imports no training framework: the transformers hook needs no megatron-core.
-    code = (
-        "import sys, torch_r3._route_checks; assert not [m for m in ('megatron', 'transformers') if m in sys.modules]"
-    )
+    code = "import sys, torch_r3.replay; assert not [m for m in ('megatron', 'transformers') if m in sys.modules]"
     subprocess.run([sys.executable, "-c", code], check=True)
-    for hook_checks in ("torch_r3.megatron.batch_checks", "torch_r3.transformers.checks"):
+    for hook_checks in ("torch_r3.megatron.batch_checks", "torch_r3.transformers.hook"):
         pytest.importorskip(hook_checks.rsplit(".", 1)[0])
         source = open(importlib.import_module(hook_checks).__file__, encoding="utf-8").read()
-        assert "first_bad_route" in source and "_any_bad" not in source and ".sort(" not in source
+        assert "check_replayed_ids" in source and "_any_bad" not in source and ".sort(" not in source

@@ -201,11 +201,11 @@ def test_a_framework_s_own_index_lists_work_like_a_plan():
 @pytest.mark.parametrize(
     "microbatches, exc, match",
     [
-        ([[0, 1], []], ValueError, r"microbatches\[1\]: a micro-batch needs at least one sample"),
+        ([[0, 1], []], ValueError, r"microbatches\[1\] must hold at least one sample index"),
         ([[0, 1], [1]], ValueError, r"microbatches\[1\]: sample 1 is also in microbatches\[0\]"),
-        ([[0, 0]], ValueError, r"microbatches\[0\]: sample_ids\[1\]: id 0 is given to two samples"),
-        ([[0, -1]], ValueError, r"microbatches\[0\]: sample_ids\[1\]"),
-        ([[0.5]], TypeError, r"microbatches\[0\]: sample_ids\[0\] must be an int"),
+        ([[0, 0]], ValueError, r"microbatches\[0\]\[1\]: sample index 0 is listed twice"),
+        ([[0, -1]], ValueError, r"microbatches\[0\]\[1\]: sample index -1 is outside"),
+        ([[0.5]], TypeError, r"microbatches\[0\]\[0\] must be an int"),
         ("01", TypeError, "microbatches: expected a sequence"),
     ],
 )
@@ -265,7 +265,7 @@ def test_plan_balances_tokens_better_than_contiguous_chunks():
     "kwargs, exc, match",
     [
         ({"token_counts": [3], "dp_size": 2}, ValueError, "1 samples cannot give each of dp_size=2"),
-        ({"token_counts": [3, 0], "dp_size": 1}, ValueError, r"token_counts\[1\]: expected a positive"),
+        ({"token_counts": [3, 0], "dp_size": 1}, ValueError, r"token_counts\[1\] must be >= 1, got 0"),
         ({"token_counts": [3, 2.0], "dp_size": 1}, TypeError, r"token_counts\[1\] must be an int"),
         ({"token_counts": [3, 9], "dp_size": 1, "max_tokens_per_microbatch": 8}, ValueError, "sample 1 has 9"),
         ({"token_counts": [3, 3], "dp_size": 0}, ValueError, "dp_size must be >= 1"),

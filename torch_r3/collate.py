@@ -159,12 +159,7 @@ def _as_route_array(sample: Any, i: int, compact: bool = False, num_experts: int
 def _as_count(value: Any, i: int) -> int:
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
         value = value.item()
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"token_counts[{i}]: expected an int, got {type(value).__name__}")
-    count = int(value)
-    if count <= 0:
-        raise ValueError(f"token_counts[{i}]: expected a positive token count, got {count}")
-    return count
+    return check_positive(value, f"token_counts[{i}]")  # the rule of `_checks.check_token_counts`
 
 
 def _check_batch(routes: Any, token_counts: Any, opts: _Options | None = None) -> tuple[list[np.ndarray], list[int]]:

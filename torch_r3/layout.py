@@ -19,13 +19,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from torch_r3._checks import check_dtype, check_int, check_positive
+from torch_r3._checks import check_dtype, check_indices, check_positive, check_token_counts
 from torch_r3._padding import check_padding
 from torch_r3.routes import CANONICAL_DTYPES, canonical_dtype_for, widest
 
 # The `check_*` helpers and the output-size bound are shared with the collators,
 # not offered to users.
 __all__ = ["BatchLayout", "global_layout", "padded_length"]
+
+#: Exclusive bound of a sample's row in the global batch (`sample_ids=`).
+MAX_SAMPLE_ID = 2**62
 
 #: Environment variable overriding the default output-size bound (bytes).
 MAX_OUTPUT_BYTES_ENV = "TORCH_R3_MAX_OUTPUT_BYTES"
@@ -41,23 +44,9 @@ def check_seq_len(seq_len: Any) -> int:
     return check_positive(seq_len, "seq_len")
 
 
-def check_layers(layers: Any) -> tuple[int, ...]:
+def check_layers(layers: Any, name: str = "layers") -> tuple[int, ...]:
     """`layers=`: a non-empty sequence of distinct non-negative ints (the range is checked against the routes)."""
-    if isinstance(layers, torch.Tensor):
-        layers = layers.tolist()
-    elif isinstance(layers, np.ndarray):
-        layers = list(layers)
-    if isinstance(layers, (str, bytes)) or not isinstance(layers, (Sequence, range)):
-        raise TypeError(f"layers must be a sequence of layer indices, got {type(layers).__name__}")
-    if len(layers) == 0:
-        raise ValueError("layers must hold at least one layer index, got an empty sequence")
-    out = tuple(check_int(v, f"layers[{k}]") for k, v in enumerate(layers))
-    for k, v in enumerate(out):
-        if v < 0:
-            raise ValueError(f"layers[{k}]: layer indices must be >= 0, got {v}")
-        if v in out[:k]:
-            raise ValueError(f"layers[{k}]: layer {v} is listed twice")
-    return out
+    return check_indices(layers, name, what="layer index")
 
 
 def check_layers_in_range(layers: tuple[int, ...], num_layers: int) -> None:
@@ -69,23 +58,10 @@ def check_layers_in_range(layers: tuple[int, ...], num_layers: int) -> None:
 
 def check_sample_ids(sample_ids: Any, batch_size: int) -> list[int]:
     """`sample_ids=`: one distinct non-negative int per sample (its row in the global batch)."""
-    if isinstance(sample_ids, torch.Tensor):
-        sample_ids = sample_ids.tolist()
-    elif isinstance(sample_ids, np.ndarray):
-        sample_ids = list(sample_ids)
-    if isinstance(sample_ids, (str, bytes)) or not isinstance(sample_ids, (Sequence, range)):
-        raise TypeError(f"sample_ids must be a sequence of ints, got {type(sample_ids).__name__}")
-    if len(sample_ids) != batch_size:
-        raise ValueError(f"sample_ids: expected {batch_size} ids (one per sample), got {len(sample_ids)}")
-    ids = [check_int(v, f"sample_ids[{i}]") for i, v in enumerate(sample_ids)]
-    seen: set[int] = set()
-    for i, v in enumerate(ids):
-        if not 0 <= v < 2**62:
-            raise ValueError(f"sample_ids[{i}]: expected a global row index in [0, 2**62), got {v}")
-        if v in seen:
-            raise ValueError(f"sample_ids[{i}]: id {v} is given to two samples")
-        seen.add(v)
-    return ids
+    ids = check_indices(sample_ids, "sample_ids", limit=MAX_SAMPLE_ID, what="id")
+    if len(ids) != batch_size:
+        raise ValueError(f"sample_ids: expected {batch_size} ids (one per sample), got {len(ids)}")
+    return list(ids)
 
 
 def default_max_output_bytes() -> int:
@@ -216,18 +192,7 @@ def global_layout(
         >>> layout.seq_len, layout.dtype, layout.num_tokens
         (12, dtype('int16'), 17)
     """
-    if isinstance(token_counts, (torch.Tensor, np.ndarray)):
-        token_counts = token_counts.tolist()
-    if isinstance(token_counts, (str, bytes)) or not isinstance(token_counts, Sequence):
-        raise TypeError(f"token_counts: expected a sequence of ints, got {type(token_counts).__name__}")
-    if len(token_counts) == 0:
-        raise ValueError("token_counts: expected at least one trajectory, got none")
-    counts = []
-    for i, n in enumerate(token_counts):
-        n = check_int(n, f"token_counts[{i}]")
-        if n <= 0:
-            raise ValueError(f"token_counts[{i}]: expected a positive token count, got {n}")
-        counts.append(n)
+    counts = check_token_counts(token_counts)
     if isinstance(dtypes, (str, bytes, np.dtype, torch.dtype, type)):
         dtypes = [dtypes]
     found = {check_route_dtype(d, f"dtypes[{k}]") for k, d in enumerate(dtypes)}

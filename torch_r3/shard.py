@@ -30,13 +30,10 @@ import concurrent.futures
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-import torch
-
 from torch_r3._buffers import BufferPool
-from torch_r3._checks import check_bool, check_int, check_positive
+from torch_r3._checks import check_bool, check_indices, check_positive, check_token_counts
 from torch_r3.collate import R3Collator
-from torch_r3.layout import check_sample_ids
+from torch_r3.layout import MAX_SAMPLE_ID
 
 __all__ = ["ShardCollator", "plan_microbatches"]
 
@@ -100,14 +97,7 @@ def plan_microbatches(
         >>> plan_microbatches([5, 1, 4, 2, 3, 3], dp_size=2, micro_batch_size=2)
         [[[0], [1, 5]], [[2], [3, 4]]]
     """
-    if isinstance(token_counts, (torch.Tensor, np.ndarray)):
-        token_counts = token_counts.tolist()
-    if isinstance(token_counts, (str, bytes)) or not isinstance(token_counts, Sequence):
-        raise TypeError(f"token_counts: expected a sequence of ints, got {type(token_counts).__name__}")
-    counts = [check_int(n, f"token_counts[{i}]") for i, n in enumerate(token_counts)]
-    for i, n in enumerate(counts):
-        if n <= 0:
-            raise ValueError(f"token_counts[{i}]: expected a positive token count, got {n}")
+    counts = check_token_counts(token_counts)
     dp = check_positive(dp_size, "dp_size")
     mbs = None if micro_batch_size is None else check_positive(micro_batch_size, "micro_batch_size")
     cap = (
@@ -155,16 +145,7 @@ def _check_microbatches(microbatches: Any) -> list[list[int]]:
     out: list[list[int]] = []
     seen: dict[int, int] = {}
     for k, mb in enumerate(microbatches):
-        if isinstance(mb, (torch.Tensor, np.ndarray)):
-            mb = mb.tolist()
-        if isinstance(mb, (str, bytes)) or not isinstance(mb, (Sequence, range)):
-            raise TypeError(f"microbatches[{k}]: expected a sequence of sample indices, got {type(mb).__name__}")
-        if len(mb) == 0:
-            raise ValueError(f"microbatches[{k}]: a micro-batch needs at least one sample")
-        try:
-            ids = check_sample_ids(mb, len(mb))
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"microbatches[{k}]: {e}") from None
+        ids = list(check_indices(mb, f"microbatches[{k}]", limit=MAX_SAMPLE_ID, what="sample index"))
         for i in ids:
             if i in seen:
                 raise ValueError(f"microbatches[{k}]: sample {i} is also in microbatches[{seen[i]}]")
