@@ -30,7 +30,7 @@ from torch_r3 import (
     check_expert_ids,
     collate_routes,
     compact_routes,
-    global_layout,
+    global_geometry,
     plan_microbatches,
 )
 from torch_r3._checks import (
@@ -47,7 +47,7 @@ from torch_r3._checks import (
 )
 from torch_r3.codec import decode_routes, decode_sglang_routes, decode_vllm_routes, encode_routes
 from torch_r3.cpu import pool_workers
-from torch_r3.layout import padded_length
+from torch_r3.geometry import padded_length
 from torch_r3.routes import canonical_dtype_for
 from torch_r3.shard import ShardCollator
 from torch_r3.trace import RoutedExpertTrace, TokenMetadataTrace
@@ -256,11 +256,11 @@ SIZES: list[tuple[str, int, Callable[[Any], Any]]] = [
     ("pad_to_multiple_of", 4, lambda v: collate_routes([GOOD], [2], pad_to_multiple_of=v)),
     ("seq_len", 4, lambda v: collate_routes([GOOD], [2], seq_len=v)),
     ("max_output_bytes", 10**6, lambda v: collate_routes([GOOD], [2], max_output_bytes=v)),
-    ("num_experts", 4, lambda v: collate_routes([GOOD], [2], padding="balanced", num_experts=v, seq_len=4)),
+    ("num_experts", 4, lambda v: collate_routes([GOOD], [2], filler="balanced", num_experts=v, seq_len=4)),
     ("pad_to_multiple_of", 4, lambda v: R3Collator(pad_to_multiple_of=v)([{"input_ids": [1, 2], "routes": GOOD}])),
     ("cache_bytes", 0, lambda v: R3Collator(cache_bytes=v).buffers.cache_bytes),
-    ("pad_to_multiple_of", 4, lambda v: global_layout([3], [np.uint8], pad_to_multiple_of=v)),
-    ("num_experts", 300, lambda v: global_layout([3], [np.uint8], padding="balanced", num_experts=v)),
+    ("pad_to_multiple_of", 4, lambda v: global_geometry([3], [np.uint8], pad_to_multiple_of=v)),
+    ("num_experts", 300, lambda v: global_geometry([3], [np.uint8], filler="balanced", num_experts=v)),
     ("pad_to_multiple_of", 4, lambda v: padded_length([3, 5], pad_to_multiple_of=v)),
     ("dp_size", 2, lambda v: plan_microbatches([3, 4], dp_size=v)),
     ("micro_batch_size", 1, lambda v: plan_microbatches([3, 4], dp_size=1, micro_batch_size=v)),
@@ -439,8 +439,8 @@ def test_seconds_follow_the_finite_float_rule_in_the_client_and_its_config(name,
             "layout must be one of ['padded', 'packed'], got 'ragged'",
         ),
         (
-            lambda: collate_routes([GOOD], [2], padding="zeros"),
-            "padding must be one of ['arange', 'balanced'], got 'zeros'",
+            lambda: collate_routes([GOOD], [2], filler="bogus"),
+            "filler must be one of ['arange', 'balanced'], got 'bogus'",
         ),
         (lambda: _client(server="tgi"), "server must be one of ['torch_r3', 'sglang', 'vllm'], got 'tgi'"),
     ],
@@ -454,7 +454,7 @@ def test_an_enum_names_its_members_the_same_way_at_every_site(call, words):
 def test_a_route_dtype_argument_follows_the_dtype_rule_in_collation_and_layout():
     for call in (
         lambda d: collate_routes([GOOD], [2], dtype=d),
-        lambda d: global_layout([2], [d]),
+        lambda d: global_geometry([2], [d]),
         lambda d: R3Collator(dtype=d),
     ):
         with pytest.raises(ValueError, match=r"must be uint8, int16 or int32, got torch.float32"):

@@ -33,7 +33,7 @@ from torch_r3._checks import check_choice, check_indices, check_int, check_posit
 from torch_r3.errors import RemoteGenerateError
 from torch_r3.protocols import PROTOCOLS, SERVERS, GenerateCall, RouteLimits, WeightVersionSpan
 from torch_r3.protocols.base import check_cache_salt
-from torch_r3.protocols.torch_r3 import MODEL_INFO_PATH
+from torch_r3.protocols.native import MODEL_INFO_PATH
 from torch_r3.transport import DEFAULT_MAX_RESPONSE_BYTES, HttpTransport, TransportConfig
 
 __all__ = [

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from torch_r3.replay.stats import ReplayStats, StatsCollector, TokenCounts
+from torch_r3.replay.stats import ReplayStats, StatsCollector as StatsCollector, TokenCounts
 
-__all__ = ["ReplayStats", "StatsCollector", "TokenCounts"]
+__all__ = ["ReplayStats", "TokenCounts"]  # `StatsCollector` is the hooks' accumulator

@@ -15,16 +15,7 @@ the `transformers` hook (`torch_r3.transformers`) import it, never each other.
 from __future__ import annotations
 
 from torch_r3.replay.layers import route_layer_index, route_layer_map
-from torch_r3.replay.modes import UNCAPTURED, recorded_route_dtype
 from torch_r3.replay.recording import Recording
 from torch_r3.replay.stats import ReplayStats, TokenCounts
 
-__all__ = [
-    "UNCAPTURED",
-    "Recording",
-    "ReplayStats",
-    "TokenCounts",
-    "recorded_route_dtype",
-    "route_layer_index",
-    "route_layer_map",
-]
+__all__ = ["Recording", "ReplayStats", "TokenCounts", "route_layer_index", "route_layer_map"]

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from torch_r3.keys import ROUTES
 
-__all__ = ["moe_pattern", "route_layer_index", "route_layer_map"]
+__all__ = ["route_layer_index", "route_layer_map"]  # `moe_pattern` serves the hooks
 
 
 def moe_pattern(layers: Sequence[int], num_layers: int) -> tuple[bool, ...]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["MARKER", "check_free", "claim", "release"]
+__all__: list[str] = []  # the hooks' internals
 
 MARKER = "_torch_r3_replay_hook"
 """The attribute an open replay hook sets on each router instance it holds."""

@@ -17,7 +17,7 @@ import torch
 from torch_r3._checks import check_choice, check_positive
 from torch_r3.routes import canonical_dtype_for
 
-__all__ = ["UNCAPTURED", "check_uncaptured", "recorded_route_dtype"]
+__all__: list[str] = []  # the hooks' internals
 
 UNCAPTURED = ("live", "replay")
 """The modes of `ReplayHook(uncaptured=)`: route uncaptured tokens live, or replay their filler route."""
