@@ -66,7 +66,9 @@ class Trainer:
         self.layers = list(range(stage * per_stage, (stage + 1) * per_stage))
 
     def train(self, refs: dict, microbatches: list, seq_len: int, dtype) -> list[str]:
-        shard = ShardCollator(RefFetch(refs), microbatches, seq_len=seq_len, dtype=dtype, keep_layers=self.layers, **OPTIONS)
+        shard = ShardCollator(
+            RefFetch(refs), microbatches, seq_len=seq_len, dtype=dtype, keep_layers=self.layers, **OPTIONS
+        )
         # Here a trainer would run forward/backward with ReplayHook on each batch.
         return [checksum(batch) for batch in shard]
 
