@@ -457,3 +457,15 @@ def test_the_prompt_length_key_is_configurable_and_stays_in_the_batch():
     assert batch["plen"].tolist() == [2, 0]
     with pytest.raises(ValueError, match="sample 0: missing key 'prompt_length'"):
         R3Collator(layout="prompt_response", prompt_width=2, response_width=2)(samples)
+
+
+def test_the_zero_filler_hint_names_uncaptured_rows_only():
+    from torch_r3.replay.checks import check_replayed_ids
+
+    routes = torch.zeros(1, 3, 1, 2, dtype=torch.uint8)  # B=1, T=3, one layer, K=2: every row [0, 0]
+    checked = torch.ones(1, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"row 0, token 0: expert id 0 twice.*filler='zeros'"):
+        check_replayed_ids(routes, checked, [0], 8, uncaptured=torch.tensor([[True, False, True]]))
+    with pytest.raises(ValueError) as info:  # a captured all-zero row is the engine's, not a filler
+        check_replayed_ids(routes, checked, [0], 8, uncaptured=torch.tensor([[False, True, True]]))
+    assert "twice" in str(info.value) and "filler" not in str(info.value)
