@@ -15,11 +15,11 @@ import torch
 ROUTE_DTYPES = [np.uint8, np.int16, np.int32]
 
 
-def padding_row(t, num_layers, topk, padding="arange", num_experts=None):
-    """The padding route `[L, K]` of filler position `t` (global row + position from the first token)."""
-    if padding == "arange":
+def padding_row(t, num_layers, topk, filler="arange", num_experts=None):
+    """The filler route `[L, K]` of filler position `t` (global row + position from the first token)."""
+    if filler == "arange":
         row = list(range(topk))
-    elif padding == "zeros":
+    elif filler == "zeros":
         row = [0] * topk
     else:
         row = [(t * topk + j) % num_experts for j in range(topk)]
@@ -36,26 +36,26 @@ def reference_collate_routes(
     response_width=None,
     prompt_lengths=None,
     pad_to_multiple_of=None,
-    padding="arange",
+    filler="arange",
     num_experts=None,
     seq_len=None,
     dtype=None,
-    layers=None,
+    keep_layers=None,
     sample_ids=None,
 ):
     """What `collate_routes` must return, as NumPy arrays, built position by position.
 
-    `dtype` is a NumPy scalar type, `layers` a list of layer indices, `sample_ids` the global rows.
+    `dtype` is a NumPy scalar type, `keep_layers` a list of layer indices, `sample_ids` the global rows.
     The padded and prompt_response layouts place sample `i`'s first real token at a start `s_i`:
     `T - n_i` (left), `0` (right), `prompt_width - p_i` (prompt_response); the packed layout with
     `pad_to_multiple_of` gives each sequence its own aligned span.
     """
-    if layers is not None:
-        routes = [r[:, list(layers)] for r in routes]
+    if keep_layers is not None:
+        routes = [r[:, list(keep_layers)] for r in routes]
     L, K = routes[0].shape[1:]
     ids = list(range(len(routes))) if sample_ids is None else list(sample_ids)
-    # The widest input dtype, widened further when a padding id would not fit it.
-    largest_pad_id = {"arange": K - 1, "zeros": 0}.get(padding, None if num_experts is None else num_experts - 1)
+    # The widest input dtype, widened further when a filler id would not fit it.
+    largest_pad_id = {"arange": K - 1, "zeros": 0}.get(filler, None if num_experts is None else num_experts - 1)
     fits = min(i for i, d in enumerate(ROUTE_DTYPES) if np.iinfo(d).max >= largest_pad_id)
     if dtype is None:
         dtype = ROUTE_DTYPES[max([fits] + [ROUTE_DTYPES.index(r.dtype.type) for r in routes])]
@@ -80,7 +80,7 @@ def reference_collate_routes(
                 if s <= t < s + r:
                     out[i, t] = routes[i][t - s]
                 else:
-                    out[i, t] = padding_row(ids[i] + t - s, L, K, padding, num_experts)
+                    out[i, t] = padding_row(ids[i] + t - s, L, K, filler, num_experts)
                     mask[i, t] = True
                 att[i, t] = 1 if s <= t < s + counts[i] else 0
         return {"rollout_expert_indices": out, "router_padding_mask": mask, "attention_mask": att}
@@ -95,7 +95,7 @@ def reference_collate_routes(
                 rows_out.append(routes[i][j])
                 mask.append(False)
             else:
-                rows_out.append(padding_row(ids[i] + j, L, K, padding, num_experts))
+                rows_out.append(padding_row(ids[i] + j, L, K, filler, num_experts))
                 mask.append(True)
         cu.append(cu[-1] + counts[i])
         cu_padded.append(cu_padded[-1] + span)
@@ -117,7 +117,7 @@ def reference_r3_collator(
     pad_keys=None,
     routes_key="routes",
     tokens_key="input_ids",
-    padding="arange",
+    filler="arange",
     num_experts=None,
     pad_to_multiple_of=None,
     padding_side="left",
@@ -128,7 +128,7 @@ def reference_r3_collator(
 ):
     """What `R3Collator` must return for `samples`, as NumPy arrays.
 
-    `geometry` (`seq_len`, `dtype`, `layers`, `sample_ids`) goes to `reference_collate_routes`.
+    `geometry` (`seq_len`, `dtype`, `keep_layers`, `sample_ids`) goes to `reference_collate_routes`.
     With `layout="prompt_response"` each sample's prompt length is its `prompt_length_key`.
 
     `pad_keys` maps a per-token key to `(pad value, NumPy dtype)`; every other
@@ -147,7 +147,7 @@ def reference_r3_collator(
         response_width=response_width,
         prompt_lengths=prompts,
         pad_to_multiple_of=pad_to_multiple_of,
-        padding=padding,
+        filler=filler,
         num_experts=num_experts,
         **geometry,
     )
@@ -184,10 +184,10 @@ def assert_batch_equal(got, want):
 
 
 def reference_padded(routes, counts):
-    """The padded layout with `arange` padding (the benchmark's shape)."""
+    """The padded layout with `arange` filler (the benchmark's shape)."""
     return reference_collate_routes(routes, counts, layout="padded")
 
 
 def reference_packed(routes, counts):
-    """The packed layout with `arange` padding (the benchmark's shape)."""
+    """The packed layout with `arange` filler (the benchmark's shape)."""
     return reference_collate_routes(routes, counts, layout="packed")

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from reference_collate import ROUTE_DTYPES as ORDER, assert_batch_equal, reference_collate_routes, reference_r3_collator
 
-from torch_r3 import R3Collator, ShardCollator, as_nested, collate_routes, global_layout, plan_microbatches
+from torch_r3 import R3Collator, ShardCollator, as_nested, collate_routes, global_geometry, plan_microbatches
 
 L, K, EXPERTS = 3, 2, 7
 LIMIT = {np.uint8: 256, np.int16: 2**15, np.int32: 2**31}
@@ -26,8 +26,8 @@ LAYOUTS = {
     "prompt_response": {"layout": "prompt_response"},
     "packed_aligned": {"layout": "packed", "pad_to_multiple_of": 4},
     "packed_aligned_1": {"layout": "packed", "pad_to_multiple_of": 1},
-    "left_zeros": {"layout": "padded", "padding": "zeros"},
-    "packed_zeros": {"layout": "packed", "padding": "zeros", "pad_to_multiple_of": 3},
+    "left_zeros": {"layout": "padded", "filler": "zeros"},
+    "packed_zeros": {"layout": "packed", "filler": "zeros", "pad_to_multiple_of": 3},
 }
 
 
@@ -50,14 +50,14 @@ def make_samples(rng, B=None):
     return samples
 
 
-def options_for(name, samples, padding=None):
+def options_for(name, samples, filler=None):
     opts = dict(LAYOUTS[name])
     if opts["layout"] == "prompt_response":
         opts["prompt_width"] = max(s["prompt_length"] for s in samples) + 2
         opts["response_width"] = max(len(s["input_ids"]) - s["prompt_length"] for s in samples) + 1
-    if padding is not None and "padding" not in opts:
-        opts["padding"] = padding
-    if opts.get("padding") == "balanced":
+    if filler is not None and "filler" not in opts:
+        opts["filler"] = filler
+    if opts.get("filler") == "balanced":
         opts["num_experts"] = EXPERTS
     return opts
 
@@ -107,11 +107,11 @@ def test_aligned_packing_gives_real_and_aligned_offsets():
 
 def test_zeros_filler_writes_zero_rows_and_never_widens():
     a = np.array([[[5, 6]], [[7, 8]]], dtype=np.uint8)
-    batch = collate_routes([a], [4], padding="zeros", pad_to_multiple_of=3)
+    batch = collate_routes([a], [4], filler="zeros", pad_to_multiple_of=3)
     routes = batch["rollout_expert_indices"]
     assert routes.dtype == torch.uint8
     assert routes[0, :, 0].tolist() == [[0, 0], [0, 0], [5, 6], [7, 8], [0, 0], [0, 0]]
-    wide = collate_routes([np.zeros((1, 1, 300), np.uint8)], [2], padding="zeros")  # arange would need int16
+    wide = collate_routes([np.zeros((1, 1, 300), np.uint8)], [2], filler="zeros")  # arange would need int16
     assert wide["rollout_expert_indices"].dtype == torch.uint8
 
 
@@ -122,7 +122,7 @@ def test_property_every_new_layout_matches_the_reference(data):
     L_, K_ = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 4))
     E = data.draw(st.integers(K_, K_ + 9))
     layout = data.draw(st.sampled_from(["padded", "prompt_response", "packed"]))
-    padding = data.draw(st.sampled_from(["arange", "balanced", "zeros"]))
+    filler = data.draw(st.sampled_from(["arange", "balanced", "zeros"]))
     counts, routes, prompts = [], [], []
     for _ in range(B):
         n = data.draw(st.integers(1, 12))
@@ -133,7 +133,7 @@ def test_property_every_new_layout_matches_the_reference(data):
         )
         counts.append(n)
         prompts.append(data.draw(st.integers(0, n)))
-    kw: dict = {"layout": layout, "padding": padding, "num_experts": E}
+    kw: dict = {"layout": layout, "filler": filler, "num_experts": E}
     if layout == "padded":
         kw["padding_side"] = data.draw(st.sampled_from(["left", "right"]))
         kw["pad_to_multiple_of"] = data.draw(st.sampled_from([None, 1, 3, 8]))
@@ -150,7 +150,9 @@ def test_property_every_new_layout_matches_the_reference(data):
         kw["prompt_width"] = max(kw["prompt_width"], 1)
         kw["prompt_lengths"] = prompts
     if data.draw(st.booleans()):
-        kw["layers"] = data.draw(st.permutations(range(L_)).flatmap(lambda p: st.integers(1, L_).map(lambda k: p[:k])))
+        kw["keep_layers"] = data.draw(
+            st.permutations(range(L_)).flatmap(lambda p: st.integers(1, L_).map(lambda k: p[:k]))
+        )
     if data.draw(st.booleans()):
         kw["sample_ids"] = data.draw(st.lists(st.integers(0, 10_000), min_size=B, max_size=B, unique=True))
     got = collate_routes(routes, counts, **kw)
@@ -158,10 +160,10 @@ def test_property_every_new_layout_matches_the_reference(data):
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
-@pytest.mark.parametrize("padding", ["arange", "balanced"])
-def test_collator_matches_the_reference_for_every_new_layout(name, padding):
+@pytest.mark.parametrize("filler", ["arange", "balanced"])
+def test_collator_matches_the_reference_for_every_new_layout(name, filler):
     samples = make_samples(np.random.default_rng(7))
-    opts = options_for(name, samples, padding)
+    opts = options_for(name, samples, filler)
     got = R3Collator(pad_token_id=3, pad_keys={"loss_mask": -1.0}, **opts)(samples)
     assert_batch_equal(got, reference_for(samples, opts))
 
@@ -205,20 +207,20 @@ def expected_part(full, indices, layers, layout):
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
-@pytest.mark.parametrize("padding", ["arange", "balanced"])
+@pytest.mark.parametrize("filler", ["arange", "balanced"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_every_microbatch_equals_its_part_of_the_global_batch(name, padding, seed):
+def test_every_microbatch_equals_its_part_of_the_global_batch(name, filler, seed):
     samples = make_samples(np.random.default_rng(seed), B=int(np.random.default_rng(seed).integers(8, 14)))
     counts = [len(s["input_ids"]) for s in samples]
-    opts = options_for(name, samples, padding)
+    opts = options_for(name, samples, filler)
     opts.update(pad_token_id=3, pad_keys={"loss_mask": -1.0})
     full = R3Collator(**opts)(samples)
     assert_batch_equal(full, reference_for(samples, opts))
     layout, multiple = opts["layout"], opts.get("pad_to_multiple_of")
-    geometry = global_layout(
+    geometry = global_geometry(
         counts,
         {s["routes"].dtype for s in samples},
-        padding=opts.get("padding", "arange"),
+        filler=opts.get("filler", "arange"),
         num_experts=opts.get("num_experts"),
         pad_to_multiple_of=multiple,
         layout="packed" if layout == "packed" else "padded",
@@ -234,7 +236,7 @@ def test_every_microbatch_equals_its_part_of_the_global_batch(name, padding, see
                 plan[rank],
                 seq_len=seq_len,
                 dtype=geometry.dtype,
-                layers=layers,
+                keep_layers=layers,
                 **opts,
             )
             for indices, batch in zip(plan[rank], list(shard)):
@@ -254,10 +256,10 @@ def test_property_any_plan_of_any_new_layout_slices_the_global_batch(data):
     opts["pad_keys"] = {"loss_mask": 2.0}
     full = R3Collator(**opts)(samples)
     layout = opts["layout"]
-    geometry = global_layout(
+    geometry = global_geometry(
         counts,
         {s["routes"].dtype for s in samples},
-        padding=opts.get("padding", "arange"),
+        filler=opts.get("filler", "arange"),
         num_experts=opts.get("num_experts"),
         pad_to_multiple_of=opts.get("pad_to_multiple_of"),
     )
@@ -270,7 +272,7 @@ def test_property_any_plan_of_any_new_layout_slices_the_global_batch(data):
             plan[rank],
             seq_len=geometry.seq_len if layout == "padded" else None,
             dtype=geometry.dtype,
-            layers=layers,
+            keep_layers=layers,
             **opts,
         )
         for indices, batch in zip(plan[rank], shard):
@@ -280,13 +282,13 @@ def test_property_any_plan_of_any_new_layout_slices_the_global_batch(data):
                 assert batch[key].dtype == value.dtype and torch.equal(batch[key], value), (name, key)
 
 
-def test_global_layout_and_the_plan_count_aligned_tokens():
+def test_global_geometry_and_the_plan_count_aligned_tokens():
     counts = [3, 5, 8, 1]
-    aligned = global_layout(counts, {np.uint8}, layout="packed", pad_to_multiple_of=4)
+    aligned = global_geometry(counts, {np.uint8}, layout="packed", pad_to_multiple_of=4)
     assert (aligned.num_tokens, aligned.seq_len) == (4 + 8 + 8 + 4, 8)
-    assert global_layout(counts, {np.uint8}, pad_to_multiple_of=4).num_tokens == 17  # padded: the real tokens
+    assert global_geometry(counts, {np.uint8}, pad_to_multiple_of=4).num_tokens == 17  # padded: the real tokens
     with pytest.raises(ValueError, match="layout must be one of"):
-        global_layout(counts, {np.uint8}, layout="prompt_response")
+        global_geometry(counts, {np.uint8}, layout="prompt_response")
     # 4 + 4 = 8 aligned tokens fit a cap of 8; the real counts 3 + 1 would have fit 4.
     plan = plan_microbatches([3, 1, 3, 1], dp_size=1, max_tokens_per_microbatch=8, pad_to_multiple_of=4)
     assert len(plan[0]) == 2 and all(len(mb) == 2 for mb in plan[0])
@@ -416,7 +418,7 @@ GOOD = np.zeros((2, 3, 2), np.uint8)
             "expected 1 lengths",
         ),
         ({"prompt_lengths": [1]}, ValueError, "prompt_lengths applies to layout='prompt_response' only"),
-        ({"padding": "ones"}, ValueError, "padding must be one of"),
+        ({"filler": "ones"}, ValueError, "filler must be one of"),
     ],
 )
 def test_bad_layout_settings_are_refused(kwargs, exc, match):
@@ -455,3 +457,15 @@ def test_the_prompt_length_key_is_configurable_and_stays_in_the_batch():
     assert batch["plen"].tolist() == [2, 0]
     with pytest.raises(ValueError, match="sample 0: missing key 'prompt_length'"):
         R3Collator(layout="prompt_response", prompt_width=2, response_width=2)(samples)
+
+
+def test_the_zero_filler_hint_names_uncaptured_rows_only():
+    from torch_r3.replay.checks import check_replayed_ids
+
+    routes = torch.zeros(1, 3, 1, 2, dtype=torch.uint8)  # B=1, T=3, one layer, K=2: every row [0, 0]
+    checked = torch.ones(1, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"row 0, token 0: expert id 0 twice.*filler='zeros'"):
+        check_replayed_ids(routes, checked, [0], 8, uncaptured=torch.tensor([[True, False, True]]))
+    with pytest.raises(ValueError) as info:  # a captured all-zero row is the engine's, not a filler
+        check_replayed_ids(routes, checked, [0], 8, uncaptured=torch.tensor([[False, True, True]]))
+    assert "twice" in str(info.value) and "filler" not in str(info.value)

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from torch_r3._padding import PadFill
+from torch_r3._filler import FillerWriter
 from torch_r3._samples import SeqField
 from torch_r3.keys import ATTENTION_MASK, ROUTER_MASK, ROUTES
 
@@ -41,7 +41,7 @@ def padded_writer(
     counts: Sequence[int],
     starts: Sequence[int],
     ids: Sequence[int],
-    fill_pad: PadFill,
+    fill_pad: FillerWriter,
     copy_rows: RowCopier,
     fields: Sequence[SeqField],
 ) -> Writer:
@@ -81,7 +81,7 @@ def packed_writer(
     counts: Sequence[int],
     offsets: np.ndarray,
     ids: Sequence[int],
-    fill_pad: PadFill,
+    fill_pad: FillerWriter,
     copy_rows: RowCopier,
     fields: Sequence[SeqField],
 ) -> Writer:

@@ -12,7 +12,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from torch_r3 import R3Collator, global_layout, plan_microbatches
+from torch_r3 import R3Collator, global_geometry, plan_microbatches
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def test_each_rank_collates_its_microbatches_identical_to_the_global_batch(local
     out = generator_output()
     refs = put_rollouts(out)
     counts = token_counts(refs)
-    geometry = global_layout(counts, route_dtypes(refs))
+    geometry = global_geometry(counts, route_dtypes(refs))
     plan = plan_microbatches(counts, dp_size=2, max_tokens_per_microbatch=24)
     samples = [
         {"routes": routes, "input_ids": p + r, "loss_mask": [0] * len(p) + m}

@@ -90,7 +90,7 @@ def shard_batches(
         microbatches: this rank's micro-batches of global indices
             (`torch_r3.plan_microbatches(...)[rank]`).
         **options: `torch_r3.ShardCollator`'s (`seq_len=`, `dtype=` from
-            `torch_r3.global_layout` for global-batch-identical micro-batches,
+            `torch_r3.global_geometry` for global-batch-identical micro-batches,
             `layout=`, `padding_side="right"` for SkyRL's Megatron layout,
             `pad_to_multiple_of=`, `prefetch=`, ...); `loss_mask` is padded with 0.
 

@@ -86,7 +86,7 @@ def collate_rollout_expert_indices(
         list(rollout_expert_indices),
         total_real,  # type: ignore[arg-type]  # an int64 array as SkyRL passes it; checked per entry
         layout="packed",
-        padding="arange",
+        filler="arange",
         buffers=buffers,
         workers=workers,
         pin_memory=False,

@@ -145,7 +145,7 @@ def microbatch(
         padding_side="left" if packed else "right",
         pad_to_multiple_of=pad_to_multiple_of,
         pad_token_id=pad_token_id,
-        padding="arange",
+        filler="arange",
         pin_memory=False,
     )
     if buffers is not None:

@@ -126,7 +126,7 @@ def microbatch(
         if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= r.shape[0]:
             raise ValueError(f"captured[{i}]: expected an int in [0, {r.shape[0]}], got {c!r}")
         samples.append({INPUT_IDS: t, SAMPLE_ROUTES: r[:c].cpu().numpy()})
-    collator = R3Collator(layout="packed", pad_to_multiple_of=pad_to_multiple_of, padding="arange", pin_memory=False)
+    collator = R3Collator(layout="packed", pad_to_multiple_of=pad_to_multiple_of, filler="arange", pin_memory=False)
     if buffers is not None:
         collator.buffers = buffers
     return collator(samples)
