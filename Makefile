@@ -19,7 +19,8 @@ STAMP_NEXT := $(VENV_NEXT)/.installed
 # the modules the tests load run on 3.11), plus the light dependencies those modules import,
 # pinned. transformers 5.10.4 is inside both trainers' ranges (verl's Megatron utilities import
 # it at module level); the tests register bare parent packages to skip the heavy package
-# __init__s (Ray, hydra, datasets). About 1.2 GB (torch is 1 GB of it), 1.5 minutes once.
+# __init__s (Ray, hydra, datasets). packaging 25.0: tensordict 0.10.0 (verl's bound) needs
+# pyvers < 0.2, which needs packaging < 26. About 1.2 GB (torch is 1 GB of it), 1.5 minutes once.
 SKYRL := 0.4.0
 VERL := 0.9.1
 VENV_FW := .venv-frameworks

@@ -153,7 +153,7 @@ def verl(args) -> None:
     (padding,) = load("verl", "verl.workers.utils.padding")
     from tensordict import TensorDict
 
-    from torch_r3.integrations.verl import nested_routed_experts
+    from torch_r3.integrations.verl import nested_routed_experts, padded_routed_experts
 
     P, R = 1024, 2048
     prompts, responses = rl_lengths(args.batch, P, R, seed=2)
@@ -166,25 +166,44 @@ def verl(args) -> None:
         response_mask[i, :r] = 1
     positions = (attention.cumsum(1) - 1).clamp(min=0)
 
-    def verl_path():
+    def agent_loop():
         per_sample = []
         for p, rows in zip(prompts, routes):  # the agent loop, per sample: zeros int16, one slice copy
             out = torch.zeros(1, P + R, L, K, dtype=torch.int16)
             out[:, P - p : P - p + rows.shape[0]] = torch.from_numpy(rows).to(torch.int16).unsqueeze(0)
             per_sample.append(out)
+        return torch.cat(per_sample, 0)  # the driver's batch
+
+    def verl_path():
         data = TensorDict(
             {
                 "input_ids": attention.clone(),
                 "attention_mask": attention,
                 "response_mask": response_mask,
                 "position_ids": positions,
-                "routed_experts": torch.cat(per_sample, 0),  # the driver's batch
+                "routed_experts": agent_loop(),
             },
             batch_size=[b],
         )
         return padding.left_right_2_no_padding(data)["routed_experts"]
 
     counts = [p + r for p, r in zip(prompts, responses)]
+    padded = padded_routed_experts(routes, prompts, responses, prompt_width=P, response_width=R)
+    assert torch.equal(agent_loop(), padded["rollout_expert_indices"])
+    padded_bytes = padded["rollout_expert_indices"].nbytes
+    del padded
+    cases = {
+        f"verl {args.verl}: agent loop zeros + slice copy, torch.cat": agent_loop,
+        "torch_r3: verl.padded_routed_experts": lambda: padded_routed_experts(
+            routes, prompts, responses, prompt_width=P, response_width=R
+        ),
+    }
+    report(
+        f"verl agent loop to driver: {b} samples, P={P} R={R}, padded int16 [B, P + R, {L}, {K}] out",
+        timed(cases, args.rounds),
+        padded_bytes,
+        next(iter(cases)),
+    )
     theirs = verl_path()
     ours, _ = nested_routed_experts(routes, counts)
     assert torch.equal(theirs.values(), ours.values()) and torch.equal(theirs.offsets(), ours.offsets())

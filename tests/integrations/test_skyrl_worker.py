@@ -182,9 +182,11 @@ def run(model, hook, microbatches, *, forward_only):
     return outputs
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["right-padded", "packed"])
+@pytest.mark.parametrize(
+    ("packed", "align"), [(False, 1), (True, 1), (True, 4)], ids=["right-padded", "packed", "packed-aligned-4"]
+)
 def test_one_step_from_skyrls_batch_replays_exactly_and_matches_skyrls_own_replay(
-    skyrl, cpu_megatron, packed, monkeypatch
+    skyrl, cpu_megatron, packed, align, monkeypatch
 ):
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
@@ -194,7 +196,7 @@ def test_one_step_from_skyrls_batch_replays_exactly_and_matches_skyrls_own_repla
     model = only_model(monkeypatch)
     batch = skyrl_batch(skyrl, seed=11, n=4)
     chunks = batch.chunk(2 if packed else 1)
-    ours = [microbatch(c, packed=packed) for c in chunks]
+    ours = [microbatch(c, packed=packed, pad_to_multiple_of=align if packed else None) for c in chunks]
     if packed:  # the CPU model runs a packed micro-batch as one [1, N] row (no THD kernels here)
         for b in ours:
             b["input_ids"] = b["input_ids"][None]
@@ -203,7 +205,7 @@ def test_one_step_from_skyrls_batch_replays_exactly_and_matches_skyrls_own_repla
     theirs = []
     with torch.no_grad():
         for c in chunks:
-            layout = skyrl_layout(skyrl, c["attention_mask"], packed=packed, align=1)
+            layout = skyrl_layout(skyrl, c["attention_mask"], packed=packed, align=align)
             kwargs = skyrl["replay"].setup_per_microbatch_replay_forward(
                 c["rollout_expert_indices"],
                 c["router_padding_mask"],
