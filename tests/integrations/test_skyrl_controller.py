@@ -171,3 +171,18 @@ def test_a_pooled_batch_survives_training_input_batch_pickling_and_chunk(skyrl):
     for chunk_ours, chunk_theirs in zip(restored.chunk(3), theirs_batch.chunk(3), strict=True):
         assert_identical(chunk_ours["rollout_expert_indices"], chunk_theirs["rollout_expert_indices"])
         assert_identical(chunk_ours["router_padding_mask"], chunk_theirs["router_padding_mask"])
+
+
+def test_install_also_replaces_the_name_the_trainer_module_imported(skyrl, monkeypatch):
+    """`skyrl.train.trainer` binds `make_router_padding_mask` at import. It imports Ray and cannot be
+    loaded here, so a module object holding that one binding stands in for it in `sys.modules`."""
+    import sys
+    import types
+
+    preprocess, _, _, integration = skyrl
+    trainer = types.ModuleType("skyrl.train.trainer")
+    trainer.make_router_padding_mask = preprocess.make_router_padding_mask
+    monkeypatch.setitem(sys.modules, "skyrl.train.trainer", trainer)
+    with integration.install():
+        assert trainer.make_router_padding_mask is integration.make_router_padding_mask
+    assert trainer.make_router_padding_mask is preprocess.make_router_padding_mask
