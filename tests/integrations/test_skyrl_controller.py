@@ -186,3 +186,17 @@ def test_install_also_replaces_the_name_the_trainer_module_imported(skyrl, monke
     with integration.install():
         assert trainer.make_router_padding_mask is integration.make_router_padding_mask
     assert trainer.make_router_padding_mask is preprocess.make_router_padding_mask
+
+
+def test_a_trajectory_without_captured_rows_is_collated_where_skyrl_refuses_it(skyrl):
+    """The one named difference: an empty route array becomes an all-filler segment."""
+    preprocess, _, _, integration = skyrl
+    routes = [
+        np.zeros((0, LAYERS, TOPK), np.uint8),
+        np.ones((2, LAYERS, TOPK), np.uint8) * np.arange(TOPK, dtype=np.uint8),
+    ]
+    with pytest.raises(ValueError, match="must contain routes for every trajectory"):
+        preprocess._collate_rollout_expert_indices(routes, np.array([3, 2]))
+    packed = integration.collate_rollout_expert_indices(routes, np.array([3, 2]))
+    assert packed.cu_seqlens.tolist() == [0, 3, 5]
+    assert torch.equal(packed.segment(0), torch.arange(TOPK, dtype=torch.uint8).expand(3, LAYERS, TOPK))

@@ -75,6 +75,10 @@ def collate_rollout_expert_indices(
     Raises:
         TypeError: an entry is not an array (naming the sample).
         ValueError: a wrong dtype, shape, or more rows than tokens (naming the sample).
+
+    One difference from SkyRL's: a trajectory with no captured row (`[0, L, K]`)
+    is collated (its segment all filler, its `router_padding_mask` all `True`)
+    where SkyRL 0.4.0 refuses it.
     """
     if isinstance(rollout_expert_indices, (np.ndarray, torch.Tensor)) or not isinstance(
         rollout_expert_indices, Sequence
