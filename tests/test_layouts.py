@@ -434,6 +434,9 @@ def test_bad_layout_settings_are_refused(kwargs, exc, match):
         (True, TypeError, "sample 1: 'prompt_length' must be an int prompt length, got bool"),
         (torch.tensor([1, 2]), TypeError, r"sample 1: 'prompt_length' must be an int prompt length.*shape \[2\]"),
         (torch.tensor(1.0), TypeError, "sample 1: 'prompt_length' must be an int prompt length.*float32"),
+        (torch.tensor(True), TypeError, "sample 1: 'prompt_length' must be an int prompt length.*torch.bool"),
+        (np.array([1.5]), TypeError, "sample 1: 'prompt_length' must be an int prompt length.*float64"),
+        (torch.tensor(1, device="meta"), TypeError, "sample 1: 'prompt_length' must be an int prompt length"),
         (9, ValueError, r"sample 1: prompt length 9 is outside \[0, 2\]"),
     ],
 )
