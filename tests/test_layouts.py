@@ -434,6 +434,9 @@ def test_bad_layout_settings_are_refused(kwargs, exc, match):
         (True, TypeError, "sample 1: 'prompt_length' must be an int prompt length, got bool"),
         (torch.tensor([1, 2]), TypeError, r"sample 1: 'prompt_length' must be an int prompt length.*shape \[2\]"),
         (torch.tensor(1.0), TypeError, "sample 1: 'prompt_length' must be an int prompt length.*float32"),
+        (torch.tensor(True), TypeError, "sample 1: 'prompt_length' must be an int prompt length.*torch.bool"),
+        (np.array([1.5]), TypeError, "sample 1: 'prompt_length' must be an int prompt length.*float64"),
+        (torch.tensor(1, device="meta"), TypeError, "sample 1: 'prompt_length' must be an int prompt length"),
         (9, ValueError, r"sample 1: prompt length 9 is outside \[0, 2\]"),
     ],
 )
@@ -469,3 +472,20 @@ def test_the_zero_filler_hint_names_uncaptured_rows_only():
     with pytest.raises(ValueError) as info:  # a captured all-zero row is the engine's, not a filler
         check_replayed_ids(routes, checked, [0], 8, uncaptured=torch.tensor([[False, True, True]]))
     assert "twice" in str(info.value) and "filler" not in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["prompt_response", "packed_aligned"])
+def test_a_new_layout_collated_in_dataloader_workers_equals_the_reference(name):
+    # The collator's options travel to spawned workers (pickled), which write into shared memory.
+    from torch.utils.data import DataLoader
+
+    samples = make_samples(np.random.default_rng(9), B=8)
+    opts = options_for(name, samples, "balanced")
+    collator = R3Collator(pad_token_id=3, pad_keys={"loss_mask": -1.0}, **opts)
+    loader = DataLoader(samples, batch_size=4, collate_fn=collator, num_workers=2, multiprocessing_context="spawn")
+    batches = list(loader)
+    assert len(batches) == 2
+    for k, batch in enumerate(batches):
+        assert batch["rollout_expert_indices"].is_shared()
+        part = samples[4 * k : 4 * k + 4]
+        assert_batch_equal(batch, reference_for(part, opts, sample_ids=None))

@@ -258,10 +258,12 @@ def prompt_lengths_of(samples: Sequence[Mapping[str, Any]], key: str) -> list[in
             raise ValueError(f"sample {i}: missing key {key!r} (its prompt length, for layout='prompt_response')")
         value = s[key]
         if isinstance(value, (torch.Tensor, np.ndarray)):
-            kind = "i" if isinstance(value, torch.Tensor) and not value.dtype.is_floating_point else None
-            if isinstance(value, np.ndarray):
-                kind = value.dtype.kind
-            if value.dtype in (torch.bool, np.bool_) or kind not in ("i", "u") or math.prod(value.shape) != 1:
+            if isinstance(value, torch.Tensor):
+                dt = value.dtype
+                ok = not (dt.is_floating_point or dt.is_complex or dt == torch.bool) and value.device.type != "meta"
+            else:
+                ok = value.dtype.kind in ("i", "u")
+            if not ok or math.prod(value.shape) != 1:
                 raise TypeError(
                     f"sample {i}: {key!r} must be an int prompt length, got a {type(value).__name__} "
                     f"of dtype {value.dtype} and shape {list(value.shape)}"
