@@ -11,7 +11,9 @@ chunk's text when the input is a `str`).
 The chunk decoder is pybase64 (SIMD, and it releases the GIL while it decodes,
 as NumPy's reductions and casts do) when it is installed, else the standard
 library's `binascii` in strict mode: the same checks either way, only slower.
-The environment variable `TORCH_R3_BASE64=binascii` forces the fallback.
+The environment variable `TORCH_R3_BASE64` forces a choice: `binascii` the
+fallback, `reference` the codec's reference decoder for every payload (the
+decoder of torch_r3 0.1, kept to name what is wrong with a refused payload).
 
 The kernel only accepts; it never diagnoses. When the text is not strict
 base64 or an id is out of range, it returns `None` and the codec's reference
@@ -38,7 +40,7 @@ except ImportError:  # pragma: no cover - exercised by forcing the fallback, not
 
 __all__ = ["CHUNK_CHARS", "ENV_DECODER", "decode_bytes", "decode_compact", "decoder", "describe_decoder"]
 
-#: The environment variable that picks the chunk decoder: `binascii` forces the fallback.
+#: The environment variable that forces a decoder: `binascii` (the fallback) or `reference`.
 ENV_DECODER = "TORCH_R3_BASE64"
 #: Base64 characters decoded per step: a multiple of 32, so that every chunk but
 #: the last decodes to whole elements of 1 to 8 bytes. 256 KiB of text is 192
@@ -50,8 +52,11 @@ _STRICT = sys.version_info >= (3, 11)  # binascii strict_mode
 
 
 def decoder() -> str:
-    """The chunk decoder in use: `"pybase64"`, `"binascii"`, or `"reference"` (Python 3.10 without pybase64)."""
-    if pybase64 is not None and os.environ.get(ENV_DECODER, "").strip().lower() != "binascii":
+    """The decoder in use: `"pybase64"`, `"binascii"` or `"reference"` (forced, or Python 3.10 without pybase64)."""
+    forced = os.environ.get(ENV_DECODER, "").strip().lower()
+    if forced == "reference":
+        return "reference"
+    if pybase64 is not None and forced != "binascii":
         return "pybase64"
     return "binascii" if _STRICT else "reference"
 
@@ -61,10 +66,11 @@ def describe_decoder() -> str:
     name = decoder()
     if name == "pybase64":
         return f"pybase64 {pybase64.__version__} (SIMD path: {_simd_name()})"
-    why = f"forced by {ENV_DECODER}=binascii" if pybase64 is not None else "pybase64 not installed"
+    forced = os.environ.get(ENV_DECODER, "").strip().lower()
+    why = f"forced by {ENV_DECODER}={forced}" if forced in ("binascii", "reference") else "pybase64 not installed"
     if name == "binascii":
-        return f"binascii, strict mode ({why}; about 4x slower: pip install 'torch_r3[client]')"
-    return f"the reference decoder ({why}, and Python 3.10's binascii has no strict mode)"
+        return f"binascii, strict mode ({why}; several times slower: pip install 'torch_r3[client]')"
+    return f"the reference decoder ({why}; the slowest)"
 
 
 def _simd_name() -> str:
@@ -77,9 +83,10 @@ def _simd_name() -> str:
 
 
 def _chunk_decoder() -> Callable[[Any], bytes] | None:
-    if decoder() == "pybase64":
+    name = decoder()
+    if name == "pybase64":
         return _pybase64_chunk
-    return _binascii_chunk if _STRICT else None
+    return _binascii_chunk if name == "binascii" else None
 
 
 def _pybase64_chunk(text: Any) -> bytes:
@@ -144,7 +151,7 @@ def decode_compact(
     decode = _chunk_decoder()
     size = wire.itemsize
     if decode is None or sys.byteorder != "little" or (size > 1 and wire.byteorder == ">"):
-        return None  # pragma: no cover - Python 3.10 without pybase64, big-endian hosts
+        return None  # forced, a big-endian wire or host, or Python 3.10 without pybase64
     count = math.prod(shape)
     signed_end = 1 << (8 * size - 1) if wire.kind == "i" else 1 << (8 * size)
     # Ids at or past `bound` are refused; the unsigned view turns a negative id into a huge one.
