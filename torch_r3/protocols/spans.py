@@ -21,11 +21,14 @@ placeholder string holding a random token and a bare `@`, and the rest is
 parsed. A candidate that was not a string value (say the key sat inside
 another string) makes that text invalid JSON, since the `@` lands outside a
 string; and a placeholder that parses but is not found at one of the paths
-means the key sat somewhere else. In either case, and for a body that is not
-valid JSON at all, the whole body goes to `json.loads`, which gives the same
-value or the same error as before. So the result equals `json.loads(body)`
+means the key sat somewhere else: there it gets its text back, as a `str`.
+For the first case, and for a body that is not valid JSON at all, the whole
+body goes to `json.loads`, which gives the same value or the same error as
+before. So the result equals `json.loads(body)`
 with each route string at a path replaced by a view of its bytes, which are
-its text (base64 has no character JSON escapes).
+its text (base64 has no character JSON escapes). One difference: the bytes of
+a view are not checked to be UTF-8 (that would be one more pass over all of
+them); base64 is ASCII, and the decoder refuses any other byte.
 
 Memory: the views are not copies; the rest, with placeholders, is one copy
 of the non-route bytes, and its parsed objects.
@@ -114,7 +117,10 @@ def parse_body(body: bytearray | bytes, paths: tuple[tuple[str, ...], ...]) -> A
         return json.loads(body)  # not a string value, or not JSON at all: the body's own answer
     views = [view[first:end] for first, end in spans]
     if _place(tree, paths, marker, views) != len(spans):
-        return json.loads(body)  # a key sat elsewhere too: read it the ordinary way
+        try:
+            _restore(tree, marker, views)  # a key sat elsewhere too: there, the text it held
+        except UnicodeDecodeError:
+            return json.loads(body)  # which names the bytes that are not UTF-8
     return tree
 
 
@@ -130,6 +136,19 @@ def _place(tree: Any, paths: tuple[tuple[str, ...], ...], marker: str, views: li
                     parent[key] = views[int(index)]
                     placed += 1
     return placed
+
+
+def _restore(tree: Any, marker: str, views: list[memoryview]) -> None:
+    """Put back the text of every placeholder not at a path (a walk of the parsed rest, not of the body)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, value in list(items):
+            if isinstance(value, str) and value.startswith(marker):
+                node[key] = str(views[int(value[len(marker) :])], "utf-8")
+            elif isinstance(value, (dict, list)):
+                stack.append(value)
 
 
 def _leaves(node: Any, path: tuple[str, ...]) -> Iterator[tuple[Any, Any]]:
