@@ -193,11 +193,13 @@ def test_a_corrupted_payload_is_refused_by_every_path(array, server, how, at, ch
     else:
         text = base64.b64encode(array.astype("u1").tobytes()).decode()
         shape = list(array.shape)
-        decode, kwargs = (lambda d, **kw: decode_routes({"data": d, "shape": shape, "dtype": "uint8"}, **kw)), {}  # noqa: E731
+        decode, kwargs = (lambda d, **kw: decode_routes({"data": d, "shape": shape, "dtype": "uint8"}, **kw)), {}
     assert_all_refuse(outcomes(decode, corrupt(text, how, at), form, chunk, **kwargs), "routed_experts")
 
 
-@pytest.mark.parametrize("wire,ids,dtype", [("<i4", [3, 255], "uint8"), ("<i4", [256, 0], "int16"), ("<u2", [40000, 1], "int32")])
+@pytest.mark.parametrize(
+    "wire,ids,dtype", [("<i4", [3, 255], "uint8"), ("<i4", [256, 0], "int16"), ("<u2", [40000, 1], "int32")]
+)
 def test_a_wider_id_late_in_the_payload_widens_the_whole_result(wire, ids, dtype):
     # Many chunks of small ids, then one wide id in the last chunk: the kernel starts over one dtype wider.
     array = np.zeros((500, 2, 2), dtype=wire)

@@ -36,7 +36,7 @@ import numpy as np
 try:
     import pybase64
 except ImportError:  # pragma: no cover - exercised by forcing the fallback, not by uninstalling
-    pybase64 = None
+    pybase64 = None  # type: ignore[assignment]  # the decoder then is binascii
 
 __all__ = ["CHUNK_CHARS", "ENV_DECODER", "decode_bytes", "decode_compact", "decoder", "describe_decoder"]
 

@@ -374,7 +374,13 @@ def decode_vllm_routes(
 
 
 def _decode_npy_routes(
-    value: Any, nbytes: int, num_layers: int | None, topk: int | None, num_experts: int | None, max_bytes: int, name: str
+    value: Any,
+    nbytes: int,
+    num_layers: int | None,
+    topk: int | None,
+    num_experts: int | None,
+    max_bytes: int,
+    name: str,
 ) -> np.ndarray | None:
     """The fast path of `decode_vllm_routes`: the header from the first quanta, the data by the kernel."""
     head_chars = min(len(value), -(-(12 + _NPY_MAX_HEADER) // 3) * 4)
@@ -448,9 +454,7 @@ def decode_npy(data: Any, *, max_bytes: int = DEFAULT_MAX_ROUTE_BYTES, name: str
     return array.reshape(shape, order="F" if fortran else "C")
 
 
-def _npy_layout(
-    head: memoryview, total: int, max_bytes: int, name: str
-) -> tuple[np.dtype, bool, tuple[int, ...], int]:
+def _npy_layout(head: memoryview, total: int, max_bytes: int, name: str) -> tuple[np.dtype, bool, tuple[int, ...], int]:
     """The dtype, order, shape and data offset of a `.npy` file of `total` bytes, from its first bytes.
 
     `head` holds the whole file, or at least its first `12 + _NPY_MAX_HEADER` bytes.
@@ -465,7 +469,9 @@ def _npy_layout(
     else:
         raise WireFormatError(f"{name}: unsupported .npy format version {major}.{head[7]}")
     if length > _NPY_MAX_HEADER or start + length > total:
-        raise WireFormatError(f"{name}: .npy header of {length} bytes is too long or truncated (file has {total} bytes)")
+        raise WireFormatError(
+            f"{name}: .npy header of {length} bytes is too long or truncated (file has {total} bytes)"
+        )
     dtype, fortran, shape = _parse_npy_header(bytes(head[start : start + length]), major, name)
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:  # a zero dim: the others must still fit, or NumPy refuses the shape

@@ -106,7 +106,8 @@ def parse_body(body: bytearray | bytes, paths: tuple[tuple[str, ...], ...]) -> A
         return json.loads(body)
     marker = f"@torch_r3-route-{secrets.token_hex(8)}-"
     view = memoryview(body).toreadonly()
-    pieces, at = [], 0
+    pieces: list[bytes | memoryview] = []
+    at = 0
     for i, (first, end) in enumerate(spans):
         pieces += [view[at:first], f"{marker}{i}".encode("ascii")]
         at = end
@@ -154,12 +155,11 @@ def _restore(tree: Any, marker: str, views: list[memoryview]) -> None:
 def _leaves(node: Any, path: tuple[str, ...]) -> Iterator[tuple[Any, Any]]:
     """`(container, key)` of every value `path` reaches in `node`."""
     key, rest = path[0], path[1:]
+    items: list[tuple[Any, Any]] = []
     if key == "*":
         items = list(enumerate(node)) if isinstance(node, list) else []
     elif isinstance(node, dict) and key in node:
         items = [(key, node[key])]
-    else:
-        items = []
     for k, child in items:
         if rest:
             yield from _leaves(child, rest)
