@@ -217,3 +217,34 @@ def test_negative_ids_and_ids_past_int32_are_refused_with_the_reference_message(
         results = outcomes(decode_vllm_routes, text, "view", 32)
         assert_all_refuse(results, "routed_experts")
         assert len({str(exc) for exc in results.values()}) == 1  # the reference path names it, for every decoder
+
+
+@pytest.mark.parametrize("server", ["sglang", "vllm"])
+def test_body_to_routes_holds_no_more_than_the_output_one_chunk_and_the_parsed_rest(server):
+    # The documented bound: on top of the body, the compact output, one decoded chunk (with
+    # its text when the input is a str; a view here) and the rest of the body, parsed.
+    import json
+    import tracemalloc
+
+    from torch_r3.protocols import PROTOCOLS
+    from torch_r3.protocols.spans import parse_body
+
+    routes = np.random.default_rng(0).integers(0, 256, (20_000, 61, 8))  # 39 MB of int32
+    if server == "sglang":
+        text = base64.b64encode(routes.astype("<i4").tobytes()).decode()
+        body = bytearray(json.dumps({"output_ids": [1, 2], "meta_info": {"routed_experts": text}}).encode())
+    else:
+        text = base64.b64encode(saved(routes, "<u2", False)).decode()
+        body = bytearray(json.dumps({"choices": [{"token_ids": [1, 2], "routed_experts": text}]}).encode())
+    del text
+    tracemalloc.start()
+    tree = parse_body(body, PROTOCOLS[server].route_text_paths)
+    if server == "sglang":
+        out = decode_sglang_routes(tree["meta_info"], num_layers=61, topk=8)
+    else:
+        out = decode_vllm_routes(tree["choices"][0]["routed_experts"], num_layers=61, topk=8)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert out.dtype == np.uint8 and np.array_equal(out, routes)
+    chunk = _base64.CHUNK_CHARS // 4 * 3 + 64 * 1024  # one decoded chunk, and its transient views and header
+    assert peak <= out.nbytes + chunk + 64 * 1024, f"{peak} bytes above the body, output {out.nbytes}"

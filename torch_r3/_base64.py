@@ -210,5 +210,6 @@ def _fill(
                 return next(i for i, (_, end_id) in enumerate(_LADDER) if high < end_id)
         flat[pos : pos + ids.size] = ids  # the narrowing cast, chunk by chunk
         pos += ids.size
+        del raw, ids  # freed before the next chunk is decoded: one chunk alive at a time
         at, skip, quanta = end, 0, CHUNK_CHARS // 4
     return 0
