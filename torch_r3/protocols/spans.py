@@ -45,7 +45,7 @@ from collections.abc import Iterator
 from typing import Any
 
 # The body parser and its spec serve the transport and the protocols.
-__all__ = ["MAX_SPANS", "parse_body", "route_text_bytes"]
+__all__ = ["parse_body", "route_text_bytes"]
 
 #: At most this many route strings are read in place per body (more are parsed as JSON).
 MAX_SPANS = 64
