@@ -19,17 +19,23 @@ Three payloads carry routes, and each has one decoder here:
 Every decoder treats its input as hostile: each size is computed from the
 declared shape and the length of the base64 text, and compared with the
 caller's cap (`max_bytes`) and with each other, before a single byte of the
-result is allocated. A decoder holds at most the decoded payload (up to
-`max_bytes`) and its canonical result (at most twice that, when `uint16` ids
-above 2**15 widen to `int32`). Anything malformed raises `WireFormatError`, a
+result is allocated. Anything malformed raises `WireFormatError`, a
 `ValueError`, naming the field. Every decoder returns a canonical
 `[rows, layers, topk]` array (see `torch_r3.compact_routes`) whose ids have been
 range-checked once (`torch_r3.check_expert_ids`): never negative, and below
 `num_experts` when the caller knows it.
 
-This module needs NumPy only; it never imports aiohttp. It stays a little past
-500 lines because the three decoders share one set of bounded
-base64 and shape checks, which must not drift apart.
+The text is a `str` or bytes (a `memoryview` of a response body, as the client
+passes it, is read in place). After the checks, each decoder hands it to the
+chunked kernel (`torch_r3._base64`: pybase64, else strict `binascii`), which
+decodes, range-checks and narrows a chunk at a time straight into the result:
+it holds the result and one chunk. A payload the kernel refuses goes to the
+decoder's reference path, the decode of torch_r3 0.1.0 (the whole decoded
+payload, up to `max_bytes`, then its canonical copy), which names the problem.
+
+This module needs NumPy only; it never imports aiohttp. It is past 500 lines
+because the three decoders share one set of bounded base64 and shape checks,
+and each keeps its reference path beside its fast one: they must not drift apart.
 """
 
 from __future__ import annotations
