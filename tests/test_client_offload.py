@@ -63,11 +63,11 @@ def decoded_on(monkeypatch):
     seen: list[tuple[str, bool]] = []
 
     def watch(server: str):
-        protocol = PROTOCOLS[server]
-        original = protocol.parse_response
+        kind = type(PROTOCOLS[server])
+        original = kind.parse_response
         loop = asyncio.get_running_loop()
 
-        def parse_response(raw, call, limits):
+        def parse_response(self, raw, call, limits):
             name = threading.current_thread().name
             served = threading.Event()
             if name.startswith("torch_r3-decode"):
@@ -75,9 +75,10 @@ def decoded_on(monkeypatch):
                 loop.call_soon_threadsafe(served.set)
                 served.wait(timeout=30)
             seen.append((name, served.is_set()))
-            return original(raw, call, limits)
+            return original(self, raw, call, limits)
 
-        monkeypatch.setattr(protocol, "parse_response", parse_response)
+        # On the class: undoing the patch then restores the method it inherits.
+        monkeypatch.setattr(kind, "parse_response", parse_response)
 
     return watch, seen
 
@@ -118,14 +119,14 @@ def test_responses_in_flight_decode_on_as_many_pool_threads_as_cpus():
     if workers < 2:
         pytest.skip("one usable CPU: the pool has one thread")
     barrier = threading.Barrier(2, timeout=30)
-    protocol = PROTOCOLS["sglang"]
-    original = protocol.parse_response
+    kind = type(PROTOCOLS["sglang"])
+    original = kind.parse_response
     threads: list[str] = []
 
-    def parse_response(raw, call, limits):
+    def parse_response(self, raw, call, limits):
         threads.append(threading.current_thread().name)
         barrier.wait()
-        return original(raw, call, limits)
+        return original(self, raw, call, limits)
 
     rows = _offload.OFFLOAD_BYTES // (4 * LAYERS * TOPK) + 10
     bodies = [sglang_body(rows, generated=3, seed=s) for s in (1, 2)]
@@ -134,7 +135,7 @@ def test_responses_in_flight_decode_on_as_many_pool_threads_as_cpus():
         return await asyncio.gather(*(generate("sglang", b, prompt_len=rows - 2, generated=3) for b, _ in bodies))
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(protocol, "parse_response", parse_response)
+        patch.setattr(kind, "parse_response", parse_response)
         results = asyncio.run(main())
     assert len(set(threads)) == 2 and all(t.startswith("torch_r3-decode") for t in threads)
     for result, (_, routes) in zip(results, bodies):
