@@ -389,6 +389,8 @@ def _decode_npy_routes(
     name: str,
 ) -> np.ndarray | None:
     """The fast path of `decode_vllm_routes`: the header from the first quanta, the data by the kernel."""
+    if not isinstance(value, str):
+        value = memoryview(value).cast("B")  # lengths and slices in bytes, whatever view was given
     head_chars = min(len(value), -(-(12 + _NPY_MAX_HEADER) // 3) * 4)
     head = _base64.decode_bytes(value[:head_chars])
     if head is None or len(head) != (head_chars // 4 * 3 if head_chars < len(value) else nbytes):
