@@ -27,6 +27,7 @@ Examples:
 from __future__ import annotations
 
 import concurrent.futures
+import heapq
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -44,23 +45,42 @@ __all__ = ["ShardCollator", "plan_microbatches"]
 def _split_rank(
     members: list[int], counts: list[int], m: int, micro_batch_size: int | None, max_tokens: int | None
 ) -> list[list[int]] | None:
-    """`members` into `m` non-empty micro-batches balanced by tokens; `None` if the limits do not allow it."""
+    """`members` into `m` non-empty micro-batches balanced by tokens; `None` if the limits do not allow it.
+
+    Longest first, each sample to the least loaded micro-batch that has room
+    (ties: fewer samples, then the lower index), in O(n log m): the open
+    micro-batches sit in a heap keyed by (tokens, samples, index). A full one
+    (`micro_batch_size` samples) leaves the heap for good; and when the least
+    loaded open one has no room for a sample's tokens, no open one has.
+    """
     bins: list[list[int]] = [[] for _ in range(m)]
-    load = [0] * m
+    heap = [(0, 0, b) for b in range(m)]  # already a heap: sorted
     for i in sorted(members, key=lambda i: (-counts[i], i)):
-        room = [
-            b
-            for b in range(m)
-            if (micro_batch_size is None or len(bins[b]) < micro_batch_size)
-            and (max_tokens is None or load[b] + counts[i] <= max_tokens)
-        ]
-        if not room:
+        if not heap:
             return None
-        # The least loaded bin: an empty one while any is left, so every micro-batch gets a sample.
-        b = min(room, key=lambda b: (load[b], len(bins[b]), b))
+        load, size, b = heap[0]
+        if max_tokens is not None and load + counts[i] > max_tokens:
+            return None
         bins[b].append(i)
-        load[b] += counts[i]
+        if micro_batch_size is not None and size + 1 >= micro_batch_size:
+            heapq.heappop(heap)
+        else:
+            heapq.heapreplace(heap, (load + counts[i], size + 1, b))
     return [sorted(b) for b in bins]
+
+
+def _fewest_microbatches(
+    members: list[int], counts: list[int], micro_batch_size: int | None, max_tokens: int | None
+) -> int:
+    """A lower bound on one rank's micro-batch count that the limits impose."""
+    m = 1
+    if micro_batch_size is not None:
+        m = max(m, -(-len(members) // micro_batch_size))
+    if max_tokens is not None:
+        m = max(m, -(-sum(counts[i] for i in members) // max_tokens))
+        # Two samples of more than half the limit never share a micro-batch.
+        m = max(m, sum(1 for i in members if 2 * counts[i] > max_tokens))
+    return m
 
 
 def plan_microbatches(
@@ -132,17 +152,36 @@ def plan_microbatches(
         for i, r in zip(chunk, ranks):
             members[r].append(i)
             load[r] += counts[i]
-    m = 1
-    if mbs is not None:
-        m = max(m, -(-max(len(ms) for ms in members) // mbs))
-    if cap is not None:
-        m = max(m, -(-max(load) // cap))
     fewest = min(len(ms) for ms in members)
-    while m <= fewest:
+
+    def split(m: int) -> list[list[list[int]]] | None:
         plan = [_split_rank(ms, counts, m, mbs, cap) for ms in members]
-        if all(p is not None for p in plan):
-            return plan  # type: ignore[return-value]
-        m += 1
+        return None if any(p is None for p in plan) else plan  # type: ignore[return-value]
+
+    # The fewest micro-batches the limits allow, then galloping and bisection for the
+    # first count the greedy split fits: O(log n) splits of O(n log n) each, where
+    # trying each count in turn took O(n) splits.
+    lo = max(_fewest_microbatches(ms, counts, mbs, cap) for ms in members)
+    if lo <= fewest:
+        plan = split(lo)
+        if plan is not None:
+            return plan
+        step, failed = 1, lo
+        while plan is None and failed < fewest:
+            m = min(failed + step, fewest)
+            plan = split(m)
+            if plan is None:
+                failed, step = m, 2 * step
+        if plan is not None:
+            good = m
+            while good - failed > 1:
+                mid = (failed + good) // 2
+                trial = split(mid)
+                if trial is None:
+                    failed = mid
+                else:
+                    good, plan = mid, trial
+            return plan
     raise ValueError(
         f"the limits (micro_batch_size={mbs}, max_tokens_per_microbatch={cap}) need more micro-batches per rank "
         f"than the {fewest} samples a rank holds; raise the limits or lower dp_size"
