@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import heapq
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -246,8 +247,10 @@ class ShardCollator:
 
     Raises:
         TypeError: `fetch` is not callable, or a setting of the wrong kind.
-        ValueError: an empty or repeated micro-batch index, or a bad setting;
-            when iterating, a `fetch` that returns the wrong number of samples.
+        ValueError: an empty or repeated micro-batch index, a bad setting, or
+            `buffers=` with `cache_bytes=` (give the bound to the pool); when
+            iterating, a `fetch` that returns the wrong number of samples, or a
+            `pad_keys` key whose dtype differs from the first micro-batch's.
     """
 
     def __init__(
@@ -269,6 +272,11 @@ class ShardCollator:
         self.microbatches = _check_microbatches(microbatches)
         if buffers is not None and not isinstance(buffers, BufferPool):
             raise TypeError(f"buffers must be None or a torch_r3.BufferPool, got {type(buffers).__name__}")
+        if buffers is not None and "cache_bytes" in options:
+            raise ValueError(
+                "buffers= and cache_bytes= together: the pool's own bound applies to a shared pool; "
+                "give it as BufferPool(cache_bytes=...) and pass only buffers="
+            )
         self.collator = R3Collator(seq_len=seq_len, dtype=dtype, layers=layers, **options)
         if buffers is not None:
             self.collator.buffers = buffers
@@ -288,13 +296,29 @@ class ShardCollator:
             raise ValueError(f"fetch({indices}) returned {len(samples)} samples for {len(indices)} indices")
         return samples
 
+    def _collate(self, samples: Sequence[Mapping[str, Any]], k: int, dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
+        batch = self.collator(samples, sample_ids=self.microbatches[k])
+        # Every micro-batch of the step gets the dtype the first one set (a pad key's values can
+        # promote differently in different micro-batches, which the global batch would not).
+        for key in self.collator.pad_keys:
+            dt = dtypes.setdefault(key, batch[key].dtype)
+            if batch[key].dtype != dt:
+                raise ValueError(
+                    f"micro-batch {k} ({self.microbatches[k]}): {key!r} came out {batch[key].dtype}, the first "
+                    f"micro-batch's {dt}; give every sample's {key!r} one dtype"
+                )
+        return batch
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        dtypes: dict[str, torch.dtype] = {}
         if not self.prefetch:
             for k in range(len(self.microbatches)):
-                batch = self.collator(self._fetch(k), sample_ids=self.microbatches[k])
+                batch = self._collate(self._fetch(k), k, dtypes)
                 yield batch
                 del batch  # the caller's loop variable is the one reference left
             return
+        # A local: when a live iterator is collected at interpreter exit, this module's globals may be gone.
+        finalizing = sys.is_finalizing
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torch_r3-prefetch")
         try:
             pending = pool.submit(self._fetch, 0) if self.microbatches else None
@@ -302,9 +326,12 @@ class ShardCollator:
                 assert pending is not None
                 samples = pending.result()
                 pending = pool.submit(self._fetch, k + 1) if k + 1 < len(self.microbatches) else None
-                batch = self.collator(samples, sample_ids=self.microbatches[k])
+                batch = self._collate(samples, k, dtypes)
                 del samples
                 yield batch
                 del batch
         finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+            # At exit concurrent.futures has already stopped its threads, and its own globals
+            # (which shutdown() needs) may be gone: nothing is left to shut down.
+            if not finalizing():
+                pool.shutdown(wait=True, cancel_futures=True)
