@@ -50,7 +50,9 @@ def cell_mismatch(documented: str, printed: str, label: str) -> str | None:
         want, got = float(documented[:-1]), float(printed[:-1])
         if want in (0.0, 100.0):
             return None if got == want else f"{documented} vs {printed} (exact)"
-        return None if abs(want - got) <= PERCENT_POINTS else f"{documented} vs {printed} (over {PERCENT_POINTS} points)"
+        return (
+            None if abs(want - got) <= PERCENT_POINTS else f"{documented} vs {printed} (over {PERCENT_POINTS} points)"
+        )
     if "e" in documented:
         want, got = float(documented), float(printed)
         factor = _factor(label)

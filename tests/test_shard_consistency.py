@@ -58,7 +58,7 @@ def test_one_kind_of_list_and_arrays_of_mixed_dtypes_still_collate_as_before():
 
 
 def test_a_shared_pool_with_cache_bytes_is_refused_not_dropped():
-    with pytest.raises(ValueError, match=r"^buffers= and cache_bytes= together"):
+    with pytest.raises(ValueError, match=r"^pass buffers= or cache_bytes=, not both"):
         ShardCollator(lambda idx: [], [[0]], buffers=BufferPool(), cache_bytes=0)
     pool = BufferPool(cache_bytes=0)
     assert ShardCollator(lambda idx: [], [[0]], buffers=pool).collator.buffers is pool

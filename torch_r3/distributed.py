@@ -12,7 +12,7 @@ the fallback, not the scale path; the scale path is `torch_r3.ray`.
 `scatter_trajectories` is a collective: every rank of the group calls it, the
 source with the samples and the plan. Each rank receives, besides its own
 samples, the step's metadata (every trajectory's token count and route dtype),
-so it can compute `torch_r3.global_layout` itself.
+so it can compute `torch_r3.global_geometry` itself.
 
 What arrives is untrusted input at a process boundary: every header, count,
 shape and dtype is checked, and the total size is bounded by `max_bytes`,
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from torch_r3._checks import check_int
+from torch_r3._checks import check_indices, check_int
 from torch_r3.keys import INPUT_IDS, SAMPLE_ROUTES
 from torch_r3.routes import CANONICAL_DTYPES
 
@@ -139,15 +139,9 @@ def _check_plan(samples: Any, plan: Any, world: int) -> list[list[list[int]]]:
             raise TypeError(f"plan[{r}]: expected a list of micro-batches, got {type(mbs).__name__}")
         rank_mbs = []
         for m, mb in enumerate(mbs):
-            if isinstance(mb, (torch.Tensor, np.ndarray)):
-                mb = mb.tolist()
-            if not isinstance(mb, (Sequence, range)) or isinstance(mb, (str, bytes)):
-                raise TypeError(f"plan[{r}][{m}]: expected a list of sample indices, got {type(mb).__name__}")
-            # A float index is a bug upstream: truncating it would send another sample.
-            ids = [check_int(i, f"plan[{r}][{m}][{j}]") for j, i in enumerate(mb)]
+            # A float index is refused, never truncated to another sample.
+            ids = list(check_indices(mb, f"plan[{r}][{m}]", limit=len(samples), what="sample index"))
             for i in ids:
-                if not 0 <= i < len(samples):
-                    raise ValueError(f"plan[{r}][{m}]: sample index {i} outside [0, {len(samples)})")
                 seen[i] += 1
             rank_mbs.append(ids)
         out.append(rank_mbs)
