@@ -273,15 +273,75 @@ def test_demo_with_a_server_url_that_is_not_a_url_prints_one_line(capsys):
 
 
 @pytest.mark.slow
+def _default_sigint() -> None:
+    """In the child, before exec: SIGINT as a terminal's foreground job has it.
+
+    A parent started in the background by a non-interactive shell (`make test &`, nohup,
+    some CI runners) ignores SIGINT, and a child inherits that; Python then installs no
+    handler, and the bench rightly ignores Ctrl-C as its parent does.
+    """
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_during_a_bench_run_prints_one_line_and_exits_130():
     import signal
 
     argv = [sys.executable, "-m", "torch_r3", "bench", "--num-sequences", "64", "--max-seqlen", "4096",
             "--repeats", "50", "--no-progress"]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    first = proc.stderr.readline()  # "torch-r3 bench: ...; needs about": the run has started
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
+    # The readiness signal: printed after the CLI's SIGINT handler is in place, just before the run.
+    first = proc.stderr.readline()
     assert first.startswith("torch-r3 bench:"), first
     proc.send_signal(signal.SIGINT)
     _out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130
     assert err.strip() == "torch-r3 bench: interrupted" and "Traceback" not in err
+
+
+# A subcommand whose run gets Ctrl-C while Python runs a finaliser (`__del__`, a
+# weakref.finalize callback: the collator's buffer pool runs them all the time), where
+# Python prints the KeyboardInterrupt as "Exception ignored" and carries on.
+_INTERRUPTED_IN_A_FINALISER = """
+import signal, sys, time
+import torch_r3.cli as cli
+
+class Finalised:
+    def __del__(self):
+        signal.raise_signal(signal.SIGINT)
+        for _ in range(100):  # the handler runs at the next bytecode boundary, here
+            pass
+
+def run(args, parser):
+    Finalised()
+    for _ in range(50):  # the rest of a long run
+        time.sleep(0.01)
+    print("finished")
+    return 0
+
+cli.COMMANDS["finalised"] = ("test", lambda p: None, run)
+sys.exit(cli.main(["finalised"]))
+"""
+
+
+def test_ctrl_c_that_lands_in_a_finaliser_still_interrupts_the_run():
+    done = subprocess.run(
+        [sys.executable, "-c", _INTERRUPTED_IN_A_FINALISER],
+        capture_output=True, text=True, timeout=120, preexec_fn=_default_sigint,
+    )  # fmt: skip
+    assert done.returncode == 130, (done.returncode, done.stderr)
+    assert "finished" not in done.stdout
+    assert done.stderr.strip().splitlines()[-1] == "torch-r3 finalised: interrupted"
+
+
+def test_a_bench_started_with_sigint_ignored_keeps_ignoring_it():
+    import signal
+
+    # POSIX: a job a non-interactive shell starts in the background ignores SIGINT; so does the CLI.
+    code = "import signal, torch_r3.cli as c; c.main(['doctor']); print(signal.getsignal(signal.SIGINT))"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )  # fmt: skip
+    assert done.stdout.strip().splitlines()[-1] == str(signal.SIG_IGN), done.stderr

@@ -3,11 +3,16 @@
 One run of `python -m torch_r3.demo --json` (seed 0) gives the printed table and the
 figures as JSON. The tutorial's table must be that output; its warning must be the
 warning the run gave; and every figure its prose quotes (a percentage, a ratio, a count)
-must be what the JSON gives, rounded as the prose rounds it.
+must be what the JSON gives.
 
-The demo is deterministic for a seed on one machine (two runs give byte-identical output
-and JSON). Another CPU or torch build can flip a near-tie expert choice and move the last
-digits; then regenerate the figures:
+What is a property of the product is compared exactly: the table's rows and text, 100.00%
+agreement with replay, the token counts. What counts bf16-vs-fp32 near-ties (agreement and
+drift without replay, the log-prob gaps and the KL) depends on the last bits of a bf16
+matmul, which differ between CPUs and torch builds, so those are compared within stated
+tolerances (tests/demo_figures.py, which states them and the spread they were set from:
+the tutorial's own figures, written on another x86-64 CPU, against an AMD EPYC with AVX2
+and against the same machine running torch's scalar kernels). When the demo itself
+changes, regenerate the figures:
 
     PYTHONPATH=. python tests/test_docs_figures.py --write
 
@@ -32,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from demo_figures import FACTORS, PERCENT_POINTS, REPLAY_FACTOR, table_mismatches
 
 ROOT = Path(__file__).resolve().parents[1]
 TUTORIAL = ROOT / "docs" / "guides" / "tutorial-rl-step.md"
@@ -81,44 +87,71 @@ def _ratio_1sig(x: float) -> str:
 
 
 # Each figure the prose quotes: a pattern whose group 1 is the figure (words may wrap, so
-# any whitespace between them), and how the run's JSON renders it.
+# any whitespace between them), how the run's JSON renders it (for --write), the run's raw
+# value, and how close the quoted figure must be to it ("exact", or a tolerance as in
+# tests/demo_figures.py: ("points", p) for a percentage, ("factor", f) for a ratio).
 S = r"\s+"
-CLAIMS: dict[str, tuple[str, Callable[[Figures], str]]] = {
+Claim = tuple[str, Callable[[Figures], str], Callable[[Figures], float], Any]
+CLAIMS: dict[str, Claim] = {
     "top-2 choices flipped without replay": (
         rf"differences{S}flip{S}about{S}(\d+)%{S}of{S}top-2",
         lambda f: f"{round(100 * (1 - f['without_replay']['route_agreement']))}",
+        lambda f: 100 * (1 - f["without_replay"]["route_agreement"]),
+        ("points", 0.5 + PERCENT_POINTS),  # quoted as a whole percent
     ),
     "fall of |dlogp| on sampled tokens": (
         rf"falls{S}about{S}([\d.]+)x{S}with{S}replay",
         lambda f: f"{f['without_replay']['logprob_abs_diff'] / f['with_replay']['logprob_abs_diff']:.1f}",
+        lambda f: f["without_replay"]["logprob_abs_diff"] / f["with_replay"]["logprob_abs_diff"],
+        ("factor", FACTORS["|dlogp|, sampled"] * REPLAY_FACTOR),  # a ratio of two tolerated figures
     ),
     "fall of the k3 KL": (
         rf"p_rollout`\){S}about{S}(\d+)x",
         lambda f: _ratio_1sig(f["without_replay"]["k3_kl"] / f["with_replay"]["k3_kl"]),
+        lambda f: f["without_replay"]["k3_kl"] / f["with_replay"]["k3_kl"],
+        ("factor", FACTORS["k3 KL"] * REPLAY_FACTOR),
     ),
     "filler routes' |dlogp| on uncaptured tokens": (
         rf"log-prob{S}by{S}about{S}([\d.]+){S}nats",
         lambda f: f"{f['with_replay_filler']['uncaptured_logprob_abs_diff']:.2f}",
+        lambda f: f["with_replay_filler"]["uncaptured_logprob_abs_diff"],
+        ("factor", FACTORS["|dlogp|, uncaptured"]),
     ),
     "layer-0 drift": (
         rf"exactly{S}that{S}disagreement{S}\(([\d.]+)%\)",
         lambda f: f"{100 * f['with_replay']['stats']['route_drift'][0]:.2f}",
+        lambda f: 100 * f["with_replay"]["stats"]["route_drift"][0],
+        ("points", PERCENT_POINTS),
     ),
     "positions routed live": (
         rf"uncaptured{S}last{S}positions,{S}(\d+){S}here",
         lambda f: f"{f['with_replay']['stats']['tokens']['live']}",
+        lambda f: f["with_replay"]["stats"]["tokens"]["live"],
+        "exact",
     ),
     "uncaptured loss-active tokens in the warning": (
         rf"UserWarning:{S}(\d+){S}loss-active",
         lambda f: f"{f['with_replay']['uncaptured_tokens']}",
+        lambda f: f["with_replay"]["uncaptured_tokens"],
+        "exact",
     ),
 }
+
+
+def claim_holds(quoted: str, value: float, tolerance: Any) -> bool:
+    """The prose's figure `quoted` against the run's `value`, within `tolerance`."""
+    if tolerance == "exact":
+        return float(quoted) == value
+    kind, bound = tolerance
+    if kind == "points":
+        return abs(float(quoted) - value) <= bound
+    return value > 0 and 1 / bound <= float(quoted) / value <= bound
 
 
 def claimed(text: str) -> dict[str, str]:
     """The figure each claim's pattern finds in `text`."""
     found = {}
-    for name, (pattern, _render) in CLAIMS.items():
+    for name, (pattern, *_rest) in CLAIMS.items():
         m = re.search(pattern, text)
         assert m, f"the tutorial no longer says the {name} (pattern {pattern!r})"
         found[name] = m[1]
@@ -129,7 +162,7 @@ def regenerate(text: str, stdout: str, figures: Figures) -> str:
     """`text` with the table replaced by `stdout` and every quoted figure by the run's."""
     start, end = table_span(text)
     text = text[:start] + stdout.rstrip("\n") + "\n" + text[end:]
-    for pattern, render in CLAIMS.values():
+    for pattern, render, *_rest in CLAIMS.values():
         m = re.search(pattern, text)
         assert m, pattern
         text = text[: m.start(1)] + render(figures) + text[m.end(1) :]
@@ -147,7 +180,7 @@ def test_the_tutorial_table_is_what_the_demo_prints(demo):
     stdout, _stderr, _figures = demo
     text = TUTORIAL.read_text()
     start, end = table_span(text)
-    assert text[start:end].rstrip("\n") == stdout.rstrip("\n"), (
+    assert table_mismatches(text[start:end], stdout) == [], (
         "the tutorial's table is stale; regenerate it: PYTHONPATH=. python tests/test_docs_figures.py --write"
     )
 
@@ -164,13 +197,46 @@ def test_the_tutorial_warning_is_the_one_the_demo_gives(demo):
 @pytest.mark.slow
 def test_every_figure_the_prose_quotes_is_the_run_s(demo):
     _stdout, _stderr, figures = demo
-    expected = {name: render(figures) for name, (_pattern, render) in CLAIMS.items()}
-    assert claimed(TUTORIAL.read_text()) == expected, (
-        "regenerate the figures: PYTHONPATH=. python tests/test_docs_figures.py --write"
-    )
+    quoted = claimed(TUTORIAL.read_text())
+    off = {
+        name: (quoted[name], value(figures), tolerance)
+        for name, (_pattern, _render, value, tolerance) in CLAIMS.items()
+        if not claim_holds(quoted[name], value(figures), tolerance)
+    }
+    assert off == {}, "regenerate the figures: PYTHONPATH=. python tests/test_docs_figures.py --write"
     # What the prose says about these figures, checked on the run itself.
     with_replay, without = figures["with_replay"], figures["without_replay"]
     assert with_replay["stats"]["route_drift"][0] == pytest.approx(1 - without["route_agreement_per_layer"][0])
+
+
+def test_the_tolerances_still_catch_a_table_that_no_longer_matches_the_demo():
+    text = TUTORIAL.read_text()
+    start, end = table_span(text)
+    table = text[start:end]
+    assert table_mismatches(table, table) == []
+    # What another CPU moves: a flip in layer 3, the no-replay gaps by 20% and 35%.
+    other_cpu = table.replace("96.08%", "95.83%").replace("1.676e-02", "1.990e-02").replace("1.164e-03", "1.550e-03")
+    assert table_mismatches(table, other_cpu) == []
+    # What a demo that changed would move: replay no longer exact, many more flips, a gap 3x
+    # larger, a token count, a row.
+    for changed in (
+        table.replace("100.00%", "99.75%", 1),
+        table.replace("97.55%", "95.55%"),
+        table.replace("1.164e-03", "1.164e-02"),
+        table.replace("6.231e-03", "3.100e-03"),
+        table.replace("408 real tokens", "409 real tokens"),
+        table.replace("live 16", "live 17"),
+        "\n".join(line for line in table.splitlines() if "layer 3 " not in line),
+        table.replace("k3 KL", "k2 KL"),
+    ):
+        assert table_mismatches(table, changed) != [], changed
+
+
+def test_the_prose_tolerances_tell_a_near_figure_from_a_far_one():
+    assert claim_holds("2", 1.96, ("points", 1.25)) and not claim_holds("2", 3.5, ("points", 1.25))
+    assert claim_holds("2.7", 3.0, ("factor", 1.35)) and not claim_holds("2.7", 4.0, ("factor", 1.35))
+    assert claim_holds("40", 50.0, ("factor", 2.0)) and not claim_holds("40", 90.0, ("factor", 2.0))
+    assert claim_holds("16", 16, "exact") and not claim_holds("16", 17, "exact")
 
 
 def test_regenerate_rewrites_the_table_and_every_quoted_figure():

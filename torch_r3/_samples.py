@@ -93,6 +93,28 @@ def _torch_dtype_of(arrays: list[np.ndarray], key: str) -> torch.dtype:
     return dt
 
 
+def _check_list_kinds(samples: Sequence[Mapping[str, Any]], arrays: list[np.ndarray], key: str) -> None:
+    """Python lists of one key must make one dtype: a mix would make the batch's dtype depend on its samples.
+
+    Ints and floats promote to float64 in a batch that holds both and stay int64
+    in one that holds only ints, so a micro-batch would differ from its rows of
+    the global batch. Arrays and tensors carry their own dtype and are promoted.
+    """
+    first: tuple[int, np.dtype] | None = None
+    for i, (s, a) in enumerate(zip(samples, arrays)):
+        if not isinstance(s[key], (list, tuple)) or not len(s[key]):
+            continue
+        if first is None:
+            first = (i, a.dtype)
+        elif a.dtype != first[1]:
+            raise ValueError(
+                f"sample {i}: {key!r} is a list of {a.dtype.name} values and sample {first[0]}'s a list of "
+                f"{first[1].name}: the batch's dtype would depend on which samples it holds (a micro-batch "
+                f"of one kind would differ from the global batch); give every sample's {key!r} values of one "
+                f"kind (floats: [float(v) for v in values]) or a NumPy array of one dtype"
+            )
+
+
 def check_pad_number(pad: Any, key: str) -> None:
     """A pad value must be a Python or NumPy number (or bool)."""
     if not isinstance(pad, (bool, int, float, np.bool_, np.integer, np.floating)):
@@ -234,6 +256,7 @@ def batch_samples(
     fields = [SeqField(INPUT_IDS, tokens, pad_token_id, torch.long)]
     for key, pad in pad_keys.items():
         arrs = [_seq_to_numpy(s[key], i, key, integer=False) for i, s in enumerate(samples)]
+        _check_list_kinds(samples, arrs, key)
         for i, (a, t) in enumerate(zip(arrs, tokens)):
             if a.shape[0] != t.shape[0]:
                 raise ValueError(f"sample {i}: {key!r} has {a.shape[0]} entries for {t.shape[0]} tokens")

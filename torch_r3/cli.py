@@ -12,10 +12,13 @@ full result as JSON to PATH; bare `torch-r3` prints the same help as
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -34,6 +37,47 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _CtrlC:
+    """Ctrl-C during a subcommand, never lost: the exit status says so even when Python drops it.
+
+    Python raises `KeyboardInterrupt` wherever the main thread is; inside a
+    finaliser (`__del__`, a `weakref.finalize` callback, which the buffer pool
+    runs all the time) it only prints "Exception ignored" and carries on. So
+    the handler records the press and delivers it again shortly, until it
+    lands in code that lets it through; `main` also checks the record after
+    the run. A process started with SIGINT ignored (a background job of a
+    non-interactive shell) keeps ignoring it, as POSIX has it.
+    """
+
+    REDELIVER_S = 0.2
+
+    def __init__(self) -> None:
+        self.pressed = False
+        self._timer: threading.Timer | None = None
+        self._previous: Any = None
+
+    def __enter__(self) -> _CtrlC:
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.pressed = True
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = threading.Timer(self.REDELIVER_S, _thread.interrupt_main)
+        self._timer.daemon = True
+        self._timer.start()
+        raise KeyboardInterrupt
+
+    def __exit__(self, *exc: object) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer.join()
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
 
 
 def _check_writable(parser: argparse.ArgumentParser, option: str, path: str | None) -> None:
@@ -376,14 +420,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     _help, _add, run = COMMANDS[args.command]
+    ctrl_c = _CtrlC()
+    code: int | None = None
     try:
-        return run(args, subparsers[args.command])
+        with ctrl_c:
+            code = run(args, subparsers[args.command])
     except KeyboardInterrupt:
+        pass
+    except (ValueError, TypeError) as e:  # a value the subcommand refused (e.g. demo --server-url notaurl)
+        if not ctrl_c.pressed:
+            print(f"torch-r3 {args.command}: error: {e}", file=sys.stderr)
+            return 2
+    if code is None or ctrl_c.pressed:
         print(f"torch-r3 {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except (ValueError, TypeError) as e:  # a value the subcommand refused (e.g. demo --server-url notaurl)
-        print(f"torch-r3 {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    return code
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from torch_r3._checks import check_indices, check_int
 from torch_r3.keys import INPUT_IDS, SAMPLE_ROUTES
 from torch_r3.routes import CANONICAL_DTYPES
 
@@ -129,23 +130,31 @@ def _check_plan(samples: Any, plan: Any, world: int) -> list[list[list[int]]]:
         raise TypeError(f"samples: expected a sequence of sample dicts on the source rank, got {samples!r:.80}")
     if not samples:
         raise ValueError("samples: expected at least one sample on the source rank, got none")
-    if not isinstance(plan, Sequence) or len(plan) != world:
+    if not isinstance(plan, Sequence) or isinstance(plan, (str, bytes)) or len(plan) != world:
         raise ValueError(f"plan: expected one list of micro-batches per rank ({world}), got {plan!r:.80}")
     seen = [0] * len(samples)
     out = []
     for r, mbs in enumerate(plan):
+        if not isinstance(mbs, Sequence) or isinstance(mbs, (str, bytes)):
+            raise TypeError(f"plan[{r}]: expected a list of micro-batches, got {type(mbs).__name__}")
         rank_mbs = []
         for m, mb in enumerate(mbs):
-            ids = [int(i) for i in mb]
+            # A float index is refused, never truncated to another sample.
+            ids = list(check_indices(mb, f"plan[{r}][{m}]", limit=len(samples), what="sample index"))
             for i in ids:
-                if not 0 <= i < len(samples):
-                    raise ValueError(f"plan[{r}][{m}]: sample index {i} outside [0, {len(samples)})")
                 seen[i] += 1
             rank_mbs.append(ids)
         out.append(rank_mbs)
     twice = [i for i, n in enumerate(seen) if n > 1]
     if twice:
         raise ValueError(f"plan: samples {twice[:8]} are assigned more than once")
+    missing = [i for i, n in enumerate(seen) if n == 0]
+    if missing:
+        # Every rank's token_counts (and so its global layout) lists every sample.
+        raise ValueError(
+            f"plan: samples {missing[:8]}{' ...' if len(missing) > 8 else ''} ({len(missing)} of {len(samples)}) "
+            f"go to no rank; every sample must be in one micro-batch (drop samples from `samples` instead)"
+        )
     return out
 
 
@@ -365,12 +374,18 @@ def scatter_trajectories(
         This rank's `RankShard`.
 
     Raises:
-        TypeError: on `src`, a sample value of an unsupported kind or dtype.
-        ValueError: on `src`, a plan that is not one list per rank or assigns a
-            sample twice; on a receiver, anything that arrives malformed,
-            inconsistent or larger than `max_bytes`.
+        TypeError: on `src`, a sample value of an unsupported kind or dtype, or
+            a plan index that is not an int (a float is never truncated).
+        ValueError: `src` outside the group (on every rank, before any
+            message); on `src`, a plan that is not one list per rank, assigns a
+            sample twice or leaves one out; on a receiver, anything that
+            arrives malformed, inconsistent or larger than `max_bytes`.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    # Every rank checks `src` before any message: a source outside the group would leave
+    # every rank waiting for the process group's time-out.
+    if check_int(src, "src") not in range(world):
+        raise ValueError(f"src must be a rank of the group, in [0, {world}), got {src}")
     device = _device(group)
     if rank != src:
         return _recv_rank(_global_rank(group, src), group, device, max_bytes, routes_key, tokens_key)

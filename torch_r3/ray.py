@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from torch_r3._checks import check_non_negative
 from torch_r3._extras import require
 from torch_r3.keys import INPUT_IDS, SAMPLE_ROUTES
 from torch_r3.routes import CANONICAL_DTYPES
@@ -76,20 +77,30 @@ class TrajectoryRef:
         return self.num_rows * self.num_layers * self.topk * np.dtype(self.dtype).itemsize
 
 
+def _numpy_of(tensor: torch.Tensor, what: str) -> np.ndarray:
+    try:
+        return tensor.detach().numpy()
+    except TypeError:  # bfloat16, float8, ...: dtypes NumPy lacks
+        raise TypeError(
+            f"{what}: a {tensor.dtype} tensor, which NumPy (and so the object store's zero-copy path) cannot "
+            f"hold; convert it first (.float() for values, .view(torch.int16) to keep a bfloat16's bits)"
+        ) from None
+
+
 def _host_array(value: Any, what: str) -> np.ndarray:
     if isinstance(value, torch.Tensor):
         if value.device.type != "cpu":
             raise TypeError(f"{what}: expected a host array, got a tensor on {value.device}; move it with .cpu()")
         # CPU tensors are serialised in-band by Ray (copied twice); NumPy arrays are zero-copy.
-        return value.detach().numpy()
+        return _numpy_of(value, what)
     if isinstance(value, np.ndarray):
         return value
     raise TypeError(f"{what}: expected a NumPy array or a CPU tensor, got {type(value).__name__}")
 
 
-def _store_value(value: Any) -> Any:
+def _store_value(key: str, value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.device.type == "cpu":
-        return np.require(value.detach().numpy(), requirements="C")
+        return np.require(_numpy_of(value, f"sample[{key!r}]"), requirements="C")
     if isinstance(value, np.ndarray):
         return np.require(value, requirements="C")  # ascontiguousarray would make 0-d arrays 1-d
     return value
@@ -120,7 +131,8 @@ def put_trajectory(
         The `TrajectoryRef` to hand the controller.
 
     Raises:
-        TypeError: the sample is not a mapping, or its routes/tokens are not arrays.
+        TypeError: the sample is not a mapping, its routes/tokens are not
+            arrays, or a tensor has a dtype NumPy lacks (bfloat16), naming the key.
         ValueError: a missing key, a non-canonical dtype, a wrong shape, or more
             route rows than tokens.
     """
@@ -139,7 +151,7 @@ def put_trajectory(
         raise ValueError(f"sample[{routes_key!r}]: expected shape [rows, layers > 0, topk > 0], got {routes.shape}")
     tokens = sample[tokens_key]
     # Lists become arrays by NumPy's rules (Python ints -> int64); a float stays a float and is refused.
-    tokens = np.asarray(tokens) if isinstance(tokens, (list, tuple)) else _host_array(tokens, tokens_key)
+    tokens = np.asarray(tokens) if isinstance(tokens, (list, tuple)) else _host_array(tokens, f"sample[{tokens_key!r}]")
     if tokens.ndim != 1 or tokens.shape[0] == 0 or tokens.dtype.kind not in "iu":
         raise ValueError(
             f"sample[{tokens_key!r}]: expected a non-empty 1-D array of integer token ids, "
@@ -150,7 +162,7 @@ def put_trajectory(
             f"sample[{routes_key!r}]: {routes.shape[0]} route rows for {tokens.shape[0]} tokens "
             f"(captured rows are a prefix of the tokens)"
         )
-    stored = {key: _store_value(value) for key, value in sample.items() if key not in (routes_key, tokens_key)}
+    stored = {key: _store_value(key, value) for key, value in sample.items() if key not in (routes_key, tokens_key)}
     stored[routes_key] = np.ascontiguousarray(routes)
     stored[tokens_key] = np.ascontiguousarray(tokens)
     return TrajectoryRef(
@@ -213,7 +225,9 @@ class RefFetch:
         timeout: seconds `ray.get` may wait (`None`: no limit).
 
     Raises:
-        TypeError: `refs` holds something other than `TrajectoryRef`.
+        TypeError: `refs` holds something other than `TrajectoryRef`, or a
+            key that is not an int (a float key is never truncated).
+        ValueError: a negative key.
     """
 
     def __init__(
@@ -227,9 +241,11 @@ class RefFetch:
         if isinstance(refs, Mapping):
             items = list(refs.items())
             _check_refs([t for _, t in items])
-            self.refs = {int(i): t for i, t in items}
+            # A float key is a bug upstream: truncated, one trajectory would replace another.
+            self.refs = {check_non_negative(i, f"refs key {i!r}"): t for i, t in items}
         else:
             self.refs = dict(enumerate(_check_refs(refs)))
+        self._keyed = isinstance(refs, Mapping)
         self.routes_key = routes_key
         self.tokens_key = tokens_key
         self.timeout = timeout
@@ -250,12 +266,23 @@ class RefFetch:
         metas = []
         for i in indices:
             if i not in self.refs:
-                raise KeyError(f"sample {i}: this rank holds no ref for it (it has {len(self.refs)} refs)")
+                raise KeyError(self._missing(i))
             metas.append(self.refs[i])
         samples = ray.get([t.ref for t in metas], timeout=self.timeout)
         for i, meta, sample in zip(indices, metas, samples):
             self._check(i, meta, sample)
         return samples
+
+    def _missing(self, i: Any) -> str:
+        held = sorted(self.refs)
+        shown = ", ".join(map(str, held[:8])) + (", ..." if len(held) > 8 else "")
+        message = f"sample {i}: this rank holds no ref for it (it holds global samples [{shown}])"
+        if not self._keyed:
+            message += (
+                "; a list of refs is indexed by global sample index from 0, so it must be the whole step's list: "
+                "pass this rank's refs as {global_index: ref}"
+            )
+        return message
 
     def _check(self, i: int, meta: TrajectoryRef, sample: Any) -> None:
         if not isinstance(sample, Mapping) or self.routes_key not in sample or self.tokens_key not in sample:

@@ -13,7 +13,7 @@ pads or invents rows: the tail the engine never evaluated (the last sampled
 token, a synthetic EOS) is left to the collator, which pads it and marks it in
 `router_padding_mask`.
 
-The module is slightly over the usual size because `RoutedExpertTrace`'s
+The module is slightly over 500 lines because `RoutedExpertTrace`'s
 per-turn checks (rows, versions and their spans, token ids) live with it.
 """
 
@@ -391,9 +391,12 @@ class RoutedExpertTrace:
         if array.ndim != 3:
             raise ValueError(f"{label}: routes must be [rows, layers, topk], got shape {array.shape}")
         if array.shape[0] != expected:
+            # Rows from position 0 on a later turn: the request sent no prompt start.
+            resend = f"; send sampling_params['routed_experts_prompt_start'] = trace.prompt_start ({start})"
             raise ValueError(
-                f"{turn}: expected prompt_len - prompt_start + generated_len - 1 = "
-                f"{prompt_len} - {start} + {generated_len} - 1 = {expected} rows, got {array.shape[0]}"
+                f"{turn}: expected prompt_len - prompt_start + generated_len - 1 = {prompt_len} - {start} + "
+                f"{generated_len} - 1 = {expected} rows, got {array.shape[0]}"
+                + (resend if start and array.shape[0] == expected + start else "")
             )
         # The trace is where routes from the caller enter: one range scan here
         # (only what the dtype leaves open) lets the collator trust the dtype.

@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+from demo_figures import table_mismatches
 
 pytestmark = pytest.mark.slow
 
@@ -49,3 +51,15 @@ def test_the_hooks_stats_count_the_tokens_the_report_counts(demo):
     assert max(live["stats"]["route_drift"]) > 0  # the routers would have drifted without replay
     # Live routing at the uncaptured tail tracks the inference model; filler routes there do not.
     assert live["uncaptured_logprob_abs_diff"] < filler["uncaptured_logprob_abs_diff"]
+
+
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "guides" / "transformers.md"
+
+
+def test_the_guide_table_is_what_the_demo_prints_within_the_stated_tolerances(demo):
+    proc, _figures = demo
+    text = GUIDE.read_text()
+    start = text.index("```text\n", text.index("## The demo")) + len("```text\n")
+    documented = text[start : text.index("```", start)]
+    assert "  layer 3 " in documented and "hook.last_stats" in documented  # the per-layer rows too
+    assert table_mismatches(documented, proc.stdout) == [], "regenerate the table in docs/guides/transformers.md"

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS, CU_SEQLENS_PADDED, INPUT_IDS
-from torch_r3.replay.checks import check_replayed_ids, check_router_tokens
+from torch_r3.replay.checks import check_input_shape, check_replayed_ids, check_router_tokens
 
 # The other checks are the hook's internals, shared with `hook.py` under plain names.
 __all__ = ["check_route_values"]
@@ -211,18 +211,7 @@ def check_model_input(
     Raises:
         ValueError: When the shapes differ, naming the first token without a route.
     """
-    if tuple(mask_shape) == tuple(input_shape):
-        return
-    prefix = f"microbatch {microbatch}, layer {layer}: "
-    if len(input_shape) != 2 or mask_shape[0] != input_shape[0]:
-        raise ValueError(prefix + f"the routes have {mask_shape[0]} rows, {name} has shape {list(input_shape)}")
-    have, want = mask_shape[1], input_shape[1]
-    if have < want:
-        raise ValueError(
-            prefix + f"the routes cover {have} positions per row, {name} has {want}; "
-            f"first token without a route: row 0, token {have}"
-        )
-    raise ValueError(prefix + f"the routes cover {have} positions per row, {name} has only {want}")
+    check_input_shape(mask_shape, input_shape, where=f"microbatch {microbatch}, layer {layer}", name=name)
 
 
 def check_router_rows(tokens: int, rows: int, batch_rows: int, *, microbatch: int, layer: int) -> None:

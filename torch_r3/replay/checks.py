@@ -266,3 +266,38 @@ def check_router_tokens(
         f"{where}: the router sees {tokens} tokens, the routes cover {rows} "
         f"({batch_rows} rows x {positions} positions{scope}){hint}"
     )
+
+
+def check_input_shape(routes_shape: Sequence[int], input_shape: Sequence[int], *, where: str, name: str) -> None:
+    """The routes cover exactly the model input's `[B, S]`, not only as many tokens.
+
+    Args:
+        routes_shape: `[B, S]` of the batch's routes (its `router_padding_mask`).
+        input_shape: Shape of what the model gets (`input_ids`, or `attention_mask`).
+        where: The hook's prefix for the message (`"microbatch 0, layer 3"`).
+        name: What `input_shape` is the shape of.
+
+    Raises:
+        ValueError: When the shapes differ, naming the first token without a route.
+
+    Examples:
+        >>> check_input_shape([2, 6], [3, 4], where="layer 1", name="input_ids")
+        Traceback (most recent call last):
+        ...
+        ValueError: layer 1: the routes have 2 rows, input_ids has shape [3, 4] (the routes are [2, 6])
+    """
+    if tuple(routes_shape) == tuple(input_shape):
+        return
+    prefix = f"{where}: "
+    if len(input_shape) != 2 or routes_shape[0] != input_shape[0]:
+        raise ValueError(
+            prefix + f"the routes have {routes_shape[0]} rows, {name} has shape {list(input_shape)} "
+            f"(the routes are {list(routes_shape)})"
+        )
+    have, want = routes_shape[1], input_shape[1]
+    if have < want:
+        raise ValueError(
+            prefix + f"the routes cover {have} positions per row, {name} has {want}; "
+            f"first token without a route: row 0, token {have}"
+        )
+    raise ValueError(prefix + f"the routes cover {have} positions per row, {name} has only {want}")

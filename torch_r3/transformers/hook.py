@@ -10,11 +10,14 @@ its family's rule (`torch_r3.transformers.families`), so gradients reach the
 router.
 
 Activation checkpointing: `transformers` runs each decoder layer's forward
-through the layer instance's `_gradient_checkpointing_func`. While `replay()`
-is active the hook wraps that function on the layers that hold routers, so each
-checkpointed call carries its own record of the experts its routers used; the
-recompute in backward (which usually runs after the `with` block) replays that
-record, live rows included, whatever order backward visits the microbatches in.
+through the layer instance's `_gradient_checkpointing_func`. The hook wraps that
+function on the layers that hold routers (before every forward of the model,
+so checkpointing enabled before or after the hook is covered), so each
+checkpointed call carries its own record of the experts its routers used, in
+a replayed forward or not; the recompute in backward (which usually runs after
+the `with` block, and may run inside another one) replays that record, live
+rows included, whatever order backward visits the microbatches in. A forward
+that ran outside `replay()` is recomputed as it ran: with the routers' own choice.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 
 from torch_r3.keys import CU_SEQLENS_PADDED, ROUTER_MASK, ROUTES
 from torch_r3.replay import marker
-from torch_r3.replay.checks import check_replayed_ids, check_route_batch, check_router_tokens
+from torch_r3.replay.checks import check_input_shape, check_replayed_ids, check_route_batch, check_router_tokens
 from torch_r3.replay.layers import moe_pattern, route_layer_map
 from torch_r3.replay.modes import check_uncaptured, recorded_route_dtype
 from torch_r3.replay.recording import Recording
@@ -52,6 +55,14 @@ class _Router:
     layer: int  # decoder layer, 0-based
     layer_module: torch.nn.Module
     family: Family
+
+
+@dataclass
+class _Call:
+    """One checkpointed layer call: the experts its routers used, for its recompute."""
+
+    experts: dict[int, torch.Tensor] = field(default_factory=dict)  # router index -> [N, K]
+    live: set[int] = field(default_factory=set)  # routers that routed with their own choice
 
 
 @dataclass
@@ -128,12 +139,14 @@ class ReplayHook:
         self._stats = StatsCollector(measure_drops=False)
         self._active: _Replay | None = None
         self._recording: _Recorder | None = None
-        self._call: dict[int, torch.Tensor] | None = None  # the checkpointed layer call running now
+        self._call: _Call | None = None  # the checkpointed layer call running now
         self._last_stats: ReplayStats | None = None
         self._in_step = False
         self._handles = [
             r.module.register_forward_hook(functools.partial(self._on_router, i)) for i, r in enumerate(self._routers)
         ]
+        self._handles.append(model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
+        self._wrapped: list[tuple[torch.nn.Module, Callable]] = []  # (layer, its own checkpointing function)
 
     # ----------------------------------------------------------------- public
 
@@ -207,15 +220,12 @@ class ReplayHook:
         self._active = _Replay(rows, positions, per_router, mask.to(device).reshape(-1))
         if not self._in_step:
             self._stats.reset()
-        restore = self._wrap_checkpointing()
         try:
             yield self
             if not self._in_step:
                 self._last_stats = self._stats.finish(self.router_layers)
         finally:
             self._active = None
-            for layer, original in restore:
-                layer.__dict__["_gradient_checkpointing_func"] = original
 
     @contextlib.contextmanager
     def step(self) -> Iterator[ReplayHook]:
@@ -279,6 +289,10 @@ class ReplayHook:
         if self._handles:
             for r in self._routers:
                 marker.release(r.module)
+        for layer, original in self._wrapped:
+            if getattr(layer.__dict__.get("_gradient_checkpointing_func"), "_torch_r3_hook", None) is self:
+                layer.__dict__["_gradient_checkpointing_func"] = original
+        self._wrapped = []
         self._handles = []
         self._active = None
 
@@ -296,19 +310,34 @@ class ReplayHook:
         if self._active is not None or self._recording is not None:
             raise RuntimeError("ReplayHook: replay() and record() blocks do not nest")
 
+    def _before_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        self._wrap_checkpointing()
+        state = self._active
+        if state is None:
+            return
+        name, ids = "input_ids", args[0] if args else kwargs.get("input_ids")
+        if ids is None and kwargs.get("inputs_embeds") is not None:
+            name, ids = "inputs_embeds[..., 0]", kwargs["inputs_embeds"][..., 0]
+        if isinstance(ids, torch.Tensor):  # a token count alone cannot tell [3, 4] from [2, 6]
+            check_input_shape((state.rows, state.positions), tuple(ids.shape), where="replay()", name=name)
+
     def _on_router(self, index: int, module: torch.nn.Module, args: Any, output: Any) -> Any:
         r = self._routers[index]
         call = self._call
-        if call is not None and index in call:  # activation recompute: exactly the first forward's experts
-            experts = call[index]
+        if call is not None and index in call.experts:  # activation recompute: exactly the first forward's experts
+            experts = call.experts[index]
+            if index in call.live and torch.equal(output[2], experts):
+                return None  # routed live the first time, and the same again: the router's own output
             return output[0], r.family.weights(module, output[0], experts), experts
         if self._recording is not None:
             self._recording.routes[index] = output[2].detach()
             if index == 0:
                 self._recording.forwards += 1
-            return None
         state = self._active
-        if state is None:
+        if state is None:  # routed live (or recorded): a recompute must route the same way
+            if call is not None:
+                call.experts[index] = output[2].detach()
+                call.live.add(index)
             return None
         logits, _, own = output
         check_router_tokens(
@@ -327,21 +356,21 @@ class ReplayHook:
             self._stats.add_microbatch(state.uncaptured, live=self.uncaptured == "live")
         self._stats.add_drift(r.layer, own, replayed, ~state.uncaptured)
         if call is not None:
-            call[index] = experts
+            call.experts[index] = experts
         return logits, r.family.weights(module, logits, experts), experts
 
-    def _wrap_checkpointing(self) -> list[tuple[torch.nn.Module, Callable]]:
-        restore = []
+    def _wrap_checkpointing(self) -> None:
+        """Wrap each router layer's checkpointing function (set by transformers, maybe since the last forward)."""
         for layer in {id(r.layer_module): r.layer_module for r in self._routers}.values():
             original = layer.__dict__.get("_gradient_checkpointing_func")
-            if original is not None:
-                layer.__dict__["_gradient_checkpointing_func"] = self._checkpointing(original)
-                restore.append((layer, original))
-        return restore
+            if original is not None and getattr(original, "_torch_r3_hook", None) is not self:
+                wrapper = self._checkpointing(original)
+                layer.__dict__["_gradient_checkpointing_func"] = wrapper
+                self._wrapped.append((layer, original))
 
     def _checkpointing(self, original: Callable) -> Callable:
         def checkpoint_with_routes(function: Callable, *args: Any, **kwargs: Any) -> Any:
-            record: dict[int, torch.Tensor] = {}  # filled by the first run, replayed by the recompute
+            record = _Call()  # filled by the first run, replayed by the recompute
 
             def run(*a: Any, **k: Any) -> Any:
                 outer, self._call = self._call, record
@@ -352,6 +381,7 @@ class ReplayHook:
 
             return original(run, *args, **kwargs)
 
+        checkpoint_with_routes._torch_r3_hook = self  # type: ignore[attr-defined]
         return checkpoint_with_routes
 
     def _recorded_batch(self, rec: _Recorder) -> dict[str, torch.Tensor]:
