@@ -43,7 +43,9 @@ def test_doctor_reports_the_installed_versions(monkeypatch, tmp_path, capsys):
     path = tmp_path / "doctor.json"
     assert cli.main(["doctor", "--json", str(path)]) == 0
     versions = json.loads(path.read_text())["versions"]
-    for name in ("torch_r3", "torch", "numpy", "megatron-core", "aiohttp"):
+    # Every optional dependency a part of torch_r3 imports: a bug report about the
+    # transformers hook or the Ray path needs those versions as much as Megatron's.
+    for name in ("torch_r3", "torch", "numpy", "megatron-core", "transformers", "ray", "aiohttp"):
         try:
             expected = metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -53,6 +55,8 @@ def test_doctor_reports_the_installed_versions(monkeypatch, tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"torch                {torch.__version__}" in out
     assert f"torch_r3             {torch_r3.__version__}" in out
+    for name in ("megatron-core", "transformers", "ray", "aiohttp"):
+        assert re.search(rf"^  {re.escape(name)} +\S", out, re.M), f"doctor does not list {name}"
 
 
 def test_doctor_reports_accelerator_and_pinned_memory(tmp_path, capsys):

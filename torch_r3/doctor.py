@@ -14,8 +14,9 @@ from typing import Any
 __all__ = ["doctor_report", "fatal_problem", "format_doctor"]
 
 
-# The distributions whose versions matter to a bug report, in report order.
-_DISTRIBUTIONS = ("torch_r3", "torch", "numpy", "megatron-core", "aiohttp")
+# The distributions whose versions matter to a bug report, in report order: the core, then
+# the extras (each hook's framework, Ray, the client's aiohttp).
+_DISTRIBUTIONS = ("torch_r3", "torch", "numpy", "megatron-core", "transformers", "ray", "aiohttp")
 
 
 def _version(distribution: str) -> str | None:

@@ -1,0 +1,93 @@
+"""What the pages tell a new user about the package itself is true.
+
+The version the wheel reports is the CHANGELOG's newest section; the install lines name
+every extra a guide needs; the Comparison page says of `torch_r3` what the README's
+feature table says; a guide that points at a file only a checkout has says so.
+None of these starts a process.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch_r3
+
+ROOT = Path(__file__).resolve().parents[1]
+CHANGELOG = ROOT / "CHANGELOG.md"
+SECTION = re.compile(r"^## \[(?P<name>[^\]]+)\]", re.M)
+VERSION = re.compile(r"(?<![\w.])(\d+)\.(\d+)\.(\d+)(?![\w.]*\d)")
+
+
+def _pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def _changelog_sections() -> list[tuple[str, str]]:
+    """(heading name, body) of each `## [...]` section, newest first."""
+    text = CHANGELOG.read_text()
+    heads = list(SECTION.finditer(text))
+    links = text.find("\n[", heads[-1].end()) if heads else -1
+    out = []
+    for k, m in enumerate(heads):
+        end = heads[k + 1].start() if k + 1 < len(heads) else (links if links > 0 else len(text))
+        out.append((m["name"], text[m.end() : end]))
+    return out
+
+
+def _as_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in version.split("."))
+
+
+# ---------------------------------------------------------------------------
+# One version: the wheel's, the CHANGELOG's newest section, the install lines' (item 17)
+# ---------------------------------------------------------------------------
+
+
+def test_the_changelogs_newest_section_is_the_version_the_package_reports():
+    """The changes a user reads as "this version" are the ones the wheel they installed has."""
+    names = [name for name, _ in _changelog_sections()]
+    assert names and names[0] == torch_r3.__version__, (
+        f"the CHANGELOG's newest section is [{names[0] if names else None}] but torch_r3.__version__ is "
+        f"{torch_r3.__version__}: the changes since the last release are this version's, so they go under its heading"
+    )
+    assert all(re.fullmatch(r"\d+\.\d+\.\d+", n) for n in names), f"a section that is no version: {names}"
+    tuples = [_as_tuple(n) for n in names]
+    assert tuples == sorted(tuples, reverse=True) and len(set(tuples)) == len(tuples), names
+
+
+def test_every_version_a_changelog_section_compares_against_is_an_older_release():
+    """'differ from 0.1.0' in a section means a release before that section's version."""
+    sections = _changelog_sections()
+    for k, (name, body) in enumerate(sections):
+        older = {n for n, _ in sections[k + 1 :]}
+        for m in VERSION.finditer(body):
+            named = m.group(0)
+            if named in {"2.0.0", "1.1.0"} and "keepachangelog" in body:
+                continue  # the format's own version, in a link
+            if not any(w in body[max(0, m.start() - 40) : m.start()] for w in ("from", "against", "since", "than")):
+                continue  # a dependency's version (torch 2.13.0, megatron-core 0.19.2), not ours
+            assert named in older, f"[{name}] compares against {named}, which is no older section of the CHANGELOG"
+
+
+def test_the_changelog_links_every_section_to_its_tag_or_comparison():
+    text = CHANGELOG.read_text()
+    for name, _ in _changelog_sections():
+        assert re.search(rf"^\[{re.escape(name)}\]: https://\S+$", text, re.M), f"[{name}] has no link line"
+
+
+def test_every_version_of_torch_r3_a_page_names_is_this_one():
+    """A wheel name, a pinned index line or a doctor transcript on a page is the version `make dist` builds."""
+    want = torch_r3.__version__
+    patterns = (
+        r"torch_r3-(\d+\.\d+\.\d+)-py3",
+        r"torch_r3\[[a-z,]+\]==(\d+\.\d+\.\d+)",
+        r"torch_r3 +(\d+\.\d+\.\d+)\b",
+    )
+    for page in _pages():
+        text = page.read_text()
+        for pattern in patterns:
+            for named in re.findall(pattern, text):
+                assert named == want, f"{page.relative_to(ROOT)} names torch_r3 {named}; the package is {want}"
+        for m in re.finditer(r"(?:Once|once|until|Until) (\d+\.\d+\.\d+) is published", text):
+            assert m[1] == want, f"{page.relative_to(ROOT)}: {m[0]!r}, but the package is {want}"
