@@ -109,6 +109,10 @@ def doctor_report() -> dict[str, Any]:
 
     versions: dict[str, str | None] = {"python": platform.python_version(), "platform": platform.platform()}
     versions.update({name: _version(name) for name in _DISTRIBUTIONS})
+    # The code this process runs, not what an editable install's metadata said when it was made.
+    from torch_r3 import __version__
+
+    versions["torch_r3"] = __version__
     accelerator = _accelerator()
     cpus = _cpu()
     return {
