@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 import torch_r3
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,3 +93,66 @@ def test_every_version_of_torch_r3_a_page_names_is_this_one():
                 assert named == want, f"{page.relative_to(ROOT)} names torch_r3 {named}; the package is {want}"
         for m in re.finditer(r"(?:Once|once|until|Until) (\d+\.\d+\.\d+) is published", text):
             assert m[1] == want, f"{page.relative_to(ROOT)}: {m[0]!r}, but the package is {want}"
+
+
+# ---------------------------------------------------------------------------
+# Install: every extra a guide needs is named where a new user installs (item 13)
+# ---------------------------------------------------------------------------
+
+INSTALL_PAGES = ("README.md", "docs/index.md", "docs/getting-started.md")
+# The extras a user installs for a part of the package; the rest are the project's own
+# (docs, test, ci, all).
+USER_EXTRAS = ("client", "megatron", "transformers", "ray", "testing", "bench")
+
+
+def _extras() -> dict[str, list[str]]:
+    """pyproject's optional dependencies: extra -> requirement names."""
+    import tomllib
+
+    table = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    return {k: [re.split(r"[<>=\[ ]", r, maxsplit=1)[0] for r in v] for k, v in table.items()}
+
+
+def _section(page: str, heading: str) -> str:
+    text = (ROOT / page).read_text()
+    start = text.index(heading)
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end > 0 else None]
+
+
+def test_the_user_extras_are_the_packages_own():
+    assert set(USER_EXTRAS) | {"docs", "test", "ci", "all"} == set(_extras())
+
+
+@pytest.mark.parametrize("page", INSTALL_PAGES)
+def test_an_install_section_installs_each_trainers_extras(page):
+    """A transformers or Ray user finds their extra where they install, not deep in a guide."""
+    section = _section(page, "## Install")
+    installs = re.findall(r"pip install [^\n]*?\[([a-z,]+)\]", section)
+    named = {e for group in installs for e in group.split(",")}
+    assert {"client", "megatron", "transformers"} <= named, f"{page}: the install lines name only {sorted(named)}"
+    for extra in ("ray", "testing"):
+        assert extra in named or f"`{extra}`" in section, f"{page}: the Install section never names the {extra} extra"
+
+
+def test_the_extras_table_lists_every_user_extra_and_what_it_installs():
+    section = _section("docs/getting-started.md", "## Install")
+    rows = dict(re.findall(r"^\| `([a-z]+)` \| ([^|]+) \|", section, re.M))
+    assert set(rows) == set(USER_EXTRAS), f"the extras table lists {sorted(rows)}"
+    extras = _extras()
+    for extra, installs in rows.items():
+        for requirement in extras[extra]:
+            assert requirement in installs, f"the {extra} row says it installs {installs.strip()!r}, not {requirement}"
+
+
+@pytest.mark.parametrize("page", _pages(), ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_no_page_installs_an_unpinned_torch(page):
+    """An unpinned `pip install torch` may pull a multi-GB CUDA build; the pages pin the tested one."""
+    unpinned = re.findall(r"pip install torch(?=\s|$|`)", page.read_text(), re.M)
+    assert not unpinned, f"{page.relative_to(ROOT)}: `pip install torch` without a version"
+
+
+@pytest.mark.parametrize("page", ("README.md", "docs/index.md"))
+def test_the_first_paragraphs_name_both_hooks(page):
+    intro = (ROOT / page).read_text().split("\n## ", 1)[0]
+    assert "Megatron" in intro and "transformers" in intro, f"{page}: the introduction names one trainer only"
