@@ -156,3 +156,27 @@ def test_no_page_installs_an_unpinned_torch(page):
 def test_the_first_paragraphs_name_both_hooks(page):
     intro = (ROOT / page).read_text().split("\n## ", 1)[0]
     assert "Megatron" in intro and "transformers" in intro, f"{page}: the introduction names one trainer only"
+
+
+# ---------------------------------------------------------------------------
+# Files only a checkout has (item 18)
+# ---------------------------------------------------------------------------
+
+CHECKOUT_ONLY = re.compile(r"(?<![\w/.-])(?:examples|benchmarks)/[\w./-]+\.py\b")
+
+
+def _paragraphs(text: str) -> list[str]:
+    return [p for p in re.split(r"\n[ \t]*\n", text) if p.strip()]
+
+
+@pytest.mark.parametrize("page", _pages(), ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_a_page_that_points_at_an_example_or_benchmark_says_it_is_in_a_checkout(page):
+    """The wheel ships neither `examples/` nor `benchmarks/`: a user who installed it must read
+    that the file is in a checkout (or on GitHub), next to where the page names it."""
+    paragraphs = _paragraphs(page.read_text())
+    for k, paragraph in enumerate(paragraphs):
+        for path in CHECKOUT_ONLY.findall(paragraph):
+            near = " ".join(paragraphs[max(0, k - 1) : k + 2])
+            assert "checkout" in near, (
+                f"{page.relative_to(ROOT)}: names {path} as if a user had it; say it is in a checkout: {paragraph[:160]!r}"
+            )
