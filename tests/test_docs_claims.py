@@ -180,3 +180,13 @@ def test_a_page_that_points_at_an_example_or_benchmark_says_it_is_in_a_checkout(
             assert "checkout" in near, (
                 f"{page.relative_to(ROOT)}: names {path} as if a user had it; say it is in a checkout: {paragraph[:160]!r}"
             )
+
+
+def test_the_performance_page_gives_the_default_bench_the_readmes_time_and_memory():
+    """One figure for how long `torch-r3 bench` takes and how much memory it needs, on both pages."""
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    m = re.search(r"the default benchmark then takes about (\d+) s and needs about (\d+(?:\.\d+)?) GiB", readme)
+    assert m, "the README no longer states the default benchmark's time and memory"
+    performance = (ROOT / "docs" / "performance.md").read_text()
+    (line,) = [x for x in performance.splitlines() if x.startswith("torch-r3 bench ") and "the default run" in x]
+    assert f"about {m[1]} s" in line and f"about {m[2]} GiB" in line, (line, m[0])
