@@ -190,3 +190,60 @@ def test_the_performance_page_gives_the_default_bench_the_readmes_time_and_memor
     performance = (ROOT / "docs" / "performance.md").read_text()
     (line,) = [x for x in performance.splitlines() if x.startswith("torch-r3 bench ") and "the default run" in x]
     assert f"about {m[1]} s" in line and f"about {m[2]} GiB" in line, (line, m[0])
+
+
+# ---------------------------------------------------------------------------
+# The Comparison page says of torch_r3 what the README says (item 12)
+# ---------------------------------------------------------------------------
+
+COMPARISON = ROOT / "docs" / "comparison.md"
+# The released frameworks and libraries the page compares against, each a row of its table.
+COMPARED = ("verl", "slime", "miles", "SkyRL", "NeMo-RL", "AReaL", "prime-rl", "NeMo-Automodel", "`RouterReplay`")
+
+
+def _glance() -> tuple[list[str], dict[str, list[str]]]:
+    """The 'At a glance' table: its column headings and {first cell: the row's cells}."""
+    text = COMPARISON.read_text()
+    table = text[text.index("## At a glance") :].split("\n\n")[1]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines() if line.startswith("|")]
+    return rows[0], {r[0]: r for r in rows[2:]}
+
+
+def _readme_piece(name: str) -> str:
+    """The README's 'What is in the box' row for `name`."""
+    readme = (ROOT / "README.md").read_text()
+    (row,) = [line for line in readme.splitlines() if line.startswith(f"| `{name}`")]
+    return row
+
+
+def test_the_comparison_covers_every_released_r3_implementation():
+    _, rows = _glance()
+    for name in COMPARED:
+        assert any(name in first for first in rows), f"the Comparison page has no row for {name}"
+    assert any("verl 0.9.1" in first for first in rows) and any("SkyRL 0.4.0" in first for first in rows)
+
+
+def test_the_comparison_says_of_torch_r3_what_the_readme_says():
+    heads, rows = _glance()
+    (ours,) = [r for first, r in rows.items() if first == "`torch_r3`"]
+    cell = dict(zip(heads, ours))
+    megatron, transformers = (
+        _readme_piece("torch_r3.megatron.ReplayHook"),
+        _readme_piece("torch_r3.transformers.ReplayHook"),
+    )
+    # R2: the README says both hooks record the trainer's own routes.
+    assert "R2" in megatron and "R2" in transformers
+    assert cell["R2 (trainer-recorded routes)"].startswith("yes"), cell
+    # The trainers: Megatron-core and transformers, with the parallelism the README lists.
+    trainer = cell["trainer it replays in"]
+    assert "Megatron-core" in trainer and "transformers" in trainer
+    for words in ("DDP", "FSDP2"):
+        assert words in transformers and words in trainer, (words, trainer)
+    # Interleaved pipelines: refused, as the README says.
+    assert "refuses interleaved pipeline schedules" in megatron
+    assert "refused" in cell["interleaved (virtual) pipeline"]
+    # And the list of what it does not do denies none of it.
+    text = COMPARISON.read_text()
+    missing = text[text.index("## What `torch_r3` does not do") :]
+    for claim in ("does not do R2", "Megatron-core only", "no FSDP", "no Hugging Face"):
+        assert claim not in missing, f"the Comparison page says {claim!r}; the README says otherwise"
