@@ -30,7 +30,7 @@ from torch_r3.ray import RefFetch, put_trajectory, route_dtypes, token_counts
 
 NUM_TRAJECTORIES, DP, PP = 24, 2, 2
 LAYERS, TOPK, EXPERTS = 8, 4, 64
-OPTIONS = {"pad_token_id": 0, "pad_keys": {"loss_mask": 0}, "padding": "balanced", "num_experts": EXPERTS}
+OPTIONS = {"pad_token_id": 0, "pad_keys": {"loss_mask": 0}, "filler": "balanced", "num_experts": EXPERTS}
 
 
 def make_sample(i: int) -> dict:
