@@ -202,7 +202,7 @@ GOOD = np.zeros((2, 3, 2), np.uint8)
         ([GOOD], [2], {"filler": "bogus"}, ValueError, "filler must be one of"),
         ([GOOD], [2], {"layout": "ragged"}, ValueError, "layout must be one of"),
         ([GOOD], [2], {"pad_to_multiple_of": 0}, ValueError, "pad_to_multiple_of must be >= 1"),
-        ([GOOD], [2], {"layout": "packed", "pad_to_multiple_of": 8}, ValueError, "padded' only"),
+        ([GOOD], [2], {"layout": "packed", "seq_len": 8}, ValueError, "padded' only"),
         ([GOOD], [2], {"workers": 0}, ValueError, "workers must be >= 1"),
         (
             [GOOD],
