@@ -40,7 +40,8 @@ def make_sample(i: int) -> dict:
     return {
         "input_ids": rng.integers(1, 32_000, size=n),
         "loss_mask": (np.arange(n) >= n // 3).astype(np.float32),  # the response part
-        "routes": rng.integers(0, EXPERTS, size=(n - 1, LAYERS, TOPK)).astype(np.uint8),
+        # TOPK distinct experts per token, as a router chooses them
+        "routes": rng.random((n - 1, LAYERS, EXPERTS)).argsort(-1)[..., :TOPK].astype(np.uint8),
     }
 
 

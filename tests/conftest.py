@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,3 +32,51 @@ def built_site(tmp_path_factory) -> Path:
     )
     assert done.returncode == 0, done.stderr
     return out
+
+
+@dataclass(frozen=True)
+class DemoRun:
+    """One `torch-r3 demo` run: what it printed and the figures its `--json` wrote."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    figures: dict[str, Any]
+
+
+def run_demo(workdir: Path, *args: str, block: tuple[str, ...] = (), timeout: float = 900) -> DemoRun:
+    """`torch-r3 demo --quiet --json PATH *args` in `workdir` (outside the source tree), in a
+    fresh interpreter where the `block`ed top-level modules cannot be imported."""
+    path = workdir / "figures.json"
+    code = (
+        "import sys\n"
+        f"for name in {list(block)!r}:\n    sys.modules[name] = None\n"
+        "from torch_r3.cli import main\n"
+        f"sys.exit(main(['demo', '--quiet', '--json', {str(path)!r}, *{list(args)!r}]))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, cwd=workdir, env=env, check=False
+    )
+    figures = json.loads(path.read_text()) if done.returncode == 0 else {}
+    return DemoRun(done.returncode, done.stdout, done.stderr, figures)
+
+
+@pytest.fixture(scope="session")
+def megatron_demo(tmp_path_factory) -> DemoRun:
+    """The default demo (Megatron trainer, seed 0), run once per session: the end-to-end
+    tests and the tutorial's figure checks read the same run."""
+    pytest.importorskip("megatron.core", reason="the megatron extra is not installed")
+    run = run_demo(tmp_path_factory.mktemp("megatron-demo"))
+    assert run.returncode == 0, run.stderr[-4000:]
+    return run
+
+
+@pytest.fixture(scope="session")
+def transformers_demo(tmp_path_factory) -> DemoRun:
+    """`--trainer transformers` (seed 0) once per session, in a process where Megatron cannot
+    be imported: a transformers-only user's run."""
+    pytest.importorskip("transformers", reason="the transformers extra is not installed")
+    run = run_demo(tmp_path_factory.mktemp("transformers-demo"), "--trainer", "transformers", block=("megatron",))
+    assert run.returncode == 0, run.stderr[-4000:]
+    return run

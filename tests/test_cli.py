@@ -43,7 +43,9 @@ def test_doctor_reports_the_installed_versions(monkeypatch, tmp_path, capsys):
     path = tmp_path / "doctor.json"
     assert cli.main(["doctor", "--json", str(path)]) == 0
     versions = json.loads(path.read_text())["versions"]
-    for name in ("torch_r3", "torch", "numpy", "megatron-core", "aiohttp"):
+    # Every optional dependency a part of torch_r3 imports: a bug report about the
+    # transformers hook or the Ray path needs those versions as much as Megatron's.
+    for name in ("torch", "numpy", "megatron-core", "transformers", "ray", "aiohttp"):
         try:
             expected = metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -53,6 +55,8 @@ def test_doctor_reports_the_installed_versions(monkeypatch, tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"torch                {torch.__version__}" in out
     assert f"torch_r3             {torch_r3.__version__}" in out
+    for name in ("megatron-core", "transformers", "ray", "aiohttp"):
+        assert re.search(rf"^  {re.escape(name)} +\S", out, re.M), f"doctor does not list {name}"
 
 
 @pytest.mark.parametrize("forced,decoder", [(None, "pybase64"), ("binascii", "binascii"), ("reference", "reference")])
@@ -161,8 +165,10 @@ def test_demo_without_megatron_names_the_extra_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "megatron.core", None)  # import megatron.core now fails
     assert cli.main(["demo"]) == 2
     err = capsys.readouterr().err
-    assert (
-        err == "torch-r3 demo: megatron-core is not installed; the demo needs pip install 'torch_r3[megatron,client]'\n"
+    assert err == (
+        "torch-r3 demo: megatron-core is not installed; the demo needs pip install 'torch_r3[megatron,client]', "
+        "or run it with a transformers model: torch-r3 demo --trainer transformers "
+        "(needs pip install 'torch_r3[transformers,client]')\n"
     )
 
 
@@ -174,7 +180,34 @@ def test_demo_without_aiohttp_names_the_extra_to_install(monkeypatch, capsys):
         monkeypatch.delitem(sys.modules, name)  # imported afresh, as in a process without aiohttp
     assert cli.main(["demo"]) == 2
     err = capsys.readouterr().err
-    assert err == "torch-r3 demo: aiohttp is not installed; the demo needs pip install 'torch_r3[megatron,client]'\n"
+    assert err.startswith(
+        "torch-r3 demo: aiohttp is not installed; the demo needs pip install 'torch_r3[megatron,client]'"
+    )
+
+
+def test_demo_without_aiohttp_still_takes_its_options_and_names_the_trainers_extras(monkeypatch, capsys):
+    # The options come from the demo module, which needs aiohttp: without it, `--trainer transformers`
+    # (and the rest) must still parse, so that the user reads the missing extra, not "unrecognized arguments".
+    monkeypatch.setitem(sys.modules, "aiohttp", None)
+    for name in [m for m in sys.modules if m == "torch_r3.demo" or m.startswith("torch_r3.testing")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert cli.main(["demo", "--trainer", "transformers", "--quiet", "--json", "x.json"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "torch-r3 demo: aiohttp is not installed; the demo needs pip install 'torch_r3[transformers,client]'"
+    ), err
+    with pytest.raises(SystemExit) as e:  # a wrong choice is still a usage error, as with the module there
+        cli.main(["demo", "--trainer", "deepspeed"])
+    assert e.value.code == 2
+    assert "invalid choice: 'deepspeed'" in capsys.readouterr().err
+
+
+def test_demo_help_names_both_training_sides(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    line = " ".join(out[out.index("    demo ") :].split("\n\n")[0].split())  # the entry may wrap
+    assert "Megatron" in line and "transformers" in line, line
 
 
 def test_python_dash_m_torch_r3_runs_the_cli():
@@ -188,7 +221,9 @@ def test_demo_with_the_transformers_trainer_without_transformers_names_that_extr
     assert cli.main(["demo", "--trainer", "transformers"]) == 2
     err = capsys.readouterr().err
     assert err == (
-        "torch-r3 demo: transformers is not installed; the demo needs pip install 'torch_r3[transformers,client]'\n"
+        "torch-r3 demo: transformers is not installed; the demo needs pip install 'torch_r3[transformers,client]', "
+        "or run it with a Megatron model: torch-r3 demo --trainer megatron "
+        "(needs pip install 'torch_r3[megatron,client]')\n"
     )
 
 

@@ -559,7 +559,9 @@ def test_numpy_integers_are_accepted_wherever_python_ints_are():
 @pytest.mark.parametrize(
     "values, exc, match",
     [
-        ([[1, 2], np.zeros(2), [4, 5], [6, 7]], ValueError, r"sample 1: key 'extra'"),
+        ([[1, 2], np.zeros(3), [4, 5], [6, 7]], ValueError, r"sample 1: key 'extra'"),  # a list and an array alike
+        ([[1, 2], [3, 4], [5], [6, 7]], ValueError, r"sample 2: key 'extra' has shape/length \(1,\)"),
+        ([[1, 2], ["a", "b"], [4, 5], [6, 7]], ValueError, r"sample 1: key 'extra'"),  # numbers, then not
         ([np.zeros(2), np.zeros(2), np.zeros(3), np.zeros(2)], ValueError, r"sample 2: key 'extra'"),
         ([1.0, None, 2.0, 3.0], TypeError, r"sample 1: key 'extra' is None"),
         ([None, None, None, None], TypeError, r"sample 0: key 'extra' is None"),
@@ -660,16 +662,35 @@ def test_a_float_pad_value_beyond_the_key_s_dtype_is_refused(pad):
 
 
 @pytest.mark.parametrize("lengths", [[4, 4], [1], [2, 5]], ids=["equal", "batch_of_one", "ragged"])
-def test_a_list_key_not_in_pad_keys_is_returned_per_sample_whatever_its_lengths(lengths):
-    # Item 8: default_collate transposed equal-length lists and raised on ragged ones.
-    samples = make_samples(n_samples=len(lengths))
-    for s, n in zip(samples, lengths):
-        s["tags"] = [f"t{j}" for j in range(n)]
-        s["scores"] = [0.5] * n
-    got = R3Collator(pad_keys=["loss_mask"])(samples)
-    assert got["tags"] == [s["tags"] for s in samples]
-    assert got["scores"] == [s["scores"] for s in samples]
-    assert got["reward"].shape == (len(lengths),)  # numbers are still stacked
+def test_a_list_key_not_in_pad_keys_is_collated_as_the_same_numbers_in_an_array_are(lengths):
+    # Issue 26 item 16: a list of numbers came back as a list per sample, silently, while an
+    # array of different lengths was refused. One rule now, default_collate's for arrays:
+    # equal shapes stack, different shapes are refused naming the sample; the reference is
+    # default_collate itself on the arrays NumPy makes of the lists.
+    def collate(as_array):
+        samples = make_samples(n_samples=len(lengths))
+        for s, n in zip(samples, lengths):
+            scores = [0.5 + j for j in range(n)]
+            s["scores"] = np.asarray(scores) if as_array else scores
+            s["tags"] = [f"t{j}" for j in range(n)]  # not numbers: one value per sample, whatever the lengths
+        try:
+            return R3Collator(pad_keys=["loss_mask"])(samples), samples
+        except ValueError as e:
+            return str(e), samples
+
+    from_lists, samples = collate(as_array=False)
+    from_arrays, _ = collate(as_array=True)
+    if len(set(lengths)) == 1:
+        expected = torch.utils.data.default_collate([np.asarray(s["scores"]) for s in samples])
+        for got in (from_lists, from_arrays):
+            assert torch.equal(got["scores"], expected) and got["scores"].dtype == torch.float64
+            assert got["scores"].shape == (len(lengths), lengths[0])
+            assert got["tags"] == [s["tags"] for s in samples]
+            assert got["reward"].shape == (len(lengths),)  # numbers are still stacked
+    else:
+        assert from_lists == from_arrays  # the same refusal, word for word
+        assert "sample 1: key 'scores' has shape/length (5,), sample 0 has (2,)" in from_lists
+        assert "list a per-token key in pad_keys" in from_lists
 
 
 def test_mixed_uint64_and_int64_pad_keys_are_refused_naming_sample_and_key():

@@ -230,13 +230,3 @@ def test_cpu_topology_reports_what_the_pool_sees(monkeypatch):
     topology = cpu.cpu_topology()
     assert topology["pool_workers"] == 3 and topology[cpu.ENV_NUM_WORKERS] == "3"
     assert topology["usable_cpus"] == cpu.usable_cpus() and topology["affinity_cpus"] == cpu.affinity_cpus()
-
-
-def test_doctor_does_not_import_the_benchmark():
-    import subprocess
-    import sys
-
-    code = "import sys; from torch_r3 import cli; cli.doctor_report(); print('torch_r3.bench' in sys.modules)"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "False"

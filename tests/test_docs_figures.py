@@ -170,9 +170,9 @@ def regenerate(text: str, stdout: str, figures: Figures) -> str:
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory) -> tuple[str, str, Figures]:
-    pytest.importorskip("megatron.core", reason="the megatron extra is not installed")
-    return run_demo(tmp_path_factory.mktemp("demo"))
+def demo(megatron_demo) -> tuple[str, str, Figures]:
+    """The session's one default demo run (tests/conftest.py), which the end-to-end tests also read."""
+    return megatron_demo.stdout, megatron_demo.stderr, megatron_demo.figures
 
 
 @pytest.mark.slow

@@ -10,7 +10,10 @@ there; what it prints must be that text (compared with runs of whitespace collap
 long line may wrap). A page passes when every block ran without an exception, printed what
 it states, and nothing it started is still running afterwards: no non-daemon thread, no
 child process, and no listening socket (a loopback server left open, whose thread may be a
-daemon). A block with a top-level `await` is refused with a hint: a snippet must run as a
+daemon). The routes a page builds must be ones a router could make: every array it gives
+`compact_routes` and every captured row that `collate_routes`, `R3Collator` or
+`ShardCollator` returns holds distinct experts per token (a real model refuses a repeated
+expert; the collator leaves that check to the hooks). A block with a top-level `await` is refused with a hint: a snippet must run as a
 script, so it calls `asyncio.run(...)`.
 
 The parser and marker checks spawn nothing; running the pages does (one interpreter per
@@ -145,10 +148,68 @@ RUNNER = textwrap.dedent(
                     ports.append(int(f[1].rsplit(":", 1)[1], 16))
         return sorted(ports)
 
+    def audit_routes():
+        # A page's routes must be ones a router could make: K distinct experts per token (a real
+        # model refuses "expert 59 twice in one route"; the collator does not check that). Every
+        # captured row a page collates is checked, and every array it compacts.
+        import functools
+        import numpy as np
+        import torch_r3, torch_r3.collate, torch_r3.routes, torch_r3.shard
+
+        def check(routes, where):
+            a = np.asarray(routes)
+            if a.ndim < 2 or a.shape[-1] < 2 or a.size == 0:
+                return
+            rows = np.sort(a.reshape(-1, a.shape[-1]), axis=-1)
+            dup = np.flatnonzero((rows[:, 1:] == rows[:, :-1]).any(axis=-1))
+            if dup.size:
+                raise AssertionError(
+                    f"{where}: a route names one expert twice in a token ({rows[dup[0]].tolist()}); "
+                    "a router never does: make routes of distinct experts, e.g. "
+                    "np.argsort(rng.random((rows, layers, experts)), axis=-1)[..., :topk]"
+                )
+
+        def check_batch(out, where):
+            routes, mask = out.get("rollout_expert_indices"), out.get("router_padding_mask")
+            if routes is None:
+                return out
+            routes = routes.numpy() if hasattr(routes, "numpy") else routes
+            if mask is not None:
+                mask = mask.numpy() if hasattr(mask, "numpy") else np.asarray(mask)
+                routes = routes[~mask] if mask.shape == routes.shape[: mask.ndim] else routes
+            check(routes, where)
+            return out
+
+        def wrap(fn, where, result=check_batch):
+            @functools.wraps(fn)
+            def inner(*args, **kwargs):
+                return result(fn(*args, **kwargs), where)
+            return inner
+
+        def compacting(fn):
+            @functools.wraps(fn)
+            def inner(array, *args, **kwargs):
+                check(array, "compact_routes")
+                return fn(array, *args, **kwargs)
+            return inner
+
+        def iterating(fn):
+            @functools.wraps(fn)
+            def inner(self):
+                for out in fn(self):
+                    yield check_batch(out, "ShardCollator")
+            return inner
+
+        torch_r3.compact_routes = compacting(torch_r3.routes.compact_routes)  # what a page calls, not the codec
+        torch_r3.collate_routes = torch_r3.collate.collate_routes = wrap(torch_r3.collate.collate_routes, "collate_routes")
+        torch_r3.R3Collator.__call__ = wrap(torch_r3.R3Collator.__call__, "R3Collator")
+        torch_r3.ShardCollator.__iter__ = iterating(torch_r3.ShardCollator.__iter__)
+
     spec = json.load(sys.stdin)
     verdict = {"ran": 0, "error": None}
     namespace = {"__name__": "__main__"}
     try:
+        audit_routes()
         for block in spec["blocks"]:
             where = f"{spec['page']}:{block['line']}"
             source = "\\n" * (block["line"] - 1) + block["code"]  # tracebacks show the page's line numbers
@@ -339,6 +400,15 @@ def test_parse_refuses_a_marker_without_reason_a_stray_marker_and_an_open_fence(
         ("import multiprocessing, time\nmultiprocessing.Process(target=time.sleep, args=(60,)).start()\n", "child"),
         ("print(1 + 1)\n# 3\n", "states that it prints"),
         ("from torch_r3.testing import LoopbackServer\nserver = LoopbackServer().start()\n", "still listening"),
+        (  # routes no router makes: expert 3 twice in one token, compacted or collated
+            "import numpy as np\nfrom torch_r3 import compact_routes\ncompact_routes(np.array([[[3, 3]]]))\n",
+            "names one expert twice in a token ([3, 3])",
+        ),
+        (
+            "import numpy as np\nfrom torch_r3 import R3Collator\n"
+            "R3Collator()([{'input_ids': [1, 2, 3], 'routes': np.array([[[0, 1]], [[2, 2]]], np.uint8)}])\n",
+            "R3Collator: a route names one expert twice in a token ([2, 2])",
+        ),
     ],
 )
 def test_the_runner_reports_a_failure_a_top_level_await_a_leak_and_a_wrong_output(tmp_path, code, expected):

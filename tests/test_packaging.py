@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -156,29 +157,67 @@ def test_the_wheel_installs_and_its_entry_point_runs_outside_the_checkout(wheel,
     assert all(command in done.stdout for command in ("bench", "doctor", "demo"))
 
 
-def _import_without(blocked: list[str], statement: str) -> subprocess.CompletedProcess:
-    """Run `statement` in a fresh interpreter where the `blocked` modules cannot be imported."""
-    code = f"import sys\nfor name in {blocked!r}:\n    sys.modules[name] = None\n{statement}"
-    return subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
-
-
-def test_import_torch_r3_needs_neither_megatron_nor_aiohttp():
-    done = _import_without(["megatron", "aiohttp"], "import torch_r3\nprint(torch_r3.collate_routes.__name__)")
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "collate_routes"
-
-
-@pytest.mark.parametrize(
-    "blocked, statement, command",
-    [
-        (["megatron"], "import torch_r3.megatron", "pip install 'torch_r3[megatron]'"),
-        (["aiohttp"], "import torch_r3.client", "pip install 'torch_r3[client]'"),
-        (["aiohttp"], "from torch_r3 import RemoteGenerateClient", "pip install 'torch_r3[client]'"),
-        (["aiohttp"], "import torch_r3.testing", "pip install 'torch_r3[testing]'"),
-    ],
+# What `import torch_r3` must work without, and the part of it that needs each extra. One
+# fresh interpreter checks every case (importing torch costs seconds per interpreter): first
+# the core and its framework-free modules with every extra installed, recording which optional
+# modules they pulled in (one never imported is one the import works without); then, with
+# every extra blocked, each part that needs one, recording the error it raised.
+OPTIONAL = ("aiohttp", "megatron", "ray", "transformers")
+CORE_IMPORTS = (
+    "import torch_r3",
+    "torch_r3.collate_routes, torch_r3.decode_routes",  # an eager name and a lazy one of the codec
+    "import torch_r3.codec, torch_r3.trace, torch_r3.distributed, torch_r3.cpu",
 )
-def test_a_missing_extra_names_the_command_that_installs_it(blocked, statement, command):
-    done = _import_without(blocked, statement)
-    assert done.returncode == 1
-    last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("torch_r3._extras.MissingExtraError: ") and last.endswith(command), last
+PARTS = {  # statement -> (what is missing, the extra that installs it)
+    "import torch_r3.megatron": ("megatron-core", "megatron"),
+    "import torch_r3.client": ("aiohttp", "client"),
+    "from torch_r3 import RemoteGenerateClient": ("aiohttp", "client"),
+    "import torch_r3.testing": ("aiohttp", "testing"),
+    "import torch_r3.ray": ("ray", "ray"),
+    "import torch_r3.transformers": ("transformers", "transformers"),
+}
+IMPORT_REPORT = f"""
+import json, sys
+report = {{}}
+for statement in {CORE_IMPORTS!r}:
+    exec(statement)
+report["core"] = sorted(m for m in {(*OPTIONAL, "torch_r3.client")!r} if m in sys.modules)
+from torch_r3 import cli
+cli.doctor_report()
+report["doctor"] = sorted(m for m in {(*OPTIONAL, "torch_r3.bench")!r} if m in sys.modules)
+for name in {OPTIONAL!r}:
+    sys.modules[name] = None
+for statement in {list(PARTS)!r}:
+    try:
+        exec(statement, {{}})
+        report[statement] = "imported"
+    except BaseException as e:  # what the traceback's last line would say
+        report[statement] = f"{{type(e).__module__}}.{{type(e).__qualname__}}: {{e}}"
+print(json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def import_report() -> dict[str, object]:
+    done = subprocess.run(
+        [sys.executable, "-c", IMPORT_REPORT], check=False, capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_import_torch_r3_and_its_framework_free_modules_import_no_optional_dependency(import_report):
+    """So they work without any extra: neither aiohttp, Megatron, Ray nor transformers is
+    imported, and the client stays unimported until its name is used."""
+    assert import_report["core"] == [], f"{CORE_IMPORTS} imported {import_report['core']}"
+
+
+def test_doctor_imports_neither_the_benchmark_nor_an_optional_dependency(import_report):
+    assert import_report["doctor"] == []
+
+
+@pytest.mark.parametrize("statement, missing, extra", [(k, *v) for k, v in PARTS.items()], ids=list(PARTS))
+def test_a_missing_extra_names_the_command_that_installs_it(import_report, statement, missing, extra):
+    assert import_report[statement] == (
+        f"torch_r3._extras.MissingExtraError: {missing} is not installed: pip install 'torch_r3[{extra}]'"
+    )

@@ -11,7 +11,6 @@ import importlib.util
 import os
 import pickle
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -68,27 +67,6 @@ def test_ref_fetch_and_metadata_refuse_anything_but_trajectory_refs():
         RefFetch([TrajectoryRef(None, 3, 2, L, K, "uint8"), "ref"])
     with pytest.raises(TypeError, match="sequence of TrajectoryRef"):
         token_counts("abc")
-
-
-def _run_without_ray(statement: str) -> subprocess.CompletedProcess:
-    code = f"import sys\nsys.modules['ray'] = None\n{statement}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    return subprocess.run(
-        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120, env=env
-    )
-
-
-def test_import_torch_r3_and_its_distributed_fallback_need_no_ray():
-    done = _run_without_ray("import torch_r3, torch_r3.distributed\nprint('ray' in sys.modules and sys.modules['ray'])")
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "None"  # never imported: only the blocker is there
-
-
-def test_without_ray_torch_r3_ray_names_the_extra_that_installs_it():
-    done = _run_without_ray("import torch_r3.ray")
-    assert done.returncode == 1
-    last = done.stderr.strip().splitlines()[-1]
-    assert last == "torch_r3._extras.MissingExtraError: ray is not installed: pip install 'torch_r3[ray]'", last
 
 
 def test_a_trainer_holds_no_microbatch_buffers_once_its_loop_has_dropped_them():

@@ -596,3 +596,32 @@ def test_vllm_refuses_a_salt_over_128_characters_or_with_a_forbidden_character_w
         status, payload = _post(server.url, PATHS["vllm"], _request("vllm", [1, 2], 1, salt=salt))
         ok, _ = _post(server.url, PATHS["vllm"], _request("vllm", [1, 2], 1, salt="ckpt-step_100"))
     assert status == 400 and "cache_salt" in payload["error"]["message"] and ok == 200
+
+
+def _field(payload, path: str):
+    """`meta_info.weight_version` or `choices[0].weight_versions` looked up in a JSON answer."""
+    for part in path.split("."):
+        name, _, index = part.partition("[")
+        payload = payload[name]
+        if index:
+            payload = payload[int(index.rstrip("]"))]
+    return payload
+
+
+@pytest.mark.parametrize("protocol", ["torch_r3", "sglang", "vllm"])
+def test_the_api_pages_weight_version_column_is_the_field_each_protocols_answer_carries(protocol):
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "api" / "testing.md").read_text()
+    table = page[page.index("| weight version reported |") :].split("\n\n")[0]
+    (row,) = [line for line in table.splitlines() if line.startswith(f'| `"{protocol}"` |')]
+    cell = row.split("|")[3]
+    fields = re.findall(r"`([\w.\[\]]+)`", cell)
+    assert fields, f"the {protocol} row names no weight-version field: {cell.strip()!r}"
+    with LoopbackServer(protocol=protocol) as server:
+        server.update_weights(weight_version="step-2")
+        _, payload = _post(server.url, PATHS[protocol], _request(protocol, [1, 2, 3], 2))
+    for path in fields:
+        value = _field(payload, path)
+        assert "step-2" in (value, *(span["version"] for span in value if isinstance(value, list))), (path, value)

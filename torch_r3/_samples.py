@@ -179,16 +179,40 @@ def _layout_of(value: Any) -> Any:
     return ("scalar", type(value).__name__)
 
 
+def _numeric_array(value: Any) -> np.ndarray | None:
+    """A Python list or tuple of numbers as NumPy makes it, else None (strings, mixed objects)."""
+    if not isinstance(value, (list, tuple)):
+        return None
+    try:
+        arr = np.asarray(value)
+    except (ValueError, TypeError, OverflowError):  # ragged nesting
+        return None
+    return arr if arr.ndim >= 1 and arr.dtype.kind in "biuf" else None
+
+
+def _extra_values(samples: Sequence[Mapping[str, Any]], key: str) -> list[Any]:
+    """The samples' values of an extra key, a list or tuple of numbers made the array NumPy makes of it.
+
+    One rule for every sequence of numbers, whatever holds it: a Python list and a NumPy
+    array of the same numbers are collated alike (equal shapes stacked, different ones
+    refused), as `default_collate` collates arrays. Only lists that are not all numbers
+    (strings, mixed objects) stay one value per sample.
+    """
+    values = [s[key] for s in samples]
+    arrays = [_numeric_array(v) for v in values]
+    return [v if a is None else a for v, a in zip(values, arrays)]
+
+
 def _check_extra(samples: Sequence[Mapping[str, Any]], key: str) -> None:
     """Refuse, naming the sample, what `default_collate` would fail on without naming it."""
-    values = [s[key] for s in samples]
+    values = _extra_values(samples, key)
     for i, v in enumerate(values):
         if v is None:
             raise TypeError(
                 f"sample {i}: key {key!r} is None, which default_collate cannot batch; give it a value or drop the key"
             )
     if all(isinstance(v, (list, tuple)) for v in values):
-        return  # returned as a list per sample, see collate_extra
+        return  # lists that are not all numbers: returned as a list per sample, see collate_extra
     first = _layout_of(values[0])
     for i, v in enumerate(values[1:], start=1):
         if _layout_of(v) != first and first[0] != "scalar":
@@ -201,10 +225,12 @@ def _check_extra(samples: Sequence[Mapping[str, Any]], key: str) -> None:
 def collate_extra(samples: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> dict[str, Any]:
     """`default_collate` of each extra key, its failures naming the key.
 
-    A key whose values are all Python lists or tuples is returned as a list
-    with each sample's own value: `default_collate` would transpose lists of
-    equal length and refuse ragged ones, so the batch's structure would
-    depend on the data. (Per-token lists to pad belong in `pad_keys`.)
+    A Python list or tuple of numbers is collated as the NumPy array NumPy makes of it
+    (ints `int64`, floats `float64`), so lists and arrays follow one rule: equal shapes are
+    stacked into a tensor `[B, ...]`, different shapes are refused (`_check_extra`; a
+    per-token key belongs in `pad_keys`). A key whose values are lists that are not all
+    numbers (strings, mixed objects) is returned as a list with each sample's own value:
+    `default_collate` would transpose lists of equal length.
 
     Args:
         samples: the samples, already checked by `batch_samples`.
@@ -215,12 +241,12 @@ def collate_extra(samples: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> 
     """
     batch = {}
     for key in keys:
-        values = [s[key] for s in samples]
+        values = _extra_values(samples, key)
         if all(isinstance(v, (list, tuple)) for v in values):
             batch[key] = values
             continue
         try:
-            batch[key] = torch.utils.data.default_collate([s[key] for s in samples])
+            batch[key] = torch.utils.data.default_collate(values)
         except (TypeError, ValueError, RuntimeError) as e:
             raise (TypeError if isinstance(e, TypeError) else ValueError)(
                 f"key {key!r}: default_collate could not batch the samples' values: {e}"

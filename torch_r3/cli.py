@@ -299,11 +299,13 @@ def _doctor_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
 # demo: torch_r3.demo, one RL step end to end
 # --------------------------------------------------------------------------
 
-# What the demo imports beyond the core, and the extra that installs it, per `--trainer`.
+# What the demo imports beyond the core, and the extra that installs it, per `--trainer`:
+# the trainer's framework first, then the client's aiohttp.
 _DEMO_NEEDS = {
     "megatron": (("megatron.core", "megatron"), ("aiohttp", "client")),
     "transformers": (("transformers", "transformers"), ("aiohttp", "client")),
 }
+_DEMO_SIDES = {"megatron": "a Megatron model", "transformers": "a transformers model"}
 
 
 def _demo_module():
@@ -318,13 +320,21 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     try:  # the demo module imports the loopback server, hence aiohttp
         _demo_module().build_parser(p)
     except MissingExtraError:
-        pass  # no options then: `_demo_run` names the extra to install
+        # Its options are unknown without the module: take `--trainer`, so that `_demo_run` names
+        # that trainer's extras, and let `main` pass over the rest (the demo cannot run anyway).
+        p.add_argument("--trainer", choices=tuple(_DEMO_NEEDS), default="megatron")
+        p.set_defaults(demo_options_unavailable=True)
+
+
+def _extras_line(trainer: str) -> str:
+    return "pip install 'torch_r3[{}]'".format(",".join(extra for _module, extra in _DEMO_NEEDS[trainer]))
 
 
 def _demo_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from torch_r3._extras import MissingExtraError, require
 
-    needs = _DEMO_NEEDS[getattr(args, "trainer", "megatron")]
+    trainer = getattr(args, "trainer", "megatron")
+    needs = _DEMO_NEEDS[trainer]
     try:
         demo = _demo_module()
         # Megatron's import-time fallback notices (no Apex, no Transformer Engine)
@@ -333,11 +343,13 @@ def _demo_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             for module, extra in needs:
                 require(module, extra)
     except MissingExtraError as e:
-        extras = ",".join(extra for _module, extra in needs)
-        print(
-            f"torch-r3 demo: {e.distribution} is not installed; the demo needs pip install 'torch_r3[{extras}]'",
-            file=sys.stderr,
-        )
+        message = f"torch-r3 demo: {e.distribution} is not installed; the demo needs {_extras_line(trainer)}"
+        if e.extra == needs[0][1]:  # the trainer's framework is missing: the other side may be there
+            (other,) = (t for t in _DEMO_NEEDS if t != trainer)
+            message += (
+                f", or run it with {_DEMO_SIDES[other]}: torch-r3 demo --trainer {other} (needs {_extras_line(other)})"
+            )
+        print(message, file=sys.stderr)
         return 2
     with demo.quiet_third_party_warnings():
         return demo.run_from_args(args)
@@ -371,7 +383,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Runner
         _doctor_run,
     ),
     "demo": (
-        "one RL step with R3 end to end: bf16 rollouts, R3Collator, fp32 Megatron step",
+        "one RL step with R3 end to end: bf16 rollouts, R3Collator, an fp32 Megatron or transformers step",
         _demo_arguments,
         _demo_run,
     ),
@@ -415,7 +427,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     wanted = next((a for a in argv if not a.startswith("-")), None)
     parser, subparsers = _parser(wanted)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "demo_options_unavailable", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")  # what parse_args says
     if args.command is None:  # the same help, stream and status as --help
         parser.print_help()
         return 0

@@ -558,8 +558,13 @@ class R3Collator:
     `[sum(n)]`, `cu_seqlens`, no attention mask). Keys in `pad_keys`
     (per-token sequences as long as the tokens, e.g. `loss_mask`) are padded
     the same way with their pad value; every other key is collated by
-    `torch.utils.data.default_collate`. A sample may not carry a key the
-    collator computes (`attention_mask` from a tokenizer, for instance).
+    `torch.utils.data.default_collate`, a Python list of numbers exactly as
+    the NumPy array of the same numbers: equal shapes are stacked into a
+    tensor `[B, ...]` (ints `int64`, floats `float64`), different shapes
+    are refused naming the sample (a per-token key belongs in `pad_keys`).
+    Only lists that are not all numbers (strings) come back as a list per
+    sample. A sample may not carry a key the collator computes
+    (`attention_mask` from a tokenizer, for instance).
 
     Outputs are recycled: each collator owns a `BufferPool`, and a batch's
     memory is reused once no tensor, view or NumPy array of it is alive. Inside

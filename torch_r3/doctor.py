@@ -14,8 +14,9 @@ from typing import Any
 __all__ = ["doctor_report", "fatal_problem", "format_doctor"]
 
 
-# The distributions whose versions matter to a bug report, in report order.
-_DISTRIBUTIONS = ("torch_r3", "torch", "numpy", "megatron-core", "aiohttp", "pybase64")
+# The distributions whose versions matter to a bug report, in report order: the core, then
+# the extras (each hook's framework, Ray, the client's aiohttp and pybase64).
+_DISTRIBUTIONS = ("torch_r3", "torch", "numpy", "megatron-core", "transformers", "ray", "aiohttp", "pybase64")
 
 
 def _version(distribution: str) -> str | None:
@@ -116,6 +117,10 @@ def doctor_report() -> dict[str, Any]:
 
     versions: dict[str, str | None] = {"python": platform.python_version(), "platform": platform.platform()}
     versions.update({name: _version(name) for name in _DISTRIBUTIONS})
+    # The code this process runs, not what an editable install's metadata said when it was made.
+    from torch_r3 import __version__
+
+    versions["torch_r3"] = __version__
     accelerator = _accelerator()
     cpus = _cpu()
     return {

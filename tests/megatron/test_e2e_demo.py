@@ -3,14 +3,14 @@
 Rollouts on a bf16 Megatron model behind the loopback server, a DataLoader with
 R3Collator and two worker processes, and an fp32 training step through
 Megatron's schedule with ReplayHook (uncaptured="live", the default, and
-"replay") and without it. Each run is its own process, started outside the
-source tree so that only the installed package is importable: the demo sets up
-its own gloo world and Megatron parallel state.
+"replay") and without it. Each run is its own process, started in a temporary
+folder: the demo sets up its own gloo world and Megatron parallel state. The
+default run is the session's `megatron_demo` (tests/conftest.py), shared with
+the tutorial's figure checks; the error paths start their own.
 """
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
@@ -33,13 +33,10 @@ def run_demo(*args: str, cwd, timeout: float = 400) -> subprocess.CompletedProce
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    """One default demo run: (process, figures from --json)."""
-    tmp = tmp_path_factory.mktemp("demo")
-    out = tmp / "figures.json"
-    proc = run_demo("--json", str(out), cwd=tmp)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc, json.loads(out.read_text())
+def demo(megatron_demo):
+    """The session's one default `torch-r3 demo` run (tests/conftest.py; the tutorial's figure
+    checks read the same run): (the run, with its stdout and stderr; its --json figures)."""
+    return megatron_demo, megatron_demo.figures
 
 
 def test_replay_makes_training_routes_equal_the_rollouts_and_cuts_the_logprob_gap(demo):

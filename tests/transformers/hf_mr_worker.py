@@ -1,7 +1,9 @@
 """One rank of the multi-rank tests: DDP or FSDP2 training steps with ReplayHook, in a spawned process.
 
-Run as `python hf_mr_worker.py <mode> <rank> <world> <port> <out>`; rank 0 writes
-the losses and the updated parameters to `<out>`.
+Run as `python hf_mr_worker.py <modes> <rank> <world> <port> <out>`, `<modes>` one or
+more of `ddp`, `fsdp2` joined by commas, each run in turn on a fresh model in the same
+process group; rank 0 writes each mode's losses and updated parameters to
+`<out>/<mode>.pt`.
 """
 
 from __future__ import annotations
@@ -46,15 +48,21 @@ def loss_of(model, batch):
     return -(logp * real).sum() / (BATCH * 8)  # a fixed normaliser: the ranks' mean is the global loss
 
 
-def main(mode: str, rank: int, world: int, port: int, out: str) -> None:
+def main(modes: str, rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    for mode in modes.split(","):
+        train(mode, rank, world, os.path.join(out, f"{mode}.pt"))
+    dist.destroy_process_group()
+
+
+def train(mode: str, rank: int, world: int, out: str) -> None:
     from torch.utils.data import DataLoader, DistributedSampler
 
     from torch_r3 import R3Collator
     from torch_r3.transformers import ReplayHook
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
     model = build(FAMILY).train()
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -90,7 +98,6 @@ def main(mode: str, rank: int, world: int, port: int, out: str) -> None:
     if rank == 0:
         torch.save({"losses": losses, "params": params}, out)
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

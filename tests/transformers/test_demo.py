@@ -7,9 +7,6 @@ an fp32 training step with ReplayHook (live and filler) and without it.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,16 +16,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("demo")
-    out = tmp / "figures.json"
-    code = (
-        "import sys\nsys.modules['megatron'] = None\nfrom torch_r3.cli import main\n"
-        f"sys.exit(main(['demo', '--trainer', 'transformers', '--quiet', '--json', {str(out)!r}]))"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=400, cwd=tmp)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc, json.loads(out.read_text())
+def demo(transformers_demo):
+    """The session's one `torch-r3 demo --trainer transformers` run, Megatron blocked (tests/conftest.py)."""
+    return transformers_demo, transformers_demo.figures
 
 
 def test_replay_makes_every_captured_token_use_the_rollouts_experts_and_cuts_the_logprob_gap(demo):

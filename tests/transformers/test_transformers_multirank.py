@@ -34,11 +34,17 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _run(mode: str, out: Path) -> dict:
+MODES = ("ddp", "fsdp2")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> Path:
+    """One pair of spawned ranks trains every mode in turn (one start-up, one process group)."""
+    out = tmp_path_factory.mktemp("ranks")
     port = _port()
     procs = [
         subprocess.Popen(
-            [sys.executable, str(HERE / "hf_mr_worker.py"), mode, str(r), str(WORLD), str(port), str(out)],
+            [sys.executable, str(HERE / "hf_mr_worker.py"), ",".join(MODES), str(r), str(WORLD), str(port), str(out)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -48,7 +54,7 @@ def _run(mode: str, out: Path) -> dict:
     logs = [p.communicate(timeout=300)[0] for p in procs]
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-4000:]
-    return torch.load(out)
+    return out
 
 
 def _single_process(checkpointing: bool) -> dict:
@@ -76,9 +82,9 @@ def _single_process(checkpointing: bool) -> dict:
     return {"losses": losses, "params": {n: p.detach() for n, p in model.named_parameters()}}
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
-def test_two_ranks_train_exactly_like_one_process(mode, tmp_path):
-    got = _run(mode, tmp_path / "rank0.pt")
+@pytest.mark.parametrize("mode", MODES)
+def test_two_ranks_train_exactly_like_one_process(mode, two_ranks):
+    got = torch.load(two_ranks / f"{mode}.pt")
     want = _single_process(checkpointing=mode == "fsdp2")
     assert len(got["losses"]) == STEPS
     assert got["losses"] == pytest.approx(want["losses"], rel=1e-5)
