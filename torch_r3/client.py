@@ -31,6 +31,7 @@ import yarl
 
 from torch_r3._checks import check_choice, check_int, check_positive, check_str
 from torch_r3.errors import RemoteGenerateError
+from torch_r3.health import RouteHealthCheck, ZeroRoutesWarning, health_check
 from torch_r3.protocols import PROTOCOLS, SERVERS, GenerateCall, RouteLimits, WeightVersionSpan
 from torch_r3.protocols.base import check_cache_salt
 from torch_r3.protocols.torch_r3 import MODEL_INFO_PATH
@@ -47,17 +48,6 @@ __all__ = [
 
 # Token ids travel as int64 (torch.long).
 _TOKEN_ID_END = 1 << 63
-
-
-class ZeroRoutesWarning(RuntimeWarning):
-    """A MoE layer's routes came back all zero: the server likely failed to capture them.
-
-    Zero is a valid expert id, but a layer routing every token of a capture to
-    expert 0 (with `topk > 1`, impossible: a token's experts are distinct) is
-    the signature of a capture buffer that was never written, as happened with
-    some server versions and configurations (prefill/decode disaggregation,
-    pipeline parallelism). Dense layers are all zero by design and never warn.
-    """
 
 
 @dataclass(frozen=True, eq=False)
@@ -92,6 +82,9 @@ class RemoteGenerateResult:
         raw: The parsed JSON response without its route payload (the base64
             text, often far larger than the decoded `routed_experts`, is not
             kept); every other field as the server sent it.
+        health_checked: `routed_experts` passed (or was let through by) a
+            `RouteHealthCheck` with the tokens behind its rows;
+            `RoutedExpertTrace.record_result` then skips its own check.
     """
 
     response_ids: tuple[int, ...]
@@ -102,6 +95,7 @@ class RemoteGenerateResult:
     weight_versions: tuple[WeightVersionSpan, ...]
     num_experts: int | None
     raw: Any
+    health_checked: bool = False
 
 
 class RemoteGenerateClient:
@@ -124,8 +118,16 @@ class RemoteGenerateClient:
         topk: Experts per token (`num_experts_per_tok`). Required for SGLang routes.
         num_experts: Routed experts per layer; when given, every id must be below it.
         moe_layers: Indices into the routes' layer axis of the MoE layers; when
-            given, a MoE layer whose routes are all zero raises a
-            `ZeroRoutesWarning`.
+            given, a zero row in one of them is an engine-health finding (see
+            `health`). Without them only rows zero in every layer are (dense
+            layers are zero by design).
+        health: What to do with routes that carry the signature of an engine
+            capture bug (`torch_r3.health`: zero rows, a layer stuck on one
+            row, stale repeated rows): `"raise"` (the default: `generate`
+            raises `RouteHealthError`), `"warn"` (`RouteHealthWarning`,
+            `ZeroRoutesWarning` for zero rows), `"count"`, or a
+            `RouteHealthCheck` of your own (shared, e.g. by every client of a
+            run). Its counters are `client.health.stats` either way.
         cache_salt: Default prefix-cache salt for every call (see `generate`).
         max_response_bytes: The most bytes one response body may have (1 GiB by
             default); route payloads are capped at three quarters of it.
@@ -172,6 +174,7 @@ class RemoteGenerateClient:
         topk: int | None = None,
         num_experts: int | None = None,
         moe_layers: Sequence[int] | None = None,
+        health: str | RouteHealthCheck = "raise",
         cache_salt: str | None = None,
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         retries: int = 5,
@@ -192,6 +195,7 @@ class RemoteGenerateClient:
         topk = None if topk is None else check_positive(topk, "topk")
         num_experts = None if num_experts is None else check_positive(num_experts, "num_experts")
         self.moe_layers = _check_moe_layers(moe_layers, num_layers)
+        self.health = health_check(health, engine=self.server if self.server in ("vllm", "sglang") else None)
         self.cache_salt = _check_salt(cache_salt)
         flat = {
             "retries": retries,
@@ -288,6 +292,8 @@ class RemoteGenerateClient:
                 a prompt token id outside `[0, 2**63)`; `sampling_params["n"]`
                 other than 1; a `cache_salt` breaking the rules above; SGLang
                 routes without `num_layers`/`topk`.
+            RouteHealthError: The routes carry an engine capture-bug signature
+                (with `health="raise"`; see the class's `health`).
             RemoteGenerateError: Every failure of the call itself: a
                 non-retryable answer (a `404` also says what to check), a
                 redirect (never followed), retries exhausted, a body over the
@@ -338,10 +344,17 @@ class RemoteGenerateClient:
             raise RemoteGenerateError(
                 f"POST {url}: response breaks the {self.server} format: {exc}", url=url, status=200
             ) from exc
-        if parsed.routed_experts is not None and self.moe_layers:
-            _warn_zero_layers(parsed.routed_experts, self.moe_layers, url)
+        routes = parsed.routed_experts
+        if routes is not None:
+            # Row i is position start + i: the prompt, then the generated tokens.
+            tokens = (prompt + list(parsed.response_ids))[start : start + routes.shape[0]]
+            who = f"POST {url} ({len(prompt)}-token prompt" + (f", session {session_id}" if session_id else "") + ")"
+            self.health.check(routes, trajectory=who, token_ids=tokens, moe_layers=self.moe_layers or None)
         return RemoteGenerateResult(
-            **vars(parsed), num_experts=self.limits.num_experts, raw=protocol.without_routes(raw)
+            **vars(parsed),
+            num_experts=self.limits.num_experts,
+            raw=protocol.without_routes(raw),
+            health_checked=routes is not None,
         )
 
     async def model_info(self) -> dict[str, Any]:
@@ -455,19 +468,6 @@ def _check_start(start: Any, prompt_len: int, want_routes: bool) -> int:
     if not want_routes:
         raise ValueError("routed_experts_prompt_start requires return_routed_experts=True")
     return start
-
-
-def _warn_zero_layers(routes: np.ndarray, moe_layers: tuple[int, ...], url: str) -> None:
-    if routes.shape[0] == 0:
-        return
-    layers = [layer for layer in moe_layers if layer < routes.shape[1] and not routes[:, layer].any()]
-    if layers:
-        warnings.warn(
-            f"POST {url}: MoE layer(s) {layers} have all-zero routes over {routes.shape[0]} rows; "
-            "the server likely did not capture them (check its version and parallel configuration)",
-            ZeroRoutesWarning,
-            stacklevel=3,
-        )
 
 
 def _token_list(tokens: Any) -> list[int]:
