@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from torch_r3._extras import require
@@ -30,6 +29,7 @@ import numpy as np
 import yarl
 
 from torch_r3._checks import check_choice, check_int, check_positive, check_str
+from torch_r3._results import RemoteGenerateResult
 from torch_r3.errors import RemoteGenerateError
 from torch_r3.health import RouteHealthCheck, ZeroRoutesWarning, health_check
 from torch_r3.protocols import PROTOCOLS, SERVERS, GenerateCall, RouteLimits, WeightVersionSpan
@@ -48,54 +48,6 @@ __all__ = [
 
 # Token ids travel as int64 (torch.long).
 _TOKEN_ID_END = 1 << 63
-
-
-@dataclass(frozen=True, eq=False)
-class RemoteGenerateResult:
-    """One generate call's answer (the first choice), the same for every server.
-
-    Attributes:
-        response_ids: The generated token ids.
-        response_logprobs: Their logprobs, or `None` when the server sent none.
-        finish_reason: `"stop"`, `"length"` or `"abort"` (SGLang's object and
-            vLLM's string normalised), another string a server sent, or `None`.
-        routed_experts: The routes `[rows, layers, topk]` of positions
-            `routed_experts_prompt_start .. len(prompt) + len(response_ids) - 2`,
-            a canonical NumPy array; `None` when not requested, or when the
-            request was aborted before any forward pass (`finish_reason` is
-            then `"abort"`).
-        weight_version: The server's weight version (SGLang's
-            `meta_info.weight_version`, the torch_r3 server's `weight_version`,
-            the last of vLLM's `weight_versions` spans), or `None` when the
-            server reports none (vLLM before 0.32). When a weight update
-            landed mid-request it is the newest version; `weight_versions`
-            says which tokens each version generated.
-        weight_versions: `WeightVersionSpan`s `(version, start, end)` over the
-            generated tokens, as SGLang 0.5.19+ and vLLM 0.32+ report them;
-            `()` when the server reports none. Pass them to
-            `RoutedExpertTrace.record(weight_versions=)`, which refuses a turn
-            routed by more than one version.
-        num_experts: The client's `num_experts`: every id in `routed_experts`
-            was checked to be below it on receipt (`None`: only checked to be
-            non-negative). `RoutedExpertTrace.record_result` relies on it to
-            skip a second scan.
-        raw: The parsed JSON response without its route payload (the base64
-            text, often far larger than the decoded `routed_experts`, is not
-            kept); every other field as the server sent it.
-        health_checked: `routed_experts` passed (or was let through by) a
-            `RouteHealthCheck` with the tokens behind its rows;
-            `RoutedExpertTrace.record_result` then skips its own check.
-    """
-
-    response_ids: tuple[int, ...]
-    response_logprobs: tuple[float, ...] | None
-    finish_reason: str | None
-    routed_experts: np.ndarray | None
-    weight_version: str | None
-    weight_versions: tuple[WeightVersionSpan, ...]
-    num_experts: int | None
-    raw: Any
-    health_checked: bool = False
 
 
 class RemoteGenerateClient:
