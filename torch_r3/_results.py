@@ -53,6 +53,10 @@ class RemoteGenerateResult:
         health_checked: `routed_experts` passed (or was let through by) a
             `RouteHealthCheck` with the tokens behind its rows;
             `RoutedExpertTrace.record_result` then skips its own check.
+        prompt_token_ids: The prompt's token ids as the engine saw them: for
+            `RemoteGenerateClient.chat`, the server's rendering of the
+            messages (key a multi-turn trace by these, not by your own
+            tokenisation); otherwise the prompt that was sent.
     """
 
     response_ids: tuple[int, ...]
@@ -64,3 +68,4 @@ class RemoteGenerateResult:
     num_experts: int | None
     raw: Any
     health_checked: bool = False
+    prompt_token_ids: tuple[int, ...] | None = None

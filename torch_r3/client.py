@@ -35,6 +35,7 @@ from torch_r3.health import RouteHealthCheck, ZeroRoutesWarning, health_check
 from torch_r3.protocols import PROTOCOLS, SERVERS, GenerateCall, RouteLimits, WeightVersionSpan
 from torch_r3.protocols.base import check_cache_salt
 from torch_r3.protocols.torch_r3 import MODEL_INFO_PATH
+from torch_r3.protocols.vllm_openai import CHAT, check_messages
 from torch_r3.transport import DEFAULT_MAX_RESPONSE_BYTES, HttpTransport, TransportConfig
 
 __all__ = [
@@ -63,7 +64,9 @@ class RemoteGenerateClient:
         base_url: The server, e.g. `"http://127.0.0.1:30000"`, optionally with a
             path prefix; no query, fragment or credentials (send those as
             `headers`). Checked here, not at the first call.
-        server: The server's API: `"torch_r3"`, `"sglang"` or `"vllm"`.
+        server: The server's API: `"torch_r3"`, `"sglang"`, `"vllm"` (native
+            `/inference/v1/generate`) or `"vllm-openai"` (vLLM's OpenAI-compatible
+            `/v1/completions`, and `/v1/chat/completions` through `chat`).
         num_layers: Layers per route row the server sends: for SGLang and vLLM
             every hidden layer of the model (`num_hidden_layers`). Required for
             SGLang routes (its payload has no shape); checked when given.
@@ -296,17 +299,111 @@ class RemoteGenerateClient:
             raise RemoteGenerateError(
                 f"POST {url}: response breaks the {self.server} format: {exc}", url=url, status=200
             ) from exc
+        return self._result(parsed, prompt, start, raw, protocol.without_routes, url, session_id)
+
+    async def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        sampling_params: Mapping[str, Any] | None = None,
+        *,
+        return_routed_experts: bool = False,
+        routed_experts_prompt_start: int | None = None,
+        session_id: str | None = None,
+        model: str | None = None,
+        cache_salt: str | None = None,
+    ) -> RemoteGenerateResult:
+        """One chat turn on vLLM's `/v1/chat/completions` (`server="vllm-openai"`).
+
+        The server renders `messages` with its chat template, so the rows
+        describe the server's tokens: the result's `prompt_token_ids` are that
+        rendering (the client asks for them with `return_token_ids`). Key a
+        multi-turn trace by them: `trace.record_result(r,
+        prompt_len=len(r.prompt_token_ids), prompt_ids=r.prompt_token_ids)`,
+        which also refuses a turn whose template re-rendered tokens the trace
+        already holds routes for.
+
+        Args:
+            messages: The conversation so far: a list of `{"role", "content", ...}` objects.
+            sampling_params: Top-level OpenAI fields (`max_tokens`, `temperature`, ...).
+            return_routed_experts: Ask for the routes (the server must run with them on).
+            routed_experts_prompt_start: As in `generate`; checked against the
+                rendered prompt's length when the answer arrives.
+            session_id: As in `generate`.
+            model: The body's `model` field.
+            cache_salt: As in `generate`.
+
+        Returns:
+            The first choice, with `prompt_token_ids` set.
+
+        Raises:
+            ValueError: The client is not for `server="vllm-openai"` (SGLang's
+                chat endpoint does not return the rendered prompt's token ids,
+                so its routes cannot be keyed; use its `/generate` with token
+                ids), or an argument breaks `generate`'s rules.
+            TypeError: `messages` is not a list of objects with a string `role`.
+            RouteHealthError: As `generate`.
+            RemoteGenerateError: As `generate`, and for an answer without
+                `prompt_token_ids`.
+        """
+        if self.server != "vllm-openai":
+            raise ValueError(
+                f"chat() speaks vLLM's /v1/chat/completions (server='vllm-openai'), not server={self.server!r}: "
+                "the rows must be keyed by the tokens the server rendered, and only vLLM's chat answer names them"
+            )
+        body_messages = check_messages(messages)
+        params = _sampling_params(sampling_params)
+        if not isinstance(return_routed_experts, (bool, np.bool_)):
+            raise TypeError(f"return_routed_experts must be a bool, got {type(return_routed_experts).__name__}")
+        want = bool(return_routed_experts)
+        start = (
+            0
+            if routed_experts_prompt_start is None
+            else check_int(routed_experts_prompt_start, "routed_experts_prompt_start")
+        )
+        if start < 0 or (start and not want):
+            raise ValueError("routed_experts_prompt_start must be >= 0 and requires return_routed_experts=True")
+        if model is not None:
+            check_str(model, "model")
+        salt = _check_salt(cache_salt) if cache_salt is not None else self.cache_salt
+        headers = {"X-Session-ID": check_str(session_id, "session_id")} if session_id is not None else {}
+        body = CHAT.request_body(
+            body_messages, params, return_routed_experts=want, start=start, cache_salt=salt, model=model
+        )
+        url = self.base_url + CHAT.path
+        raw = await self._transport.request("POST", CHAT.path, body, headers)
+        try:
+            prompt, parsed = CHAT.parse_response(raw, return_routed_experts=want, start=start, limits=self.limits)
+        except (TypeError, ValueError, MemoryError, OverflowError) as exc:
+            raise RemoteGenerateError(
+                f"POST {url}: response breaks the vllm-openai chat format: {exc}", url=url, status=200
+            ) from exc
+        return self._result(parsed, list(prompt), start, raw, PROTOCOLS["vllm-openai"].without_routes, url, session_id)
+
+    def _result(
+        self,
+        parsed: Any,
+        prompt: list[int],
+        start: int,
+        raw: Any,
+        strip: Any,
+        url: str,
+        session_id: str | None,
+    ) -> RemoteGenerateResult:
+        """The result of a parsed answer, its routes health-checked against the tokens behind them."""
         routes = parsed.routed_experts
         if routes is not None:
             # Row i is position start + i: the prompt, then the generated tokens.
             tokens = (prompt + list(parsed.response_ids))[start : start + routes.shape[0]]
             who = f"POST {url} ({len(prompt)}-token prompt" + (f", session {session_id}" if session_id else "") + ")"
-            self.health.check(routes, trajectory=who, token_ids=tokens, moe_layers=self.moe_layers or None)
+            self.health.check(
+                routes, trajectory=who, token_ids=tokens, moe_layers=self.moe_layers or None, stacklevel=4
+            )
         return RemoteGenerateResult(
             **vars(parsed),
             num_experts=self.limits.num_experts,
-            raw=protocol.without_routes(raw),
+            raw=strip(raw),
             health_checked=routes is not None,
+            prompt_token_ids=tuple(prompt),
         )
 
     async def model_info(self) -> dict[str, Any]:
@@ -345,6 +442,7 @@ class RemoteGenerateClient:
 _NOT_FOUND_HINTS = {
     "vllm": "; since vLLM 0.30 /inference/v1/generate exists only when vLLM runs with --enable-scale-out",
     "sglang": " (SGLang's native API, not its OpenAI-compatible /v1)",
+    "vllm-openai": " (vLLM's OpenAI-compatible server, `vllm serve`)",
 }
 
 
