@@ -57,6 +57,12 @@ class RemoteGenerateResult:
             `RemoteGenerateClient.chat`, the server's rendering of the
             messages (key a multi-turn trace by these, not by your own
             tokenisation); otherwise the prompt that was sent.
+        route_versions: `WeightVersionSpan`s over the rows of `routed_experts`
+            (0 = its first row) naming the weights that computed them, from
+            servers that report it (Megatron's `kv_cache_epoch`: a prefix
+            cached before a weight update keeps its older routes); `()`
+            otherwise. `RoutedExpertTrace.record_result` refuses a turn whose
+            rows and tokens come from different versions.
     """
 
     response_ids: tuple[int, ...]
@@ -69,3 +75,4 @@ class RemoteGenerateResult:
     raw: Any
     health_checked: bool = False
     prompt_token_ids: tuple[int, ...] | None = None
+    route_versions: tuple[WeightVersionSpan, ...] = ()

@@ -66,7 +66,8 @@ class RemoteGenerateClient:
             `headers`). Checked here, not at the first call.
         server: The server's API: `"torch_r3"`, `"sglang"`, `"vllm"` (native
             `/inference/v1/generate`) or `"vllm-openai"` (vLLM's OpenAI-compatible
-            `/v1/completions`, and `/v1/chat/completions` through `chat`).
+            `/v1/completions`, and `/v1/chat/completions` through `chat`) or
+            `"megatron"` (Megatron-core's inference server, `/v1/completions`).
         num_layers: Layers per route row the server sends: for SGLang and vLLM
             every hidden layer of the model (`num_hidden_layers`). Required for
             SGLang routes (its payload has no shape); checked when given.
@@ -443,6 +444,7 @@ _NOT_FOUND_HINTS = {
     "vllm": "; since vLLM 0.30 /inference/v1/generate exists only when vLLM runs with --enable-scale-out",
     "sglang": " (SGLang's native API, not its OpenAI-compatible /v1)",
     "vllm-openai": " (vLLM's OpenAI-compatible server, `vllm serve`)",
+    "megatron": " (Megatron-core's dynamic inference server)",
 }
 
 

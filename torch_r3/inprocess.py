@@ -260,7 +260,16 @@ class _Reader:
             tokens = (prompt + list(ids))[self.start : self.start + routes.shape[0]]
             self.health.check(routes, trajectory=who, token_ids=tokens, moe_layers=self.moe_layers, stacklevel=4)
         return RemoteGenerateResult(
-            ids, logprobs, reason, routes, base.newest_version(None, spans), spans, self.num_experts, raw, checked
+            ids,
+            logprobs,
+            reason,
+            routes,
+            base.newest_version(None, spans),
+            spans,
+            self.num_experts,
+            raw,
+            health_checked=checked,
+            prompt_token_ids=tuple(prompt),
         )
 
     def _routes(self, array: Any, prompt: list[int], ids: tuple[int, ...], reason: str | None, who: str) -> Any:

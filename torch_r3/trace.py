@@ -374,11 +374,13 @@ class RoutedExpertTrace:
             routes, ids = result.routed_experts, result.response_ids
             version, spans, checked = result.weight_version, result.weight_versions, result.num_experts
             healthy = bool(getattr(result, "health_checked", False))
+            row_spans = tuple(getattr(result, "route_versions", ()))
         except AttributeError:
             raise TypeError(
                 f"turn {self.turns}: expected a RemoteGenerateResult, got {type(result).__name__}"
             ) from None
         bound_known = self._num_experts is None or (checked is not None and checked <= self._num_experts)
+        self._check_route_versions(row_spans, spans, version)
         self._record(
             prompt_len,
             len(ids),
@@ -502,6 +504,23 @@ class RoutedExpertTrace:
         if version is not None and len(distinct) == 1 and version != newest:
             raise ValueError(f"{turn}: weight_version {version!r} is not the version of its spans, {newest!r}")
         return newest
+
+    def _check_route_versions(self, row_spans: tuple[Any, ...], spans: Any, version: Any) -> None:
+        """Refuse a turn whose rows were computed by another weight version than its tokens (unless mixing is allowed)."""
+        if not row_spans or self._allow_mixed:
+            return
+        token_versions = {s.version for s in spans or ()} | ({version} if version is not None else set())
+        if len(token_versions) > 1:
+            return  # the tokens' own spans are refused by `_span_version`, with their message
+        rows = {s.version for s in row_spans}
+        if len(rows | token_versions) > 1:
+            described = ", ".join(f"{s.version!r} (rows {s.start}..{s.end - 1})" for s in row_spans)
+            raise ValueError(
+                f"turn {self.turns}: its route rows were computed by weight versions {described} but its tokens by "
+                f"{sorted(map(str, token_versions))}: a prefix cached before a weight update kept its older routes. "
+                "Flush the server's prefix cache after each weight update, drop the turn, or pass "
+                "RoutedExpertTrace(allow_mixed_versions=True) to accept it"
+            )
 
     def _check_version(self, version: Any, turn: str) -> None:
         if version is not None and (isinstance(version, bool) or not isinstance(version, (str, int))):

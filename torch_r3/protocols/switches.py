@@ -23,7 +23,12 @@ _SGLANG = (
     "is sent by the client); routed_experts_start_len is honoured from 0.5.12 on (0.5.10.post1 and 0.5.11 "
     "return every row, which the client slices)"
 )
+_MEGATRON = (
+    "Megatron-core's inference server: build the model with moe_enable_routing_replay=True "
+    "(--moe-enable-routing-replay); the dynamic engine refuses it with asynchronous scheduling"
+)
 _HINTS = {
+    "megatron": _MEGATRON,
     "vllm": _VLLM,
     "sglang": _SGLANG,
     "torch_r3": "the torch_r3 server: return_routed_experts was sent; the server answered without routes",
