@@ -84,6 +84,11 @@ _ZERO_HINTS = {
         "nothing; if the layer is dense, leave it out of moe_layers"
     ),
 }
+#: The causes of all-zero routes, for messages outside this module (the hooks' repeated-id error).
+ZERO_ROUTES_HINT = (
+    "vLLM's FlashInfer monolithic MoE kernels skip capture (start vLLM with --moe-backend triton), SGLang "
+    "prefill/decode disaggregation before sgl-project/sglang#23885, or a pipeline stage that captured nothing"
+)
 _CONSTANT_HINT = (
     "a capture slot written once and never updated; run the engine without CUDA graphs "
     "(vLLM --enforce-eager, SGLang --disable-cuda-graph) to confirm, and report it to the engine"
