@@ -67,7 +67,8 @@ class RemoteGenerateClient:
         server: The server's API: `"torch_r3"`, `"sglang"`, `"vllm"` (native
             `/inference/v1/generate`) or `"vllm-openai"` (vLLM's OpenAI-compatible
             `/v1/completions`, and `/v1/chat/completions` through `chat`) or
-            `"megatron"` (Megatron-core's inference server, `/v1/completions`).
+            `"megatron"` (Megatron-core's inference server, `/v1/completions`) or
+            `"skyrl"` (SkyRL's `/skyrl/v1/generate`).
         num_layers: Layers per route row the server sends: for SGLang and vLLM
             every hidden layer of the model (`num_hidden_layers`). Required for
             SGLang routes (its payload has no shape); checked when given.
@@ -445,6 +446,7 @@ _NOT_FOUND_HINTS = {
     "sglang": " (SGLang's native API, not its OpenAI-compatible /v1)",
     "vllm-openai": " (vLLM's OpenAI-compatible server, `vllm serve`)",
     "megatron": " (Megatron-core's dynamic inference server)",
+    "skyrl": " (SkyRL's vLLM server actor)",
 }
 
 

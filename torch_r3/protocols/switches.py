@@ -27,7 +27,12 @@ _MEGATRON = (
     "Megatron-core's inference server: build the model with moe_enable_routing_replay=True "
     "(--moe-enable-routing-replay); the dynamic engine refuses it with asynchronous scheduling"
 )
+_SKYRL = (
+    "SkyRL: set enable_return_routed_experts (it needs moe_enable_routing_replay), which starts its vLLM server "
+    "with routes on; " + _VLLM
+)
 _HINTS = {
+    "skyrl": _SKYRL,
     "megatron": _MEGATRON,
     "vllm": _VLLM,
     "sglang": _SGLANG,
