@@ -94,12 +94,15 @@ class MegatronProtocol(ServerProtocol):
         spans = _token_spans(policy, len(call.prompt), len(ids))
         routes = None
         route_versions: tuple[WeightVersionSpan, ...] = ()
+        payload = choice.get("moe_topk_indices")
         if call.return_routed_experts:
-            payload = choice.get("moe_topk_indices")
-            if payload is None:
+            if payload is None and not ids:
+                reason = "abort"  # finished before any forward pass: no row to replay
+            elif payload is None:
                 raise WireFormatError(
                     f"routes were requested but choices[0].moe_topk_indices is missing ({missing_routes_hint('megatron')})"
                 )
+        if payload is not None and call.return_routed_experts:
             full = _routes(payload, limits, "choices[0].moe_topk_indices")
             want = base.expected_rows(len(call.prompt), len(ids), 0)
             if full.shape[0] != want:
