@@ -39,6 +39,7 @@ class SkyRLProtocol(ChoicesProtocol):
     salt_field = "cache_salt"
     start_may_be_ignored = True
     null_routes_hint = f" ({missing_routes_hint('skyrl')})"
+    route_text_paths = (("choices", "*", "routed_experts", "data"),)  # inside the envelope
 
     def flags(self, call: GenerateCall) -> dict[str, Any]:
         return {}  # no per-request switch: a server with routes on returns them for every request

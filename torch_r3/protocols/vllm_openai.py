@@ -58,6 +58,7 @@ class VLLMCompletionsProtocol(ServerProtocol):
     generate_path = COMPLETIONS_PATH
     salt_field = "cache_salt"
     route_payload_paths = (("choices", "*", "routed_experts"),)
+    route_text_paths = (("choices", "*", "routed_experts"),)
 
     def request_body(self, call: GenerateCall) -> dict[str, Any]:
         body = _body(call.sampling_params, call.return_routed_experts, call.start, call.model)
