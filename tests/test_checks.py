@@ -442,7 +442,10 @@ def test_seconds_follow_the_finite_float_rule_in_the_client_and_its_config(name,
             lambda: collate_routes([GOOD], [2], filler="bogus"),
             "filler must be one of ['arange', 'balanced', 'zeros'], got 'bogus'",
         ),
-        (lambda: _client(server="tgi"), "server must be one of ['torch_r3', 'sglang', 'vllm'], got 'tgi'"),
+        (
+            lambda: _client(server="tgi"),
+            "server must be one of ['torch_r3', 'sglang', 'vllm', 'vllm-openai', 'megatron', 'skyrl'], got 'tgi'",
+        ),
     ],
 )
 def test_an_enum_names_its_members_the_same_way_at_every_site(call, words):

@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from torch_r3.client import RemoteGenerateClient, RemoteGenerateError, ZeroRoutesWarning
 from torch_r3.codec import WireFormatError
+from torch_r3.health import RouteHealthCheck, RouteHealthError
 from torch_r3.protocols import PROTOCOLS, GenerateCall, RouteLimits
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -219,15 +220,29 @@ def test_a_payload_over_the_route_cap_is_refused_before_decoding():
             PROTOCOLS[server].parse_response(case["response"], call_of(case), limits_of(case, max_bytes=16))
 
 
-def test_an_all_zero_moe_layer_warns_naming_the_layer():
+def test_an_all_zero_moe_layer_is_refused_naming_the_layer_and_the_vllm_setting():
     case = by_name("vllm", "small")
     rows = np.array(case["expected"]["routes"])
     rows[:, 2] = 0
     _vllm_payload(case, rows, "uint8")
     args = (case["call"]["prompt"], {"max_tokens": 3}, {"return_routed_experts": True})
-    with pytest.warns(ZeroRoutesWarning, match=r"MoE layer\(s\) \[2\] have all-zero routes over 6 rows"):
-        result = ask_recording("vllm", case["response"], args, {"moe_layers": [1, 2], **case["client"]})
+    with pytest.raises(RouteHealthError, match=r"layer 2: rows 0\.\.5 of 6 are all zero.*--moe-backend triton"):
+        ask_recording("vllm", case["response"], args, {"moe_layers": [1, 2], **case["client"]})
+
+
+def test_health_warn_lets_an_all_zero_moe_layer_through_with_a_warning_and_counts_it():
+    case = by_name("vllm", "small")
+    rows = np.array(case["expected"]["routes"])
+    rows[:, 2] = 0
+    _vllm_payload(case, rows, "uint8")
+    args = (case["call"]["prompt"], {"max_tokens": 3}, {"return_routed_experts": True})
+    check = RouteHealthCheck("warn")
+    with pytest.warns(ZeroRoutesWarning, match=r"layer 2: rows 0\.\.5 of 6 are all zero"):
+        result = ask_recording(
+            "vllm", case["response"], args, {"moe_layers": [1, 2], "health": check, **case["client"]}
+        )
     np.testing.assert_array_equal(result.routed_experts, rows)  # warned, not altered
+    assert (check.stats.zero_rows, check.stats.accepted_unhealthy, check.stats.refused) == (1, 1, 0)
 
 
 def test_sglang_routes_need_the_model_shape_before_anything_is_sent():

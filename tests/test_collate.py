@@ -236,7 +236,7 @@ def test_compact_routes_picks_the_narrowest_canonical_dtype(max_id, dtype, src):
     if max_id > np.iinfo(src).max:
         pytest.skip("does not fit the source dtype")
     a = np.array([[[max_id, 0]], [[1, 2]]], dtype=src)
-    got = compact_routes(a)
+    got = compact_routes(a, health=None)  # max_id 0 makes row 0 all zero, a capture-bug signature (test_health)
     assert got.dtype == dtype and got.flags.c_contiguous and got.flags.writeable
     assert np.array_equal(got.astype(np.int64), a.astype(np.int64))
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from torch_r3._extras import require
@@ -32,11 +31,14 @@ import yarl
 
 from torch_r3._checks import check_choice, check_indices, check_int, check_positive, check_str
 from torch_r3._offload import off_loop
+from torch_r3._results import RemoteGenerateResult
 from torch_r3.errors import RemoteGenerateError
+from torch_r3.health import RouteHealthCheck, ZeroRoutesWarning, health_check
 from torch_r3.protocols import PROTOCOLS, SERVERS, GenerateCall, RouteLimits, WeightVersionSpan
 from torch_r3.protocols.base import check_cache_salt
 from torch_r3.protocols.native import MODEL_INFO_PATH
 from torch_r3.protocols.spans import parse_body, route_text_bytes
+from torch_r3.protocols.vllm_openai import CHAT, check_messages
 from torch_r3.transport import DEFAULT_MAX_RESPONSE_BYTES, HttpTransport, TransportConfig
 
 __all__ = [
@@ -52,61 +54,6 @@ __all__ = [
 _TOKEN_ID_END = 1 << 63
 
 
-class ZeroRoutesWarning(RuntimeWarning):
-    """A MoE layer's routes came back all zero: the server likely failed to capture them.
-
-    Zero is a valid expert id, but a layer routing every token of a capture to
-    expert 0 (with `topk > 1`, impossible: a token's experts are distinct) is
-    the signature of a capture buffer that was never written, as happened with
-    some server versions and configurations (prefill/decode disaggregation,
-    pipeline parallelism). Dense layers are all zero by design and never warn.
-    """
-
-
-@dataclass(frozen=True, eq=False)
-class RemoteGenerateResult:
-    """One generate call's answer (the first choice), the same for every server.
-
-    Attributes:
-        response_ids: The generated token ids.
-        response_logprobs: Their logprobs, or `None` when the server sent none.
-        finish_reason: `"stop"`, `"length"` or `"abort"` (SGLang's object and
-            vLLM's string normalised), another string a server sent, or `None`.
-        routed_experts: The routes `[rows, layers, topk]` of positions
-            `routed_experts_prompt_start .. len(prompt) + len(response_ids) - 2`,
-            a canonical NumPy array; `None` when not requested, or when the
-            request was aborted before any forward pass (`finish_reason` is
-            then `"abort"`).
-        weight_version: The server's weight version (SGLang's
-            `meta_info.weight_version`, the torch_r3 server's `weight_version`,
-            the last of vLLM's `weight_versions` spans), or `None` when the
-            server reports none (vLLM before 0.32). When a weight update
-            landed mid-request it is the newest version; `weight_versions`
-            says which tokens each version generated.
-        weight_versions: `WeightVersionSpan`s `(version, start, end)` over the
-            generated tokens, as SGLang 0.5.19+ and vLLM 0.32+ report them;
-            `()` when the server reports none. Pass them to
-            `RoutedExpertTrace.record(weight_versions=)`, which refuses a turn
-            routed by more than one version.
-        num_experts: The client's `num_experts`: every id in `routed_experts`
-            was checked to be below it on receipt (`None`: only checked to be
-            non-negative). `RoutedExpertTrace.record_result` relies on it to
-            skip a second scan.
-        raw: The parsed JSON response without its route payload (the base64
-            text, often far larger than the decoded `routed_experts`, is not
-            kept); every other field as the server sent it.
-    """
-
-    response_ids: tuple[int, ...]
-    response_logprobs: tuple[float, ...] | None
-    finish_reason: str | None
-    routed_experts: np.ndarray | None
-    weight_version: str | None
-    weight_versions: tuple[WeightVersionSpan, ...]
-    num_experts: int | None
-    raw: Any
-
-
 class RemoteGenerateClient:
     """An `aiohttp` client for the generate endpoint of an inference server.
 
@@ -120,15 +67,27 @@ class RemoteGenerateClient:
         base_url: The server, e.g. `"http://127.0.0.1:30000"`, optionally with a
             path prefix; no query, fragment or credentials (send those as
             `headers`). Checked here, not at the first call.
-        server: The server's API: `"torch_r3"`, `"sglang"` or `"vllm"`.
+        server: The server's API: `"torch_r3"`, `"sglang"`, `"vllm"` (native
+            `/inference/v1/generate`) or `"vllm-openai"` (vLLM's OpenAI-compatible
+            `/v1/completions`, and `/v1/chat/completions` through `chat`) or
+            `"megatron"` (Megatron-core's inference server, `/v1/completions`) or
+            `"skyrl"` (SkyRL's `/skyrl/v1/generate`).
         num_layers: Layers per route row the server sends: for SGLang and vLLM
             every hidden layer of the model (`num_hidden_layers`). Required for
             SGLang routes (its payload has no shape); checked when given.
         topk: Experts per token (`num_experts_per_tok`). Required for SGLang routes.
         num_experts: Routed experts per layer; when given, every id must be below it.
         moe_layers: Indices into the routes' layer axis of the MoE layers; when
-            given, a MoE layer whose routes are all zero raises a
-            `ZeroRoutesWarning`.
+            given, a zero row in one of them is an engine-health finding (see
+            `health`). Without them only rows zero in every layer are (dense
+            layers are zero by design).
+        health: What to do with routes that carry the signature of an engine
+            capture bug (`torch_r3.health`: zero rows, a layer stuck on one
+            row, stale repeated rows): `"raise"` (the default: `generate`
+            raises `RouteHealthError`), `"warn"` (`RouteHealthWarning`,
+            `ZeroRoutesWarning` for zero rows), `"count"`, or a
+            `RouteHealthCheck` of your own (shared, e.g. by every client of a
+            run). Its counters are `client.health.stats` either way.
         cache_salt: Default prefix-cache salt for every call (see `generate`).
         max_response_bytes: The most bytes one response body may have (1 GiB by
             default); route payloads are capped at three quarters of it.
@@ -175,6 +134,7 @@ class RemoteGenerateClient:
         topk: int | None = None,
         num_experts: int | None = None,
         moe_layers: Sequence[int] | None = None,
+        health: str | RouteHealthCheck = "raise",
         cache_salt: str | None = None,
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         retries: int = 5,
@@ -195,6 +155,7 @@ class RemoteGenerateClient:
         topk = None if topk is None else check_positive(topk, "topk")
         num_experts = None if num_experts is None else check_positive(num_experts, "num_experts")
         self.moe_layers = _check_moe_layers(moe_layers, num_layers)
+        self.health = health_check(health, engine=self.server if self.server in ("vllm", "sglang") else None)
         self.cache_salt = _check_salt(cache_salt)
         flat = {
             "retries": retries,
@@ -291,6 +252,8 @@ class RemoteGenerateClient:
                 a prompt token id outside `[0, 2**63)`; `sampling_params["n"]`
                 other than 1; a `cache_salt` breaking the rules above; SGLang
                 routes without `num_layers`/`topk`.
+            RouteHealthError: The routes carry an engine capture-bug signature
+                (with `health="raise"`; see the class's `health`).
             RemoteGenerateError: Every failure of the call itself: a
                 non-retryable answer (a `404` also says what to check), a
                 redirect (never followed), retries exhausted, a body over the
@@ -345,10 +308,111 @@ class RemoteGenerateClient:
             raise RemoteGenerateError(
                 f"POST {url}: response breaks the {self.server} format: {exc}", url=url, status=200
             ) from exc
-        if parsed.routed_experts is not None and self.moe_layers:
-            _warn_zero_layers(parsed.routed_experts, self.moe_layers, url)
+        return self._result(parsed, prompt, start, raw, protocol.without_routes, url, session_id)
+
+    async def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        sampling_params: Mapping[str, Any] | None = None,
+        *,
+        return_routed_experts: bool = False,
+        routed_experts_prompt_start: int | None = None,
+        session_id: str | None = None,
+        model: str | None = None,
+        cache_salt: str | None = None,
+    ) -> RemoteGenerateResult:
+        """One chat turn on vLLM's `/v1/chat/completions` (`server="vllm-openai"`).
+
+        The server renders `messages` with its chat template, so the rows
+        describe the server's tokens: the result's `prompt_token_ids` are that
+        rendering (the client asks for them with `return_token_ids`). Key a
+        multi-turn trace by them: `trace.record_result(r,
+        prompt_len=len(r.prompt_token_ids), prompt_ids=r.prompt_token_ids)`,
+        which also refuses a turn whose template re-rendered tokens the trace
+        already holds routes for.
+
+        Args:
+            messages: The conversation so far: a list of `{"role", "content", ...}` objects.
+            sampling_params: Top-level OpenAI fields (`max_tokens`, `temperature`, ...).
+            return_routed_experts: Ask for the routes (the server must run with them on).
+            routed_experts_prompt_start: As in `generate`; checked against the
+                rendered prompt's length when the answer arrives.
+            session_id: As in `generate`.
+            model: The body's `model` field.
+            cache_salt: As in `generate`.
+
+        Returns:
+            The first choice, with `prompt_token_ids` set.
+
+        Raises:
+            ValueError: The client is not for `server="vllm-openai"` (SGLang's
+                chat endpoint does not return the rendered prompt's token ids,
+                so its routes cannot be keyed; use its `/generate` with token
+                ids), or an argument breaks `generate`'s rules.
+            TypeError: `messages` is not a list of objects with a string `role`.
+            RouteHealthError: As `generate`.
+            RemoteGenerateError: As `generate`, and for an answer without
+                `prompt_token_ids`.
+        """
+        if self.server != "vllm-openai":
+            raise ValueError(
+                f"chat() speaks vLLM's /v1/chat/completions (server='vllm-openai'), not server={self.server!r}: "
+                "the rows must be keyed by the tokens the server rendered, and only vLLM's chat answer names them"
+            )
+        body_messages = check_messages(messages)
+        params = _sampling_params(sampling_params)
+        if not isinstance(return_routed_experts, (bool, np.bool_)):
+            raise TypeError(f"return_routed_experts must be a bool, got {type(return_routed_experts).__name__}")
+        want = bool(return_routed_experts)
+        start = (
+            0
+            if routed_experts_prompt_start is None
+            else check_int(routed_experts_prompt_start, "routed_experts_prompt_start")
+        )
+        if start < 0 or (start and not want):
+            raise ValueError("routed_experts_prompt_start must be >= 0 and requires return_routed_experts=True")
+        if model is not None:
+            check_str(model, "model")
+        salt = _check_salt(cache_salt) if cache_salt is not None else self.cache_salt
+        headers = {"X-Session-ID": check_str(session_id, "session_id")} if session_id is not None else {}
+        body = CHAT.request_body(
+            body_messages, params, return_routed_experts=want, start=start, cache_salt=salt, model=model
+        )
+        url = self.base_url + CHAT.path
+        raw = await self._transport.request("POST", CHAT.path, body, headers)
+        try:
+            prompt, parsed = CHAT.parse_response(raw, return_routed_experts=want, start=start, limits=self.limits)
+        except (TypeError, ValueError, MemoryError, OverflowError) as exc:
+            raise RemoteGenerateError(
+                f"POST {url}: response breaks the vllm-openai chat format: {exc}", url=url, status=200
+            ) from exc
+        return self._result(parsed, list(prompt), start, raw, PROTOCOLS["vllm-openai"].without_routes, url, session_id)
+
+    def _result(
+        self,
+        parsed: Any,
+        prompt: list[int],
+        start: int,
+        raw: Any,
+        strip: Any,
+        url: str,
+        session_id: str | None,
+    ) -> RemoteGenerateResult:
+        """The result of a parsed answer, its routes health-checked against the tokens behind them."""
+        routes = parsed.routed_experts
+        if routes is not None:
+            # Row i is position start + i: the prompt, then the generated tokens.
+            tokens = (prompt + list(parsed.response_ids))[start : start + routes.shape[0]]
+            who = f"POST {url} ({len(prompt)}-token prompt" + (f", session {session_id}" if session_id else "") + ")"
+            self.health.check(
+                routes, trajectory=who, token_ids=tokens, moe_layers=self.moe_layers or None, stacklevel=4
+            )
         return RemoteGenerateResult(
-            **vars(parsed), num_experts=self.limits.num_experts, raw=protocol.without_routes(raw)
+            **vars(parsed),
+            num_experts=self.limits.num_experts,
+            raw=strip(raw),
+            health_checked=routes is not None,
+            prompt_token_ids=tuple(prompt),
         )
 
     async def model_info(self) -> dict[str, Any]:
@@ -387,6 +451,9 @@ class RemoteGenerateClient:
 _NOT_FOUND_HINTS = {
     "vllm": "; since vLLM 0.30 /inference/v1/generate exists only when vLLM runs with --enable-scale-out",
     "sglang": " (SGLang's native API, not its OpenAI-compatible /v1)",
+    "vllm-openai": " (vLLM's OpenAI-compatible server, `vllm serve`)",
+    "megatron": " (Megatron-core's dynamic inference server)",
+    "skyrl": " (SkyRL's vLLM server actor)",
 }
 
 
@@ -454,19 +521,6 @@ def _check_start(start: Any, prompt_len: int, want_routes: bool) -> int:
     if not want_routes:
         raise ValueError("routed_experts_prompt_start requires return_routed_experts=True")
     return start
-
-
-def _warn_zero_layers(routes: np.ndarray, moe_layers: tuple[int, ...], url: str) -> None:
-    if routes.shape[0] == 0:
-        return
-    layers = [layer for layer in moe_layers if layer < routes.shape[1] and not routes[:, layer].any()]
-    if layers:
-        warnings.warn(
-            f"POST {url}: MoE layer(s) {layers} have all-zero routes over {routes.shape[0]} rows; "
-            "the server likely did not capture them (check its version and parallel configuration)",
-            ZeroRoutesWarning,
-            stacklevel=3,
-        )
 
 
 def _token_list(tokens: Any) -> list[int]:

@@ -114,7 +114,7 @@ def encode_routes(array: Any) -> dict[str, Any]:
         >>> encode_routes(np.array([[[3, 1]], [[0, 7]]]))
         {'data': 'AwEABw==', 'shape': [2, 1, 2], 'dtype': 'uint8'}
     """
-    routes = compact_routes(array)
+    routes = compact_routes(array, health=None)  # encoding only: the sender checked them
     if routes.dtype.byteorder == ">" or (routes.dtype.byteorder == "=" and sys.byteorder == "big"):
         routes = routes.astype(routes.dtype.newbyteorder("<"))  # pragma: no cover - big-endian hosts
     return {
@@ -652,7 +652,7 @@ def _canonical(array: np.ndarray, num_experts: int | None, name: str) -> np.ndar
         # The servers do not compact, so the receiver does: compact_routes'
         # one min/max scan also refuses negative ids, ids >= 2**31 and ids
         # >= num_experts, and writes a fresh array that owns its buffer.
-        return compact_routes(array, name=name, num_experts=num_experts)
+        return compact_routes(array, name=name, num_experts=num_experts, health=None)  # the client checks
     except ValueError as exc:
         raise WireFormatError(str(exc)) from None
 

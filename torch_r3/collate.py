@@ -180,7 +180,7 @@ def _as_route_array(sample: Any, i: int, compact: bool = False, num_experts: int
         if sample.dtype not in CANONICAL_DTYPES:
             if sample.dtype.kind not in "iu":
                 raise TypeError(f"routes[{i}]: compact=True needs integer expert ids, got dtype {sample.dtype}")
-            return compact_routes(sample, name=f"routes[{i}]", num_experts=num_experts)
+            return compact_routes(sample, name=f"routes[{i}]", num_experts=num_experts, health=None)
     if sample.dtype not in CANONICAL_DTYPES:
         raise ValueError(
             f"routes[{i}]: expected a canonical dtype (native uint8, int16 or int32), got {sample.dtype.str} "

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from torch_r3._checks import check_integer_dtype, check_non_negative, check_positive
+from torch_r3.health import RouteHealthCheck, health_check
 
 # The rest (the dtype table, `widest`, `as_host_array`) is shared with the
 # codec, trace and collator, not offered to users.
@@ -177,11 +178,21 @@ def _check_num_experts(num_experts: Any, name: str) -> None:
         check_positive(num_experts, f"{name}: num_experts")
 
 
-def compact_routes(array: Any, *, name: str = "routes", num_experts: int | None = None) -> np.ndarray:
+def compact_routes(
+    array: Any,
+    *,
+    name: str = "routes",
+    num_experts: int | None = None,
+    health: str | RouteHealthCheck | None = "raise",
+) -> np.ndarray:
     """Validate one trajectory's routes and compact them to the narrowest canonical dtype.
 
     The sender-side step: it scans the values once (min and max) so that the
-    receiver only has to check the range (`check_expert_ids`).
+    receiver only has to check the range (`check_expert_ids`). It also checks
+    the routes for the engines' capture-bug signatures that are decidable
+    without the model's layer map or the tokens (`torch_r3.health`): rows
+    that are zero in every layer (with `topk >= 2`, impossible for real
+    routes) and a layer stuck on one non-zero row over many tokens.
 
     Args:
         array: A NumPy array, a CPU/GPU `torch.Tensor` or a tensor-like object
@@ -190,6 +201,10 @@ def compact_routes(array: Any, *, name: str = "routes", num_experts: int | None 
         num_experts: Routed experts per MoE layer, when known: the same min/max
             scan then also refuses ids `>= num_experts`, as `check_expert_ids`
             would (with its message), without a second pass over the values.
+        health: What to do with routes that carry a capture-bug signature:
+            `"raise"` (the default, `RouteHealthError`), `"warn"`, `"count"`,
+            a `RouteHealthCheck` of your own (its `stats` count every call), or
+            `None` for no check (routes a check has already seen).
 
     Returns:
         A new C-contiguous, writable array of `uint8`, `int16` or `int32`.
@@ -197,6 +212,7 @@ def compact_routes(array: Any, *, name: str = "routes", num_experts: int | None 
     Raises:
         TypeError: not an array/tensor, or a float, bool or complex dtype.
         ValueError: not 3-D, `layers` or `topk` zero, a negative id, or an id >= 2**31.
+        RouteHealthError: A capture-bug signature, with `health="raise"` (a `ValueError`).
 
     Examples:
         >>> import numpy as np
@@ -210,6 +226,7 @@ def compact_routes(array: Any, *, name: str = "routes", num_experts: int | None 
         ValueError: routes: expert ids must be in [0, num_experts), found 8 at index (0, 0, 1) (num_experts=8)
     """
     _check_num_experts(num_experts, name)
+    check = None if health is None else health_check(health)
     a = as_host_array(array, name)
     check_integer_dtype(a, name)
     if a.ndim != 3:
@@ -229,4 +246,7 @@ def compact_routes(array: Any, *, name: str = "routes", num_experts: int | None 
         target = canonical_dtype_for(hi)
     # Always a fresh, writable, C-ordered, native-endian copy: the caller may
     # hand us a view of a buffer it goes on mutating.
-    return np.array(a, dtype=target, order="C", copy=True)
+    out = np.array(a, dtype=target, order="C", copy=True)
+    if check is not None:
+        check.check(out, trajectory=name, stacklevel=3)
+    return out

@@ -13,8 +13,8 @@ pads or invents rows: the tail the engine never evaluated (the last sampled
 token, a synthetic EOS) is left to the collator, which pads it and marks it in
 `router_padding_mask`.
 
-The module is slightly over 500 lines because `RoutedExpertTrace`'s
-per-turn checks (rows, versions and their spans, token ids) live with it.
+The module is past 500 lines because `RoutedExpertTrace`'s per-turn
+checks (rows, versions and their spans, token ids, engine health) live with it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,15 @@ from typing import Any
 
 import numpy as np
 
-from torch_r3._checks import check_bool, check_int, check_integer_dtype, check_non_negative, check_positive
+from torch_r3._checks import (
+    check_bool,
+    check_int,
+    check_integer_dtype,
+    check_non_negative,
+    check_positive,
+    check_str,
+)
+from torch_r3.health import RouteHealthCheck, health_check
 from torch_r3.routes import CANONICAL_DTYPES, as_host_array, check_expert_ids, compact_routes, is_canonical, widest
 
 # `TokenMetadataTrace` is the row store `RoutedExpertTrace` is built on, not offered to users.
@@ -153,7 +161,7 @@ def _as_rows(chunk: Any, what: str) -> np.ndarray:
     if is_canonical(chunk.dtype):
         return np.ascontiguousarray(chunk)
     # Any rank: compaction only looks at values, so a [values, 1, 1] view serves.
-    return compact_routes(chunk.reshape(-1, 1, 1), name=what).reshape(chunk.shape)
+    return compact_routes(chunk.reshape(-1, 1, 1), name=what, health=None).reshape(chunk.shape)
 
 
 class RoutedExpertTrace:
@@ -198,6 +206,15 @@ class RoutedExpertTrace:
             below it. Negative ids are refused in any case.
         allow_mixed_versions: Accept turns from different weight versions
             (knowingly: the rows then come from more than one policy).
+        health: What `record` does with a turn whose rows carry an engine
+            capture-bug signature (`torch_r3.health`; with the turn's token
+            ids when `prompt_ids`/`response_ids` were given): `"raise"` (the
+            default, `RouteHealthError`, the trace left as it was), `"warn"`,
+            `"count"`, or a `RouteHealthCheck` shared with other traces (its
+            `stats` add up). `record_result` skips turns the client checked.
+        moe_layers: Indices into the layer axis of the MoE layers, for the
+            health check (a zero row there is a finding).
+        name: What to call the trajectory in messages (e.g. its sample id).
 
     Raises:
         TypeError: a count is not an `int`.
@@ -207,10 +224,10 @@ class RoutedExpertTrace:
     Examples:
         >>> import numpy as np
         >>> trace = RoutedExpertTrace(num_layers=1, topk=2)
-        >>> trace.record(prompt_len=3, generated_len=2, routes=np.zeros((4, 1, 2), np.uint8))
+        >>> trace.record(prompt_len=3, generated_len=2, routes=np.array([[[0, 1]], [[2, 3]], [[1, 3]], [[0, 2]]]))
         >>> trace.prompt_start  # send as the start field next turn
         4
-        >>> trace.record(prompt_len=7, generated_len=1, routes=np.ones((3, 1, 2), np.uint8))
+        >>> trace.record(prompt_len=7, generated_len=1, routes=np.array([[[1, 2]], [[3, 0]], [[2, 1]]], np.uint8))
         >>> trace.finalize(token_count=9).shape  # 9 tokens: 8 + a synthetic EOS
         (7, 1, 2)
     """
@@ -222,6 +239,9 @@ class RoutedExpertTrace:
         topk: int | None = None,
         num_experts: int | None = None,
         allow_mixed_versions: bool = False,
+        health: str | RouteHealthCheck = "raise",
+        moe_layers: Sequence[int] | None = None,
+        name: str = "trajectory",
     ) -> None:
         if (num_layers is None) != (topk is None):
             raise ValueError("RoutedExpertTrace: give both num_layers and topk, or neither")
@@ -235,6 +255,9 @@ class RoutedExpertTrace:
         self._num_experts = None if num_experts is None else int(num_experts)
         self._allow_mixed = allow_mixed_versions
         self._versions: list[str | int | None] = []
+        self.health = health_check(health)
+        self._moe_layers = None if moe_layers is None else tuple(moe_layers)
+        self.name = check_str(name, "name")
         # Token ids of the positions from 0 on, as far as the caller told us.
         self._known_ids: tuple[int, ...] = ()
 
@@ -255,7 +278,7 @@ class RoutedExpertTrace:
         Examples:
             >>> import numpy as np
             >>> trace = RoutedExpertTrace()
-            >>> trace.record(prompt_len=2, generated_len=1, routes=np.zeros((2, 1, 1), np.uint8), weight_version="v3")
+            >>> trace.record(prompt_len=2, generated_len=1, routes=np.ones((2, 1, 1), np.uint8), weight_version="v3")
             >>> trace.weight_versions
             ('v3',)
         """
@@ -310,9 +333,19 @@ class RoutedExpertTrace:
                 `>= num_experts`, or `weight_version` differs from an earlier
                 turn's (unless `allow_mixed_versions`), or `prompt_ids`
                 changes a token whose route is already held.
+            RouteHealthError: The turn's rows carry an engine capture-bug
+                signature (with `health="raise"`; a `ValueError`).
         """
         self._record(
-            prompt_len, generated_len, routes, weight_version, weight_versions, prompt_ids, response_ids, scan_ids=True
+            prompt_len,
+            generated_len,
+            routes,
+            weight_version,
+            weight_versions,
+            prompt_ids,
+            response_ids,
+            scan_ids=True,
+            check_health=True,
         )
 
     def record_result(self, result: Any, *, prompt_len: int, prompt_ids: Sequence[int] | None = None) -> None:
@@ -340,11 +373,14 @@ class RoutedExpertTrace:
         try:
             routes, ids = result.routed_experts, result.response_ids
             version, spans, checked = result.weight_version, result.weight_versions, result.num_experts
+            healthy = bool(getattr(result, "health_checked", False))
+            row_spans = tuple(getattr(result, "route_versions", ()))
         except AttributeError:
             raise TypeError(
                 f"turn {self.turns}: expected a RemoteGenerateResult, got {type(result).__name__}"
             ) from None
         bound_known = self._num_experts is None or (checked is not None and checked <= self._num_experts)
+        self._check_route_versions(row_spans, spans, version)
         self._record(
             prompt_len,
             len(ids),
@@ -354,6 +390,7 @@ class RoutedExpertTrace:
             prompt_ids,
             ids if prompt_ids is not None else None,
             scan_ids=not bound_known,
+            check_health=not healthy,
         )
 
     def _record(
@@ -367,6 +404,7 @@ class RoutedExpertTrace:
         response_ids: Any,
         *,
         scan_ids: bool,
+        check_health: bool,
     ) -> None:
         turn = f"turn {self.turns}"
         prompt_len = check_non_negative(prompt_len, f"{turn}: prompt_len")
@@ -402,6 +440,12 @@ class RoutedExpertTrace:
         # (only what the dtype leaves open) lets the collator trust the dtype.
         if scan_ids:
             check_expert_ids(array, self._num_experts, name=label)
+        if check_health:
+            end = prompt_len + generated_len - 1  # rows cover positions start .. end - 1
+            ids = known[start:end] if known is not None and len(known) >= end else None
+            self.health.check(
+                array, trajectory=f"{self.name} {turn}", token_ids=ids, moe_layers=self._moe_layers, stacklevel=4
+            )
         if is_canonical(array.dtype):
             # Own the rows: the caller may refill its buffer for the next turn
             # (a non-canonical array is compacted into a fresh one by append).
@@ -463,6 +507,23 @@ class RoutedExpertTrace:
         if version is not None and len(distinct) == 1 and version != newest:
             raise ValueError(f"{turn}: weight_version {version!r} is not the version of its spans, {newest!r}")
         return newest
+
+    def _check_route_versions(self, row_spans: tuple[Any, ...], spans: Any, version: Any) -> None:
+        """Refuse a turn whose rows were computed by another weight version than its tokens (unless mixing is allowed)."""
+        if not row_spans or self._allow_mixed:
+            return
+        token_versions = {s.version for s in spans or ()} | ({version} if version is not None else set())
+        if len(token_versions) > 1:
+            return  # the tokens' own spans are refused by `_span_version`, with their message
+        rows = {s.version for s in row_spans}
+        if len(rows | token_versions) > 1:
+            described = ", ".join(f"{s.version!r} (rows {s.start}..{s.end - 1})" for s in row_spans)
+            raise ValueError(
+                f"turn {self.turns}: its route rows were computed by weight versions {described} but its tokens by "
+                f"{sorted(map(str, token_versions))}: a prefix cached before a weight update kept its older routes. "
+                "Flush the server's prefix cache after each weight update, drop the turn, or pass "
+                "RoutedExpertTrace(allow_mixed_versions=True) to accept it"
+            )
 
     def _check_version(self, version: Any, turn: str) -> None:
         if version is not None and (isinstance(version, bool) or not isinstance(version, (str, int))):

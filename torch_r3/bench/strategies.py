@@ -248,7 +248,7 @@ def _baseline(ctx: Context) -> dict[str, torch.Tensor]:
     mask = np.ones((B, T), dtype=bool)
     att = np.zeros((B, T), dtype=np.int64)
     for i, (a, n) in enumerate(zip(b.routes, b.token_counts)):
-        a = compact_routes(a)  # the receiver distrusts the sender: min/max scan and a copy
+        a = compact_routes(a, health=None)  # the receiver distrusts the sender: min/max scan and a copy
         s = T - n
         out[i, s : s + a.shape[0]] = a
         mask[i, s : s + a.shape[0]] = False

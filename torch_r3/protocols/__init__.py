@@ -4,6 +4,9 @@
   `torch_r3.protocols.torch_r3` is its deprecated name.
 - `torch_r3.protocols.sglang`: SGLang's native `POST /generate`.
 - `torch_r3.protocols.vllm`: vLLM's native `POST /inference/v1/generate`.
+- `torch_r3.protocols.megatron`: Megatron-core's inference server `POST /v1/completions`.
+- `torch_r3.protocols.skyrl`: SkyRL's `POST /skyrl/v1/generate`.
+- `torch_r3.protocols.vllm_openai`: vLLM's OpenAI-compatible `/v1/completions` and `/v1/chat/completions`.
 
 Each module holds its server's endpoint paths (their one home) and a stateless
 `ServerProtocol` object, `PROTOCOL`, that builds request bodies and reads
@@ -15,7 +18,7 @@ here imports aiohttp.
 
 from __future__ import annotations
 
-from torch_r3.protocols import native, sglang, vllm
+from torch_r3.protocols import megatron, native, sglang, skyrl, vllm, vllm_openai
 from torch_r3.protocols.base import GenerateCall, ParsedResponse, RouteLimits, ServerProtocol, WeightVersionSpan
 
 # The registry (`PROTOCOLS`, `SERVERS`) serves the client, which users reach by
@@ -29,6 +32,9 @@ __all__ = [
 ]
 
 #: Protocol by `server=` name.
-PROTOCOLS: dict[str, ServerProtocol] = {p.name: p for p in (native.PROTOCOL, sglang.PROTOCOL, vllm.PROTOCOL)}
+PROTOCOLS: dict[str, ServerProtocol] = {
+    p.name: p
+    for p in (native.PROTOCOL, sglang.PROTOCOL, vllm.PROTOCOL, vllm_openai.PROTOCOL, megatron.PROTOCOL, skyrl.PROTOCOL)
+}
 #: The `server=` names, in a stable order.
 SERVERS = tuple(PROTOCOLS)

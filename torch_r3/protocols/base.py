@@ -123,6 +123,9 @@ class ParsedResponse:
             none; with several spans, the newest (the last span's).
         weight_versions: The spans of weight versions over the generated
             tokens, in order; `()` when the server reports none.
+        route_versions: The spans of weight versions over the returned route
+            rows (0 = position `start`) where the server says which weights
+            computed them (Megatron's `kv_cache_epoch`); `()` otherwise.
     """
 
     response_ids: tuple[int, ...]
@@ -131,6 +134,7 @@ class ParsedResponse:
     routed_experts: np.ndarray | None
     weight_version: str | None
     weight_versions: tuple[WeightVersionSpan, ...] = ()
+    route_versions: tuple[WeightVersionSpan, ...] = ()
 
 
 class ServerProtocol(abc.ABC):

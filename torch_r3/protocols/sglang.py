@@ -32,6 +32,7 @@ from typing import Any
 from torch_r3.codec import WireFormatError, decode_sglang_routes
 from torch_r3.protocols import base
 from torch_r3.protocols.base import GenerateCall, ParsedResponse, RouteLimits, ServerProtocol
+from torch_r3.protocols.switches import missing_routes_hint
 
 # Reached by `RemoteGenerateClient(server="sglang")`: the docstring above is this
 # server's format; `SGLangProtocol`, its paths and `PROTOCOL` serve the client.
@@ -107,8 +108,7 @@ class SGLangProtocol(ServerProtocol):
                     raise ValueError("server='sglang' needs num_layers= and topk= to read routes")
                 if meta.get("routed_experts") is None:
                     raise WireFormatError(
-                        "routes were requested but meta_info.routed_experts is missing "
-                        "(is the server started with --enable-return-routed-experts?)"
+                        f"routes were requested but meta_info.routed_experts is missing ({missing_routes_hint('sglang')})"
                     )
                 routes = decode_sglang_routes(
                     meta,

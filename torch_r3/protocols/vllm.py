@@ -31,6 +31,7 @@ import numpy as np
 from torch_r3.codec import WireFormatError, decode_vllm_routes
 from torch_r3.protocols import base
 from torch_r3.protocols.base import ChoicesProtocol, GenerateCall, RouteLimits
+from torch_r3.protocols.switches import missing_routes_hint
 
 # Reached by `RemoteGenerateClient(server="vllm")`: the docstring above is this
 # server's format; `VLLMProtocol`, its paths and `PROTOCOL` serve the client.
@@ -48,7 +49,7 @@ class VLLMProtocol(ChoicesProtocol):
     generate_path = GENERATE_PATH
     salt_field = "cache_salt"
     start_may_be_ignored = True
-    null_routes_hint = " (is the server started with --enable-return-routed-experts?)"
+    null_routes_hint = f" ({missing_routes_hint('vllm')})"
 
     def flags(self, call: GenerateCall) -> dict[str, Any]:
         return {"return_token_ids": True}

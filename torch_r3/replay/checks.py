@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from torch_r3.health import ZERO_ROUTES_HINT
 from torch_r3.keys import CU_SEQLENS, ROUTER_MASK, ROUTES
 
 __all__: list[str] = []
@@ -114,12 +115,17 @@ def bad_route_message(route: list[int], num_experts: int, *, experts: str) -> st
     Examples:
         >>> bad_route_message([2, 9], 8, experts="8 experts")
         'expert id 9 outside [0, 8) in route [2, 9] (the model has 8 experts)'
+        >>> print(bad_route_message([0, 0], 8, experts="8 experts"))
+        expert id 0 twice in one route [0, 0]; ... (an all-zero route is what an uncaptured layer sends: vLLM's ...
     """
     outside = [e for e in route if not 0 <= e < num_experts]
     if outside:
         return f"expert id {outside[0]} outside [0, {num_experts}) in route {route} (the model has {experts})"
     twice = next(e for e in route if route.count(e) > 1)
-    return f"expert id {twice} twice in one route {route}; the K={len(route)} experts of a token must be distinct"
+    message = f"expert id {twice} twice in one route {route}; the K={len(route)} experts of a token must be distinct"
+    if not any(route):
+        message += f" (an all-zero route is what an uncaptured layer sends: {ZERO_ROUTES_HINT})"
+    return message
 
 
 def route_position(b: int, t: int, cu_seqlens: torch.Tensor | None) -> str:

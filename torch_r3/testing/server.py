@@ -81,7 +81,7 @@ def make_app(
     Args:
         model: The `ServedModel` to generate with (behind a prefix cache with
             the protocol's block size), or an `Engine` to use as it is.
-        protocol: `"torch_r3"`, `"sglang"`, `"vllm"` or a `WireProtocol`.
+        protocol: `"torch_r3"`, `"sglang"`, `"vllm"`, `"vllm-openai"`, `"megatron"`, `"skyrl"` or a `WireProtocol`.
         faults: Faults to inject (none when `None`).
         stats: Counters to update (a private one when `None`).
 
@@ -211,8 +211,9 @@ class LoopbackServer:
 
     Args:
         model: The model to serve; a seeded `TinyMoELM` by default.
-        protocol: `"torch_r3"` (our own format), `"sglang"` or `"vllm"`; the Test
-            server page of the API reference lists each one's fields.
+        protocol: `"torch_r3"` (our own format), `"sglang"`, `"vllm"`,
+            `"vllm-openai"` (vLLM's `/v1/completions`), `"megatron"` or
+            `"skyrl"`; the Test server page of the API reference lists each one's fields.
         faults: Faults to inject; a fresh `Faults` by default (see `faults`).
         host: Address to bind.
         port: Port to bind; `0` picks a free one (see `port`).
@@ -296,7 +297,7 @@ class LoopbackServer:
 
     @property
     def protocol(self) -> str:
-        """The protocol served: `"torch_r3"`, `"sglang"` or `"vllm"`."""
+        """The protocol served, as `protocol=` named it."""
         return self.wire.name
 
     @property

@@ -1,4 +1,7 @@
-"""The loopback server's protocols, one module each: `native` (our own, `server="torch_r3"`), `sglang`, `vllm`.
+"""The loopback server's protocols, one module each.
+
+`native` (our own, `server="torch_r3"`), `sglang`, `vllm`, `openai` (vLLM's
+`/v1/completions`, `server="vllm-openai"`), `megatron` and `skyrl`.
 
 Each module holds a `WireProtocol` subclass that parses its server's request
 body and renders the response body that server sends, field for field.
@@ -11,13 +14,28 @@ from typing import Any
 
 from torch_r3._checks import check_choice
 from torch_r3.testing._wire.base import WireProtocol
+from torch_r3.testing._wire.megatron import MegatronWire
 from torch_r3.testing._wire.native import TorchR3Wire
+from torch_r3.testing._wire.openai import VLLMCompletionsWire
 from torch_r3.testing._wire.sglang import SGLangWire
+from torch_r3.testing._wire.skyrl import SkyRLWire
 from torch_r3.testing._wire.vllm import VLLMWire
 
-__all__ = ["PROTOCOLS", "SGLangWire", "TorchR3Wire", "VLLMWire", "WireProtocol", "make_protocol"]
+__all__ = [
+    "PROTOCOLS",
+    "MegatronWire",
+    "SGLangWire",
+    "SkyRLWire",
+    "TorchR3Wire",
+    "VLLMCompletionsWire",
+    "VLLMWire",
+    "WireProtocol",
+    "make_protocol",
+]
 
-PROTOCOLS: dict[str, type[WireProtocol]] = {cls.name: cls for cls in (TorchR3Wire, SGLangWire, VLLMWire)}
+PROTOCOLS: dict[str, type[WireProtocol]] = {
+    cls.name: cls for cls in (TorchR3Wire, SGLangWire, VLLMWire, VLLMCompletionsWire, MegatronWire, SkyRLWire)
+}
 
 
 def make_protocol(protocol: str | WireProtocol, **options: Any) -> WireProtocol:

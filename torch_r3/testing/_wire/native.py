@@ -58,7 +58,7 @@ class TorchR3Wire(WireProtocol):
         rows = None
         envelope = None
         if request.return_routes and self.routes_enabled and generation.routes is not None:
-            rows = compact_routes(generation.routes[request.start :])
+            rows = compact_routes(generation.routes[request.start :], health=None)
             envelope = encode_routes(rows)
             if malformed:
                 envelope["shape"][0] += 1

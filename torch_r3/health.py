@@ -1,0 +1,460 @@
+"""Engine-health checks on captured routes: the signatures of the engines' known capture bugs.
+
+A route array can be well formed (right shape, every id in range) and still be
+wrong: the engine returned rows it never captured. Replaying them trains every
+token through experts the policy did not choose, silently. The checks here look
+for the signatures that released engines have produced:
+
+- **zero rows**: a MoE layer's rows are all zero. With `topk >= 2` one such row
+  is already impossible (a token's experts are distinct), so a single row
+  decides; vLLM's fused FlashInfer ("monolithic") MoE kernels route inside the
+  kernel and left the capture buffer all zero, and so did vLLM-Ascend 0.26; SGLang
+  with prefill/decode disaggregation once sent all-zero prompt rows, and a
+  pipeline stage that captured nothing leaves its layers zero.
+- **constant layer**: one layer's rows are all the same non-zero row, over many
+  tokens whose hidden states demonstrably differ (other layers vary, or the
+  tokens do): a capture slot written once and never again.
+- **stale rows**: one full row (every layer) repeated verbatim over a run of
+  consecutive positions that hold different tokens: the padded capture slots
+  that kept a row from an earlier forward (SGLang, fixed in
+  sgl-project/sglang#36404).
+
+What is decidable: dense layers are all zero by design and are never flagged
+unless the caller names its MoE layers (`moe_layers=`) or no layer captured
+anything. A constant layer and a stale run need many rows and evidence that the
+hidden states vary (`min_rows`, `min_run`, `min_token_changes`): a trajectory
+that repeats one token over and over has identical hidden states, so identical
+routes are healthy there; a 1-token trajectory has one row per layer, and only
+the zero-row signature (with `topk >= 2`) is decidable from it. Stale runs need
+the token ids behind the rows.
+
+`RouteHealthCheck` runs the checks and keeps `RouteHealthStats`; by default a
+finding raises `RouteHealthError`, naming the trajectory, the layer, what was
+seen and the engine setting to look at. `on_unhealthy="warn"` (a
+`RouteHealthWarning`) or `"count"` accept such routes knowingly; every finding
+is counted either way. NumPy only.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from torch_r3._checks import check_at_least, check_choice, check_int, check_positive, check_str
+
+__all__ = [
+    "HEALTH_MODES",
+    "RouteHealthCheck",
+    "RouteHealthError",
+    "RouteHealthFinding",
+    "RouteHealthStats",
+    "RouteHealthWarning",
+    "ZeroRoutesWarning",
+    "check_route_health",
+]
+
+#: What a check does with a finding: refuse (the default), warn, or only count it.
+HEALTH_MODES = ("raise", "warn", "count")
+#: Rows a layer must have before "all one row" is evidence of a broken capture.
+DEFAULT_MIN_ROWS = 64
+#: Consecutive identical full rows that make a stale run.
+DEFAULT_MIN_RUN = 16
+#: Token changes (position `i` holding another token than `i - 1`) that show the hidden states vary.
+DEFAULT_MIN_TOKEN_CHANGES = 8
+
+# The engine settings each signature points at, by engine (None: any engine).
+_ZERO_HINTS = {
+    "vllm": (
+        "vLLM's fused FlashInfer (monolithic) MoE kernels route inside the kernel and bypass route capture: "
+        "start vLLM with --moe-backend triton (or a release whose monolithic kernel fills routing_replay_out); "
+        "vLLM-Ascend 0.26 has the same symptom; pipeline parallelism (refused by vLLM 0.33 with routes) "
+        "leaves other stages' layers zero"
+    ),
+    "sglang": (
+        "SGLang with prefill/decode disaggregation sent all-zero prompt rows before sgl-project/sglang#23885: "
+        "upgrade; with pipeline parallelism a stage that captured nothing leaves its layers zero"
+    ),
+    None: (
+        "the engine did not capture this layer: vLLM's FlashInfer monolithic MoE kernels (use --moe-backend triton), "
+        "SGLang prefill/decode disaggregation before sgl-project/sglang#23885, or a pipeline stage that captured "
+        "nothing; if the layer is dense, leave it out of moe_layers"
+    ),
+}
+#: The causes of all-zero routes, for messages outside this module (the hooks' repeated-id error).
+ZERO_ROUTES_HINT = (
+    "vLLM's FlashInfer monolithic MoE kernels skip capture (start vLLM with --moe-backend triton), SGLang "
+    "prefill/decode disaggregation before sgl-project/sglang#23885, or a pipeline stage that captured nothing"
+)
+_CONSTANT_HINT = (
+    "a capture slot written once and never updated; run the engine without CUDA graphs "
+    "(vLLM --enforce-eager, SGLang --disable-cuda-graph) to confirm, and report it to the engine"
+)
+_STALE_HINT = (
+    "padded capture slots that kept a row from an earlier forward (SGLang before sgl-project/sglang#36404, "
+    "at chunked-prefill boundaries): upgrade SGLang; with vLLM, run with --enforce-eager to confirm"
+)
+
+
+class RouteHealthError(ValueError):
+    """Routes that carry the signature of an engine capture bug (see `torch_r3.health`).
+
+    Attributes:
+        findings: The `RouteHealthFinding`s, the first of which the message describes.
+    """
+
+    def __init__(self, message: str, findings: Sequence[RouteHealthFinding]) -> None:
+        super().__init__(message)
+        self.findings = tuple(findings)
+
+
+class RouteHealthWarning(RuntimeWarning):
+    """Routes that carry the signature of an engine capture bug, accepted with `on_unhealthy="warn"`."""
+
+
+class ZeroRoutesWarning(RouteHealthWarning):
+    """A MoE layer's routes came back all zero (accepted with `on_unhealthy="warn"`).
+
+    Zero is a valid expert id, but a layer routing every token of a capture to
+    expert 0 (with `topk > 1`, impossible: a token's experts are distinct) is
+    the signature of a capture buffer that was never written.
+    """
+
+
+@dataclass(frozen=True)
+class RouteHealthFinding:
+    """One signature found in one trajectory's routes.
+
+    Attributes:
+        kind: `"zero_rows"`, `"constant_layer"` or `"stale_rows"`.
+        trajectory: The trajectory's name, as the caller gave it.
+        layer: The index into the routes' layer axis, or `None` for a finding
+            over every layer (zero rows in every layer, a stale full row).
+        rows: The row indices `(first, last)` the finding covers (inclusive).
+        seen: What was seen, in words.
+        hint: The engine setting to look at.
+    """
+
+    kind: str
+    trajectory: str
+    layer: int | None
+    rows: tuple[int, int]
+    seen: str
+    hint: str
+
+    def message(self) -> str:
+        """The finding as one sentence for an error or a warning."""
+        where = "every layer" if self.layer is None else f"layer {self.layer}"
+        return f"{self.trajectory}: {where}: {self.seen} ({self.kind}); likely cause: {self.hint}"
+
+
+@dataclass
+class RouteHealthStats:
+    """What a `RouteHealthCheck` has seen (a finding counts whether it was refused or accepted).
+
+    Attributes:
+        trajectories: Route arrays checked (one per `check` call: a trajectory or one turn of it).
+        rows: Rows checked.
+        zero_rows: `zero_rows` findings.
+        constant_layers: `constant_layer` findings.
+        stale_rows: `stale_rows` findings.
+        refused: Checks that raised.
+        accepted_unhealthy: Checks with findings that were let through (`"warn"` or `"count"`).
+    """
+
+    trajectories: int = 0
+    rows: int = 0
+    zero_rows: int = 0
+    constant_layers: int = 0
+    stale_rows: int = 0
+    refused: int = 0
+    accepted_unhealthy: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        """The counters by name (e.g. for a metrics logger)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+_STAT_FIELD = {"zero_rows": "zero_rows", "constant_layer": "constant_layers", "stale_rows": "stale_rows"}
+
+
+class RouteHealthCheck:
+    """Checks route arrays for the engines' capture-bug signatures and counts what it finds.
+
+    One object may serve many trajectories (its `stats` add up); it holds no
+    routes. Thread-compatible, not thread-safe: give each thread its own, or
+    lock around `check`.
+
+    Args:
+        on_unhealthy: `"raise"` (the default: a `RouteHealthError`), `"warn"`
+            (a `RouteHealthWarning`, `ZeroRoutesWarning` for zero rows) or
+            `"count"` (only `stats`).
+        moe_layers: Indices into the routes' layer axis that are MoE layers;
+            a zero row there is a finding. Without them only rows that are zero
+            in every layer are (dense layers are zero by design).
+        engine: `"vllm"`, `"sglang"` or `None`: which engine's settings the hints name.
+        min_rows: Rows a layer needs before "one row throughout" is a finding.
+        min_run: Consecutive identical full rows that make a stale run.
+        min_token_changes: Token changes (or, for a constant layer, a varying
+            other layer) that show the hidden states behind the rows differ.
+
+    Raises:
+        TypeError: An argument of the wrong kind.
+        ValueError: An unknown `on_unhealthy`, a negative layer, a count below 1.
+
+    Examples:
+        >>> import numpy as np
+        >>> check = RouteHealthCheck()
+        >>> rng = np.random.default_rng(0)
+        >>> healthy = np.stack([rng.permutation(8)[:2] for _ in range(10)])[:, None, :]
+        >>> check.check(healthy, trajectory="sample 0")
+        ()
+        >>> check.check(np.zeros((3, 1, 2), np.uint8), trajectory="sample 1")
+        Traceback (most recent call last):
+            ...
+        torch_r3.health.RouteHealthError: sample 1: every layer: rows 0..2 of 3 are all zero (zero_rows); ...
+        >>> check.stats.zero_rows, check.stats.refused
+        (1, 1)
+    """
+
+    def __init__(
+        self,
+        on_unhealthy: str = "raise",
+        *,
+        moe_layers: Sequence[int] | None = None,
+        engine: str | None = None,
+        min_rows: int = DEFAULT_MIN_ROWS,
+        min_run: int = DEFAULT_MIN_RUN,
+        min_token_changes: int = DEFAULT_MIN_TOKEN_CHANGES,
+    ) -> None:
+        self.on_unhealthy = check_choice(on_unhealthy, "on_unhealthy", HEALTH_MODES)
+        self.moe_layers = _layer_tuple(moe_layers, "moe_layers")
+        if engine is not None:
+            engine = check_str(engine, "engine")
+        self.engine = engine
+        self.min_rows = check_positive(min_rows, "min_rows")
+        self.min_run = check_at_least(min_run, "min_run", 2)
+        self.min_token_changes = check_positive(min_token_changes, "min_token_changes")
+        self.stats = RouteHealthStats()
+
+    def __repr__(self) -> str:
+        return f"RouteHealthCheck({self.on_unhealthy!r}, moe_layers={self.moe_layers or None}, engine={self.engine!r})"
+
+    def check(
+        self,
+        routes: np.ndarray,
+        *,
+        trajectory: str,
+        token_ids: Sequence[int] | np.ndarray | None = None,
+        moe_layers: Sequence[int] | None = None,
+        engine: str | None = None,
+        stacklevel: int = 2,
+    ) -> tuple[RouteHealthFinding, ...]:
+        """Check one trajectory's (or one turn's) routes `[rows, layers, topk]`.
+
+        Args:
+            routes: An integer NumPy array `[rows, layers, topk]` (already range-checked).
+            trajectory: What to call it in messages (a sample id, a request).
+            token_ids: The token at each row's position (`rows` of them), when
+                known: the stale-run check needs them, and they show whether
+                the hidden states vary.
+            moe_layers: Overrides the check's `moe_layers` for this call.
+            engine: Overrides the check's `engine` for this call.
+            stacklevel: For the warning, as `warnings.warn`'s.
+
+        Returns:
+            The findings (empty for healthy routes) when they were accepted.
+
+        Raises:
+            RouteHealthError: A finding, with `on_unhealthy="raise"`.
+            TypeError: `routes` is not a 3-D integer array, or `token_ids` not integers.
+            ValueError: `token_ids` has another length than `routes` has rows,
+                or a MoE layer is outside the layer axis.
+        """
+        check_str(trajectory, "trajectory")
+        if not isinstance(routes, np.ndarray) or routes.dtype.kind not in "iu" or routes.ndim != 3:
+            got = f"{routes.ndim}-D {routes.dtype}" if isinstance(routes, np.ndarray) else type(routes).__name__
+            raise TypeError(f"{trajectory}: routes must be a 3-D integer array [rows, layers, topk], got {got}")
+        layers = self.moe_layers if moe_layers is None else _layer_tuple(moe_layers, "moe_layers")
+        for layer in layers:
+            if layer >= routes.shape[1]:
+                raise ValueError(
+                    f"{trajectory}: moe_layers holds {layer}, but the routes have {routes.shape[1]} layers"
+                )
+        tokens = _tokens(token_ids, routes.shape[0], trajectory)
+        findings = self._findings(routes, trajectory, tokens, layers, self.engine if engine is None else engine)
+        self.stats.trajectories += 1
+        self.stats.rows += routes.shape[0]
+        for finding in findings:
+            field = _STAT_FIELD[finding.kind]
+            setattr(self.stats, field, getattr(self.stats, field) + 1)
+        if not findings:
+            return ()
+        text = "; ".join(f.message() for f in findings[:3]) + (
+            f"; and {len(findings) - 3} more" if len(findings) > 3 else ""
+        )
+        if self.on_unhealthy == "raise":
+            self.stats.refused += 1
+            raise RouteHealthError(
+                f"{text}. These routes would replay choices the policy never made; "
+                "to accept them knowingly, pass health='warn' or health='count'",
+                findings,
+            )
+        self.stats.accepted_unhealthy += 1
+        if self.on_unhealthy == "warn":
+            category = ZeroRoutesWarning if findings[0].kind == "zero_rows" else RouteHealthWarning
+            warnings.warn(text, category, stacklevel=stacklevel + 1)
+        return tuple(findings)
+
+    def _findings(
+        self,
+        routes: np.ndarray,
+        trajectory: str,
+        tokens: np.ndarray | None,
+        moe_layers: tuple[int, ...],
+        engine: str | None,
+    ) -> list[RouteHealthFinding]:
+        rows, num_layers, topk = routes.shape
+        if rows == 0:
+            return []
+        out: list[RouteHealthFinding] = []
+        # Per layer: is each row zero, and is it the layer's first row (one pass each over the values).
+        zero: np.ndarray = np.asarray(~routes.any(axis=2))  # [rows, layers]
+        same_as_first: np.ndarray = np.asarray((routes == routes[:1]).all(axis=2).all(axis=0))  # [layers]
+        layer_constant = same_as_first & ~zero[0]  # constant non-zero layers
+        varies = ~same_as_first  # layers whose rows change
+        token_changes = int(np.count_nonzero(tokens[1:] != tokens[:-1])) if tokens is not None else 0
+        zero_hint = _ZERO_HINTS.get(engine, _ZERO_HINTS[None])
+
+        def zero_finding(layer: int | None, mask: np.ndarray) -> None:
+            idx = np.flatnonzero(mask)
+            if idx.size == 0:
+                return
+            if topk == 1 and (
+                idx.size < max(rows, self.min_rows) or not _varies_apart(varies, layer, token_changes, self)
+            ):
+                return  # one expert per token: expert 0 is a real choice; only a long, all-zero layer decides
+            first, last = int(idx[0]), int(idx[-1])
+            span = (
+                f"rows {first}..{last} of {rows} are"
+                if idx.size == last - first + 1
+                else f"{idx.size} of {rows} rows are"
+            )
+            out.append(RouteHealthFinding("zero_rows", trajectory, layer, (first, last), f"{span} all zero", zero_hint))
+
+        if moe_layers:
+            for layer in moe_layers:
+                zero_finding(layer, zero[:, layer])
+        else:
+            zero_finding(None, np.asarray(zero.all(axis=1)))
+        if rows >= self.min_rows:
+            for index in np.flatnonzero(layer_constant):
+                layer = int(index)
+                if token_changes >= self.min_token_changes or bool(np.delete(varies, layer).any()):
+                    row = routes[0, layer].tolist()
+                    out.append(
+                        RouteHealthFinding(
+                            "constant_layer",
+                            trajectory,
+                            layer,
+                            (0, rows - 1),
+                            f"all {rows} rows are {row} although the hidden states vary",
+                            _CONSTANT_HINT,
+                        )
+                    )
+        if tokens is not None and rows >= self.min_run:
+            out.extend(self._stale_runs(routes, tokens, trajectory))
+        return out
+
+    def _stale_runs(self, routes: np.ndarray, tokens: np.ndarray, trajectory: str) -> list[RouteHealthFinding]:
+        rows = routes.shape[0]
+        flat = np.ascontiguousarray(routes).reshape(rows, -1)
+        repeat = (flat[1:] == flat[:-1]).all(axis=1)  # row i+1 equals row i
+        if not repeat.any():
+            return []
+        changes = tokens[1:] != tokens[:-1]
+        out = []
+        # Runs of True in `repeat`: edges of the padded mask.
+        edges = np.flatnonzero(np.diff(np.concatenate(([False], repeat, [False])).astype(np.int8)))
+        for a, b in zip(edges[::2], edges[1::2]):
+            length = int(b - a) + 1  # rows a .. b are identical
+            moved = int(np.count_nonzero(changes[a:b]))
+            if length >= self.min_run and moved >= self.min_token_changes and flat[a].any():
+                out.append(
+                    RouteHealthFinding(
+                        "stale_rows",
+                        trajectory,
+                        None,
+                        (int(a), int(b)),
+                        f"rows {int(a)}..{int(b)} repeat one row verbatim over {moved} token changes",
+                        _STALE_HINT,
+                    )
+                )
+        return out
+
+
+def check_route_health(
+    routes: np.ndarray,
+    *,
+    trajectory: str = "routes",
+    token_ids: Sequence[int] | np.ndarray | None = None,
+    moe_layers: Sequence[int] | None = None,
+    engine: str | None = None,
+    on_unhealthy: str = "raise",
+) -> tuple[RouteHealthFinding, ...]:
+    """`RouteHealthCheck(on_unhealthy, moe_layers=, engine=).check(routes, ...)` in one call.
+
+    Examples:
+        >>> import numpy as np
+        >>> routes = np.tile(np.array([[3, 5]], np.uint8), (64, 2, 1))  # [64, 2, 2]
+        >>> routes[:, 1] = np.random.default_rng(1).integers(0, 4, (64, 1)) * 2 + [0, 1]  # layer 1 varies
+        >>> check_route_health(routes, on_unhealthy="count")[0].seen
+        'all 64 rows are [3, 5] although the hidden states vary'
+    """
+    check = RouteHealthCheck(on_unhealthy, moe_layers=moe_layers, engine=engine)
+    return check.check(routes, trajectory=trajectory, token_ids=token_ids, stacklevel=3)
+
+
+def health_check(value: Any, name: str = "health", *, engine: str | None = None) -> RouteHealthCheck:
+    """A `RouteHealthCheck` from a `health=` argument: a mode string or a check itself (shared, with its stats)."""
+    if isinstance(value, RouteHealthCheck):
+        return value
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {HEALTH_MODES} or a RouteHealthCheck, got {type(value).__name__}")
+    return RouteHealthCheck(check_choice(value, name, HEALTH_MODES), engine=engine)
+
+
+def _varies_apart(varies: np.ndarray, layer: int | None, token_changes: int, check: RouteHealthCheck) -> bool:
+    """Evidence, besides `layer` itself, that the hidden states behind the rows differ."""
+    if token_changes >= check.min_token_changes:
+        return True
+    others = varies if layer is None else np.delete(varies, layer)
+    return bool(others.any())
+
+
+def _layer_tuple(layers: Any, name: str) -> tuple[int, ...]:
+    if layers is None:
+        return ()
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
+        raise TypeError(f"{name} must be a sequence of layer indices, got {type(layers).__name__}")
+    out = []
+    for i, layer in enumerate(layers):
+        layer = check_int(layer, f"{name}[{i}]")
+        if layer < 0:
+            raise ValueError(f"{name}[{i}] = {layer} is negative")
+        out.append(layer)
+    return tuple(out)
+
+
+def _tokens(token_ids: Any, rows: int, trajectory: str) -> np.ndarray | None:
+    if token_ids is None:
+        return None
+    tokens = np.asarray(token_ids)
+    if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
+        raise TypeError(f"{trajectory}: token_ids must be a 1-D sequence of ints")
+    if tokens.shape[0] != rows:
+        raise ValueError(f"{trajectory}: token_ids has {tokens.shape[0]} entries for {rows} route rows")
+    return tokens
