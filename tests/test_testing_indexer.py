@@ -10,7 +10,7 @@ from torch_r3.indexer import IndexerSelections
 
 pytest.importorskip("transformers")
 
-from torch_r3.testing.indexer import IndexerLM  # noqa: E402
+from torch_r3.testing.indexer import IndexerLM
 
 
 def _whole_sequence(lm, tokens, layer):
