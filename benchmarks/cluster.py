@@ -9,7 +9,7 @@ One run, the same trajectories, side by side:
    of today's RL trainers (with their best transport, zero-copy shards).
 2. `refs`: the controller receives only `torch_r3.ray.TrajectoryRef`s from the
    rollout actors, plans micro-batches from token counts (`plan_microbatches`,
-   `global_layout`) and sends each trainer the refs of its DP rank's
+   `global_geometry`) and sends each trainer the refs of its DP rank's
    trajectories; each trainer collates its own micro-batches with
    `ShardCollator(RefFetch(refs), ...)` at the global `T` and dtype.
 3. `refs, stage layers`: the same, each pipeline stage collating only its layers.
@@ -211,7 +211,7 @@ class Trainer:
 
         layers = self.stage_layers if stage_only else None
         shards = ShardCollator(
-            RefFetch(refs), microbatches, seq_len=seq_len, dtype=dtype, layers=layers, buffers=self.pool
+            RefFetch(refs), microbatches, seq_len=seq_len, dtype=dtype, keep_layers=layers, buffers=self.pool
         )
         out = []
         for batch in shards:
@@ -246,7 +246,7 @@ class Controller:
     def _plan(self, metas: list[TrajectoryRef]):
         counts = token_counts(metas)
         plan = torch_r3.plan_microbatches(counts, dp_size=self.cfg.dp, micro_batch_size=self.cfg.micro_batch_size)
-        layout = torch_r3.global_layout(counts, route_dtypes(metas))
+        layout = torch_r3.global_geometry(counts, route_dtypes(metas))
         return plan, layout
 
     def start(self) -> None:

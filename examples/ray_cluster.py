@@ -3,7 +3,7 @@
 Two rollout actors put each trajectory into Ray's object store once
 (`torch_r3.ray.put_trajectory`) and return small `TrajectoryRef`s. The
 controller (this script) plans micro-batches from token counts alone
-(`plan_microbatches`, `global_layout`) and hands each trainer actor, one per
+(`plan_microbatches`, `global_geometry`) and hands each trainer actor, one per
 (DP rank, pipeline stage), the refs of its DP rank's trajectories. Each
 trainer collates its own micro-batches, only its stage's layers, with
 `ShardCollator(RefFetch(refs), ...)`, at the global batch's `T` and dtype.
@@ -25,7 +25,7 @@ import sys
 import numpy as np
 import ray
 
-from torch_r3 import R3Collator, ShardCollator, global_layout, plan_microbatches
+from torch_r3 import R3Collator, ShardCollator, global_geometry, plan_microbatches
 from torch_r3.ray import RefFetch, put_trajectory, route_dtypes, token_counts
 
 NUM_TRAJECTORIES, DP, PP = 24, 2, 2
@@ -66,7 +66,9 @@ class Trainer:
         self.layers = list(range(stage * per_stage, (stage + 1) * per_stage))
 
     def train(self, refs: dict, microbatches: list, seq_len: int, dtype) -> list[str]:
-        shard = ShardCollator(RefFetch(refs), microbatches, seq_len=seq_len, dtype=dtype, layers=self.layers, **OPTIONS)
+        shard = ShardCollator(
+            RefFetch(refs), microbatches, seq_len=seq_len, dtype=dtype, keep_layers=self.layers, **OPTIONS
+        )
         # Here a trainer would run forward/backward with ReplayHook on each batch.
         return [checksum(batch) for batch in shard]
 
@@ -86,7 +88,7 @@ def main() -> int:
 
         # The controller's whole job: metadata in, a plan and refs out.
         counts = token_counts(refs)
-        layout = global_layout(counts, route_dtypes(refs), padding="balanced", num_experts=EXPERTS)
+        layout = global_geometry(counts, route_dtypes(refs), filler="balanced", num_experts=EXPERTS)
         plan = plan_microbatches(counts, dp_size=DP, micro_batch_size=3)
         trainers = [[Trainer.remote(stage) for stage in range(PP)] for _ in range(DP)]
         calls = {}

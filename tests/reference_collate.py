@@ -15,9 +15,9 @@ import torch
 ROUTE_DTYPES = [np.uint8, np.int16, np.int32]
 
 
-def padding_row(t, num_layers, topk, padding="arange", num_experts=None):
-    """The padding route `[L, K]` of filler position `t` (global row + position from the first token)."""
-    if padding == "arange":
+def padding_row(t, num_layers, topk, filler="arange", num_experts=None):
+    """The filler route `[L, K]` of filler position `t` (global row + position from the first token)."""
+    if filler == "arange":
         row = list(range(topk))
     else:
         row = [(t * topk + j) % num_experts for j in range(topk)]
@@ -30,23 +30,23 @@ def reference_collate_routes(
     *,
     layout="padded",
     pad_to_multiple_of=None,
-    padding="arange",
+    filler="arange",
     num_experts=None,
     seq_len=None,
     dtype=None,
-    layers=None,
+    keep_layers=None,
     sample_ids=None,
 ):
     """What `collate_routes` must return, as NumPy arrays, built position by position.
 
-    `dtype` is a NumPy scalar type, `layers` a list of layer indices, `sample_ids` the global rows.
+    `dtype` is a NumPy scalar type, `keep_layers` a list of layer indices, `sample_ids` the global rows.
     """
-    if layers is not None:
-        routes = [r[:, list(layers)] for r in routes]
+    if keep_layers is not None:
+        routes = [r[:, list(keep_layers)] for r in routes]
     L, K = routes[0].shape[1:]
     ids = list(range(len(routes))) if sample_ids is None else list(sample_ids)
-    # The widest input dtype, widened further when a padding id would not fit it.
-    largest_pad_id = K - 1 if padding == "arange" else num_experts - 1
+    # The widest input dtype, widened further when a filler id would not fit it.
+    largest_pad_id = K - 1 if filler == "arange" else num_experts - 1
     fits = min(i for i, d in enumerate(ROUTE_DTYPES) if np.iinfo(d).max >= largest_pad_id)
     if dtype is None:
         dtype = ROUTE_DTYPES[max([fits] + [ROUTE_DTYPES.index(r.dtype.type) for r in routes])]
@@ -66,7 +66,7 @@ def reference_collate_routes(
                 if s <= t < s + r:
                     out[i, t] = routes[i][t - s]
                 else:
-                    out[i, t] = padding_row(ids[i] + t - s, L, K, padding, num_experts)
+                    out[i, t] = padding_row(ids[i] + t - s, L, K, filler, num_experts)
                     mask[i, t] = True
                 att[i, t] = 1 if t >= s else 0
         return {"rollout_expert_indices": out, "router_padding_mask": mask, "attention_mask": att}
@@ -77,7 +77,7 @@ def reference_collate_routes(
                 rows_out.append(routes[i][j])
                 mask.append(False)
             else:
-                rows_out.append(padding_row(ids[i] + j, L, K, padding, num_experts))
+                rows_out.append(padding_row(ids[i] + j, L, K, filler, num_experts))
                 mask.append(True)
         cu.append(cu[-1] + counts[i])
     return {
@@ -95,14 +95,14 @@ def reference_r3_collator(
     pad_keys=None,
     routes_key="routes",
     tokens_key="input_ids",
-    padding="arange",
+    filler="arange",
     num_experts=None,
     pad_to_multiple_of=None,
     **geometry,
 ):
     """What `R3Collator` must return for `samples`, as NumPy arrays.
 
-    `geometry` (`seq_len`, `dtype`, `layers`, `sample_ids`) goes to `reference_collate_routes`.
+    `geometry` (`seq_len`, `dtype`, `keep_layers`, `sample_ids`) goes to `reference_collate_routes`.
 
     `pad_keys` maps a per-token key to `(pad value, NumPy dtype)`; every other
     key is stacked with `np.array`, as `default_collate` does for numbers.
@@ -115,7 +115,7 @@ def reference_r3_collator(
         counts,
         layout=layout,
         pad_to_multiple_of=pad_to_multiple_of,
-        padding=padding,
+        filler=filler,
         num_experts=num_experts,
         **geometry,
     )
@@ -144,10 +144,10 @@ def assert_batch_equal(got, want):
 
 
 def reference_padded(routes, counts):
-    """The padded layout with `arange` padding (the benchmark's shape)."""
+    """The padded layout with `arange` filler (the benchmark's shape)."""
     return reference_collate_routes(routes, counts, layout="padded")
 
 
 def reference_packed(routes, counts):
-    """The packed layout with `arange` padding (the benchmark's shape)."""
+    """The packed layout with `arange` filler (the benchmark's shape)."""
     return reference_collate_routes(routes, counts, layout="packed")

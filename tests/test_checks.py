@@ -30,7 +30,7 @@ from torch_r3 import (
     check_expert_ids,
     collate_routes,
     compact_routes,
-    global_layout,
+    global_geometry,
     plan_microbatches,
 )
 from torch_r3._checks import (
@@ -47,7 +47,7 @@ from torch_r3._checks import (
 )
 from torch_r3.codec import decode_routes, decode_sglang_routes, decode_vllm_routes, encode_routes
 from torch_r3.cpu import pool_workers
-from torch_r3.layout import padded_length
+from torch_r3.geometry import padded_length
 from torch_r3.routes import canonical_dtype_for
 from torch_r3.shard import ShardCollator
 from torch_r3.trace import RoutedExpertTrace, TokenMetadataTrace
@@ -256,11 +256,11 @@ SIZES: list[tuple[str, int, Callable[[Any], Any]]] = [
     ("pad_to_multiple_of", 4, lambda v: collate_routes([GOOD], [2], pad_to_multiple_of=v)),
     ("seq_len", 4, lambda v: collate_routes([GOOD], [2], seq_len=v)),
     ("max_output_bytes", 10**6, lambda v: collate_routes([GOOD], [2], max_output_bytes=v)),
-    ("num_experts", 4, lambda v: collate_routes([GOOD], [2], padding="balanced", num_experts=v, seq_len=4)),
+    ("num_experts", 4, lambda v: collate_routes([GOOD], [2], filler="balanced", num_experts=v, seq_len=4)),
     ("pad_to_multiple_of", 4, lambda v: R3Collator(pad_to_multiple_of=v)([{"input_ids": [1, 2], "routes": GOOD}])),
     ("cache_bytes", 0, lambda v: R3Collator(cache_bytes=v).buffers.cache_bytes),
-    ("pad_to_multiple_of", 4, lambda v: global_layout([3], [np.uint8], pad_to_multiple_of=v)),
-    ("num_experts", 300, lambda v: global_layout([3], [np.uint8], padding="balanced", num_experts=v)),
+    ("pad_to_multiple_of", 4, lambda v: global_geometry([3], [np.uint8], pad_to_multiple_of=v)),
+    ("num_experts", 300, lambda v: global_geometry([3], [np.uint8], filler="balanced", num_experts=v)),
     ("pad_to_multiple_of", 4, lambda v: padded_length([3, 5], pad_to_multiple_of=v)),
     ("dp_size", 2, lambda v: plan_microbatches([3, 4], dp_size=v)),
     ("micro_batch_size", 1, lambda v: plan_microbatches([3, 4], dp_size=1, micro_batch_size=v)),
@@ -439,8 +439,8 @@ def test_seconds_follow_the_finite_float_rule_in_the_client_and_its_config(name,
             "layout must be one of ['padded', 'packed'], got 'ragged'",
         ),
         (
-            lambda: collate_routes([GOOD], [2], padding="zeros"),
-            "padding must be one of ['arange', 'balanced'], got 'zeros'",
+            lambda: collate_routes([GOOD], [2], filler="bogus"),
+            "filler must be one of ['arange', 'balanced'], got 'bogus'",
         ),
         (lambda: _client(server="tgi"), "server must be one of ['torch_r3', 'sglang', 'vllm'], got 'tgi'"),
     ],
@@ -454,7 +454,7 @@ def test_an_enum_names_its_members_the_same_way_at_every_site(call, words):
 def test_a_route_dtype_argument_follows_the_dtype_rule_in_collation_and_layout():
     for call in (
         lambda d: collate_routes([GOOD], [2], dtype=d),
-        lambda d: global_layout([2], [d]),
+        lambda d: global_geometry([2], [d]),
         lambda d: R3Collator(dtype=d),
     ):
         with pytest.raises(ValueError, match=r"must be uint8, int16 or int32, got torch.float32"):
@@ -468,7 +468,7 @@ def test_both_hooks_find_the_same_bad_route_with_one_framework_free_check():
     import subprocess
     import sys
 
-    from torch_r3._route_checks import first_bad_route
+    from torch_r3.replay.checks import first_bad_route
 
     # A reference: scan every checked route in batch order in plain Python.
     rng = np.random.default_rng(0)
@@ -484,11 +484,9 @@ def test_both_hooks_find_the_same_bad_route_with_one_framework_free_check():
                         want = (b, t, j, r)
         assert first_bad_route(routes, checked, 5) == want
     # The module imports no training framework: the transformers hook needs no megatron-core.
-    code = (
-        "import sys, torch_r3._route_checks; assert not [m for m in ('megatron', 'transformers') if m in sys.modules]"
-    )
+    code = "import sys, torch_r3.replay; assert not [m for m in ('megatron', 'transformers') if m in sys.modules]"
     subprocess.run([sys.executable, "-c", code], check=True)
-    for hook_checks in ("torch_r3.megatron.batch_checks", "torch_r3.transformers.checks"):
+    for hook_checks in ("torch_r3.megatron.batch_checks", "torch_r3.transformers.hook"):
         pytest.importorskip(hook_checks.rsplit(".", 1)[0])
         source = open(importlib.import_module(hook_checks).__file__, encoding="utf-8").read()
-        assert "first_bad_route" in source and "_any_bad" not in source and ".sort(" not in source
+        assert "check_replayed_ids" in source and "_any_bad" not in source and ".sort(" not in source

@@ -149,7 +149,9 @@ def test_demo_without_megatron_names_the_extra_to_install(monkeypatch, capsys):
 
 def test_demo_without_aiohttp_names_the_extra_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "aiohttp", None)  # import aiohttp now fails
-    for name in [m for m in sys.modules if m == "torch_r3.demo" or m.startswith("torch_r3.testing")]:
+    for name in [
+        m for m in sys.modules if m == "torch_r3.demo" or m.startswith(("torch_r3.demo.", "torch_r3.testing"))
+    ]:
         monkeypatch.delitem(sys.modules, name)  # imported afresh, as in a process without aiohttp
     assert cli.main(["demo"]) == 2
     err = capsys.readouterr().err

@@ -21,7 +21,7 @@ from http_stub import serve_routes
 
 from torch_r3.client import RemoteGenerateClient, RemoteGenerateError, TransportConfig
 from torch_r3.codec import encode_routes
-from torch_r3.protocols.torch_r3 import GENERATE_PATH
+from torch_r3.protocols.native import GENERATE_PATH
 
 FAST = {"retries": 3, "backoff": 0.01, "max_backoff": 0.05, "timeout": 20.0}
 

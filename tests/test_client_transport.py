@@ -16,7 +16,7 @@ from aiohttp import web
 from http_stub import serve_routes
 
 from torch_r3.client import RemoteGenerateClient, RemoteGenerateError, TransportConfig
-from torch_r3.protocols.torch_r3 import GENERATE_PATH
+from torch_r3.protocols.native import GENERATE_PATH
 from torch_r3.transport import parse_retry_after
 
 FAST = {"retries": 3, "backoff": 0.01, "max_backoff": 0.05, "timeout": 20.0}

@@ -166,3 +166,85 @@ def test_deprecations_fail_the_suite_unless_a_third_party_one_is_filtered_by_nam
     with warnings.catch_warnings(record=True) as seen:
         warnings.warn_explicit("theirs", DeprecationWarning, "layers.py", 1, module="megatron.core.tensor_parallel")
     assert seen == []
+
+
+FRAMEWORKS = ("megatron", "transformers")
+HOOKS = ("torch_r3.megatron", "torch_r3.transformers")
+
+
+def imports_of(path: Path) -> set[str]:
+    """The modules `path` imports, wherever the import statement sits (top level or inside a function).
+
+    A `from a import b` counts as importing `a.b` when that is a module of this
+    package, and `a` otherwise; a package's parents are not counted (importing
+    `torch_r3.a.b` runs `torch_r3/__init__.py` first, but that is no choice of `path`).
+    """
+    here = _module_name(path)
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            source = _resolve(node, here, path.name == "__init__.py")
+            if source is None:
+                continue
+            for alias in node.names:
+                target = f"{source}.{alias.name}"
+                found.add(target if _is_module(target) else source)
+    return found
+
+
+def _is_under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_the_replay_core_imports_no_training_framework_and_no_hook():
+    found = []
+    for path in sorted((PACKAGE / "replay").rglob("*.py")):
+        for module in imports_of(path):
+            if any(_is_under(module, f) for f in (*FRAMEWORKS, *HOOKS)):
+                found.append(f"{path.relative_to(PACKAGE.parent)} imports {module}")
+    assert found == []
+
+
+def test_each_hook_stands_on_the_replay_core_and_never_imports_the_other():
+    for hook in HOOKS:
+        folder = PACKAGE / hook.split(".")[1]
+        imported = {m for path in folder.rglob("*.py") for m in imports_of(path)}
+        assert any(_is_under(m, "torch_r3.replay") for m in imported), f"{hook} does not import torch_r3.replay"
+        other = next(h for h in HOOKS if h != hook)
+        crossing = sorted(m for m in imported if _is_under(m, other))
+        assert crossing == [], f"{hook} imports the other hook: {crossing}"
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every cycle of the import graph, each once, found by depth-first search from each module in turn."""
+    cycles: list[list[str]] = []
+    seen: set[frozenset[str]] = set()
+
+    def visit(start: str, node: str, trail: list[str]) -> None:
+        for nxt in sorted(graph.get(node, ())):
+            if nxt == start:
+                key = frozenset(trail)
+                if key not in seen:
+                    seen.add(key)
+                    cycles.append([*trail, start])
+            elif nxt not in trail and nxt > start:  # each cycle from its smallest module only
+                visit(start, nxt, [*trail, nxt])
+
+    for start in sorted(graph):
+        visit(start, start, [start])
+    return cycles
+
+
+def test_the_cycle_finder_finds_a_cycle_and_only_cycles():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "d": {"a", "c"}}) == []
+
+
+def test_no_module_of_the_package_is_part_of_an_import_cycle():
+    graph = {
+        _module_name(path): {m for m in imports_of(path) if _is_under(m, "torch_r3") and m != _module_name(path)}
+        for path in _modules()
+    }
+    assert import_cycles(graph) == []

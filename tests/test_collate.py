@@ -10,12 +10,12 @@ import time
 import numpy as np
 import pytest
 import torch
+import torch_r3._padding
 from hypothesis import given, settings, strategies as st
 from reference_collate import ROUTE_DTYPES as ORDER, assert_batch_equal, reference_collate_routes, reference_r3_collator
 from torch.utils.data import DataLoader
 
 import torch_r3._buffers
-import torch_r3._padding
 import torch_r3._pool as pool_mod
 import torch_r3.keys
 from torch_r3 import R3Collator, collate_routes, compact_routes
@@ -49,10 +49,10 @@ def test_matches_reference_for_every_layout_padding_and_dtype_mix(layout, paddin
     counts = [5, 9, 1]
     rows = [4, 9, 0]  # uncaptured tail, fully captured, nothing captured
     routes = [make_routes(rng, r, 3, 2, d) for r, d in zip(rows, dtypes)]
-    kw = dict(layout=layout, padding=padding, num_experts=5 if padding == "balanced" else None)
+    kw = dict(layout=layout, filler=padding, num_experts=5 if padding == "balanced" else None)
     got = collate_routes(routes, counts, **kw)
     assert_batch_equal(
-        got, reference_collate_routes(routes, counts, layout=layout, padding=padding, num_experts=kw["num_experts"])
+        got, reference_collate_routes(routes, counts, layout=layout, filler=padding, num_experts=kw["num_experts"])
     )
 
 
@@ -149,17 +149,17 @@ def test_property_random_batches_match_reference(data):
         seed = data.draw(st.integers(0, 2**16))
         counts.append(n)
         routes.append(make_routes(np.random.default_rng(seed), r, L, K, dtype))
-    got = collate_routes(routes, counts, layout=layout, padding=padding, num_experts=E, pad_to_multiple_of=pad_to)
+    got = collate_routes(routes, counts, layout=layout, filler=padding, num_experts=E, pad_to_multiple_of=pad_to)
     assert_batch_equal(
         got,
         reference_collate_routes(
-            routes, counts, layout=layout, pad_to_multiple_of=pad_to, padding=padding, num_experts=E
+            routes, counts, layout=layout, pad_to_multiple_of=pad_to, filler=padding, num_experts=E
         ),
     )
 
 
 def test_balanced_padding_uses_every_expert_and_distinct_experts_per_row():
-    got = collate_routes([np.zeros((0, 1, 3), np.uint8)], [8], padding="balanced", num_experts=6)
+    got = collate_routes([np.zeros((0, 1, 3), np.uint8)], [8], filler="balanced", num_experts=6)
     rows = got["rollout_expert_indices"][0, :, 0]
     assert all(len(set(r.tolist())) == 3 for r in rows)
     assert set(rows.flatten().tolist()) == set(range(6))
@@ -192,14 +192,14 @@ GOOD = np.zeros((2, 3, 2), np.uint8)
             r"routes\[1\]: expected shape \[rows, layers, topk\]",
         ),
         ([GOOD, GOOD], [2, 1], {}, ValueError, r"routes\[1\]: 2 route rows for 1 tokens"),
-        ([GOOD, GOOD], [2, 0], {}, ValueError, r"token_counts\[1\]: expected a positive"),
-        ([GOOD, GOOD], [2, -3], {}, ValueError, r"token_counts\[1\]: expected a positive"),
-        ([GOOD, GOOD], [2, 2.0], {}, TypeError, r"token_counts\[1\]: expected an int"),
-        ([GOOD, GOOD], [2, True], {}, TypeError, r"token_counts\[1\]: expected an int"),
+        ([GOOD, GOOD], [2, 0], {}, ValueError, r"token_counts\[1\] must be >= 1, got"),
+        ([GOOD, GOOD], [2, -3], {}, ValueError, r"token_counts\[1\] must be >= 1, got"),
+        ([GOOD, GOOD], [2, 2.0], {}, TypeError, r"token_counts\[1\] must be an int"),
+        ([GOOD, GOOD], [2, True], {}, TypeError, r"token_counts\[1\] must be an int"),
         ([GOOD, GOOD], [2], {}, ValueError, "expected 2 counts"),
-        ([GOOD], [2], {"padding": "balanced"}, ValueError, "needs num_experts"),
-        ([GOOD], [2], {"padding": "balanced", "num_experts": 1}, ValueError, "num_experts >= topk"),
-        ([GOOD], [2], {"padding": "zeros"}, ValueError, "padding must be one of"),
+        ([GOOD], [2], {"filler": "balanced"}, ValueError, "needs num_experts"),
+        ([GOOD], [2], {"filler": "balanced", "num_experts": 1}, ValueError, "num_experts >= topk"),
+        ([GOOD], [2], {"filler": "bogus"}, ValueError, "filler must be one of"),
         ([GOOD], [2], {"layout": "ragged"}, ValueError, "layout must be one of"),
         ([GOOD], [2], {"pad_to_multiple_of": 0}, ValueError, "pad_to_multiple_of must be >= 1"),
         ([GOOD], [2], {"layout": "packed", "pad_to_multiple_of": 8}, ValueError, "padded' only"),
@@ -362,7 +362,7 @@ def test_collator_refuses_an_empty_batch():
 def test_collator_is_picklable():
     import pickle
 
-    c = R3Collator(pad_keys={"loss_mask": 0.0}, padding="balanced", num_experts=8)
+    c = R3Collator(pad_keys={"loss_mask": 0.0}, filler="balanced", num_experts=8)
     c2 = pickle.loads(pickle.dumps(c))
     samples = make_samples()
     assert_batch_equal(c2(samples), {k: v.numpy() for k, v in c(samples).items()})
@@ -530,8 +530,8 @@ def test_padding_ids_beyond_the_input_dtype_widen_the_output_instead_of_wrapping
     rng = np.random.default_rng(8)
     routes = [make_routes(rng, 2, 2, topk, np.uint8), make_routes(rng, 0, 2, topk, np.uint8)]
     counts = [9000, 3]  # padding positions up to 9000: balanced ids reach num_experts - 1
-    got = collate_routes(routes, counts, layout=layout, padding=padding, num_experts=experts)
-    want = reference_collate_routes(routes, counts, layout=layout, padding=padding, num_experts=experts)
+    got = collate_routes(routes, counts, layout=layout, filler=padding, num_experts=experts)
+    want = reference_collate_routes(routes, counts, layout=layout, filler=padding, num_experts=experts)
     assert_batch_equal(got, want)
     # Ids past what a narrower dtype holds really occur, so a narrower output would wrap.
     narrower_max = 255 if (experts or topk) - 1 < 2**15 else 2**15 - 1
@@ -540,13 +540,13 @@ def test_padding_ids_beyond_the_input_dtype_widen_the_output_instead_of_wrapping
 
 def test_numpy_integers_are_accepted_wherever_python_ints_are():
     samples = make_samples(n_samples=4)
-    kwargs = dict(padding="balanced", num_experts=np.int64(8), pad_to_multiple_of=np.int32(4), workers=np.int64(2))
+    kwargs = dict(filler="balanced", num_experts=np.int64(8), pad_to_multiple_of=np.int32(4), workers=np.int64(2))
     got = R3Collator(pad_token_id=np.int64(5), pad_keys={"loss_mask": np.float32(0.5)}, **kwargs)(samples)
     want = reference_r3_collator(
         samples,
         pad_token_id=5,
         pad_keys={"loss_mask": (0.5, np.float32)},
-        padding="balanced",
+        filler="balanced",
         num_experts=8,
         pad_to_multiple_of=4,
     )
@@ -581,7 +581,7 @@ def test_extra_keys_that_default_collate_cannot_batch_are_refused_naming_sample_
         ({"pad_token_id": -(2**63) - 1}, ValueError, "pad_token_id.*int64"),
         ({"pad_token_id": 1.5}, TypeError, "pad_token_id must be an int"),
         ({"pad_keys": {"loss_mask": "zero"}}, TypeError, "pad value for 'loss_mask' must be a number"),
-        ({"padding": "balanced"}, ValueError, "needs num_experts"),
+        ({"filler": "balanced"}, ValueError, "needs num_experts"),
         ({"layout": "ragged"}, ValueError, "layout must be one of"),
         ({"num_experts": 8.0}, TypeError, "num_experts must be an int"),
     ],
@@ -792,7 +792,7 @@ def test_compact_true_still_refuses_bad_expert_ids_naming_the_sample():
         R3Collator(compact=True)(samples)
     samples = [{"input_ids": [1, 2], "routes": np.array([[[0, 1]], [[3, 9]]])}]
     with pytest.raises(ValueError, match=r"routes\[0\]: expert ids must be in \[0, num_experts\)"):
-        R3Collator(compact=True, padding="balanced", num_experts=8)(samples)
+        R3Collator(compact=True, filler="balanced", num_experts=8)(samples)
     samples = [{"input_ids": [1, 2], "routes": [[[0, 1]], [[3]]]}]
     with pytest.raises(ValueError, match=r"routes\[0\]: expected nested lists \[rows\]\[layers\]\[topk\]"):
         R3Collator(compact=True)(samples)

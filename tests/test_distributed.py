@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 L, K = 6, 4
 PLAN = [[[0, 3], [5]], [[1, 2], [4, 6]]]  # rank 0 keeps 0, 3, 5; rank 1 gets 1, 2, 4, 6
 EXPERTS = 256
-COLLATE = {"pad_keys": {"loss_mask": 0}, "padding": "balanced", "num_experts": EXPERTS}
+COLLATE = {"pad_keys": {"loss_mask": 0}, "filler": "balanced", "num_experts": EXPERTS}
 
 
 def _samples() -> list[dict]:
@@ -83,9 +83,9 @@ def _worker(rank: int, port: int, out: str) -> None:
             for g, s in shard.samples.items()
         }
         # Each rank collates its own micro-batches at the global layout, from what it received.
-        from torch_r3 import ShardCollator, global_layout
+        from torch_r3 import ShardCollator, global_geometry
 
-        layout = global_layout(shard.token_counts, shard.route_dtypes, padding="balanced", num_experts=EXPERTS)
+        layout = global_geometry(shard.token_counts, shard.route_dtypes, filler="balanced", num_experts=EXPERTS)
         local = ShardCollator(shard.fetch, shard.microbatches, seq_len=layout.seq_len, dtype=layout.dtype, **COLLATE)
         collated = [{k: [str(v.dtype), v.tolist()] for k, v in batch.items()} for batch in local]
         result = {
@@ -162,7 +162,7 @@ def test_any_rank_can_be_the_source(ranks):
         assert got["routes"] == {str(i): samples[i]["routes"].tolist() for mb in PLAN[::-1][rank] for i in mb}
 
 
-def test_every_rank_gets_the_steps_metadata_for_the_global_layout(ranks):
+def test_every_rank_gets_the_steps_metadata_for_the_global_geometry(ranks):
     samples = _samples()
     for r in ranks:
         assert r["token_counts"] == [len(s["input_ids"]) for s in samples]

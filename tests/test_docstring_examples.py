@@ -16,8 +16,8 @@ import pytest
 import torch_r3
 from torch_r3._extras import MissingExtraError
 
-# `python -m torch_r3` runs the command line on import.
-NOT_IMPORTABLE = {"torch_r3.__main__"}
+# `python -m torch_r3` and `python -m torch_r3.demo` run their command line on import.
+NOT_IMPORTABLE = {"torch_r3.__main__", "torch_r3.demo.__main__"}
 MODULES = sorted(
     ["torch_r3"]
     + [m.name for m in pkgutil.walk_packages(torch_r3.__path__, "torch_r3.") if m.name not in NOT_IMPORTABLE]

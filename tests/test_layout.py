@@ -1,4 +1,4 @@
-"""The geometry arguments of the kernel (`seq_len=`, `dtype=`, `layers=`, `sample_ids=`) and `global_layout`."""
+"""The geometry arguments of the kernel (`seq_len=`, `dtype=`, `keep_layers=`, `sample_ids=`) and `global_geometry`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from reference_collate import assert_batch_equal, reference_collate_routes
 
-from torch_r3 import R3Collator, collate_routes, global_layout
+from torch_r3 import R3Collator, collate_routes, global_geometry
 
 GOOD = np.zeros((2, 4, 2), np.uint8)
 
@@ -33,11 +33,11 @@ def test_property_geometry_arguments_match_the_reference(data):
     seq_len = None
     if layout == "padded" and data.draw(st.booleans()):
         seq_len = max(counts) + data.draw(st.integers(0, 5))
-    kw = {"layout": layout, "padding": padding, "num_experts": experts}
-    got = collate_routes(routes, counts, seq_len=seq_len, dtype=dtype, layers=layers, sample_ids=ids, **kw)
+    kw = {"layout": layout, "filler": padding, "num_experts": experts}
+    got = collate_routes(routes, counts, seq_len=seq_len, dtype=dtype, keep_layers=layers, sample_ids=ids, **kw)
     np_dtype = {None: None, np.int16: np.int16, np.int32: np.int32, torch.int32: np.int32}[dtype]
     want = reference_collate_routes(
-        routes, counts, seq_len=seq_len, dtype=np_dtype, layers=layers, sample_ids=ids, **kw
+        routes, counts, seq_len=seq_len, dtype=np_dtype, keep_layers=layers, sample_ids=ids, **kw
     )
     assert_batch_equal(got, want)
 
@@ -48,9 +48,9 @@ def test_layers_hold_exactly_the_chosen_layers_in_order(layers, layout):
     rng = np.random.default_rng(3)
     routes = [rng.integers(0, 50, size=(r, 4, 3)).astype(np.uint8) for r in (3, 0, 7)]
     counts = [4, 2, 7]
-    got = collate_routes(routes, counts, layout=layout, layers=layers, padding="balanced", num_experts=9)
+    got = collate_routes(routes, counts, layout=layout, keep_layers=layers, filler="balanced", num_experts=9)
     want = reference_collate_routes(
-        routes, counts, layout=layout, layers=list(layers), padding="balanced", num_experts=9
+        routes, counts, layout=layout, keep_layers=list(layers), filler="balanced", num_experts=9
     )
     assert_batch_equal(got, want)
 
@@ -89,20 +89,20 @@ def test_seq_len_pads_input_ids_and_pad_keys_to_the_same_length():
         ({"dtype": torch.float32}, [2], ValueError, "dtype must be uint8, int16 or int32, got torch.float32"),
         ({"dtype": "bogus"}, [2], TypeError, "dtype must be a NumPy or torch dtype"),
         (
-            {"dtype": np.uint8, "padding": "balanced", "num_experts": 300},
+            {"dtype": np.uint8, "filler": "balanced", "num_experts": 300},
             [2],
             ValueError,
-            r"dtype=uint8 cannot hold the balanced padding's expert id 299; use dtype=int16",
+            r"dtype=uint8 cannot hold the balanced filler's expert id 299; use dtype=int16",
         ),
-        ({"layers": [4]}, [2], ValueError, r"layers\[0\]: layer 4 is out of range for routes with 4 layers"),
-        ({"layers": [1, 1]}, [2], ValueError, r"layers\[1\]: layer 1 is listed twice"),
-        ({"layers": [-1]}, [2], ValueError, r"layers\[0\]: layer indices must be >= 0"),
-        ({"layers": [True]}, [2], TypeError, r"layers\[0\] must be an int"),
-        ({"layers": []}, [2], ValueError, "layers must hold at least one layer index"),
-        ({"layers": 2}, [2], TypeError, "layers must be a sequence"),
+        ({"keep_layers": [4]}, [2], ValueError, r"keep_layers\[0\]: layer 4 is out of range for routes with 4 layers"),
+        ({"keep_layers": [1, 1]}, [2], ValueError, r"keep_layers\[1\]: layer index 1 is listed twice"),
+        ({"keep_layers": [-1]}, [2], ValueError, r"keep_layers\[0\]: layer index -1 is negative"),
+        ({"keep_layers": [True]}, [2], TypeError, r"keep_layers\[0\] must be an int"),
+        ({"keep_layers": []}, [2], ValueError, "keep_layers must hold at least one layer index"),
+        ({"keep_layers": 2}, [2], TypeError, "keep_layers must be a sequence"),
         ({"sample_ids": [0]}, [2, 2], ValueError, "sample_ids: expected 2 ids"),
-        ({"sample_ids": [3, 3]}, [2, 2], ValueError, r"sample_ids\[1\]: id 3 is given to two samples"),
-        ({"sample_ids": [0, -1]}, [2, 2], ValueError, r"sample_ids\[1\]: expected a global row index"),
+        ({"sample_ids": [3, 3]}, [2, 2], ValueError, r"sample_ids\[1\]: id 3 is listed twice"),
+        ({"sample_ids": [0, -1]}, [2, 2], ValueError, r"sample_ids\[1\]: id -1 is outside \[0, "),
         ({"sample_ids": [0, 1.0]}, [2, 2], TypeError, r"sample_ids\[1\] must be an int"),
         ({"max_output_bytes": 0}, [2], ValueError, "max_output_bytes must be >= 1"),
         ({"compact": "yes"}, [2], TypeError, "compact must be True or False"),
@@ -114,7 +114,7 @@ def test_bad_geometry_arguments_are_refused_naming_them(kwargs, counts, exc, mat
         collate_routes(routes, counts, **kwargs)
 
 
-def test_global_layout_is_what_collate_routes_chooses():
+def test_global_geometry_is_what_collate_routes_chooses():
     rng = np.random.default_rng(9)
     counts = [int(n) for n in rng.integers(1, 30, size=9)]
     for dtypes, padding, experts, multiple in [
@@ -124,14 +124,14 @@ def test_global_layout_is_what_collate_routes_chooses():
         ([np.int16] * 9, "balanced", 64, None),
     ]:
         routes = [np.zeros((n - 1, 2, 2), d) for n, d in zip(counts, dtypes)]
-        batch = collate_routes(routes, counts, padding=padding, num_experts=experts, pad_to_multiple_of=multiple)
-        layout = global_layout(
-            counts, {np.dtype(d) for d in dtypes}, padding=padding, num_experts=experts, pad_to_multiple_of=multiple
+        batch = collate_routes(routes, counts, filler=padding, num_experts=experts, pad_to_multiple_of=multiple)
+        layout = global_geometry(
+            counts, {np.dtype(d) for d in dtypes}, filler=padding, num_experts=experts, pad_to_multiple_of=multiple
         )
         assert layout.seq_len == batch["attention_mask"].shape[1]
         assert layout.dtype == batch["rollout_expert_indices"].numpy().dtype
         assert (layout.batch_size, layout.num_tokens) == (9, sum(counts))
-    assert global_layout(torch.tensor([3, 4]), [torch.int16, "uint8"]).dtype == np.int16
+    assert global_geometry(torch.tensor([3, 4]), [torch.int16, "uint8"]).dtype == np.int16
     with pytest.raises(AttributeError):
         layout.seq_len = 1  # frozen
 
@@ -139,17 +139,17 @@ def test_global_layout_is_what_collate_routes_chooses():
 @pytest.mark.parametrize(
     "args, kwargs, exc, match",
     [
-        (([], [np.uint8]), {}, ValueError, "expected at least one trajectory"),
-        (([3, 0], [np.uint8]), {}, ValueError, r"token_counts\[1\]: expected a positive"),
+        (([], [np.uint8]), {}, ValueError, "token_counts must hold at least one token count"),
+        (([3, 0], [np.uint8]), {}, ValueError, r"token_counts\[1\] must be >= 1, got 0"),
         (([3], []), {}, ValueError, "expected at least one route dtype"),
         (([3], [np.int64]), {}, ValueError, r"dtypes\[0\] must be uint8, int16 or int32"),
-        (([3], [np.uint8]), {"padding": "balanced"}, ValueError, "needs num_experts"),
+        (([3], [np.uint8]), {"filler": "balanced"}, ValueError, "needs num_experts"),
         (([3], [np.uint8]), {"pad_to_multiple_of": 0}, ValueError, "pad_to_multiple_of must be >= 1"),
     ],
 )
-def test_global_layout_refuses_bad_metadata(args, kwargs, exc, match):
+def test_global_geometry_refuses_bad_metadata(args, kwargs, exc, match):
     with pytest.raises(exc, match=match):
-        global_layout(*args, **kwargs)
+        global_geometry(*args, **kwargs)
 
 
 @pytest.mark.parametrize("layers", [[1, 2], [3, 0, 2]])
@@ -159,7 +159,7 @@ def test_every_output_byte_is_written_with_seq_len_dtype_and_layers(layers, layo
     rng = np.random.default_rng(12)
     routes = [rng.integers(0, 30, size=(r, 4, 2)).astype(np.uint8) for r in (2, 0, 5)]
     counts, ids = [3, 4, 6], [7, 2, 40]
-    kw = {"layout": layout, "layers": layers, "dtype": np.int16, "padding": "balanced", "num_experts": 5}
+    kw = {"layout": layout, "keep_layers": layers, "dtype": np.int16, "filler": "balanced", "num_experts": 5}
     if layout == "padded":
         kw["seq_len"] = 9
     first = collate_routes(routes, counts, sample_ids=ids, **kw)

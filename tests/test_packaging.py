@@ -55,7 +55,7 @@ def test_wheel_carries_every_module_of_the_package_and_nothing_else(wheel):
     shipped = {n for n in wheel.namelist() if n.endswith(".py")}
     sources = {p.relative_to(ROOT).as_posix() for p in (ROOT / "torch_r3").rglob("*.py")}
     assert shipped == sources  # the demo and its CPU redirections included; no tests/, no examples/
-    assert "torch_r3/demo.py" in shipped and "torch_r3/megatron/_cpu.py" in shipped
+    assert "torch_r3/demo/megatron.py" in shipped and "torch_r3/megatron/_cpu.py" in shipped
 
 
 def test_wheel_metadata_names_version_license_extras_and_urls(wheel):

@@ -53,8 +53,10 @@ COMMAND_MODULES = (
     "torch_r3.bench",
     "torch_r3.cli",
     "torch_r3.demo",
+    "torch_r3.demo.common",
+    "torch_r3.demo.megatron",  # `torch-r3 demo`
+    "torch_r3.demo.transformers",  # `torch-r3 demo --trainer transformers`
     "torch_r3.doctor",
-    "torch_r3.transformers.demo",  # `torch-r3 demo --trainer transformers`
 )
 
 _DIRECTIVE = re.compile(r"^::: *(?P<path>[\w.]+) *$")

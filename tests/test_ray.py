@@ -160,10 +160,10 @@ class Trainer:
             microbatches,
             seq_len=seq_len,
             dtype=dtype,
-            layers=layers,
+            keep_layers=layers,
             prefetch=prefetch,  # ray.get from ShardCollator's helper thread
             pad_keys={"loss_mask": 0},
-            padding="balanced",
+            filler="balanced",
             num_experts=EXPERTS,
         )
         return [{k: v.numpy().copy() for k, v in batch.items()} for batch in shard]
@@ -210,11 +210,11 @@ def test_the_controller_receives_metadata_not_route_bytes(step):
 
 @pytest.mark.slow
 def test_dp2_pp2_trainer_actors_collate_their_microbatches_identical_to_the_global_batch(step):
-    from torch_r3 import global_layout, plan_microbatches
+    from torch_r3 import global_geometry, plan_microbatches
 
     _, refs = step
     counts = token_counts(refs)
-    layout = global_layout(counts, route_dtypes(refs), padding="balanced", num_experts=EXPERTS)
+    layout = global_geometry(counts, route_dtypes(refs), filler="balanced", num_experts=EXPERTS)
     plan = plan_microbatches(counts, dp_size=2, micro_batch_size=2)
     stages = [[0, 1, 2], [3, 4, 5]]
     trainers = {(dp, pp): Trainer.remote() for dp in range(2) for pp in range(2)}
@@ -225,7 +225,7 @@ def test_dp2_pp2_trainer_actors_collate_their_microbatches_identical_to_the_glob
         for (dp, pp), t in trainers.items()
     }
     # The reference: one global batch of all samples, collated in this process from the same inputs.
-    opts = {"pad_keys": {"loss_mask": 0}, "padding": "balanced", "num_experts": EXPERTS}
+    opts = {"pad_keys": {"loss_mask": 0}, "filler": "balanced", "num_experts": EXPERTS}
     full = {k: v.numpy() for k, v in R3Collator(**opts)([sample(i) for i in range(10)]).items()}
     assert full["rollout_expert_indices"].dtype == np.int16  # sample 5 widened the whole batch
     checked = 0
@@ -293,14 +293,14 @@ def test_the_cluster_benchmarks_check_tells_a_wrong_microbatch_from_the_global_b
     # micro-batches hash like the reference's slices, and one changed byte, dtype or layer does not.
     import torch
 
-    from torch_r3 import ShardCollator, global_layout, plan_microbatches
+    from torch_r3 import ShardCollator, global_geometry, plan_microbatches
 
     bench = _load_benchmark()
     cfg = bench.SMALL
     samples = [bench.make_trajectory(i, cfg) for i in range(cfg.trajectories)]
     counts = [len(s["input_ids"]) for s in samples]
     plan = plan_microbatches(counts, dp_size=cfg.dp, micro_batch_size=cfg.micro_batch_size)
-    layout = global_layout(counts, [s["routes"].dtype for s in samples])
+    layout = global_geometry(counts, [s["routes"].dtype for s in samples])
     ref = bench.reference_digests(cfg, plan)
     for dp in range(cfg.dp):
         for pp in range(cfg.pp):
@@ -310,7 +310,7 @@ def test_the_cluster_benchmarks_check_tells_a_wrong_microbatch_from_the_global_b
                 plan[dp],
                 seq_len=layout.seq_len,
                 dtype=layout.dtype,
-                layers=layers,
+                keep_layers=layers,
             )
             assert [bench.digest(b) for b in shard] == ref["stage"][dp][pp]
     batch = next(iter(ShardCollator(lambda idx: [samples[i] for i in idx], plan[0], seq_len=layout.seq_len)))

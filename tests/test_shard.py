@@ -2,7 +2,7 @@
 
 A DP 2 x PP 2 job is simulated in one process: each (data-parallel rank,
 pipeline stage) pair builds its own `ShardCollator` over its micro-batches of
-`plan_microbatches`, with the global `seq_len` and `dtype` of `global_layout`
+`plan_microbatches`, with the global `seq_len` and `dtype` of `global_geometry`
 and the stage's `layers`. Every micro-batch must equal, bit for bit and dtype
 for dtype, the matching part of one global `R3Collator` batch (itself checked
 against the independent reference): padded, the micro-batch's rows (and the
@@ -20,7 +20,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from reference_collate import assert_batch_equal, reference_r3_collator
 
-from torch_r3 import BufferPool, R3Collator, ShardCollator, collate_routes, global_layout, plan_microbatches
+from torch_r3 import BufferPool, R3Collator, ShardCollator, collate_routes, global_geometry, plan_microbatches
 
 L, K, EXPERTS = 4, 2, 7
 STAGES = ([0, 1], [2, 3])  # PP 2: each stage's MoE layers
@@ -69,7 +69,7 @@ def test_every_microbatch_of_every_rank_equals_its_part_of_the_global_batch(seed
     samples = make_global(seed, wide)
     counts = [len(s["input_ids"]) for s in samples]
     experts = EXPERTS if padding == "balanced" else None
-    opts = {"layout": layout, "padding": padding, "num_experts": experts, "pad_token_id": 3}
+    opts = {"layout": layout, "filler": padding, "num_experts": experts, "pad_token_id": 3}
     opts["pad_keys"] = {"loss_mask": -1.0}
     full = R3Collator(**opts)(samples)
     reference = reference_r3_collator(
@@ -77,18 +77,18 @@ def test_every_microbatch_of_every_rank_equals_its_part_of_the_global_batch(seed
         pad_token_id=3,
         layout=layout,
         pad_keys={"loss_mask": (-1.0, np.float32)},
-        padding=padding,
+        filler=padding,
         num_experts=opts["num_experts"],
     )
     assert_batch_equal(full, reference)  # the global batch itself is right
     kernel = collate_routes(
-        [s["routes"] for s in samples], counts, layout=layout, padding=padding, num_experts=opts["num_experts"]
+        [s["routes"] for s in samples], counts, layout=layout, filler=padding, num_experts=opts["num_experts"]
     )
     for key, value in kernel.items():  # R3Collator's routes are collate_routes' own
         assert torch.equal(full[key], value), key
 
-    geometry = global_layout(
-        counts, {s["routes"].dtype for s in samples}, padding=padding, num_experts=opts["num_experts"]
+    geometry = global_geometry(
+        counts, {s["routes"].dtype for s in samples}, filler=padding, num_experts=opts["num_experts"]
     )
     assert geometry.dtype == full["rollout_expert_indices"].numpy().dtype
     if layout == "padded":
@@ -107,7 +107,13 @@ def test_every_microbatch_of_every_rank_equals_its_part_of_the_global_batch(seed
                 return [samples[i] for i in indices]
 
             shard = ShardCollator(
-                fetch, plan[rank], seq_len=seq_len, dtype=geometry.dtype, layers=layers, prefetch=stage == 1, **opts
+                fetch,
+                plan[rank],
+                seq_len=seq_len,
+                dtype=geometry.dtype,
+                keep_layers=layers,
+                prefetch=stage == 1,
+                **opts,
             )
             got = list(shard)  # all kept alive here: the values must survive recycling
             assert len(got) == len(plan[rank])
@@ -123,7 +129,7 @@ def test_every_microbatch_of_every_rank_equals_its_part_of_the_global_batch(seed
 def test_a_for_loop_keeps_two_microbatches_of_buffers():
     samples = make_global(5, wide=True)
     counts = [len(s["input_ids"]) for s in samples]
-    geometry = global_layout(counts, {np.uint8, np.int16})
+    geometry = global_geometry(counts, {np.uint8, np.int16})
     mbs = [[i] for i in range(len(samples))]
     shard = ShardCollator(
         lambda idx: [samples[i] for i in idx], mbs, seq_len=geometry.seq_len, dtype=np.int16, pad_keys=["loss_mask"]
@@ -181,15 +187,15 @@ def test_prefetch_raises_the_fetch_s_error_and_leaves_no_thread_behind():
 def test_a_framework_s_own_index_lists_work_like_a_plan():
     samples = make_global(7, wide=False)
     counts = [len(s["input_ids"]) for s in samples]
-    geometry = global_layout(counts, {np.uint8}, padding="balanced", num_experts=EXPERTS)
-    full = R3Collator(padding="balanced", num_experts=EXPERTS, pad_keys=["loss_mask"])(samples)
+    geometry = global_geometry(counts, {np.uint8}, filler="balanced", num_experts=EXPERTS)
+    full = R3Collator(filler="balanced", num_experts=EXPERTS, pad_keys=["loss_mask"])(samples)
     mine = [np.array([5, 2]), torch.tensor([0]), range(3, 5)]  # any order, any sequence type
     shard = ShardCollator(
         lambda idx: [samples[i] for i in idx],
         mine,
         seq_len=geometry.seq_len,
         dtype=geometry.dtype,
-        padding="balanced",
+        filler="balanced",
         num_experts=EXPERTS,
         pad_keys=["loss_mask"],
     )
@@ -201,11 +207,11 @@ def test_a_framework_s_own_index_lists_work_like_a_plan():
 @pytest.mark.parametrize(
     "microbatches, exc, match",
     [
-        ([[0, 1], []], ValueError, r"microbatches\[1\]: a micro-batch needs at least one sample"),
+        ([[0, 1], []], ValueError, r"microbatches\[1\] must hold at least one sample index"),
         ([[0, 1], [1]], ValueError, r"microbatches\[1\]: sample 1 is also in microbatches\[0\]"),
-        ([[0, 0]], ValueError, r"microbatches\[0\]: sample_ids\[1\]: id 0 is given to two samples"),
-        ([[0, -1]], ValueError, r"microbatches\[0\]: sample_ids\[1\]"),
-        ([[0.5]], TypeError, r"microbatches\[0\]: sample_ids\[0\] must be an int"),
+        ([[0, 0]], ValueError, r"microbatches\[0\]\[1\]: sample index 0 is listed twice"),
+        ([[0, -1]], ValueError, r"microbatches\[0\]\[1\]: sample index -1 is outside"),
+        ([[0.5]], TypeError, r"microbatches\[0\]\[0\] must be an int"),
         ("01", TypeError, "microbatches: expected a sequence"),
     ],
 )
@@ -265,7 +271,7 @@ def test_plan_balances_tokens_better_than_contiguous_chunks():
     "kwargs, exc, match",
     [
         ({"token_counts": [3], "dp_size": 2}, ValueError, "1 samples cannot give each of dp_size=2"),
-        ({"token_counts": [3, 0], "dp_size": 1}, ValueError, r"token_counts\[1\]: expected a positive"),
+        ({"token_counts": [3, 0], "dp_size": 1}, ValueError, r"token_counts\[1\] must be >= 1, got 0"),
         ({"token_counts": [3, 2.0], "dp_size": 1}, TypeError, r"token_counts\[1\] must be an int"),
         ({"token_counts": [3, 9], "dp_size": 1, "max_tokens_per_microbatch": 8}, ValueError, "sample 1 has 9"),
         ({"token_counts": [3, 3], "dp_size": 0}, ValueError, "dp_size must be >= 1"),
@@ -291,7 +297,7 @@ def test_plan_refuses_what_it_cannot_plan(kwargs, exc, match):
 def test_buffers_shared_by_the_shard_collators_of_successive_steps_are_reused():
     samples = make_global(9, wide=False)
     counts = [len(s["input_ids"]) for s in samples]
-    geometry = global_layout(counts, {np.uint8})
+    geometry = global_geometry(counts, {np.uint8})
     pool = BufferPool()
     for step in range(3):
         plan = plan_microbatches(counts[step:], dp_size=1, micro_batch_size=2)[0]
@@ -324,9 +330,9 @@ def test_property_any_plan_and_stage_slices_the_global_batch(data):
         counts = counts[: len(samples)]
     layers = data.draw(st.permutations(range(L)).flatmap(lambda p: st.integers(1, L).map(lambda k: list(p[:k]))))
     experts = EXPERTS if padding == "balanced" else None
-    opts = {"layout": layout, "padding": padding, "num_experts": experts, "pad_keys": {"loss_mask": 2.0}}
+    opts = {"layout": layout, "filler": padding, "num_experts": experts, "pad_keys": {"loss_mask": 2.0}}
     full = R3Collator(**opts)(samples)
-    geometry = global_layout(counts, {s["routes"].dtype for s in samples}, padding=padding, num_experts=experts)
+    geometry = global_geometry(counts, {s["routes"].dtype for s in samples}, filler=padding, num_experts=experts)
     seq_len = geometry.seq_len if layout == "padded" else None
     plan = plan_microbatches(counts, dp_size=dp, micro_batch_size=mbs)
     for rank in range(dp):
@@ -335,7 +341,7 @@ def test_property_any_plan_and_stage_slices_the_global_batch(data):
             plan[rank],
             seq_len=seq_len,
             dtype=geometry.dtype,
-            layers=layers,
+            keep_layers=layers,
             **opts,
         )
         for indices, batch in zip(plan[rank], shard):

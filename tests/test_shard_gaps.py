@@ -34,7 +34,7 @@ def test_dtype_fixes_the_output_dtype_whatever_the_subset_holds():
 
 def test_balanced_filler_of_a_subset_matches_the_global_batch():
     routes, counts = _routes()
-    kw = {"padding": "balanced", "num_experts": 7, "dtype": np.int16}
+    kw = {"filler": "balanced", "num_experts": 7, "dtype": np.int16}
     full = collate_routes(routes, counts, layout="packed", **kw)
     cu = full["cu_seqlens"].tolist()
     part = collate_routes(routes[2:], counts[2:], layout="packed", sample_ids=[2, 3], **kw)
@@ -48,5 +48,5 @@ def test_balanced_filler_of_a_subset_matches_the_global_batch():
 def test_layers_collates_only_a_stage_s_layers_in_their_order():
     routes, counts = _routes()
     full = collate_routes(routes, counts)
-    stage = collate_routes(routes, counts, layers=[3, 1])
+    stage = collate_routes(routes, counts, keep_layers=[3, 1])
     assert torch.equal(stage["rollout_expert_indices"], full["rollout_expert_indices"][:, :, [3, 1]])

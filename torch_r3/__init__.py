@@ -16,8 +16,9 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from torch_r3._buffers import BufferPool
+from torch_r3._deprecation import warn_renamed
 from torch_r3.collate import R3Collator, collate_routes
-from torch_r3.layout import BatchLayout, global_layout
+from torch_r3.geometry import BatchGeometry, global_geometry
 from torch_r3.routes import check_expert_ids, compact_routes
 from torch_r3.shard import ShardCollator, plan_microbatches
 
@@ -43,7 +44,7 @@ _LAZY: dict[str, str] = {
 
 # Written out (not built from _LAZY) so that type checkers and linters read the surface.
 __all__ = [
-    "BatchLayout",
+    "BatchGeometry",
     "BufferPool",
     "R3Collator",
     "RemoteGenerateClient",
@@ -60,12 +61,19 @@ __all__ = [
     "decode_sglang_routes",
     "decode_vllm_routes",
     "encode_routes",
-    "global_layout",
+    "global_geometry",
     "plan_microbatches",
 ]
 
 
+# Deprecated top-level names: old name -> new name (both in `torch_r3`).
+_RENAMED = {"BatchLayout": "BatchGeometry", "global_layout": "global_geometry"}
+
+
 def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        warn_renamed(f"torch_r3.{name}", f"torch_r3.{_RENAMED[name]}")
+        return globals()[_RENAMED[name]]
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'torch_r3' has no attribute {name!r}")

@@ -5,6 +5,8 @@ here, so the same mistake reads the same wherever it is made:
 
 - an integer accepts a Python `int` or any NumPy integer and returns an `int`;
   a `bool` (Python or NumPy) is refused, since `True` as a size is a bug;
+- a sequence of indices accepts a list, tuple, range, 1-D NumPy array or torch
+  tensor of such integers (never a `str`, a set or a mapping) and returns a tuple;
 - a wrong type is a `TypeError` ("num_layers must be an int, got float");
 - a right type with a bad value is a `ValueError` ("num_layers must be >= 1, got 0");
 - every message starts with the argument's name, as the caller wrote it.
@@ -16,7 +18,7 @@ checked by the codec, which raises its own `WireFormatError`.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,11 +29,13 @@ __all__ = [
     "check_choice",
     "check_dtype",
     "check_finite_float",
+    "check_indices",
     "check_int",
     "check_integer_dtype",
     "check_non_negative",
     "check_positive",
     "check_str",
+    "check_token_counts",
 ]
 
 
@@ -74,6 +78,69 @@ def check_positive(value: Any, name: str) -> int:
 def check_non_negative(value: Any, name: str) -> int:
     """A size, count or index that may be 0, as an `int`."""
     return check_at_least(value, name, 0)
+
+
+def _as_sequence(value: Any, name: str, what: str) -> Any:
+    # A 1-D array or tensor reads as its elements (NumPy integers or Python ints); torch is
+    # recognised by name, so this module needs no torch import.
+    if isinstance(value, np.ndarray) or (type(value).__module__ == "torch" and type(value).__name__ == "Tensor"):
+        if value.ndim != 1:
+            raise TypeError(f"{name} must be a 1-D sequence of {what}s, got an array of shape {list(value.shape)}")
+        return list(value) if isinstance(value, np.ndarray) else value.tolist()
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, range)):
+        raise TypeError(f"{name} must be a sequence of {what}s, got {type(value).__name__}")
+    return value
+
+
+def check_indices(
+    value: Any, name: str, *, limit: int | None = None, what: str = "index", distinct: bool = True
+) -> tuple[int, ...]:
+    """A non-empty sequence of indices (each an `int` in `[0, limit)`, distinct unless `distinct=False`), as a tuple.
+
+    `what` names one element in the messages ("layer index", "id").
+
+    Examples:
+        >>> check_indices(np.array([2, 0]), "keep_layers", what="layer index")
+        (2, 0)
+        >>> check_indices([1, 1], "keep_layers", what="layer index")
+        Traceback (most recent call last):
+            ...
+        ValueError: keep_layers[1]: layer index 1 is listed twice
+        >>> check_indices([3], "route_layers", limit=3, what="layer")
+        Traceback (most recent call last):
+            ...
+        ValueError: route_layers[0]: layer 3 is outside [0, 3)
+    """
+    items = _as_sequence(value, name, "int")
+    if len(items) == 0:
+        raise ValueError(f"{name} must hold at least one {what}, got an empty sequence")
+    out = tuple(check_int(v, f"{name}[{k}]") for k, v in enumerate(items))
+    seen: set[int] = set()
+    for k, v in enumerate(out):
+        if v < 0 or (limit is not None and v >= limit):
+            bound = f"outside [0, {limit})" if limit is not None else "negative (indices are >= 0)"
+            raise ValueError(f"{name}[{k}]: {what} {v} is {bound}")
+        if distinct and v in seen:
+            raise ValueError(f"{name}[{k}]: {what} {v} is listed twice")
+        seen.add(v)
+    return out
+
+
+def check_token_counts(value: Any, name: str = "token_counts") -> list[int]:
+    """A non-empty sequence of token counts, each an `int >= 1`, as a list.
+
+    Examples:
+        >>> check_token_counts(np.array([3, 1]))
+        [3, 1]
+        >>> check_token_counts([3, 0])
+        Traceback (most recent call last):
+            ...
+        ValueError: token_counts[1] must be >= 1, got 0
+    """
+    items = _as_sequence(value, name, "int")
+    if len(items) == 0:
+        raise ValueError(f"{name} must hold at least one token count, got an empty sequence")
+    return [check_positive(n, f"{name}[{i}]") for i, n in enumerate(items)]
 
 
 def check_bool(value: Any, name: str) -> bool:

@@ -29,11 +29,11 @@ import aiohttp
 import numpy as np
 import yarl
 
-from torch_r3._checks import check_choice, check_int, check_positive, check_str
+from torch_r3._checks import check_choice, check_indices, check_int, check_positive, check_str
 from torch_r3.errors import RemoteGenerateError
 from torch_r3.protocols import PROTOCOLS, SERVERS, GenerateCall, RouteLimits, WeightVersionSpan
 from torch_r3.protocols.base import check_cache_salt
-from torch_r3.protocols.torch_r3 import MODEL_INFO_PATH
+from torch_r3.protocols.native import MODEL_INFO_PATH
 from torch_r3.transport import DEFAULT_MAX_RESPONSE_BYTES, HttpTransport, TransportConfig
 
 __all__ = [
@@ -431,15 +431,7 @@ def _check_base_url(base_url: Any) -> str:
 def _check_moe_layers(moe_layers: Any, num_layers: int | None) -> tuple[int, ...]:
     if moe_layers is None:
         return ()
-    if isinstance(moe_layers, (str, bytes)) or not isinstance(moe_layers, Sequence):
-        raise TypeError(f"moe_layers must be a sequence of layer indices, got {type(moe_layers).__name__}")
-    out = []
-    for i, layer in enumerate(moe_layers):
-        layer = check_int(layer, f"moe_layers[{i}]")
-        if layer < 0 or (num_layers is not None and layer >= num_layers):
-            raise ValueError(f"moe_layers[{i}] = {layer} is outside the layers [0, {num_layers})")
-        out.append(layer)
-    return tuple(out)
+    return check_indices(moe_layers, "moe_layers", limit=num_layers, what="layer")
 
 
 def _check_salt(salt: Any) -> str | None:

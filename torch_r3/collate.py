@@ -11,7 +11,7 @@ layout page of the documentation:
   [sum(n)]` and `cu_seqlens [B + 1]` for THD training.
 
 Argument rules of the batch's geometry (`seq_len`, `dtype`, `layers`,
-`sample_ids`, the output-size bound) live in `torch_r3.layout`, the samples'
+`sample_ids`, the output-size bound) live in `torch_r3.geometry`, the samples'
 side of `R3Collator` in `torch_r3._samples`. What remains here, past the usual
 500 lines, is the kernel: the checks that must all pass before the first byte
 is written and the two writers that then write each byte once; splitting them
@@ -39,10 +39,10 @@ import torch
 from torch_r3 import _memory, _pool
 from torch_r3._buffers import BufferPool
 from torch_r3._checks import check_bool, check_choice, check_int, check_positive
-from torch_r3._padding import PadFill, check_padding, padding_rows
+from torch_r3._deprecation import renamed_argument
+from torch_r3._filler import FillerWriter, check_filler, padding_rows
 from torch_r3._samples import SeqField, batch_samples, check_pad_number, collate_extra
-from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS, INPUT_IDS, OUTPUT_KEYS, ROUTER_MASK, ROUTES, SAMPLE_ROUTES
-from torch_r3.layout import (
+from torch_r3.geometry import (
     check_layers,
     check_layers_in_range,
     check_max_output_bytes,
@@ -53,6 +53,7 @@ from torch_r3.layout import (
     output_size,
     padded_length,
 )
+from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS, INPUT_IDS, OUTPUT_KEYS, ROUTER_MASK, ROUTES, SAMPLE_ROUTES
 from torch_r3.routes import CANONICAL_DTYPES, canonical_dtype_for, compact_routes, widest
 
 __all__ = ["R3Collator", "collate_routes", "padding_rows"]
@@ -78,13 +79,13 @@ class _Options:
 
     layout: str = "padded"
     pad_to_multiple_of: int | None = None
-    padding: str = "arange"
+    filler: str = "arange"
     num_experts: int | None = None
     workers: int | None = None
     pin_memory: bool | None = None
     seq_len: int | None = None
     dtype: Any = None
-    layers: Any = None
+    keep_layers: Any = None
     max_output_bytes: int | None = None
     compact: bool = False
 
@@ -104,11 +105,11 @@ class _Options:
             object.__setattr__(self, "seq_len", seq_len)
         if self.dtype is not None:
             object.__setattr__(self, "dtype", check_route_dtype(self.dtype))
-        if self.layers is not None:
-            object.__setattr__(self, "layers", check_layers(self.layers))
+        if self.keep_layers is not None:
+            object.__setattr__(self, "keep_layers", check_layers(self.keep_layers, "keep_layers"))
         object.__setattr__(self, "max_output_bytes", check_max_output_bytes(self.max_output_bytes))
         object.__setattr__(self, "compact", check_bool(self.compact, "compact"))
-        object.__setattr__(self, "num_experts", check_padding(self.padding, self.num_experts, 1))
+        object.__setattr__(self, "num_experts", check_filler(self.filler, self.num_experts, 1))
         if self.workers is not None:
             object.__setattr__(self, "workers", _pool.check_workers(self.workers))
         object.__setattr__(self, "pin_memory", _memory.check_pin_memory(self.pin_memory))
@@ -159,12 +160,7 @@ def _as_route_array(sample: Any, i: int, compact: bool = False, num_experts: int
 def _as_count(value: Any, i: int) -> int:
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
         value = value.item()
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"token_counts[{i}]: expected an int, got {type(value).__name__}")
-    count = int(value)
-    if count <= 0:
-        raise ValueError(f"token_counts[{i}]: expected a positive token count, got {count}")
-    return count
+    return check_positive(value, f"token_counts[{i}]")  # the rule of `_checks.check_token_counts`
 
 
 def _check_batch(routes: Any, token_counts: Any, opts: _Options | None = None) -> tuple[list[np.ndarray], list[int]]:
@@ -206,7 +202,7 @@ def _output_dtype(arrays: Sequence[np.ndarray], topk: int, opts: _Options) -> np
     # Promotion by dtype alone (the sender compacted, no value is rescanned),
     # widened where a padding expert id would not fit the inputs' dtype.
     experts = opts.num_experts  # set whenever padding is balanced (checked by _Options)
-    largest_pad_id = experts - 1 if opts.padding == "balanced" and experts is not None else topk - 1
+    largest_pad_id = experts - 1 if opts.filler == "balanced" and experts is not None else topk - 1
     pad_dtype = canonical_dtype_for(largest_pad_id)
     if opts.dtype is None:
         return widest({a.dtype for a in arrays} | {pad_dtype})
@@ -215,11 +211,11 @@ def _output_dtype(arrays: Sequence[np.ndarray], topk: int, opts: _Options) -> np
         if rank(a.dtype) > rank(opts.dtype):
             raise ValueError(
                 f"routes[{i}]: dtype {a.dtype} is wider than dtype={opts.dtype}; routes are widened, never "
-                f"narrowed: pass the global batch's dtype (torch_r3.global_layout)"
+                f"narrowed: pass the global batch's dtype (torch_r3.global_geometry)"
             )
     if rank(pad_dtype) > rank(opts.dtype):
         raise ValueError(
-            f"dtype={opts.dtype} cannot hold the {opts.padding} padding's expert id {largest_pad_id}; "
+            f"dtype={opts.dtype} cannot hold the {opts.filler} filler's expert id {largest_pad_id}; "
             f"use dtype={pad_dtype}"
         )
     return opts.dtype
@@ -298,7 +294,7 @@ def _padded_writer(
     counts: list[int],
     ids: Sequence[int],
     T: int,
-    fill_pad: PadFill,
+    fill_pad: FillerWriter,
     copy_rows: Callable[[np.ndarray, np.ndarray], None],
     fields: Sequence[SeqField],
 ) -> tuple[list[int], Callable[[int, int], None]]:
@@ -334,7 +330,7 @@ def _packed_writer(
     arrays: Sequence[np.ndarray],
     counts: list[int],
     ids: Sequence[int],
-    fill_pad: PadFill,
+    fill_pad: FillerWriter,
     copy_rows: Callable[[np.ndarray, np.ndarray], None],
     fields: Sequence[SeqField],
 ) -> tuple[list[int], Callable[[int, int], None]]:
@@ -368,12 +364,12 @@ def _collate(
     sample_ids: Any = None,
 ) -> dict[str, torch.Tensor]:
     B, (_, num_layers, topk) = len(arrays), arrays[0].shape
-    check_padding(opts.padding, opts.num_experts, topk)
+    check_filler(opts.filler, opts.num_experts, topk)
     ids = list(range(B)) if sample_ids is None else check_sample_ids(sample_ids, B)
-    if opts.layers is not None:
-        check_layers_in_range(opts.layers, num_layers)
+    if opts.keep_layers is not None:
+        check_layers_in_range(opts.keep_layers, num_layers)
     dtype = _output_dtype(arrays, topk, opts)
-    out_layers = num_layers if opts.layers is None else len(opts.layers)
+    out_layers = num_layers if opts.keep_layers is None else len(opts.keep_layers)
     row_shape, tdtype = (out_layers, topk), _NP_TO_TORCH[dtype]
     if opts.layout == "padded":
         if opts.seq_len is None:
@@ -415,8 +411,8 @@ def _collate(
         raise MemoryError(f"could not allocate {total} bytes of {kind} memory for the batch ({shapes}): {e}") from e
     result = {k: result[k] for k in want}  # the layout's key order, whoever supplied each
     views = {k: v.numpy() for k, v in result.items()}
-    fill_pad = PadFill(opts.padding, opts.num_experts, out_layers, topk, dtype)
-    copy_rows = _row_copier(opts.layers)
+    fill_pad = FillerWriter(opts.filler, opts.num_experts, out_layers, topk, dtype)
+    copy_rows = _row_copier(opts.keep_layers)
     if opts.layout == "padded":
         costs, write_rows = _padded_writer(views, arrays, counts, ids, T, fill_pad, copy_rows, fields)
     else:
@@ -432,7 +428,7 @@ def collate_routes(
     *,
     layout: str = "padded",
     pad_to_multiple_of: int | None = None,
-    padding: str = "arange",
+    filler: str = "arange",
     num_experts: int | None = None,
     workers: int | None = None,
     out: torch.Tensor | Mapping[str, torch.Tensor] | None = None,
@@ -440,10 +436,12 @@ def collate_routes(
     buffers: BufferPool | None = None,
     seq_len: int | None = None,
     dtype: Any = None,
-    layers: Sequence[int] | None = None,
+    keep_layers: Sequence[int] | None = None,
     sample_ids: Sequence[int] | None = None,
     max_output_bytes: int | None = None,
     compact: bool = False,
+    padding: str | None = None,
+    layers: Sequence[int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Collate per-trajectory route arrays into one training batch.
 
@@ -458,10 +456,11 @@ def collate_routes(
         layout: `"padded"` (left-padded `[B, T, L, K]`) or `"packed"`
             (`[sum(n), L, K]` with `cu_seqlens`).
         pad_to_multiple_of: round `T` up to a multiple (padded layout only).
-        padding: `"arange"` (experts `0..K-1`) or `"balanced"` (position
-            `s = g + p` uses `(s*K + j) % num_experts`, for the sample's
-            global row `g` and the position `p` from its first token, so a
-            subset gets the global batch's padding; needs `num_experts >= K`).
+        filler: the routes written where no route was captured: `"arange"`
+            (experts `0..K-1`) or `"balanced"` (position `s = g + p` uses
+            `(s*K + j) % num_experts`, for the sample's global row `g` and the
+            position `p` from its first token, so a subset gets the global
+            batch's filler; needs `num_experts >= K`).
         num_experts: the model's expert count, for `balanced`.
         workers: copy threads, at most `MAX_WORKERS`; default
             `torch_r3.cpu.pool_workers()` (in a DataLoader worker, its share of
@@ -478,13 +477,13 @@ def collate_routes(
         seq_len: pad to exactly this `T` (padded layout; a multiple of
             `pad_to_multiple_of` if both are given), written in the same single
             pass; a sample with more tokens is refused. Give the global batch's
-            `T` (`torch_r3.global_layout`) to collate a subset of it.
+            `T` (`torch_r3.global_geometry`) to collate a subset of it.
         dtype: the output's route dtype (`uint8`, `int16` or `int32`, NumPy
             or torch). Narrower samples widen; a wider sample is refused,
             never narrowed.
-        layers: indices into the routes' layer axis (distinct, in range):
-            the output holds only those layers, in that order (a pipeline
-            stage's layers). Still one write per output byte.
+        keep_layers: indices into the routes' layer axis to keep (distinct,
+            in range): the output holds only those layers, in that order (a
+            pipeline stage's layers). Still one write per output byte.
         sample_ids: each sample's row in the global batch (distinct ints
             `>= 0`; default `0 .. B-1`). `balanced` padding is keyed by it, so
             that a subset gets exactly the global batch's padding routes.
@@ -495,6 +494,8 @@ def collate_routes(
             as a Hugging Face dataset returns them) with `compact_routes` at
             collation, one scan and copy per such sample; off by default,
             since the sender compacting once is cheaper.
+        padding: deprecated spelling of `filler`.
+        layers: deprecated spelling of `keep_layers`.
 
     Returns:
         The batch: `rollout_expert_indices`, `router_padding_mask` and, padded, `attention_mask`; packed, `cu_seqlens`.
@@ -519,13 +520,13 @@ def collate_routes(
     opts = _Options(
         layout=layout,
         pad_to_multiple_of=pad_to_multiple_of,
-        padding=padding,
+        filler=renamed_argument(padding, filler, old="padding", new="filler", where="collate_routes", default="arange"),
         num_experts=num_experts,
         workers=workers,
         pin_memory=pin_memory,
         seq_len=seq_len,
         dtype=dtype,
-        layers=layers,
+        keep_layers=renamed_argument(layers, keep_layers, old="layers", new="keep_layers", where="collate_routes"),
         max_output_bytes=max_output_bytes,
         compact=compact,
     )
@@ -565,19 +566,24 @@ class R3Collator:
         pad_keys: per-token keys to pad alongside the tokens: `{key: pad value}`,
             or a sequence of keys padded with 0.
         pad_to_multiple_of: as in `collate_routes`.
-        padding: as in `collate_routes`.
+        filler: as in `collate_routes`.
         num_experts: as in `collate_routes`.
         workers: as in `collate_routes`.
         pin_memory: as in `collate_routes`.
         cache_bytes: the most bytes of idle output buffers kept for reuse;
             `None` for the default bound (twice the largest batch served),
             `0` to allocate fresh memory for every batch.
+        buffers: a `BufferPool` to take the outputs from, as in
+            `collate_routes` (shared with other collators, say); then the
+            pool's own bound applies and `cache_bytes` is refused.
         seq_len: as in `collate_routes` (also the length of `input_ids` and
             the `pad_keys`).
         dtype: as in `collate_routes`.
-        layers: as in `collate_routes`.
+        keep_layers: as in `collate_routes`.
         max_output_bytes: as in `collate_routes`.
         compact: as in `collate_routes`.
+        padding: deprecated spelling of `filler`.
+        layers: deprecated spelling of `keep_layers`.
 
     Calling it: `collator(samples)` or `collator(samples, sample_ids=ids)`
     with the samples' rows in the global batch (see `collate_routes`).
@@ -610,27 +616,30 @@ class R3Collator:
         pad_token_id: int = 0,
         pad_keys: Mapping[str, float] | Sequence[str] = (),
         pad_to_multiple_of: int | None = None,
-        padding: str = "arange",
+        filler: str = "arange",
         num_experts: int | None = None,
         workers: int | None = None,
         pin_memory: bool | None = None,
         cache_bytes: int | None = None,
+        buffers: BufferPool | None = None,
         seq_len: int | None = None,
         dtype: Any = None,
-        layers: Sequence[int] | None = None,
+        keep_layers: Sequence[int] | None = None,
         max_output_bytes: int | None = None,
         compact: bool = False,
+        padding: str | None = None,
+        layers: Sequence[int] | None = None,
     ) -> None:
         self._options = _Options(
             layout=layout,
             pad_to_multiple_of=pad_to_multiple_of,
-            padding=padding,
+            filler=renamed_argument(padding, filler, old="padding", new="filler", where="R3Collator", default="arange"),
             num_experts=num_experts,
             workers=workers,
             pin_memory=pin_memory,
             seq_len=seq_len,
             dtype=dtype,
-            layers=layers,
+            keep_layers=renamed_argument(layers, keep_layers, old="layers", new="keep_layers", where="R3Collator"),
             max_output_bytes=max_output_bytes,
             compact=compact,
         )
@@ -647,19 +656,26 @@ class R3Collator:
             raise ValueError(f"pad_keys may not include the routes/tokens/output keys {sorted(clash)}")
         self.routes_key = routes_key
         self.tokens_key = tokens_key
-        # Checked here so that the message names this class's keyword, not BufferPool's.
-        self.buffers = BufferPool(cache_bytes)
+        if buffers is not None:
+            if not isinstance(buffers, BufferPool):
+                raise TypeError(f"buffers must be None or a torch_r3.BufferPool, got {type(buffers).__name__}")
+            if cache_bytes is not None:
+                raise ValueError("pass buffers= or cache_bytes=, not both: a given BufferPool keeps its own bound")
+            self.buffers = buffers
+        else:
+            # Checked here so that the message names this class's keyword, not BufferPool's.
+            self.buffers = BufferPool(cache_bytes)
 
     def __repr__(self) -> str:
         o = self._options
         geometry = "".join(
             f", {name}={value!r}"
-            for name, value in (("seq_len", o.seq_len), ("dtype", o.dtype), ("layers", o.layers))
+            for name, value in (("seq_len", o.seq_len), ("dtype", o.dtype), ("keep_layers", o.keep_layers))
             if value is not None
         )
         return (
             f"R3Collator(layout={o.layout!r}, routes_key={self.routes_key!r}, tokens_key={self.tokens_key!r}, "
-            f"pad_keys={self.pad_keys!r}, padding={o.padding!r}{geometry}, "
+            f"pad_keys={self.pad_keys!r}, filler={o.filler!r}{geometry}, "
             f"cache_bytes={self.buffers.cache_bytes!r})"
         )
 

@@ -12,7 +12,7 @@ the fallback, not the scale path; the scale path is `torch_r3.ray`.
 `scatter_trajectories` is a collective: every rank of the group calls it, the
 source with the samples and the plan. Each rank receives, besides its own
 samples, the step's metadata (every trajectory's token count and route dtype),
-so it can compute `torch_r3.global_layout` itself.
+so it can compute `torch_r3.global_geometry` itself.
 
 What arrives is untrusted input at a process boundary: every header, count,
 shape and dtype is checked, and the total size is bounded by `max_bytes`,

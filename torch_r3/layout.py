@@ -1,244 +1,25 @@
-"""A batch's geometry from metadata alone: its length, dtype, layers and size bound.
+"""Deprecated module name: the batch geometry lives in `torch_r3.geometry` (`BatchGeometry`, `global_geometry`).
 
-Every rank of a data-parallel job can compute the global batch's `seq_len` and
-route dtype from the trajectories' token counts and route dtypes, without any
-route bytes (`global_layout`), and pass them to its own collator so that its
-micro-batches are slices of the global batch. The argument rules of the
-collation kernel's geometry (`seq_len=`, `dtype=`, `layers=`, `sample_ids=`
-and the output-size bound) live here, one rule per kind of argument.
+`torch_r3.layout.BatchLayout`, `global_layout` and `padded_length` keep
+working and warn; `layout=` is the name of the padded/packed mode, so the
+geometry object took another word.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import os
-from collections.abc import Iterable, Sequence
 from typing import Any
 
-import numpy as np
-import torch
+from torch_r3 import geometry
+from torch_r3._deprecation import warn_renamed
 
-from torch_r3._checks import check_dtype, check_int, check_positive
-from torch_r3._padding import check_padding
-from torch_r3.routes import CANONICAL_DTYPES, canonical_dtype_for, widest
+__all__: list[str] = []
 
-# The `check_*` helpers and the output-size bound are shared with the collators,
-# not offered to users.
-__all__ = ["BatchLayout", "global_layout", "padded_length"]
-
-#: Environment variable overriding the default output-size bound (bytes).
-MAX_OUTPUT_BYTES_ENV = "TORCH_R3_MAX_OUTPUT_BYTES"
+_RENAMED = {"BatchLayout": "BatchGeometry", "global_layout": "global_geometry", "padded_length": "padded_length"}
 
 
-def check_route_dtype(dtype: Any, name: str = "dtype") -> np.dtype:
-    """A requested route dtype (NumPy, torch or a string) as one of `CANONICAL_DTYPES`."""
-    return check_dtype(dtype, name, CANONICAL_DTYPES)
-
-
-def check_seq_len(seq_len: Any) -> int:
-    """`seq_len=`: a positive int."""
-    return check_positive(seq_len, "seq_len")
-
-
-def check_layers(layers: Any) -> tuple[int, ...]:
-    """`layers=`: a non-empty sequence of distinct non-negative ints (the range is checked against the routes)."""
-    if isinstance(layers, torch.Tensor):
-        layers = layers.tolist()
-    elif isinstance(layers, np.ndarray):
-        layers = list(layers)
-    if isinstance(layers, (str, bytes)) or not isinstance(layers, (Sequence, range)):
-        raise TypeError(f"layers must be a sequence of layer indices, got {type(layers).__name__}")
-    if len(layers) == 0:
-        raise ValueError("layers must hold at least one layer index, got an empty sequence")
-    out = tuple(check_int(v, f"layers[{k}]") for k, v in enumerate(layers))
-    for k, v in enumerate(out):
-        if v < 0:
-            raise ValueError(f"layers[{k}]: layer indices must be >= 0, got {v}")
-        if v in out[:k]:
-            raise ValueError(f"layers[{k}]: layer {v} is listed twice")
-    return out
-
-
-def check_layers_in_range(layers: tuple[int, ...], num_layers: int) -> None:
-    """Every index of `layers` names a layer of routes with `num_layers` layers."""
-    for k, v in enumerate(layers):
-        if v >= num_layers:
-            raise ValueError(f"layers[{k}]: layer {v} is out of range for routes with {num_layers} layers")
-
-
-def check_sample_ids(sample_ids: Any, batch_size: int) -> list[int]:
-    """`sample_ids=`: one distinct non-negative int per sample (its row in the global batch)."""
-    if isinstance(sample_ids, torch.Tensor):
-        sample_ids = sample_ids.tolist()
-    elif isinstance(sample_ids, np.ndarray):
-        sample_ids = list(sample_ids)
-    if isinstance(sample_ids, (str, bytes)) or not isinstance(sample_ids, (Sequence, range)):
-        raise TypeError(f"sample_ids must be a sequence of ints, got {type(sample_ids).__name__}")
-    if len(sample_ids) != batch_size:
-        raise ValueError(f"sample_ids: expected {batch_size} ids (one per sample), got {len(sample_ids)}")
-    ids = [check_int(v, f"sample_ids[{i}]") for i, v in enumerate(sample_ids)]
-    seen: set[int] = set()
-    for i, v in enumerate(ids):
-        if not 0 <= v < 2**62:
-            raise ValueError(f"sample_ids[{i}]: expected a global row index in [0, 2**62), got {v}")
-        if v in seen:
-            raise ValueError(f"sample_ids[{i}]: id {v} is given to two samples")
-        seen.add(v)
-    return ids
-
-
-def default_max_output_bytes() -> int:
-    """The default bound on one batch's output bytes: the machine's physical memory.
-
-    `TORCH_R3_MAX_OUTPUT_BYTES` overrides it (an int of bytes).
-    """
-    env = os.environ.get(MAX_OUTPUT_BYTES_ENV)
-    if env is not None:
-        try:
-            value = int(env)
-        except ValueError:
-            raise ValueError(f"{MAX_OUTPUT_BYTES_ENV} must be an int of bytes, got {env!r}") from None
-        if value < 1:
-            raise ValueError(f"{MAX_OUTPUT_BYTES_ENV} must be >= 1, got {value}")
-        return value
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # not POSIX: a bound no host batch reaches
-        return 1 << 40
-
-
-def check_max_output_bytes(value: Any) -> int | None:
-    """`max_output_bytes=`: `None` (the default bound) or a positive int."""
-    if value is None:
-        return None
-    return check_positive(value, "max_output_bytes")
-
-
-def output_size(needed: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[int, str]:
-    """The bytes of tensors `{key: (shape, dtype)}`, and their shapes as text for messages."""
-    total = sum(math.prod(shape) * dt.itemsize for shape, dt in needed.values())
-    return total, ", ".join(f"{k} {list(shape)}" for k, (shape, _) in needed.items())
-
-
-def check_output_size(needed: dict[str, tuple[tuple[int, ...], torch.dtype]], bound: int | None) -> None:
-    """Refuse, before allocating, outputs larger than `bound` (`None`: `default_max_output_bytes()`).
-
-    Args:
-        needed: `{key: (shape, dtype)}` of the tensors about to be allocated.
-        bound: the most bytes, or `None` for the default.
-
-    Raises:
-        ValueError: naming the size, the shapes and how to raise the bound.
-    """
-    total, shapes = output_size(needed)
-    limit = default_max_output_bytes() if bound is None else bound
-    if total > limit:
-        raise ValueError(
-            f"the batch would allocate {total} bytes ({total / 2**30:.1f} GiB: {shapes}), more than the bound of "
-            f"{limit} bytes; check the token counts, seq_len and pad_to_multiple_of, or raise the bound with "
-            f"max_output_bytes= (or {MAX_OUTPUT_BYTES_ENV})"
-        )
-
-
-def padded_length(token_counts: Sequence[int], pad_to_multiple_of: int | None = None) -> int:
-    """`T` of the padded layout: the longest trajectory, rounded up to a multiple.
-
-    Args:
-        token_counts: the trajectories' token counts.
-        pad_to_multiple_of: round up to a multiple of this, if given.
-
-    Returns:
-        The padded length `T`.
-
-    Examples:
-        >>> padded_length([3, 5], pad_to_multiple_of=4)
-        8
-    """
-    longest = max(int(n) for n in token_counts)
-    if pad_to_multiple_of is None:
-        return longest
-    multiple = check_positive(pad_to_multiple_of, "pad_to_multiple_of")
-    return -(-longest // multiple) * multiple
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchLayout:
-    """The global batch's geometry, computed from metadata (see `global_layout`).
-
-    Attributes:
-        seq_len: `T` of the padded layout (the longest trajectory, rounded up).
-        dtype: the route dtype of the batch (NumPy), as `collate_routes` would choose it.
-        batch_size: `B`, the trajectories.
-        num_tokens: `sum(n)`, the packed layout's token axis.
-    """
-
-    seq_len: int
-    dtype: np.dtype
-    batch_size: int
-    num_tokens: int
-
-
-def global_layout(
-    token_counts: Sequence[int],
-    dtypes: Iterable[Any],
-    *,
-    pad_to_multiple_of: int | None = None,
-    padding: str = "arange",
-    num_experts: int | None = None,
-) -> BatchLayout:
-    """The global batch's `seq_len` and route dtype, from token counts and route dtypes alone.
-
-    What `collate_routes` would choose for the whole batch, computed without
-    any route bytes, so that every rank passes the same `seq_len=` and
-    `dtype=` to its own collator and its micro-batches are slices of the
-    global batch.
-
-    Args:
-        token_counts: every trajectory's token count `n_i` (positive ints).
-        dtypes: the trajectories' route dtypes (NumPy or torch dtypes, or
-            their names; any iterable, a set is enough).
-        pad_to_multiple_of: as in `collate_routes`.
-        padding: as in `collate_routes`; `balanced` widens the dtype where
-            `num_experts - 1` does not fit it.
-        num_experts: as in `collate_routes` (needed for `balanced`).
-
-    Returns:
-        A frozen `BatchLayout` with `seq_len`, `dtype`, `batch_size`, `num_tokens`.
-
-    Raises:
-        TypeError: a count, dtype or setting of the wrong kind, naming it.
-        ValueError: an empty batch, a non-positive count, a non-canonical dtype.
-
-    Examples:
-        >>> import numpy as np
-        >>> layout = global_layout([3, 9, 5], [np.uint8, np.int16], pad_to_multiple_of=4)
-        >>> layout.seq_len, layout.dtype, layout.num_tokens
-        (12, dtype('int16'), 17)
-    """
-    if isinstance(token_counts, (torch.Tensor, np.ndarray)):
-        token_counts = token_counts.tolist()
-    if isinstance(token_counts, (str, bytes)) or not isinstance(token_counts, Sequence):
-        raise TypeError(f"token_counts: expected a sequence of ints, got {type(token_counts).__name__}")
-    if len(token_counts) == 0:
-        raise ValueError("token_counts: expected at least one trajectory, got none")
-    counts = []
-    for i, n in enumerate(token_counts):
-        n = check_int(n, f"token_counts[{i}]")
-        if n <= 0:
-            raise ValueError(f"token_counts[{i}]: expected a positive token count, got {n}")
-        counts.append(n)
-    if isinstance(dtypes, (str, bytes, np.dtype, torch.dtype, type)):
-        dtypes = [dtypes]
-    found = {check_route_dtype(d, f"dtypes[{k}]") for k, d in enumerate(dtypes)}
-    if not found:
-        raise ValueError("dtypes: expected at least one route dtype, got none")
-    num_experts = check_padding(padding, num_experts, 1)
-    if num_experts is not None and padding == "balanced":
-        found.add(canonical_dtype_for(num_experts - 1))
-    return BatchLayout(
-        seq_len=padded_length(counts, pad_to_multiple_of),
-        dtype=widest(found),
-        batch_size=len(counts),
-        num_tokens=sum(counts),
-    )
+def __getattr__(name: str) -> Any:
+    new = _RENAMED.get(name)
+    if new is None:
+        raise AttributeError(f"module 'torch_r3.layout' has no attribute {name!r}")
+    warn_renamed(f"torch_r3.layout.{name}", f"torch_r3.geometry.{new}")
+    return getattr(geometry, new)

@@ -15,7 +15,7 @@ Public names:
 
 * `put_trajectory(sample)` -> `TrajectoryRef` (call it on the rollout actor).
 * `TrajectoryRef`: the small, picklable handle the controller passes around.
-* `token_counts(refs)`, `route_dtypes(refs)`: the metadata `torch_r3.global_layout`
+* `token_counts(refs)`, `route_dtypes(refs)`: the metadata `torch_r3.global_geometry`
   and `torch_r3.plan_microbatches` take.
 * `RefFetch(refs)`: `fetch(indices)` -> the samples of those global indices,
   checked against their metadata.
@@ -173,7 +173,7 @@ def _check_refs(refs: Any) -> list[TrajectoryRef]:
 
 
 def token_counts(refs: Sequence[TrajectoryRef]) -> list[int]:
-    """Each trajectory's token count, for `global_layout` and `plan_microbatches`.
+    """Each trajectory's token count, for `global_geometry` and `plan_microbatches`.
 
     Args:
         refs: the step's trajectories, in global batch order.
@@ -185,7 +185,7 @@ def token_counts(refs: Sequence[TrajectoryRef]) -> list[int]:
 
 
 def route_dtypes(refs: Sequence[TrajectoryRef]) -> list[np.dtype]:
-    """Each trajectory's route dtype, for `global_layout`.
+    """Each trajectory's route dtype, for `global_geometry`.
 
     Args:
         refs: the step's trajectories, in global batch order.

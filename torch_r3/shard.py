@@ -6,19 +6,19 @@ their trajectories. `plan_microbatches` splits the global batch across
 data-parallel ranks from the token counts alone; `ShardCollator` fetches and
 collates one rank's micro-batches, each one bit-identical to the matching rows
 of the global batch when it is given the global `seq_len` and `dtype`
-(`torch_r3.global_layout`): the micro-batch's global sample indices go to the
+(`torch_r3.global_geometry`): the micro-batch's global sample indices go to the
 collator as `sample_ids`, which key the `balanced` padding.
 
 Examples:
     >>> import numpy as np
-    >>> from torch_r3 import ShardCollator, global_layout, plan_microbatches
+    >>> from torch_r3 import ShardCollator, global_geometry, plan_microbatches
     >>> tokens = [[1, 2, 3], [4], [5, 6], [7, 8, 9, 10]]
     >>> store = [{"input_ids": t, "routes": np.zeros((len(t) - 1, 2, 2), np.uint8)} for t in tokens]
     >>> counts = [len(t) for t in tokens]
     >>> plan = plan_microbatches(counts, dp_size=2, micro_batch_size=1)
     >>> plan
     [[[3], [1]], [[0], [2]]]
-    >>> layout = global_layout(counts, {np.uint8})
+    >>> layout = global_geometry(counts, {np.uint8})
     >>> shard = ShardCollator(lambda idx: [store[i] for i in idx], plan[0], seq_len=layout.seq_len, dtype=layout.dtype)
     >>> [batch["input_ids"].tolist() for batch in shard]
     [[[7, 8, 9, 10]], [[0, 0, 0, 4]]]
@@ -30,13 +30,11 @@ import concurrent.futures
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-import torch
-
 from torch_r3._buffers import BufferPool
-from torch_r3._checks import check_bool, check_int, check_positive
+from torch_r3._checks import check_bool, check_indices, check_positive, check_token_counts
+from torch_r3._deprecation import renamed_argument
 from torch_r3.collate import R3Collator
-from torch_r3.layout import check_sample_ids
+from torch_r3.geometry import MAX_SAMPLE_ID
 
 __all__ = ["ShardCollator", "plan_microbatches"]
 
@@ -100,14 +98,7 @@ def plan_microbatches(
         >>> plan_microbatches([5, 1, 4, 2, 3, 3], dp_size=2, micro_batch_size=2)
         [[[0], [1, 5]], [[2], [3, 4]]]
     """
-    if isinstance(token_counts, (torch.Tensor, np.ndarray)):
-        token_counts = token_counts.tolist()
-    if isinstance(token_counts, (str, bytes)) or not isinstance(token_counts, Sequence):
-        raise TypeError(f"token_counts: expected a sequence of ints, got {type(token_counts).__name__}")
-    counts = [check_int(n, f"token_counts[{i}]") for i, n in enumerate(token_counts)]
-    for i, n in enumerate(counts):
-        if n <= 0:
-            raise ValueError(f"token_counts[{i}]: expected a positive token count, got {n}")
+    counts = check_token_counts(token_counts)
     dp = check_positive(dp_size, "dp_size")
     mbs = None if micro_batch_size is None else check_positive(micro_batch_size, "micro_batch_size")
     cap = (
@@ -155,16 +146,7 @@ def _check_microbatches(microbatches: Any) -> list[list[int]]:
     out: list[list[int]] = []
     seen: dict[int, int] = {}
     for k, mb in enumerate(microbatches):
-        if isinstance(mb, (torch.Tensor, np.ndarray)):
-            mb = mb.tolist()
-        if isinstance(mb, (str, bytes)) or not isinstance(mb, (Sequence, range)):
-            raise TypeError(f"microbatches[{k}]: expected a sequence of sample indices, got {type(mb).__name__}")
-        if len(mb) == 0:
-            raise ValueError(f"microbatches[{k}]: a micro-batch needs at least one sample")
-        try:
-            ids = check_sample_ids(mb, len(mb))
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"microbatches[{k}]: {e}") from None
+        ids = list(check_indices(mb, f"microbatches[{k}]", limit=MAX_SAMPLE_ID, what="sample index"))
         for i in ids:
             if i in seen:
                 raise ValueError(f"microbatches[{k}]: sample {i} is also in microbatches[{seen[i]}]")
@@ -180,7 +162,7 @@ class ShardCollator:
     `fetch(indices)`, which returns that micro-batch's sample dicts in the
     same order (as `R3Collator` takes them), and yields their collated batch.
     The indices go to the collator as `sample_ids`, so with the global
-    batch's `seq_len` and `dtype` (`torch_r3.global_layout`) every micro-batch
+    batch's `seq_len` and `dtype` (`torch_r3.global_geometry`) every micro-batch
     is bit-identical to its rows of one global `R3Collator` batch (packed: to
     its samples' spans of it). Batches come from the collator's recycled
     buffers: a `for` loop that drops each batch when it takes the next keeps
@@ -203,7 +185,7 @@ class ShardCollator:
             so that later steps reuse the memory of earlier ones; by default
             each `ShardCollator` has its own.
         **options: the other `R3Collator` settings (`layout`, `pad_keys`,
-            `padding`, `num_experts`, `pad_token_id`, ...).
+            `filler`, `num_experts`, `pad_token_id`, ...).
 
     Raises:
         TypeError: `fetch` is not callable, or a setting of the wrong kind.
@@ -218,9 +200,10 @@ class ShardCollator:
         *,
         seq_len: int | None = None,
         dtype: Any = None,
-        layers: Sequence[int] | None = None,
+        keep_layers: Sequence[int] | None = None,
         prefetch: bool = False,
         buffers: BufferPool | None = None,
+        layers: Sequence[int] | None = None,
         **options: Any,
     ) -> None:
         if not callable(fetch):
@@ -228,11 +211,8 @@ class ShardCollator:
         self.prefetch = check_bool(prefetch, "prefetch")
         self.fetch = fetch
         self.microbatches = _check_microbatches(microbatches)
-        if buffers is not None and not isinstance(buffers, BufferPool):
-            raise TypeError(f"buffers must be None or a torch_r3.BufferPool, got {type(buffers).__name__}")
-        self.collator = R3Collator(seq_len=seq_len, dtype=dtype, layers=layers, **options)
-        if buffers is not None:
-            self.collator.buffers = buffers
+        keep_layers = renamed_argument(layers, keep_layers, old="layers", new="keep_layers", where="ShardCollator")
+        self.collator = R3Collator(seq_len=seq_len, dtype=dtype, keep_layers=keep_layers, buffers=buffers, **options)
 
     def __repr__(self) -> str:
         return f"ShardCollator({len(self.microbatches)} micro-batches, prefetch={self.prefetch}, {self.collator!r})"

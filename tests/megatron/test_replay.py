@@ -123,6 +123,34 @@ def test_dense_first_layers_map_to_their_global_layer_in_either_routes_layout(ma
     recorder.close()
 
 
+def test_route_layers_takes_numpy_integers_and_refuses_what_is_no_layer(make_model):
+    """`route_layers=` follows the package's rule for index sequences: NumPy integers and arrays are ints."""
+    import numpy as np
+
+    model = make_model(num_layers=3, moe_layer_freq=[0, 1, 1])
+    recorder = RouteRecorder(model)
+    for route_layers in ([np.int64(1), np.int64(2)], np.array([2, 1])):
+        hook = ReplayHook(model, uncaptured="replay", route_layers=route_layers)
+        batch = make_batch(layers=2)
+        for calls in recorder.calls.values():
+            calls.clear()
+        run_step(hook, model, [batch], forward_only=True)
+        held = [int(layer) for layer in route_layers]
+        for layer, ((_, routing_map),) in recorder.calls.items():
+            want = batch["rollout_expert_indices"][:, :, held.index(layer)]
+            assert torch.equal(routing_map, expected_map(want))
+        hook.close()
+    for bad, error, message in (
+        ([1, True], TypeError, r"route_layers\[1\] must be an int, got bool"),
+        ([1, 3], ValueError, r"route_layers\[1\]: layer 3 is outside \[0, 3\)"),
+        ([2, 2], ValueError, r"route_layers\[1\]: layer 2 is listed twice"),
+        ("12", TypeError, r"route_layers must be a sequence of ints, got str"),
+    ):
+        with pytest.raises(error, match=message):
+            ReplayHook(model, route_layers=bad)
+    recorder.close()
+
+
 def test_model_gets_the_true_padding_mask_and_indices_are_int64(make_model):
     model = make_model()
     hook = ReplayHook(model)
@@ -282,7 +310,7 @@ def test_refuses_non_modules():
         (
             lambda b: b.update(rollout_expert_indices=b["rollout_expert_indices"][..., :1]),
             ValueError,
-            r"padded layout expects \[B, T, L, K=2\]",
+            r"rollout_expert_indices: expected \[B, T, L, K=2\]",
         ),
         (
             lambda b: b.update(router_padding_mask=b["router_padding_mask"][:, 1:]),

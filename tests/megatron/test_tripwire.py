@@ -57,7 +57,7 @@ def test_quantile_balancing_is_refused_naming_the_setting(make_model):
 
 
 def test_route_drift_of_a_layer_whose_replay_never_ran_is_none_not_zero():
-    from torch_r3.stats import StatsCollector
+    from torch_r3.replay.stats import StatsCollector
 
     stats = StatsCollector(measure_drops=False)
     stats.add_microbatch(torch.tensor([False, False, True]), live=True)

@@ -58,7 +58,7 @@ def test_uncaptured_replay_keeps_the_filler_routes(make_model):
 
 
 def test_uncaptured_must_be_live_or_replay(make_model):
-    with pytest.raises(ValueError, match=r"uncaptured: expected 'live' or 'replay', got 'own'"):
+    with pytest.raises(ValueError, match=r"uncaptured must be one of \['live', 'replay'\], got 'own'"):
         ReplayHook(make_model(), uncaptured="own")
 
 

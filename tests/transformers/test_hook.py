@@ -38,7 +38,9 @@ def test_routes_of_the_moe_layers_only_replay_like_routes_of_every_layer(deepsee
                 b = deepseek(**inputs(only)).logits
         assert torch.equal(a, b)
         wrong = {**every, ROUTES: every[ROUTES][:, :, :1]}
-        with pytest.raises(ValueError, match=r"has 1 layers; expected the model's 3 decoder layers or its 2 MoE"):
+        with pytest.raises(
+            ValueError, match=r"has 1 layers; expected num_layers = 3 \(every layer\) or 2 \(MoE layers only\)"
+        ):
             with hook.replay(wrong):
                 pass
 
@@ -95,7 +97,7 @@ def test_a_router_that_sees_other_tokens_than_the_routes_cover_is_refused(qwen):
     with ReplayHook(qwen) as hook:
         batch = make_batch(hook)
         longer = torch.cat([batch["input_ids"], batch["input_ids"][:, :1]], dim=1)
-        with pytest.raises(ValueError, match=r"layer 0: the router sees 14 tokens, the batch's routes cover 12"):
+        with pytest.raises(ValueError, match=r"layer 0: the router sees 14 tokens, the routes cover 12"):
             with torch.no_grad(), hook.replay(batch):
                 qwen(input_ids=longer)
 
@@ -141,7 +143,7 @@ def test_an_unsupported_router_class_is_refused_naming_it_and_the_supported_fami
     dense = tf.AutoModelForCausalLM.from_config(tf.Qwen3Config(**COMMON, num_hidden_layers=1))
     with pytest.raises(ValueError, match=r"model \(Qwen3ForCausalLM\): no MoE router found"):
         ReplayHook(dense)
-    with pytest.raises(ValueError, match=r"uncaptured: expected 'live' or 'replay', got 'own'"):
+    with pytest.raises(ValueError, match=r"uncaptured must be one of \['live', 'replay'\], got 'own'"):
         ReplayHook(build("mixtral"), uncaptured="own")
 
 
@@ -172,7 +174,7 @@ def test_only_the_hooked_instance_replays_and_only_inside_the_block(qwen):
 
 def test_blocks_do_not_nest_and_a_closed_hook_refuses(qwen):
     hook = ReplayHook(qwen)
-    with pytest.raises(ValueError, match=r"model.layers.0.mlp.gate: this model already has a ReplayHook"):
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.gate: this router already belongs to an open ReplayHook"):
         ReplayHook(qwen)
     batch = make_batch(hook)
     with hook.replay(batch), pytest.raises(RuntimeError, match="do not nest"), hook.record():

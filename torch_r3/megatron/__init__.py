@@ -2,7 +2,8 @@
 
 This is the only part of `torch_r3` that imports Megatron (`megatron-core >= 0.16`,
 the first release with `router_replay`). It depends on the core, never the
-other way round.
+other way round; it stands on the replay core
+(`torch_r3.replay`) and never imports the `transformers` hook.
 
 Public names:
 
@@ -14,6 +15,7 @@ Public names:
   after every step.
 * `ReplayStats` (with `TokenCounts`) is what `ReplayHook.last_stats` holds after
   a step: per-layer route drift, live share, token counts, capacity drops.
+* `Recording` (`ReplayHook.last_recording`): the routes a recording step chose (R2).
 * `InterleavedPipelineError` is raised for the interleaved (virtual pipeline)
   schedule, which this product refuses by contract.
 * The pure slicing helpers (`context_parallel_positions`,
@@ -48,10 +50,12 @@ from torch_r3.megatron.slicing import (
     slice_for_rank as slice_for_rank,
     stage_layer_range as stage_layer_range,
 )
-from torch_r3.stats import ReplayStats, TokenCounts
+from torch_r3.replay.recording import Recording
+from torch_r3.replay.stats import ReplayStats, TokenCounts
 
 __all__ = [
     "InterleavedPipelineError",
+    "Recording",
     "ReplayHook",
     "ReplayStats",
     "TokenCounts",

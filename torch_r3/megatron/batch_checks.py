@@ -5,12 +5,13 @@ offending position, so that a bad route never reaches Megatron (where an id out
 of range fails deep inside `scores.gather`, or on a GPU kills the CUDA context,
 and a duplicate or a missing row trains silently on the wrong experts):
 
-* `check_microbatch`: keys, dtypes and shapes of the dict;
 * `check_route_values`: every replayed route holds K distinct expert ids in
-  `[0, num_moe_experts)`; one vectorised pass on the routes' own device and one
-  host sync per microbatch;
+  `[0, num_moe_experts)` (the rule of `torch_r3.replay.checks`, which also
+  checks the dict's keys, dtypes and shapes), with Megatron's names;
 * `check_model_input` and `check_router_rows`: the routes cover exactly the
-  tokens the model (first stage) and each router (every stage) sees.
+  tokens the model (first stage) and each router (every stage) sees;
+* `model_padding_mask`, `check_record_microbatch`: the padding mask Megatron
+  gets, and the token layout of a microbatch to record.
 """
 
 from __future__ import annotations
@@ -20,49 +21,11 @@ from typing import Any
 
 import torch
 
-from torch_r3._route_checks import bad_route_message, check_route_tensors, first_bad_route, route_position
-from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS, INPUT_IDS, ROUTER_MASK, ROUTES
+from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS, INPUT_IDS
+from torch_r3.replay.checks import check_replayed_ids, check_router_tokens
 
 # The other checks are the hook's internals, shared with `hook.py` under plain names.
 __all__ = ["check_route_values"]
-
-
-def check_microbatch(batch: Any, topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Check a microbatch dict's route keys, dtypes and shapes.
-
-    Args:
-        batch: The microbatch dict from the data iterator.
-        topk: The model's `moe_router_topk`.
-
-    Returns:
-        `(routes, router_padding_mask, cu_seqlens or None)`.
-
-    Raises:
-        TypeError: When the batch is no mapping or a tensor has the wrong type.
-        ValueError: When a key is missing or a shape is wrong.
-    """
-    if not isinstance(batch, Mapping):
-        raise TypeError(f"microbatch: expected a dict, got {type(batch).__name__}")
-    for key in (ROUTES, ROUTER_MASK):
-        if key not in batch:
-            raise ValueError(f"microbatch: missing key {key!r}")
-    routes, mask = batch[ROUTES], batch[ROUTER_MASK]
-    check_route_tensors(routes, mask)
-    cu_seqlens = batch.get(CU_SEQLENS)
-    if cu_seqlens is not None:
-        if routes.ndim != 3 or routes.shape[-1] != topk:
-            raise ValueError(f"{ROUTES}: packed layout expects [sum(n), L, K={topk}], got {list(routes.shape)}")
-        if mask.shape != routes.shape[:1]:
-            raise ValueError(f"{ROUTER_MASK}: packed layout expects [{routes.shape[0]}], got {list(mask.shape)}")
-    else:
-        if routes.ndim != 4 or routes.shape[-1] != topk:
-            raise ValueError(
-                f"{ROUTES}: padded layout expects [B, T, L, K={topk}] (or [sum(n), L, K] "
-                f"with {CU_SEQLENS!r}), got {list(routes.shape)}"
-            )
-        if mask.shape != routes.shape[:2]:
-            raise ValueError(f"{ROUTER_MASK}: expected [B, T] = {list(routes.shape[:2])}, got {list(mask.shape)}")
-    return routes, mask, cu_seqlens
 
 
 def model_padding_mask(
@@ -163,17 +126,17 @@ def check_route_values(
         ...
         ValueError: microbatch 0, layer 3: row 0, token 1: expert id 2 twice in one route [2, 2]; the K=2 experts of a token must be distinct
     """
-    if cu_seqlens is not None:
-        routes, checked = routes.unsqueeze(0), checked.unsqueeze(0)
     index = [i for _, i in layers]
-    view = routes if index == list(range(routes.shape[2])) else routes[:, :, index]
-    found = first_bad_route(view, checked, num_experts)  # the one host sync per microbatch
-    if found is None:
-        return
-    b, t, j, route = found
-    where = route_position(b, t, cu_seqlens)
-    message = bad_route_message(route, num_experts, experts=f"num_moe_experts={num_experts}")
-    raise ValueError(f"microbatch {microbatch}, layer {layers[j][0]}: {where}: {message}")
+    view = routes if index == list(range(routes.shape[-2])) else routes[..., index, :]
+    check_replayed_ids(  # the one host sync per microbatch
+        view,
+        checked,
+        [layer for layer, _ in layers],
+        num_experts,
+        prefix=f"microbatch {microbatch}, ",
+        experts=f"num_moe_experts={num_experts}",
+        cu_seqlens=cu_seqlens,
+    )
 
 
 def check_model_input(
@@ -220,14 +183,10 @@ def check_router_rows(tokens: int, rows: int, batch_rows: int, *, microbatch: in
     """
     if tokens == rows:
         return
-    positions = rows // max(batch_rows, 1)
-    prefix = (
-        f"microbatch {microbatch}, layer {layer}: the router sees {tokens} tokens, the routes cover "
-        f"{rows} ({batch_rows} rows x {positions} positions on this rank)"
+    if tokens > rows:  # the routes are sequence-first [S * B]: token `rows` is the first without one
+        hint = f"; first token without a route: row {rows % batch_rows}, position {rows // batch_rows} on this rank"
+    else:
+        hint = f"; {rows - tokens} routes more than tokens"
+    check_router_tokens(
+        tokens, rows, batch_rows, where=f"microbatch {microbatch}, layer {layer}", scope=" on this rank", hint=hint
     )
-    if tokens > rows:
-        raise ValueError(
-            prefix + f"; first token without a route: row {rows % batch_rows}, position "
-            f"{rows // batch_rows} on this rank"
-        )
-    raise ValueError(prefix + f"; {rows - tokens} routes more than tokens")

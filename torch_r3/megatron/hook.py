@@ -18,9 +18,9 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
+from torch_r3._checks import check_indices
 from torch_r3.keys import ROUTER_MASK, ROUTES
 from torch_r3.megatron.batch_checks import (
-    check_microbatch,
     check_model_input,
     check_record_microbatch,
     check_route_values,
@@ -33,17 +33,18 @@ from torch_r3.megatron.slicing import (
     RankSlice,
     hybrid_moe_pattern,
     moe_layer_pattern,
-    route_layer_map,
     router_indices,
     sequence_parallel_positions,
     slice_for_rank,
     stage_layer_range,
 )
-from torch_r3.stats import ReplayStats, StatsCollector
+from torch_r3.replay.checks import check_route_batch
+from torch_r3.replay.layers import route_layer_map
+from torch_r3.replay.modes import check_uncaptured, recorded_route_dtype
+from torch_r3.replay.recording import Recording
+from torch_r3.replay.stats import ReplayStats, StatsCollector
 
 __all__ = ["InterleavedPipelineError", "ReplayHook"]
-
-_UNCAPTURED = ("live", "replay")
 
 
 class ReplayHook:
@@ -119,8 +120,7 @@ class ReplayHook:
             config = getattr(chunks[0], "config", None)
             if config is None:
                 raise TypeError("config: the model has no .config; pass its TransformerConfig as config=")
-        if uncaptured not in _UNCAPTURED:
-            raise ValueError(f"uncaptured: expected 'live' or 'replay', got {uncaptured!r}")
+        check_uncaptured(uncaptured)
         if packed_balancing not in PACKED_BALANCING:
             raise ValueError(
                 f"packed_balancing={packed_balancing!r}: this context-parallel partitioning mode is not "
@@ -165,7 +165,7 @@ class ReplayHook:
                 )
         self._route_layers = _check_route_layers(route_layers, self._pattern)
         if self._route_layers is not None:
-            route_layer_map(self.layers, len(self._route_layers), self._pattern, route_layers=self._route_layers)
+            route_layer_map(self.router_layers, len(self._route_layers), self._pattern, route_layers=self._route_layers)
         self._packed_balancing = packed_balancing
         self._gpt = _find_padding_mask_module(self._chunk)
         self._pre_process = bool(getattr(self._gpt, "pre_process", True))
@@ -180,7 +180,7 @@ class ReplayHook:
         self._forward_only = False
         self._record = False
         self._recorded_shapes: list[tuple[int, int, bool, torch.Tensor]] = []  # (B, T, packed, padding)
-        self._last_recorded: list[dict[str, torch.Tensor]] | None = None
+        self._last_recording: Recording | None = None
         self._last_stats: ReplayStats | None = None
         self._handle = None
         if self._gpt is not None:
@@ -192,12 +192,17 @@ class ReplayHook:
     # ----------------------------------------------------------------- public
 
     @property
-    def layers(self) -> tuple[int, ...]:
+    def router_layers(self) -> tuple[int, ...]:
         """Global layer numbers (0-based) of this model's replayed routers, in model order.
 
         Routers of multi-token prediction layers are not among them: they route live.
         """
         return tuple(r.layer for r in self._routers)
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """Alias of `router_layers`."""
+        return self.router_layers
 
     @property
     def last_stats(self) -> ReplayStats | None:
@@ -213,9 +218,17 @@ class ReplayHook:
         order, the stage-only layout) and `router_padding_mask` (`True` on
         padding only: every real token was routed and recorded), in microbatch
         order; hand them back in the update step's microbatches. `None` before the
-        first recording step.
+        first recording step. The same list as `last_recording.microbatches`.
         """
-        return self._last_recorded
+        return None if self._last_recording is None else self._last_recording.microbatches
+
+    @property
+    def last_recording(self) -> Recording | None:
+        """The `Recording` of the last recording step (R2), the type `torch_r3.transformers` records too.
+
+        Its `microbatches` is `last_recorded`; `None` before the first recording step.
+        """
+        return self._last_recording
 
     def forward_backward(
         self, forward_backward_func: Callable | None = None, *, record: bool = False, **kwargs: Any
@@ -304,9 +317,9 @@ class ReplayHook:
         try:
             yield self
             self._check_drained()
-            self._last_stats = self._stats.finish(self.layers)
+            self._last_stats = self._stats.finish(self.router_layers)
             if record:
-                self._last_recorded = self._collect_recorded()
+                self._last_recording = Recording(self._collect_recorded())
         finally:
             self._clear()
             self._in_step = False
@@ -457,14 +470,16 @@ class ReplayHook:
             routes = torch.zeros((*shape, 1, 1), dtype=torch.uint8, device=device)  # shape only
             index: list[int] = []
         else:
-            routes, mask, cu_seqlens = check_microbatch(batch, self.config.moe_router_topk)
+            routes, mask, cu_seqlens = check_route_batch(batch, self.config.moe_router_topk, what="microbatch")
             # Map every router before touching any FIFO, so a bad L leaves no half-installed state.
-            index = route_layer_map(self.layers, routes.shape[-2], self._pattern, route_layers=self._route_layers)
+            index = route_layer_map(
+                self.router_layers, routes.shape[-2], self._pattern, route_layers=self._route_layers
+            )
             routes = routes.to(device, non_blocking=True)
             mask = mask.to(device, non_blocking=True)
             if index != list(range(routes.shape[-2])):
                 routes = routes[..., index, :]
-        pad = model_padding_mask(batch, mask, cu_seqlens, microbatch=microbatch, layer=self.layers[0])
+        pad = model_padding_mask(batch, mask, cu_seqlens, microbatch=microbatch, layer=self.router_layers[0])
         if not self._record:
             layers = [(r.layer, j) for j, r in enumerate(self._routers)]  # (global layer, index into routes)
             check_route_values(
@@ -530,7 +545,7 @@ class ReplayHook:
 
     def _collect_recorded(self) -> list[dict[str, torch.Tensor]]:
         # Each router kept its own choice per microbatch as [S*B, K], sequence-first.
-        dtype = torch.uint8 if self._num_experts <= 256 else torch.int16 if self._num_experts <= 32768 else torch.int32
+        dtype = recorded_route_dtype(self._num_experts)
         out = []
         for i, (b, t, packed, pad) in enumerate(self._recorded_shapes):
             per_layer = [r.recorded[i].reshape(t, b, -1).transpose(0, 1) for r in self._routers]
@@ -634,15 +649,7 @@ def _find_padding_mask_module(chunk: torch.nn.Module) -> torch.nn.Module | None:
 def _check_route_layers(route_layers: Sequence[int] | None, pattern: Sequence[bool]) -> tuple[int, ...] | None:
     if route_layers is None:
         return None
-    if isinstance(route_layers, (str, bytes)) or not isinstance(route_layers, Sequence):
-        raise TypeError(f"route_layers: expected a sequence of global layer numbers, got {type(route_layers).__name__}")
-    held = tuple(route_layers)
-    for layer in held:
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < len(pattern):
-            raise ValueError(f"route_layers: {layer!r} is not a layer of the model (0..{len(pattern) - 1})")
-    if len(set(held)) != len(held):
-        raise ValueError(f"route_layers: {list(held)} names a layer twice")
-    return held
+    return check_indices(route_layers, "route_layers", limit=len(pattern), what="layer")
 
 
 def _first_device(chunk: torch.nn.Module) -> torch.device:

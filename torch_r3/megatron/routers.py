@@ -41,7 +41,8 @@ import torch
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
 from torch_r3.megatron.batch_checks import check_router_rows
-from torch_r3.stats import StatsCollector
+from torch_r3.replay import marker
+from torch_r3.replay.stats import StatsCollector
 
 # Internals of the hook, shared with `hook.py` under plain names: nothing here is public.
 __all__: list[str] = []
@@ -96,6 +97,7 @@ class ReplayedRouter:
 
     def attach(self, *, measure_drops: bool, fix_expert_bias: bool) -> None:
         """Install the per-instance replacements and the tripwire (see the module docstring)."""
+        marker.claim(self.module, f"model: layer {self.layer}")
         self.replay.get_replay_topk = self._replay_topk
         if fix_expert_bias and getattr(self.module, "enable_expert_bias", False):
             self.module._apply_expert_bias = self._count_tokens_per_expert
@@ -106,16 +108,13 @@ class ReplayedRouter:
 
     def check_free(self) -> None:
         """Raise `ValueError` when another open `ReplayHook` already holds this router."""
-        if "get_replay_topk" in vars(self.replay):
-            raise ValueError(
-                f"model: the router of layer {self.layer} already belongs to an open ReplayHook; "
-                "close that hook first (one hook per model)"
-            )
+        marker.check_free(self.module, f"model: layer {self.layer}")
 
     def detach(self) -> None:
         """Remove the replacements; the instances route as Megatron's classes say again."""
         vars(self.replay).pop("get_replay_topk", None)
         vars(self.module).pop("_apply_expert_bias", None)
+        marker.release(self.module)
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

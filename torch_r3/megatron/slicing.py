@@ -15,13 +15,13 @@ so they are easy to test against a reference; `ReplayHook` asks
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from torch_r3._checks import check_non_negative, check_positive
+from torch_r3.replay.layers import route_layer_index, route_layer_map
 
 __all__ = [
     "RankSlice",
@@ -278,112 +278,6 @@ def hybrid_moe_pattern(pattern: str) -> tuple[bool, ...]:
     if not main:
         raise ValueError(f"hybrid_layer_pattern={pattern!r} has no decoder layer")
     return tuple(symbol == "E" for symbol in main)
-
-
-def route_layer_index(layer: int, routes_layers: int, pattern: Sequence[bool]) -> int:
-    """Map a router's global layer (0-based) to an index into the routes' `L` dim.
-
-    Inference engines report routes either for every transformer layer
-    (`L == num_layers`; dense layers carry filler) or for the MoE layers only
-    (`L` == number of MoE layers, in layer order). Both are accepted and told
-    apart by `L`.
-
-    Args:
-        layer: The router's global layer index, 0-based.
-        routes_layers: `L`, the routes' layer dimension.
-        pattern: `moe_layer_pattern` of the model.
-
-    Returns:
-        The index into `L`.
-
-    Raises:
-        ValueError: When `L` matches neither count, or `layer` is no MoE layer.
-
-    Examples:
-        >>> pattern = (False, True, True)  # one dense layer, then two MoE layers
-        >>> route_layer_index(2, 3, pattern), route_layer_index(2, 2, pattern)
-        (2, 1)
-    """
-    if not 0 <= layer < len(pattern):
-        raise ValueError(f"layer {layer} is outside the model's {len(pattern)} layers")
-    if routes_layers == len(pattern):
-        return layer
-    num_moe = sum(pattern)
-    if routes_layers == num_moe:
-        if not pattern[layer]:
-            raise ValueError(
-                f"layer {layer} has a router but moe_layer_freq marks it dense; "
-                f"cannot map it into routes that cover only the {num_moe} MoE layers"
-            )
-        return sum(pattern[:layer])
-    raise ValueError(
-        f"rollout_expert_indices has {routes_layers} layers; expected num_layers = "
-        f"{len(pattern)} (every layer) or {num_moe} (MoE layers only)"
-    )
-
-
-def route_layer_map(
-    layers: Sequence[int],
-    routes_layers: int,
-    pattern: Sequence[bool],
-    *,
-    route_layers: Sequence[int] | None = None,
-) -> list[int]:
-    """Map each router's global layer to an index into the routes' `L` dim, stage-only routes included.
-
-    Three layouts of `L` are accepted:
-
-    * every transformer layer (`L == num_layers`) or the MoE layers only
-      (`L` == the model's MoE layer count), as `route_layer_index` reads them;
-    * only this pipeline stage's MoE layers, in layer order (`L == len(layers)`
-      when that is neither count above), so a stage never receives the others';
-    * explicitly, `route_layers`: the global layer (0-based) that each index of
-      `L` holds, for any other subset.
-
-    Args:
-        layers: Global layers (0-based) of this stage's replayed routers, in model order.
-        routes_layers: `L`, the routes' layer dimension.
-        pattern: `moe_layer_pattern` of the model.
-        route_layers: The global layer of each index of `L`, or `None` to tell the layout by `L`.
-
-    Returns:
-        One index into `L` per router, in the order of `layers`.
-
-    Raises:
-        ValueError: When `L` fits no layout, or `route_layers` does not have `L`
-            entries or lacks one of `layers`.
-
-    Examples:
-        >>> pattern = (True, True, True, True)  # four MoE layers, two stages of two
-        >>> route_layer_map([2, 3], 4, pattern), route_layer_map([2, 3], 2, pattern)
-        ([2, 3], [0, 1])
-        >>> route_layer_map([2, 3], 3, pattern, route_layers=[1, 2, 3])
-        [1, 2]
-    """
-    if route_layers is not None:
-        held = list(route_layers)
-        if routes_layers != len(held):
-            raise ValueError(
-                f"rollout_expert_indices has {routes_layers} layers but route_layers names {len(held)} ({held})"
-            )
-        missing = [layer for layer in layers if layer not in held]
-        if missing:
-            raise ValueError(
-                f"route_layers={held} does not hold layer {missing[0]}, which this stage's router "
-                f"replays (this stage's MoE layers: {list(layers)})"
-            )
-        return [held.index(layer) for layer in layers]
-    if routes_layers not in (len(pattern), sum(pattern)) and routes_layers == len(layers):
-        return list(range(routes_layers))  # stage-only routes, in layer order
-    try:
-        return [route_layer_index(layer, routes_layers, pattern) for layer in layers]
-    except ValueError as err:
-        if routes_layers in (len(pattern), sum(pattern)):
-            raise
-        raise ValueError(
-            f"{err}, or {len(layers)} (this pipeline stage's MoE layers {list(layers)} only); "
-            "for another subset pass route_layers= to ReplayHook"
-        ) from None
 
 
 def stage_layer_range(config: Any, *, vp_stage: int | None = None, pp_rank: int | None = None) -> range:

@@ -1,6 +1,7 @@
 """The generate APIs of the inference servers, one small module per server.
 
-- `torch_r3.protocols.torch_r3`: the torch_r3 server format (`POST /v1/generate`).
+- `torch_r3.protocols.native`: torch_r3's own server format (`POST /v1/generate`);
+  `torch_r3.protocols.torch_r3` is its deprecated name.
 - `torch_r3.protocols.sglang`: SGLang's native `POST /generate`.
 - `torch_r3.protocols.vllm`: vLLM's native `POST /inference/v1/generate`.
 
@@ -12,7 +13,7 @@ one by name from `PROTOCOLS`. Nothing here imports aiohttp.
 
 from __future__ import annotations
 
-from torch_r3.protocols import sglang, torch_r3, vllm
+from torch_r3.protocols import native, sglang, vllm
 from torch_r3.protocols.base import GenerateCall, ParsedResponse, RouteLimits, ServerProtocol, WeightVersionSpan
 
 # The registry (`PROTOCOLS`, `SERVERS`) serves the client, which users reach by
@@ -26,6 +27,6 @@ __all__ = [
 ]
 
 #: Protocol by `server=` name.
-PROTOCOLS: dict[str, ServerProtocol] = {p.name: p for p in (torch_r3.PROTOCOL, sglang.PROTOCOL, vllm.PROTOCOL)}
+PROTOCOLS: dict[str, ServerProtocol] = {p.name: p for p in (native.PROTOCOL, sglang.PROTOCOL, vllm.PROTOCOL)}
 #: The `server=` names, in a stable order.
 SERVERS = tuple(PROTOCOLS)

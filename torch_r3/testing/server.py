@@ -27,7 +27,7 @@ require("aiohttp", "testing")  # without aiohttp: name the extra that installs i
 from aiohttp import web
 
 from torch_r3._checks import check_bool, check_finite_float, check_int, check_positive
-from torch_r3.protocols.torch_r3 import MODEL_INFO_PATH
+from torch_r3.protocols.native import MODEL_INFO_PATH
 from torch_r3.testing._engine import Engine, ModelOutputError, PrefixCache
 from torch_r3.testing._wire import WireProtocol, make_protocol
 from torch_r3.testing.faults import Faults

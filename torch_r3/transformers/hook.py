@@ -23,25 +23,26 @@ import contextlib
 import functools
 import re
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from torch_r3.keys import ROUTER_MASK, ROUTES
-from torch_r3.routes import canonical_dtype_for
-from torch_r3.stats import ReplayStats, StatsCollector
-from torch_r3.transformers.checks import check_batch, check_expert_ids, check_router_tokens, layer_columns
+from torch_r3.replay import marker
+from torch_r3.replay.checks import check_replayed_ids, check_route_batch, check_router_tokens
+from torch_r3.replay.layers import moe_pattern, route_layer_map
+from torch_r3.replay.modes import check_uncaptured, recorded_route_dtype
+from torch_r3.replay.recording import Recording
+from torch_r3.replay.stats import ReplayStats, StatsCollector
 from torch_r3.transformers.families import Family, family_of, supported_families
 
 __all__ = ["Recording", "ReplayHook"]
 
-_UNCAPTURED = ("live", "replay")
 # `<anything>.layers.<i>` names decoder layer i in every supported family (also under DDP's `module.`).
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?=\.|$)")
 # The child name torch.distributed's checkpoint_wrapper gives the module it wraps.
 _CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module"
-_TORCH_ROUTE_DTYPES = {"uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32}
 
 
 @dataclass
@@ -61,24 +62,15 @@ class _Replay:
     uncaptured: torch.Tensor  # [B * T] bool, True = no captured route
 
 
-class Recording:
-    """The routes one `ReplayHook.record()` block recorded: the model's own choice.
+@dataclass
+class _Recorder:
+    """What one `record()` block has seen so far; its `Recording` is filled when the block ends."""
 
-    Attributes:
-        batch: After the block, `{"rollout_expert_indices": [B, T, L, K],
-            "router_padding_mask": [B, T]}` in the collated batch layout: `L` is
-            every decoder layer (dense layers hold zero rows, as inference engines
-            send them), the dtype the narrowest that holds the expert ids, the mask
-            True where the forward's `attention_mask` was 0. Hand it (with the
-            tokens) to `ReplayHook.replay` in the update.
-    """
-
-    def __init__(self) -> None:
-        self.batch: dict[str, torch.Tensor] = {}
-        self._shape: tuple[int, int] | None = None  # [B, T] of the forward's input_ids
-        self._mask: torch.Tensor | None = None  # attention_mask == 0
-        self._routes: dict[int, torch.Tensor] = {}  # router index -> own [B * T, K]
-        self._forwards = 0
+    recording: Recording
+    shape: tuple[int, int] | None = None  # [B, T] of the forward's input_ids
+    mask: torch.Tensor | None = None  # attention_mask == 0
+    routes: dict[int, torch.Tensor] = field(default_factory=dict)  # router index -> own [B * T, K]
+    forwards: int = 0
 
 
 class ReplayHook:
@@ -118,9 +110,7 @@ class ReplayHook:
     def __init__(self, model: torch.nn.Module, *, uncaptured: str = "live"):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-        if uncaptured not in _UNCAPTURED:
-            raise ValueError(f"uncaptured: expected 'live' or 'replay', got {uncaptured!r}")
-        self.uncaptured = uncaptured
+        self.uncaptured = check_uncaptured(uncaptured)
         self._model = model
         self._routers, self._num_layers = _find_routers(model)
         self._topk, self._num_experts = _router_sizes(self._routers[0])
@@ -132,10 +122,12 @@ class ReplayHook:
                     f"first router's top_k={self._topk}, num_experts={self._num_experts}"
                 )
         for r in self._routers:
-            _refuse_a_second_hook(r)
+            marker.check_free(r.module, r.name)
+        for r in self._routers:
+            marker.claim(r.module, r.name)
         self._stats = StatsCollector(measure_drops=False)
         self._active: _Replay | None = None
-        self._recording: Recording | None = None
+        self._recording: _Recorder | None = None
         self._call: dict[int, torch.Tensor] | None = None  # the checkpointed layer call running now
         self._last_stats: ReplayStats | None = None
         self._in_step = False
@@ -146,9 +138,14 @@ class ReplayHook:
     # ----------------------------------------------------------------- public
 
     @property
-    def layers(self) -> tuple[int, ...]:
+    def router_layers(self) -> tuple[int, ...]:
         """Decoder layer (0-based) of each replayed router, in model order."""
         return tuple(r.layer for r in self._routers)
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """Alias of `router_layers`."""
+        return self.router_layers
 
     @property
     def num_layers(self) -> int:
@@ -191,12 +188,15 @@ class ReplayHook:
             RuntimeError: When `replay()` or `record()` is already active.
         """
         self._check_idle()
-        routes, mask, cu_seqlens = check_batch(batch, self._topk)
-        columns = layer_columns(self.layers, routes.shape[2], self._num_layers)
+        routes, mask, cu_seqlens = check_route_batch(batch, self._topk)
+        if cu_seqlens is not None:  # the packed layout is one row of a [1, N] forward
+            routes, mask = routes.unsqueeze(0), mask.unsqueeze(0)
+        pattern = moe_pattern(self.router_layers, self._num_layers)
+        columns = route_layer_map(self.router_layers, routes.shape[2], pattern)
         if columns != list(range(routes.shape[2])):
             routes = routes[:, :, columns]
         checked = ~mask if self.uncaptured == "live" else torch.ones_like(mask)
-        check_expert_ids(routes, checked, self.layers, self._num_experts, cu_seqlens=cu_seqlens)
+        check_replayed_ids(routes, checked, self.router_layers, self._num_experts, cu_seqlens=cu_seqlens)
         rows, positions = mask.shape
         device = _device_of(self._routers[0].module)
         # One copy to the device, widened once: the experts index with int64.
@@ -209,7 +209,7 @@ class ReplayHook:
         try:
             yield self
             if not self._in_step:
-                self._last_stats = self._stats.finish(self.layers)
+                self._last_stats = self._stats.finish(self.router_layers)
         finally:
             self._active = None
             for layer, original in restore:
@@ -237,7 +237,7 @@ class ReplayHook:
         self._stats.reset()
         try:
             yield self
-            self._last_stats = self._stats.finish(self.layers)
+            self._last_stats = self._stats.finish(self.router_layers)
         finally:
             self._in_step = False
 
@@ -257,15 +257,15 @@ class ReplayHook:
                 block ran no forward or more than one.
         """
         self._check_idle()
-        rec = Recording()
+        rec = _Recorder(Recording())
         self._recording = rec
         handle = self._model.register_forward_pre_hook(functools.partial(_note_inputs, rec), with_kwargs=True)
         try:
-            yield rec
+            yield rec.recording
         finally:
             handle.remove()
             self._recording = None
-        rec.batch = self._recorded_batch(rec)
+        rec.recording.microbatches.append(self._recorded_batch(rec))
 
     def close(self) -> None:
         """Remove the hooks from the routers; the model is as it was before the hook.
@@ -274,6 +274,9 @@ class ReplayHook:
         """
         for handle in self._handles:
             handle.remove()
+        if self._handles:
+            for r in self._routers:
+                marker.release(r.module)
         self._handles = []
         self._active = None
 
@@ -298,15 +301,21 @@ class ReplayHook:
             experts = call[index]
             return output[0], r.family.weights(module, output[0], experts), experts
         if self._recording is not None:
-            self._recording._routes[index] = output[2].detach()
+            self._recording.routes[index] = output[2].detach()
             if index == 0:
-                self._recording._forwards += 1
+                self._recording.forwards += 1
             return None
         state = self._active
         if state is None:
             return None
         logits, _, own = output
-        check_router_tokens(logits.shape[0], state.rows, state.positions, layer=r.layer)
+        check_router_tokens(
+            logits.shape[0],
+            state.rows * state.positions,
+            state.rows,
+            where=f"layer {r.layer}",
+            hint="; pass the input_ids the routes were collated with",
+        )
         replayed = state.routes[index]
         if self.uncaptured == "live":
             experts = torch.where(state.uncaptured.unsqueeze(-1), own, replayed)
@@ -343,31 +352,31 @@ class ReplayHook:
 
         return checkpoint_with_routes
 
-    def _recorded_batch(self, rec: Recording) -> dict[str, torch.Tensor]:
-        if rec._forwards != 1 or rec._shape is None:
+    def _recorded_batch(self, rec: _Recorder) -> dict[str, torch.Tensor]:
+        if rec.forwards != 1 or rec.shape is None:
             raise RuntimeError(
-                f"record(): expected exactly one forward of the model in the block, got {rec._forwards}"
-                + ("" if rec._shape is not None else " (with input_ids or inputs_embeds)")
+                f"record(): expected exactly one forward of the model in the block, got {rec.forwards}"
+                + ("" if rec.shape is not None else " (with input_ids or inputs_embeds)")
             )
-        rows, positions = rec._shape
-        dtype = _TORCH_ROUTE_DTYPES[canonical_dtype_for(self._num_experts - 1).name]
-        first = next(iter(rec._routes.values()))
+        rows, positions = rec.shape
+        dtype = recorded_route_dtype(self._num_experts)
+        first = next(iter(rec.routes.values()))
         out = torch.zeros((rows, positions, self._num_layers, self._topk), dtype=dtype, device=first.device)
-        for index, own in rec._routes.items():
+        for index, own in rec.routes.items():
             out[:, :, self._routers[index].layer] = own.reshape(rows, positions, self._topk).to(dtype)
-        mask = rec._mask if rec._mask is not None else torch.zeros((rows, positions), dtype=torch.bool)
+        mask = rec.mask if rec.mask is not None else torch.zeros((rows, positions), dtype=torch.bool)
         return {ROUTES: out.cpu(), ROUTER_MASK: mask.cpu()}
 
 
-def _note_inputs(rec: Recording, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+def _note_inputs(rec: _Recorder, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     ids = args[0] if args else kwargs.get("input_ids")
     if ids is None and kwargs.get("inputs_embeds") is not None:
         ids = kwargs["inputs_embeds"][..., 0]
     if isinstance(ids, torch.Tensor) and ids.ndim == 2:
-        rec._shape = (int(ids.shape[0]), int(ids.shape[1]))
+        rec.shape = (int(ids.shape[0]), int(ids.shape[1]))
     attention = kwargs.get("attention_mask")
     if isinstance(attention, torch.Tensor) and attention.ndim == 2:
-        rec._mask = attention == 0
+        rec.mask = attention == 0
 
 
 def _find_routers(model: torch.nn.Module) -> tuple[list[_Router], int]:
@@ -399,13 +408,6 @@ def _find_routers(model: torch.nn.Module) -> tuple[list[_Router], int]:
         raise ValueError(f"model: routers in more than one list of decoder layers: {sorted(containers)}")
     num_layers = len(list(model.get_submodule(containers.pop()).children()))
     return routers, num_layers
-
-
-def _refuse_a_second_hook(r: _Router) -> None:
-    # Two hooks on one router would both rewrite its output; the second would replay on top of the first.
-    for fn in r.module._forward_hooks.values():
-        if isinstance(fn, functools.partial) and getattr(fn.func, "__func__", None) is ReplayHook._on_router:
-            raise ValueError(f"{r.name}: this model already has a ReplayHook; close() it before building another")
 
 
 def _refuse_unknown_router(name: str, module: torch.nn.Module) -> None:

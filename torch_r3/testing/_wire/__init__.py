@@ -1,4 +1,4 @@
-"""The loopback server's protocols, one module each: `torch_r3` (our own), `sglang`, `vllm`.
+"""The loopback server's protocols, one module each: `native` (our own, `server="torch_r3"`), `sglang`, `vllm`.
 
 Each module holds a `WireProtocol` subclass that parses its server's request
 body and renders the response body that server sends, field for field.
@@ -11,8 +11,8 @@ from typing import Any
 
 from torch_r3._checks import check_choice
 from torch_r3.testing._wire.base import WireProtocol
+from torch_r3.testing._wire.native import TorchR3Wire
 from torch_r3.testing._wire.sglang import SGLangWire
-from torch_r3.testing._wire.torch_r3 import TorchR3Wire
 from torch_r3.testing._wire.vllm import VLLMWire
 
 __all__ = ["PROTOCOLS", "SGLangWire", "TorchR3Wire", "VLLMWire", "WireProtocol", "make_protocol"]

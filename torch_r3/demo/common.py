@@ -19,13 +19,13 @@
 
 Run it with `torch-r3 demo` or `python -m torch_r3.demo [--json PATH]`;
 `--trainer transformers` runs the same step with a Hugging Face `transformers`
-model on both sides (`torch_r3.transformers.demo`).
-On a machine without CUDA, Megatron's few CUDA-only calls are redirected to the
-CPU (`torch_r3.megatron._cpu`); with a GPU nothing is redirected.
+model on both sides. This module holds what both trainers share (the
+configuration, the inference side's sampling, the rollouts, the collation, the
+measurements and the report) and the one `run(cfg, trainer=)`; each trainer's
+own side is `torch_r3.demo.megatron` or `torch_r3.demo.transformers`.
 
-The module is past 500 lines on purpose: it is the tutorial's
-single file, read from top to bottom (set-up, inference side, rollouts,
-training side, report).
+The module is just past 500 lines on purpose: it is the tutorial's shared half,
+read from top to bottom (set-up, inference side, rollouts, collation, report).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
+import importlib
 import json
 import sys
 import time
@@ -46,10 +46,11 @@ import numpy as np
 import torch
 
 from torch_r3 import R3Collator, RoutedExpertTrace
-from torch_r3.keys import ATTENTION_MASK, ROUTER_MASK, ROUTES
+from torch_r3._checks import check_choice
+from torch_r3.keys import ATTENTION_MASK, ROUTER_MASK
 from torch_r3.testing.model import GenerateOutput, ServedModel
 
-#: The training sides `--trainer` chooses from; the transformers one lives in `torch_r3.transformers.demo`.
+#: The training sides `--trainer` chooses from, each a module `torch_r3.demo.<trainer>`.
 TRAINERS = ("megatron", "transformers")
 
 
@@ -90,90 +91,6 @@ class DemoConfig:
 def progress(msg: str, quiet: bool) -> None:
     if not quiet:
         print(f"[demo] {msg}", file=sys.stderr, flush=True)
-
-
-# ---------------------------------------------------------------------------
-# Megatron set-up
-# ---------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def megatron_world():
-    """A gloo process group of one and Megatron's parallel state, CPU redirections where needed."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    # A world of one needs no rendezvous: an in-process store, so no TCP port is probed and
-    # then lost to another process between the probe and the bind (EADDRINUSE on busy machines).
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    try:
-        if torch.cuda.is_available():
-            yield
-        else:
-            # Megatron hard-codes a few CUDA calls; the test suite redirects
-            # exactly those to the CPU. A GPU machine needs none of this.
-            from torch_r3.megatron._cpu import megatron_on_cpu
-
-            with megatron_on_cpu():
-                yield
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-
-
-def _transformer_config(cfg: DemoConfig, *, bf16: bool):
-    from megatron.core.transformer import TransformerConfig
-
-    return TransformerConfig(
-        num_layers=cfg.num_layers,
-        hidden_size=cfg.hidden_size,
-        num_attention_heads=cfg.num_attention_heads,
-        num_moe_experts=cfg.num_experts,
-        moe_router_topk=cfg.topk,
-        moe_token_dispatcher_type="allgather",
-        moe_enable_routing_replay=True,
-        use_cpu_initialization=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        add_bias_linear=False,
-        init_method_std=cfg.init_method_std,
-        bf16=bf16,
-        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
-    )
-
-
-def build_models(cfg: DemoConfig):
-    """(fp32 training model, bf16 inference model) with identical weights."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.transformer.module import Float16Module
-
-    def gpt(config):
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
-        return GPTModel(
-            config=config,
-            transformer_layer_spec=spec,
-            vocab_size=cfg.vocab_size,
-            max_sequence_length=cfg.max_seq_len,
-        )
-
-    torch.manual_seed(cfg.seed)
-    train_model = gpt(_transformer_config(cfg, bf16=False))
-    bf16_config = _transformer_config(cfg, bf16=True)
-    infer_model = gpt(bf16_config)
-    infer_model.load_state_dict(train_model.state_dict())
-    # Float16Module casts the weights to bf16 and runs the forward in bf16.
-    infer_model = Float16Module(bf16_config, infer_model).eval()
-    return train_model, infer_model
-
-
-def own_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """This model's TopKRouters in layer order."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
-    return sorted(routers, key=lambda r: r.layer_number)
 
 
 # ---------------------------------------------------------------------------
@@ -230,55 +147,6 @@ class SampledServedModel(ServedModel):
             routes=routes.numpy(),  # type: ignore[union-attr]
             finish_reason="length",
         )
-
-
-class MegatronServedModel(SampledServedModel):
-    """A bf16 Megatron `GPTModel` served by `torch_r3.testing.LoopbackServer`.
-
-    Generation samples one token per forward (no KV cache: the model is tiny);
-    a final scoring forward over every evaluated position records the routes
-    (Megatron's `RouterReplay` in `RECORD` mode) and the sampled tokens'
-    log-probs, as an inference engine returns them.
-    """
-
-    def __init__(self, model: torch.nn.Module, cfg: DemoConfig) -> None:
-        self.model = model
-        self.cfg = cfg
-        self.num_layers = cfg.num_layers
-        self.num_experts = cfg.num_experts
-        self.topk = cfg.topk
-        self.replays: list[Any] = [r.router_replay for r in own_routers(model)]  # Megatron's RouterReplay
-
-    @torch.no_grad()
-    def forward(self, ids: Sequence[int], *, record: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One forward over `ids`, every router choosing its own experts.
-
-        Args:
-            ids: Token ids of one sequence.
-            record: Also read back the experts each position was routed to.
-
-        Returns:
-            `(logits [S, V] in float32, routes [S, L, K] or None)`.
-        """
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
-        tokens = torch.tensor([list(ids)], dtype=torch.long)
-        positions = torch.arange(tokens.shape[1])[None]
-        for r in self.replays:
-            if record:
-                r.set_router_replay_action(RouterReplayAction.RECORD)
-            else:
-                r.clear_router_replay_action()
-        try:
-            logits = self.model(tokens, positions, None)[0].float()  # [S, V]
-            routes = None
-            if record:  # [S*B, K] per layer, B == 1
-                routes = torch.stack([r.get_recorded_indices() for r in self.replays], dim=1)
-        finally:
-            for r in self.replays:
-                r.clear_router_replay_action()
-                r.clear_indices()
-        return logits, routes
 
 
 # ---------------------------------------------------------------------------
@@ -381,58 +249,6 @@ RUNS = {
 }
 
 
-class ForwardStep:
-    """Megatron's `forward_step_func` for left-padded batches; keeps each microbatch's log-probs.
-
-    `logp[m]` is `[B, S - 1]`: the log-probability the model gives token `t + 1`
-    at position `t`. The loss is the mean negative log-prob over `loss_mask`.
-    """
-
-    def __init__(self) -> None:
-        self.logp: list[torch.Tensor] = []
-
-    def __call__(self, data_iterator, model):
-        """Megatron's signature: `(output, loss_func)` for the next microbatch."""
-        batch = next(data_iterator)
-        ids = batch["input_ids"]
-        att = batch[ATTENTION_MASK]
-        S = ids.shape[1]
-        # Left padding: positions count from each trajectory's first token, as
-        # on the server, and padding keys are masked (True = masked out).
-        positions = (att.cumsum(1) - 1).clamp(min=0)
-        causal = torch.triu(torch.ones(S, S, dtype=torch.bool), diagonal=1)
-        mask = causal[None, None] | (att[:, None, None, :] == 0)
-        logits = model(ids, positions, mask)  # [B, S, V]
-        return logits, functools.partial(self.loss, batch)
-
-    def loss(self, batch, output):
-        """The `loss_func` Megatron calls with the model's output `[B, S, V]`."""
-        ids = batch["input_ids"]
-        logp = torch.log_softmax(output.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
-        self.logp.append(logp.detach())
-        lm = batch["loss_mask"][:, 1:]
-        loss = -(logp * lm).sum() / lm.sum().clamp(min=1)
-        return loss, {"loss": loss.detach()}
-
-
-class RouterSpy:
-    """Records every router call's routing map `[S*B, E]` (the experts really used)."""
-
-    def __init__(self, routers: list[torch.nn.Module]):
-        self.maps: list[list[torch.Tensor]] = [[] for _ in routers]
-        self.handles = [r.register_forward_hook(self._hook(k)) for k, r in enumerate(routers)]
-
-    def _hook(self, k: int):
-        def hook(module, args, output):
-            self.maps[k].append(output[1].detach().clone())
-
-        return hook
-
-    def close(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-
 @dataclass(frozen=True)
 class StepOutputs:
     """What one forward/backward leaves behind for the measurements."""
@@ -447,57 +263,6 @@ def loss_active_uncaptured(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     lm = batch["loss_mask"][:, 1:] > 0
     predictor_uncaptured = batch[ROUTER_MASK][:, :-1] & (batch[ATTENTION_MASK][:, :-1] > 0)
     return lm & predictor_uncaptured
-
-
-def run_schedule(model, microbatches: list[dict[str, torch.Tensor]], cfg: DemoConfig, *, uncaptured: str | None):
-    """One forward/backward through Megatron's schedule; `uncaptured=None` runs without `ReplayHook`."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from torch_r3.megatron import ReplayHook
-
-    forward_step = ForwardStep()
-    spy = RouterSpy(own_routers(model))
-    model.zero_grad(set_to_none=True)
-    kwargs: dict[str, Any] = dict(
-        forward_step_func=forward_step,
-        data_iterator=iter(microbatches),
-        model=[model],
-        num_microbatches=len(microbatches),
-        seq_length=max(mb["input_ids"].shape[1] for mb in microbatches),
-        micro_batch_size=cfg.micro_batch_size,
-        forward_only=False,
-    )
-    stats = None
-    try:
-        if uncaptured is None:
-            get_forward_backward_func()(**kwargs)
-        else:
-            with ReplayHook(model, uncaptured=uncaptured) as hook:
-                hook.forward_backward(get_forward_backward_func(), **kwargs)
-                stats = hook.last_stats
-    finally:
-        spy.close()
-    return StepOutputs(forward_step.logp, spy.maps, stats)
-
-
-def route_agreement(outputs: StepOutputs, microbatches, cfg: DemoConfig) -> dict[str, Any]:
-    """Share of real tokens with a captured route whose training-side experts equal the rollout's."""
-    agree = np.zeros(cfg.num_layers)
-    total = 0
-    for m, mb in enumerate(microbatches):
-        routes = mb[ROUTES].long()  # [B, S, L, K]
-        B, S = routes.shape[:2]
-        captured = ~mb[ROUTER_MASK]  # [B, S]
-        total += int(captured.sum())
-        for layer in range(cfg.num_layers):
-            used = outputs.routing_maps[layer][m].view(S, B, -1).transpose(0, 1)  # [B, S, E]
-            want = torch.zeros_like(used).scatter(-1, routes[:, :, layer], True)
-            agree[layer] += int(((used == want).all(-1) & captured).sum())
-    return {
-        "route_agreement": float(agree.sum() / (total * cfg.num_layers)),
-        "route_agreement_per_layer": [float(a / total) for a in agree],
-        "tokens": total,
-    }
 
 
 def logprob_mismatch(outputs: StepOutputs, microbatches) -> dict[str, Any]:
@@ -527,21 +292,6 @@ def logprob_mismatch(outputs: StepOutputs, microbatches) -> dict[str, Any]:
         "loss_tokens": n_sampled,
         "uncaptured_tokens": n_unc,
     }
-
-
-def measure(model, microbatches, cfg: DemoConfig, *, uncaptured: str | None) -> dict[str, Any]:
-    """One training run and both measurements, plus `hook.last_stats` where replay ran."""
-    outputs = run_schedule(model, microbatches, cfg, uncaptured=uncaptured)
-    figures = {**route_agreement(outputs, microbatches, cfg), **logprob_mismatch(outputs, microbatches)}
-    stats = outputs.stats
-    figures["stats"] = None
-    if stats is not None:
-        figures["stats"] = {
-            "route_drift": [stats.route_drift[layer] for layer in sorted(stats.route_drift)],
-            "live_fraction": stats.live_fraction,
-            "tokens": stats.tokens._asdict(),
-        }
-    return figures
 
 
 def add_reference_logprobs(samples: list[dict[str, Any]], served: SampledServedModel | None) -> None:
@@ -662,7 +412,7 @@ def collate_and_measure(
             f"{uncaptured} loss-active token(s) are predicted from positions without a captured route "
             f"(an uncaptured tail, e.g. a synthetic EOS); ReplayHook routes them with the model's own "
             f'router (uncaptured="live"), or replays a filler route there with uncaptured="replay"',
-            stacklevel=4,  # one frame deeper than when each demo warned itself: the same frame named
+            stacklevel=3,  # the caller of `run`
         )
     results = {}
     for name, (mode, column) in RUNS.items():
@@ -671,34 +421,39 @@ def collate_and_measure(
     return results
 
 
-def run(cfg: DemoConfig, *, server_url: str | None = None, retries: int = 3, num_workers: int = 2, quiet: bool = False):
-    """Run the whole step; returns the figures of each run in `RUNS`, by name."""
-    with quiet_third_party_warnings():
-        return _run(cfg, server_url=server_url, retries=retries, num_workers=num_workers, quiet=quiet)
-
-
-def _run(cfg: DemoConfig, *, server_url: str | None, retries: int, num_workers: int, quiet: bool):
+def run(
+    cfg: DemoConfig,
+    *,
+    trainer: str = "megatron",
+    server_url: str | None = None,
+    retries: int = 3,
+    num_workers: int = 2,
+    quiet: bool = False,
+) -> dict[str, dict[str, Any]]:
+    """Run the whole step with one of `TRAINERS`; returns the figures of each run in `RUNS`, by name."""
     from torch_r3.testing import LoopbackServer
 
-    t0 = time.perf_counter()
-    if server_url is not None:
-        progress(f"checking the inference server at {server_url}", quiet)
-        asyncio.run(check_server(server_url, cfg, retries))
-    with megatron_world():
-        progress("building the fp32 training model and its bf16 inference copy", quiet)
-        train_model, infer_model = build_models(cfg)
-        served = MegatronServedModel(infer_model, cfg)
-        with contextlib.ExitStack() as stack:
-            url = server_url
-            if url is None:
-                url = stack.enter_context(LoopbackServer(served)).url
-                progress(f"bf16 inference server on {url}", quiet)
-                asyncio.run(check_server(url, cfg, retries))
-            samples = asyncio.run(rollout(url, cfg, retries, quiet))
-        # Another server's weights are not this bf16 copy's: no reference then.
-        add_reference_logprobs(samples, served if server_url is None else None)
-        results = collate_and_measure(samples, train_model, measure, cfg, num_workers=num_workers, quiet=quiet)
-    progress(f"done in {time.perf_counter() - t0:.1f} s", quiet)
+    side = importlib.import_module(f"torch_r3.demo.{check_choice(trainer, 'trainer', TRAINERS)}")
+    with quiet_third_party_warnings():
+        t0 = time.perf_counter()
+        if server_url is not None:
+            progress(f"checking the inference server at {server_url}", quiet)
+            asyncio.run(check_server(server_url, cfg, retries))
+        with side.world():
+            progress(side.BUILDING, quiet)
+            train_model, infer_model = side.build_models(cfg)
+            served = side.served_model(infer_model, cfg)
+            with contextlib.ExitStack() as stack:
+                url = server_url
+                if url is None:
+                    url = stack.enter_context(LoopbackServer(served)).url
+                    progress(f"bf16 inference server on {url}", quiet)
+                    asyncio.run(check_server(url, cfg, retries))
+                samples = asyncio.run(rollout(url, cfg, retries, quiet))
+            # Another server's weights are not this bf16 copy's: no reference then.
+            add_reference_logprobs(samples, served if server_url is None else None)
+            results = collate_and_measure(samples, train_model, side.measure, cfg, num_workers=num_workers, quiet=quiet)
+        progress(f"done in {time.perf_counter() - t0:.1f} s", quiet)
     return results
 
 
@@ -737,15 +492,14 @@ def run_from_args(args: argparse.Namespace) -> int:
             print(f"error: --{name} must be >= 1", file=sys.stderr)
             return 2
     cfg = DemoConfig(seed=args.seed, trajectories=args.trajectories, turns=args.turns)
-    if getattr(args, "trainer", "megatron") == "transformers":
-        from torch_r3.transformers import demo as transformers_demo
-
-        run_demo = transformers_demo.run
-    else:
-        run_demo = run
     try:
-        results = run_demo(
-            cfg, server_url=args.server_url, retries=args.retries, num_workers=args.num_workers, quiet=args.quiet
+        results = run(
+            cfg,
+            trainer=getattr(args, "trainer", "megatron"),
+            server_url=args.server_url,
+            retries=args.retries,
+            num_workers=args.num_workers,
+            quiet=args.quiet,
         )
     except DemoError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -755,7 +509,3 @@ def run_from_args(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

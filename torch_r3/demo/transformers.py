@@ -17,29 +17,22 @@ The same step as the Megatron demo (`torch_r3.demo`), with a tiny random
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from torch_r3.demo import (
+from torch_r3.demo.common import (
     DemoConfig,
     SampledServedModel,
     StepOutputs,
-    add_reference_logprobs,
-    check_server,
-    collate_and_measure,
     logprob_mismatch,
-    progress,
-    rollout,
 )
 from torch_r3.keys import ATTENTION_MASK, ROUTER_MASK, ROUTES
 from torch_r3.transformers.hook import ReplayHook
 
-__all__ = ["TransformersServedModel", "build_models", "run"]
+__all__ = ["TransformersServedModel", "build_models", "measure"]
 
 
 def build_models(cfg: DemoConfig) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -175,27 +168,9 @@ def measure(model, microbatches, cfg: DemoConfig, *, uncaptured: str | None) -> 
     return figures
 
 
-def run(
-    cfg: DemoConfig, *, server_url: str | None = None, retries: int = 3, num_workers: int = 2, quiet: bool = False
-) -> dict[str, dict[str, Any]]:
-    """Run the whole step with a transformers model; returns the figures of each run in `RUNS`, by name."""
-    from torch_r3.testing import LoopbackServer
-
-    t0 = time.perf_counter()
-    if server_url is not None:
-        progress(f"checking the inference server at {server_url}", quiet)
-        asyncio.run(check_server(server_url, cfg, retries))
-    progress("building the fp32 transformers Qwen3-MoE model and its bf16 inference copy", quiet)
-    train_model, infer_model = build_models(cfg)
-    served = TransformersServedModel(infer_model, cfg)
-    with contextlib.ExitStack() as stack:
-        url = server_url
-        if url is None:
-            url = stack.enter_context(LoopbackServer(served)).url
-            progress(f"bf16 inference server on {url}", quiet)
-            asyncio.run(check_server(url, cfg, retries))
-        samples = asyncio.run(rollout(url, cfg, retries, quiet))
-    add_reference_logprobs(samples, served if server_url is None else None)
-    results = collate_and_measure(samples, train_model, measure, cfg, num_workers=num_workers, quiet=quiet)
-    progress(f"done in {time.perf_counter() - t0:.1f} s", quiet)
-    return results
+#: What `torch_r3.demo.run` says while it builds this side's models.
+BUILDING = "building the fp32 transformers Qwen3-MoE model and its bf16 inference copy"
+#: No process group to set up: the models are built and trained as they are.
+world = contextlib.nullcontext
+#: The inference side's `ServedModel` around the bf16 copy.
+served_model = TransformersServedModel

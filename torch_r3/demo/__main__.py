@@ -1,0 +1,7 @@
+"""`python -m torch_r3.demo`: the demo's command line."""
+
+import sys
+
+from torch_r3.demo.common import main
+
+sys.exit(main())

@@ -1,0 +1,257 @@
+"""The checks every replay hook makes on a batch's route tensors, with no training framework imported.
+
+The Megatron hook and the `transformers` hook receive the same `R3Collator`
+batch and refuse the same mistakes, so the rules live here once:
+
+* `check_route_batch`: keys, dtypes and shapes of the dict (padded
+  `[B, T, L, K]` with `router_padding_mask [B, T]`, or packed `[N, L, K]` with
+  `cu_seqlens`);
+* `check_replayed_ids`: every replayed route holds `K` distinct ids in
+  `[0, num_experts)`, with the first bad route named (hook prefix, layer,
+  position, value);
+* `check_router_tokens`: at the router call, one route per token it sees;
+* `check_route_tensors`: `rollout_expert_indices` is an integer tensor of a
+  route dtype and `router_padding_mask` a bool tensor (`TypeError` otherwise);
+* `first_bad_route`: the first replayed route whose `K` ids are not distinct
+  ids in `[0, num_experts)`, found with whole-tensor reductions and one host
+  sync when the batch is clean (a bad id that reaches a router fails deep in
+  `gather`, or on a GPU kills the CUDA context; a duplicate trains silently
+  on the wrong experts);
+* `bad_route_message`: what is wrong with that route, in one wording;
+* `route_position`: where it is (row and token, or sequence and token in the
+  packed layout).
+
+Each hook adds its own prefix (`"microbatch 0, "` or none) and its own name for
+the expert count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from torch_r3.keys import CU_SEQLENS, ROUTER_MASK, ROUTES
+
+__all__: list[str] = []
+
+ROUTE_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)
+"""The torch dtypes a batch's routes may have (what `R3Collator` produces, and int64)."""
+
+
+def check_route_tensors(routes: Any, mask: Any) -> None:
+    """`routes` a tensor of a route dtype and `mask` a bool tensor; a `TypeError` naming the key otherwise."""
+    if not isinstance(routes, torch.Tensor) or routes.dtype not in ROUTE_DTYPES:
+        what = routes.dtype if isinstance(routes, torch.Tensor) else type(routes).__name__
+        raise TypeError(f"{ROUTES}: expected a uint8/int16/int32/int64 torch.Tensor, got {what}")
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        what = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise TypeError(f"{ROUTER_MASK}: expected a torch.bool tensor, got {what}")
+
+
+def _fits(view: torch.Tensor, num_experts: int) -> bool:
+    # Compare with scalars the dtype can hold: `uint8 >= 256` would wrap 256 to 0.
+    return num_experts <= torch.iinfo(view.dtype).max
+
+
+def _any_bad(view: torch.Tensor, num_experts: int) -> bool:
+    """Fast path over the whole tensor: any id out of range or repeated in a route, anywhere?
+
+    Whole-tensor reductions, no per-row masks (reducing over a short last
+    dimension is several times slower); K - 1 shifted comparisons find a repeated
+    id without sorting.
+    """
+    flags = [view.max() >= num_experts] if _fits(view, num_experts) else []
+    if view.dtype.is_signed:  # uint8 routes cannot be negative
+        flags.append(view.min() < 0)
+    flags += [(view[..., shift:] == view[..., :-shift]).any() for shift in range(1, view.shape[-1])]
+    return bool(torch.stack(flags).any()) if flags else False
+
+
+def _bad_rows(view: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Per route `[B, T, L]`: out of range or repeated (only run when `_any_bad` found something)."""
+    bad = torch.zeros(view.shape[:-1], dtype=torch.bool, device=view.device)
+    if _fits(view, num_experts):
+        bad |= (view >= num_experts).any(-1)
+    if view.dtype.is_signed:
+        bad |= (view < 0).any(-1)
+    for shift in range(1, view.shape[-1]):
+        bad |= (view[..., shift:] == view[..., :-shift]).any(-1)
+    return bad
+
+
+def first_bad_route(
+    view: torch.Tensor, checked: torch.Tensor, num_experts: int
+) -> tuple[int, int, int, list[int]] | None:
+    """`(b, t, j, route)` of the first bad route in batch order among the `checked` positions, or `None`.
+
+    Args:
+        view: `[B, T, L, K]` routes, any integer dtype, the columns to check only.
+        checked: `[B, T]` bool, `True` where the route will be replayed
+            (filler rows that are never replayed may hold anything).
+        num_experts: The routers' expert count.
+
+    Examples:
+        >>> routes = torch.tensor([[[[0, 1]], [[2, 2]]]])  # B=1, T=2, L=1, K=2
+        >>> first_bad_route(routes, torch.tensor([[True, False]]), 8) is None
+        True
+        >>> first_bad_route(routes, torch.tensor([[True, True]]), 8)
+        (0, 1, 0, [2, 2])
+    """
+    if not _any_bad(view, num_experts):  # the one host sync of a clean batch
+        return None
+    bad_row = _bad_rows(view, num_experts) & checked.to(view.device).unsqueeze(-1)
+    if not bool(bad_row.any()):
+        return None
+    b, t, j = (int(x) for x in bad_row.nonzero()[0])
+    return b, t, j, view[b, t, j].tolist()
+
+
+def bad_route_message(route: list[int], num_experts: int, *, experts: str) -> str:
+    """What is wrong with a route `first_bad_route` found; `experts` says the count as the model names it.
+
+    Examples:
+        >>> bad_route_message([2, 9], 8, experts="8 experts")
+        'expert id 9 outside [0, 8) in route [2, 9] (the model has 8 experts)'
+    """
+    outside = [e for e in route if not 0 <= e < num_experts]
+    if outside:
+        return f"expert id {outside[0]} outside [0, {num_experts}) in route {route} (the model has {experts})"
+    twice = next(e for e in route if route.count(e) > 1)
+    return f"expert id {twice} twice in one route {route}; the K={len(route)} experts of a token must be distinct"
+
+
+def route_position(b: int, t: int, cu_seqlens: torch.Tensor | None) -> str:
+    """A position as the batch's layout names it: row and token, or (packed, `b == 0`) sequence and token."""
+    if cu_seqlens is None:
+        return f"row {b}, token {t}"
+    bounds = cu_seqlens.tolist()
+    seq = max(i for i, start in enumerate(bounds[:-1]) if start <= t)
+    return f"sequence {seq}, token {t - bounds[seq]}"
+
+
+def check_route_batch(
+    batch: Any, topk: int, *, what: str = "batch"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Check a collated batch's route keys, dtypes and shapes.
+
+    Args:
+        batch: The dict `R3Collator` (or `collate_routes`) produced.
+        topk: The model's experts per token (`K`).
+        what: What the hook calls the dict, for the messages (`"batch"`, `"microbatch"`).
+
+    Returns:
+        `(routes, router_padding_mask, cu_seqlens or None)`, as the batch holds
+        them: `[B, T, L, K]` and `[B, T]`, or packed `[N, L, K]` and `[N]`.
+
+    Raises:
+        TypeError: When `batch` is no mapping or a tensor has the wrong type.
+        ValueError: When a key is missing or a shape is wrong.
+
+    Examples:
+        >>> routes, mask = torch.zeros((2, 3, 4, 2), dtype=torch.uint8), torch.zeros((2, 3), dtype=torch.bool)
+        >>> [t.shape for t in check_route_batch({ROUTES: routes, ROUTER_MASK: mask}, 2)[:2]]
+        [torch.Size([2, 3, 4, 2]), torch.Size([2, 3])]
+        >>> check_route_batch({ROUTES: routes}, 2)
+        Traceback (most recent call last):
+        ...
+        ValueError: batch: missing key 'router_padding_mask'
+    """
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"{what}: expected a dict from R3Collator, got {type(batch).__name__}")
+    for key in (ROUTES, ROUTER_MASK):
+        if key not in batch:
+            raise ValueError(f"{what}: missing key {key!r}")
+    routes, mask = batch[ROUTES], batch[ROUTER_MASK]
+    check_route_tensors(routes, mask)
+    cu_seqlens = batch.get(CU_SEQLENS)
+    if cu_seqlens is not None:
+        if routes.ndim != 3 or routes.shape[-1] != topk:
+            raise ValueError(f"{ROUTES}: the packed layout expects [sum(n), L, K={topk}], got {list(routes.shape)}")
+        if mask.shape != routes.shape[:1]:
+            raise ValueError(f"{ROUTER_MASK}: the packed layout expects [{routes.shape[0]}], got {list(mask.shape)}")
+        return routes, mask, cu_seqlens
+    if routes.ndim != 4 or routes.shape[-1] != topk:
+        raise ValueError(
+            f"{ROUTES}: expected [B, T, L, K={topk}] (or [sum(n), L, K] with {CU_SEQLENS!r}), got {list(routes.shape)}"
+        )
+    if mask.shape != routes.shape[:2]:
+        raise ValueError(f"{ROUTER_MASK}: expected [B, T] = {list(routes.shape[:2])}, got {list(mask.shape)}")
+    return routes, mask, None
+
+
+def check_replayed_ids(
+    routes: torch.Tensor,
+    checked: torch.Tensor,
+    layers: Sequence[int],
+    num_experts: int,
+    *,
+    prefix: str = "",
+    experts: str | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> None:
+    """Every checked route holds `K` distinct expert ids in `[0, num_experts)`.
+
+    Args:
+        routes: `[B, T, M, K]` (or packed `[N, M, K]` with `cu_seqlens`), the
+            columns of the `M` replayed layers only, any integer dtype.
+        checked: `[B, T]` (`[N]`) bool, `True` where the route will be replayed.
+        layers: The model layer of each of the `M` columns, for the message.
+        num_experts: The routers' expert count.
+        prefix: Put before the message (`"microbatch 0, "`).
+        experts: How the model names its expert count (default `"<n> experts"`).
+        cu_seqlens: The packed layout's offsets, for the message.
+
+    Raises:
+        ValueError: At the first bad route in batch order, naming the layer,
+            the position and the value.
+
+    Examples:
+        >>> routes = torch.tensor([[[[0, 1]], [[2, 2]]]])  # B=1, T=2, one layer, K=2
+        >>> check_replayed_ids(routes, torch.tensor([[True, False]]), [3], 4)
+        >>> check_replayed_ids(routes, torch.tensor([[True, True]]), [3], 4)
+        Traceback (most recent call last):
+        ...
+        ValueError: layer 3: row 0, token 1: expert id 2 twice in one route [2, 2]; the K=2 experts of a token must be distinct
+    """
+    if cu_seqlens is not None and routes.ndim == 3:
+        routes, checked = routes.unsqueeze(0), checked.unsqueeze(0)
+    found = first_bad_route(routes, checked, num_experts)  # the one host sync of a clean batch
+    if found is None:
+        return
+    b, t, j, route = found
+    message = bad_route_message(route, num_experts, experts=experts or f"{num_experts} experts")
+    raise ValueError(f"{prefix}layer {layers[j]}: {route_position(b, t, cu_seqlens)}: {message}")
+
+
+def check_router_tokens(
+    tokens: int, rows: int, batch_rows: int, *, where: str, scope: str = "", hint: str = ""
+) -> None:
+    """At the router call: the router sees exactly one token per route.
+
+    Args:
+        tokens: Rows of the router's input (its scores' first dimension).
+        rows: Routes prepared for it (`batch_rows * positions`).
+        batch_rows: The batch's rows (1 for the packed layout).
+        where: The hook's prefix, naming the layer (`"microbatch 0, layer 3"`).
+        scope: Appended to the count (`" on this rank"`).
+        hint: Appended to the message when the counts differ.
+
+    Raises:
+        ValueError: When the counts differ.
+
+    Examples:
+        >>> check_router_tokens(6, 6, 2, where="layer 0")
+        >>> check_router_tokens(8, 6, 2, where="layer 1")
+        Traceback (most recent call last):
+        ...
+        ValueError: layer 1: the router sees 8 tokens, the routes cover 6 (2 rows x 3 positions)
+    """
+    if tokens == rows:
+        return
+    positions = rows // max(batch_rows, 1)
+    raise ValueError(
+        f"{where}: the router sees {tokens} tokens, the routes cover {rows} "
+        f"({batch_rows} rows x {positions} positions{scope}){hint}"
+    )
