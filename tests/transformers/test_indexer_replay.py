@@ -232,7 +232,7 @@ def test_misuse_is_refused():
     ids, att = _inputs()
     batch = _batch(_capture(model, ids, att), ids, att)
     hook = IndexerReplayHook(model)
-    with pytest.raises(ValueError, match="already has an IndexerReplayHook"):
+    with pytest.raises(ValueError, match="indexer: this router already belongs to an open ReplayHook"):
         IndexerReplayHook(model)
     with pytest.raises(ValueError, match=r"the indexer sees \[1, 9\] queries but the batch covers \[2, 9\]"):
         with hook.replay(batch):

@@ -41,8 +41,11 @@ from torch_r3.indexer.checks import (
 )
 from torch_r3.indexer.collate import SELECTION_MASK, SELECTIONS
 from torch_r3.indexer.encoding import FILL
+from torch_r3.replay.marker import check_free, claim, release
+from torch_r3.replay.modes import check_uncaptured
+from torch_r3.replay.recording import Recording
 
-__all__ = ["DSAReplayHook", "IndexerRecording", "IndexerReplayHook", "IndexerStats"]
+__all__ = ["DSAReplayHook", "IndexerReplayHook", "IndexerStats"]
 
 INDEXER_CLASSES = (
     ("transformers.models.deepseek_v32.modeling_deepseek_v32", "DeepseekV32Indexer"),
@@ -50,7 +53,6 @@ INDEXER_CLASSES = (
 )
 """The indexer classes the hook replays (module, class name), checked against `transformers` 5.24."""
 
-_UNCAPTURED = ("live", "replay")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?=\.|$)")
 
 
@@ -79,22 +81,13 @@ class IndexerStats:
 
 
 @dataclass
-class IndexerRecording:
-    """The selections one `IndexerReplayHook.record()` block recorded: the model's own.
+class _Recorder:
+    """What one `record()` block has seen so far."""
 
-    Attributes:
-        batch: After the block, `{"rollout_indexer_topk": [B, T, L, K],
-            "indexer_padding_mask": [B, T]}` in the collated layout, `L` every
-            decoder layer (a shared layer holds its source's selection, as
-            SGLang sends it), the mask True where `attention_mask` was 0.
-    """
-
-    batch: dict[str, torch.Tensor] = field(default_factory=dict)
-    _shape: tuple[int, int] | None = None
-    _first: torch.Tensor | None = None
-    _mask: torch.Tensor | None = None
-    _own: dict[int, torch.Tensor] = field(default_factory=dict)
-    _forwards: int = 0
+    shape: tuple[int, int] | None = None
+    mask: torch.Tensor | None = None
+    own: dict[int, torch.Tensor] = field(default_factory=dict)
+    forwards: int = 0
 
 
 @dataclass
@@ -146,13 +139,15 @@ class IndexerReplayHook:
     def __init__(self, model: torch.nn.Module, *, uncaptured: str = "live"):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-        if uncaptured not in _UNCAPTURED:
-            raise ValueError(f"uncaptured: expected 'live' or 'replay', got {uncaptured!r}")
-        self.uncaptured = uncaptured
+        self.uncaptured = check_uncaptured(uncaptured)
         self._model = model
         self._indexers, self._num_layers = _find_indexers(model)
+        for ix in self._indexers:
+            check_free(ix.module, ix.name)  # all of them first: a refused hook claims nothing
+        for ix in self._indexers:
+            claim(ix.module, ix.name)
         self._active: _Replay | None = None
-        self._recording: IndexerRecording | None = None
+        self._recording: _Recorder | None = None
         self._call: dict[int, torch.Tensor] | None = None
         self._stats = _Collector()
         self._last_stats: IndexerStats | None = None
@@ -223,28 +218,37 @@ class IndexerReplayHook:
                 layer.__dict__["_gradient_checkpointing_func"] = original
 
     @contextlib.contextmanager
-    def record(self) -> Iterator[IndexerRecording]:
-        """Record the indexers' own selections in one forward (R2): yields an `IndexerRecording`.
+    def record(self) -> Iterator[Recording]:
+        """Record the indexers' own selections in one forward (R2): yields a `torch_r3.replay.Recording`.
+
+        After the block its `batch` is `{"rollout_indexer_topk": [B, T, L, K],
+        "indexer_padding_mask": [B, T]}` in the collated layout: `L` every
+        decoder layer (a shared layer holds its source's selection, as SGLang
+        sends it), positions sorted, `-1` after, the mask `True` where the
+        forward's `attention_mask` was 0. Hand it to `replay` in the update.
 
         Raises:
             RuntimeError: when a block is already active, or the block ran no
                 forward or more than one.
         """
         self._check_idle()
-        rec = IndexerRecording()
-        self._recording = rec
-        handle = self._model.register_forward_pre_hook(functools.partial(_note_inputs, rec), with_kwargs=True)
+        rec, seen = Recording(), _Recorder()
+        self._recording = seen
+        handle = self._model.register_forward_pre_hook(functools.partial(_note_inputs, seen), with_kwargs=True)
         try:
             yield rec
         finally:
             handle.remove()
             self._recording = None
-        rec.batch = self._recorded_batch(rec)
+        rec.microbatches.append(self._recorded_batch(seen))
 
     def close(self) -> None:
         """Remove the hooks; the model is as it was before."""
         for h in self._handles:
             h.remove()
+        if self._handles:
+            for ix in self._indexers:
+                release(ix.module)
         self._handles = []
         self._active = None
 
@@ -284,8 +288,8 @@ class IndexerReplayHook:
             return call[index]
         if self._recording is not None:
             rec = self._recording
-            rec._own[index] = output.detach()
-            rec._forwards += int(index == 0)
+            rec.own[index] = output.detach()
+            rec.forwards += int(index == 0)
             return None
         state = self._active
         if state is None:
@@ -332,16 +336,16 @@ class IndexerReplayHook:
 
         return checkpoint_with_selections
 
-    def _recorded_batch(self, rec: IndexerRecording) -> dict[str, torch.Tensor]:
-        if rec._forwards != 1 or rec._shape is None:
-            raise RuntimeError(f"record(): expected exactly one forward of the model in the block, got {rec._forwards}")
-        B, T = rec._shape
-        mask = rec._mask if rec._mask is not None else torch.zeros((B, T), dtype=torch.bool)
+    def _recorded_batch(self, rec: _Recorder) -> dict[str, torch.Tensor]:
+        if rec.forwards != 1 or rec.shape is None:
+            raise RuntimeError(f"record(): expected exactly one forward of the model in the block, got {rec.forwards}")
+        B, T = rec.shape
+        mask = rec.mask if rec.mask is not None else torch.zeros((B, T), dtype=torch.bool)
         first = first_positions(mask)
         K = self.index_topk
         dtype = torch.int16 if T <= 1 << 15 else torch.int32
         by_layer = {}
-        for index, own in rec._own.items():
+        for index, own in rec.own.items():
             by_layer[self._indexers[index].layer] = canonical_rows(own.cpu(), first, K).to(dtype)
         out = torch.stack([by_layer[src] for src in self.sources()], dim=2)
         out[mask] = FILL
@@ -379,7 +383,7 @@ class DSAReplayHook:
     ```
 
     A DSA model without MoE layers gets the indexer hook alone. `record()`
-    yields `(route recording or None, IndexerRecording)`.
+    yields `(route Recording or None, selection Recording)`.
     """
 
     def __init__(self, model: torch.nn.Module, *, uncaptured: str = "live"):
@@ -400,7 +404,7 @@ class DSAReplayHook:
             yield self
 
     @contextlib.contextmanager
-    def record(self) -> Iterator[tuple[Any, IndexerRecording]]:
+    def record(self) -> Iterator[tuple[Recording | None, Recording]]:
         """Record both choices of one forward (R2)."""
         with contextlib.ExitStack() as stack:
             routes = stack.enter_context(self.routes.record()) if self.routes is not None else None
@@ -418,15 +422,15 @@ class DSAReplayHook:
         self.close()
 
 
-def _note_inputs(rec: IndexerRecording, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+def _note_inputs(rec: _Recorder, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     ids = args[0] if args else kwargs.get("input_ids")
     if ids is None and kwargs.get("inputs_embeds") is not None:
         ids = kwargs["inputs_embeds"][..., 0]
     if isinstance(ids, torch.Tensor) and ids.ndim == 2:
-        rec._shape = (int(ids.shape[0]), int(ids.shape[1]))
+        rec.shape = (int(ids.shape[0]), int(ids.shape[1]))
     attention = kwargs.get("attention_mask")
     if isinstance(attention, torch.Tensor) and attention.ndim == 2:
-        rec._mask = (attention == 0).cpu()
+        rec.mask = (attention == 0).cpu()
 
 
 def _find_indexers(model: torch.nn.Module) -> tuple[list[_Indexer], int]:
@@ -440,12 +444,6 @@ def _find_indexers(model: torch.nn.Module) -> tuple[list[_Indexer], int]:
         last = matches[-1]
         containers.add(name[: last.start(1) - 1])
         layer_module = model.get_submodule(name[: last.end(1)])
-        for fn in module._forward_hooks.values():
-            if (
-                isinstance(fn, functools.partial)
-                and getattr(fn.func, "__func__", None) is IndexerReplayHook._on_indexer
-            ):
-                raise ValueError(f"{name}: this model already has an IndexerReplayHook; close() it first")
         found.append(_Indexer(module, name, int(last.group(1)), layer_module, int(module.index_topk)))
     if not found:
         raise ValueError(
