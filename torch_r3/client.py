@@ -29,7 +29,7 @@ import aiohttp
 import numpy as np
 import yarl
 
-from torch_r3._checks import check_choice, check_indices, check_int, check_positive, check_str
+from torch_r3._checks import check_bool, check_choice, check_indices, check_int, check_positive, check_str
 from torch_r3.errors import RemoteGenerateError
 from torch_r3.protocols import PROTOCOLS, SERVERS, GenerateCall, RouteLimits, WeightVersionSpan
 from torch_r3.protocols.base import check_cache_salt
@@ -92,6 +92,10 @@ class RemoteGenerateResult:
         raw: The parsed JSON response without its route payload (the base64
             text, often far larger than the decoded `routed_experts`, is not
             kept); every other field as the server sent it.
+        indexer_topk: With `return_indexer_topk=True` (SGLang, DSA models):
+            the indexer's selections of positions `0 .. len(prompt) +
+            len(response_ids) - 2` as compact `torch_r3.indexer.IndexerSelections`,
+            every row checked on receipt; `None` otherwise.
     """
 
     response_ids: tuple[int, ...]
@@ -102,6 +106,7 @@ class RemoteGenerateResult:
     weight_versions: tuple[WeightVersionSpan, ...]
     num_experts: int | None
     raw: Any
+    indexer_topk: Any = None
 
 
 class RemoteGenerateClient:
@@ -123,6 +128,11 @@ class RemoteGenerateClient:
             SGLang routes (its payload has no shape); checked when given.
         topk: Experts per token (`num_experts_per_tok`). Required for SGLang routes.
         num_experts: Routed experts per layer; when given, every id must be below it.
+        indexer_layers: DSA indexer layers per row (SGLang's `num_indexer_layers`:
+            `num_hidden_layers` for DeepSeek-V3.2-style models). Required for
+            `return_indexer_topk`.
+        index_topk: Positions each indexer query selects (`index_topk`).
+            Required for `return_indexer_topk`.
         moe_layers: Indices into the routes' layer axis of the MoE layers; when
             given, a MoE layer whose routes are all zero raises a
             `ZeroRoutesWarning`.
@@ -171,6 +181,8 @@ class RemoteGenerateClient:
         num_layers: int | None = None,
         topk: int | None = None,
         num_experts: int | None = None,
+        indexer_layers: int | None = None,
+        index_topk: int | None = None,
         moe_layers: Sequence[int] | None = None,
         cache_salt: str | None = None,
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
@@ -208,6 +220,9 @@ class RemoteGenerateClient:
             num_layers=num_layers,
             topk=topk,
             num_experts=num_experts,
+            indexer_layers=None if indexer_layers is None else check_positive(indexer_layers, "indexer_layers"),
+            index_topk=None if index_topk is None else check_positive(index_topk, "index_topk"),
+            max_indexer_bytes=config.max_response_bytes,
         )
         self._transport = HttpTransport(
             self.base_url, config, headers=headers, session=session, ssl=ssl, trace_configs=trace_configs
@@ -254,6 +269,7 @@ class RemoteGenerateClient:
         session_id: str | None = None,
         model: str | None = None,
         cache_salt: str | None = None,
+        return_indexer_topk: bool = False,
     ) -> RemoteGenerateResult:
         """Generate a continuation of `prompt_token_ids`.
 
@@ -276,6 +292,8 @@ class RemoteGenerateClient:
                 0.30+ refuses others; the rule holds for every server).
                 Sent as vLLM's and the torch_r3 server's `cache_salt`, as
                 SGLang's `extra_key`.
+            return_indexer_topk: Ask for the DSA indexer's selections
+                (SGLang only; the client needs `indexer_layers=` and `index_topk=`).
 
         Returns:
             The decoded first choice; with routes, their row count is checked
@@ -310,13 +328,24 @@ class RemoteGenerateClient:
                 f"server={self.server!r} sends routes without their shape: give the client num_layers= "
                 "(the model's num_hidden_layers) and topk= (num_experts_per_tok)"
             )
+        return_indexer_topk = check_bool(return_indexer_topk, "return_indexer_topk")
+        if return_indexer_topk:
+            if self.server != "sglang":
+                raise ValueError(
+                    f"return_indexer_topk: only SGLang returns indexer selections (server={self.server!r})"
+                )
+            if self.limits.indexer_layers is None or self.limits.index_topk is None:
+                raise ValueError(
+                    "return_indexer_topk: SGLang sends selections without their shape: give the client "
+                    "indexer_layers= (num_indexer_layers) and index_topk="
+                )
         if model is not None:
             check_str(model, "model")
         headers = {}
         if session_id is not None:
             headers["X-Session-ID"] = check_str(session_id, "session_id")
         salt = _check_salt(cache_salt) if cache_salt is not None else self.cache_salt
-        call = GenerateCall(prompt, params, return_routed_experts, start, salt, model)
+        call = GenerateCall(prompt, params, return_routed_experts, start, salt, model, return_indexer_topk)
         body = protocol.request_body(call)
         url = self.url
         try:
