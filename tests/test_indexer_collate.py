@@ -131,3 +131,19 @@ def test_samples_of_other_layers_or_topk_are_refused():
     b = IndexerSelections.from_dense(random_capture(rng, 5, 2, 3))
     with pytest.raises(ValueError, match=r"sample 1: selections of \[layers=2, index_topk=3\]"):
         collate_selections([a, b], [5, 5])
+
+
+def test_the_thread_pool_writes_the_same_batch_as_one_thread():
+    """Above the serial threshold (4 MiB) the tasks run on several threads; the bytes must not change."""
+    rng = np.random.default_rng(9)
+    counts = [700, 300, 650, 20]
+    dense = [random_capture(rng, n - 1, 3, 64, share=(2,), style="local") for n in counts]
+    sels = [IndexerSelections.from_dense(d) for d in dense]
+    one = collate_selections(sels, counts, seq_len=4096, workers=1)
+    assert one[SELECTIONS].numel() * 2 > 4 << 20
+    many = collate_selections(sels, counts, seq_len=4096, workers=4)
+    for key in (SELECTIONS, SELECTION_MASK, "attention_mask"):
+        assert torch.equal(one[key], many[key]), key
+    # And one thread's batch is the reference's, on the rows of the longest sample.
+    want = reference_collate([dense[0]], [counts[0]], seq_len=4096)
+    np.testing.assert_array_equal(one[SELECTIONS][:1].numpy(), want[SELECTIONS])
