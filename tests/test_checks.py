@@ -436,11 +436,11 @@ def test_seconds_follow_the_finite_float_rule_in_the_client_and_its_config(name,
     [
         (
             lambda: collate_routes([GOOD], [2], layout="ragged"),
-            "layout must be one of ['padded', 'packed'], got 'ragged'",
+            "layout must be one of ['padded', 'packed', 'prompt_response'], got 'ragged'",
         ),
         (
             lambda: collate_routes([GOOD], [2], filler="bogus"),
-            "filler must be one of ['arange', 'balanced'], got 'bogus'",
+            "filler must be one of ['arange', 'balanced', 'zeros'], got 'bogus'",
         ),
         (lambda: _client(server="tgi"), "server must be one of ['torch_r3', 'sglang', 'vllm'], got 'tgi'"),
     ],

@@ -55,6 +55,25 @@ def test_doctor_reports_the_installed_versions(monkeypatch, tmp_path, capsys):
     assert f"torch_r3             {torch_r3.__version__}" in out
 
 
+@pytest.mark.parametrize("forced,decoder", [(None, "pybase64"), ("binascii", "binascii"), ("reference", "reference")])
+def test_doctor_says_which_base64_decoder_the_wire_codec_uses(monkeypatch, tmp_path, capsys, forced, decoder):
+    pytest.importorskip("pybase64")  # the client extra installs it; CI pins it
+    if forced is None:
+        monkeypatch.delenv("TORCH_R3_BASE64", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_R3_BASE64", forced)
+    path = tmp_path / "doctor.json"
+    assert cli.main(["doctor", "--json", str(path)]) == 0
+    wire = json.loads(path.read_text())["wire"]
+    assert wire["decoder"] == decoder
+    out = capsys.readouterr().out
+    assert f"base64 decoder       {wire['note']}" in out
+    if forced:
+        assert f"TORCH_R3_BASE64={forced}" in wire["note"]
+    else:
+        assert wire["note"].startswith(f"pybase64 {metadata.version('pybase64')} (SIMD path: ")
+
+
 def test_doctor_reports_accelerator_and_pinned_memory(tmp_path, capsys):
     import torch
 
@@ -124,7 +143,7 @@ def test_doctor_json_goes_to_the_file_report_to_stdout_status_to_stderr(tmp_path
     path = tmp_path / "doctor.json"
     assert cli.main(["doctor", "--json", str(path)]) == 0
     captured = capsys.readouterr()
-    assert set(json.loads(path.read_text())) == {"versions", "accelerator", "cpu", "memory", "warnings"}
+    assert set(json.loads(path.read_text())) == {"versions", "wire", "accelerator", "cpu", "memory", "warnings"}
     assert captured.out.startswith("versions\n") and "{" not in captured.out
     assert captured.err == f"torch-r3 doctor: wrote {path}\n"
 

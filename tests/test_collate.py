@@ -10,12 +10,12 @@ import time
 import numpy as np
 import pytest
 import torch
-import torch_r3._padding
 from hypothesis import given, settings, strategies as st
 from reference_collate import ROUTE_DTYPES as ORDER, assert_batch_equal, reference_collate_routes, reference_r3_collator
 from torch.utils.data import DataLoader
 
 import torch_r3._buffers
+import torch_r3._filler
 import torch_r3._pool as pool_mod
 import torch_r3.keys
 from torch_r3 import R3Collator, collate_routes, compact_routes
@@ -202,7 +202,7 @@ GOOD = np.zeros((2, 3, 2), np.uint8)
         ([GOOD], [2], {"filler": "bogus"}, ValueError, "filler must be one of"),
         ([GOOD], [2], {"layout": "ragged"}, ValueError, "layout must be one of"),
         ([GOOD], [2], {"pad_to_multiple_of": 0}, ValueError, "pad_to_multiple_of must be >= 1"),
-        ([GOOD], [2], {"layout": "packed", "pad_to_multiple_of": 8}, ValueError, "padded' only"),
+        ([GOOD], [2], {"layout": "packed", "seq_len": 8}, ValueError, "padded' only"),
         ([GOOD], [2], {"workers": 0}, ValueError, "workers must be >= 1"),
         (
             [GOOD],
@@ -608,7 +608,7 @@ def test_uint64_token_ids_below_2_63_are_collated():
     assert_batch_equal(got, reference_collator(samples))
 
 
-@pytest.mark.parametrize("module", [torch_r3._buffers, torch_r3._padding, torch_r3.keys])
+@pytest.mark.parametrize("module", [torch_r3._buffers, torch_r3._filler, torch_r3.keys])
 def test_docstring_examples_of_the_modules_collate_uses_hold(module):
     # doctest.testmod(torch_r3.collate) skips names it only imports, such as padding_rows.
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)

@@ -19,6 +19,7 @@ from torch_r3._buffers import BufferPool
 from torch_r3._deprecation import warn_renamed
 from torch_r3.collate import R3Collator, collate_routes
 from torch_r3.geometry import BatchGeometry, global_geometry
+from torch_r3.nested import as_nested
 from torch_r3.routes import check_expert_ids, compact_routes
 from torch_r3.shard import ShardCollator, plan_microbatches
 
@@ -54,6 +55,7 @@ __all__ = [
     "ShardCollator",
     "WireFormatError",
     "ZeroRoutesWarning",
+    "as_nested",
     "check_expert_ids",
     "collate_routes",
     "compact_routes",

@@ -1,7 +1,8 @@
 """Filler routes: what fills the token positions that have no captured route (`filler=`).
 
 A filler route is `K` distinct experts (Megatron's dropless dispatcher needs
-`tokens * topk` distinct assignments). `arange` uses `0 .. K-1` in every row;
+`tokens * topk` distinct assignments), except with `zeros` (every id 0, for
+trainers that mask those rows themselves). `arange` uses `0 .. K-1` in every row;
 `balanced` gives filler position `s` the experts `(s*K + j) % num_experts`,
 where `s = g + p` for the trajectory's global row `g` and the position `p`
 relative to its first token (negative in left padding). The filler of a
@@ -25,7 +26,7 @@ from torch_r3._deprecation import renamed_argument
 
 __all__ = ["FILLERS", "FillerWriter", "check_filler", "padding_rows"]
 
-FILLERS = ("arange", "balanced")
+FILLERS = ("arange", "balanced", "zeros")
 # Bytes of one cached padding template; a padding region of any length is
 # filled by copying it chunk by chunk, so the cache stays small after a huge batch.
 _TEMPLATE_BYTES = 256 << 10
@@ -45,8 +46,10 @@ def padding_rows(
 
     `arange` gives `0 .. K-1` in every row; `balanced` gives filler position
     `s` the experts `(s*K + j) % num_experts` for `j < K`, so that padding
-    spreads over all experts. Every row is `K` distinct experts, as Megatron's
-    dropless dispatcher needs. The collator uses `s = g + p`: the
+    spreads over all experts. Every row of those two is `K` distinct experts,
+    as Megatron's dropless dispatcher needs. `zeros` gives all zeros (what
+    some trainers write and mask themselves): for `K > 1` no valid route, so
+    never to be replayed. The collator uses `s = g + p`: the
     trajectory's global row `g` (`sample_ids`) plus the position `p` relative
     to the trajectory's first token (negative in left padding).
 
@@ -54,7 +57,7 @@ def padding_rows(
         positions: filler positions `s` (any integer sequence, negative allowed).
         num_layers: `L`, the MoE layers.
         topk: `K`, the experts per token.
-        filler: `"arange"` or `"balanced"`.
+        filler: `"arange"`, `"balanced"` or `"zeros"`.
         num_experts: the model's expert count, for `"balanced"`.
         dtype: the NumPy dtype of the result.
         padding: deprecated spelling of `filler`.
@@ -71,7 +74,9 @@ def padding_rows(
     num_experts = check_filler(filler, num_experts, topk)
     t = np.asarray(positions, dtype=np.int64).reshape(-1, 1)
     j = np.arange(topk, dtype=np.int64)
-    if filler == "arange" or num_experts is None:
+    if filler == "zeros":
+        row = np.zeros((t.shape[0], topk), dtype=np.int64)
+    elif filler == "arange" or num_experts is None:
         row = np.broadcast_to(j, (t.shape[0], topk))
     else:
         row = (t * topk + j) % num_experts
@@ -104,7 +109,7 @@ def _template(filler: str, num_experts: int | None, num_layers: int, topk: int, 
     period too long for that gives no template (rows computed per chunk).
     """
     row_bytes = num_layers * topk * np.dtype(dtype_str).itemsize
-    period = 1 if filler == "arange" or num_experts is None else num_experts // math.gcd(topk, num_experts)
+    period = 1 if filler != "balanced" or num_experts is None else num_experts // math.gcd(topk, num_experts)
     if period * row_bytes > _TEMPLATE_BYTES:
         return None, period
     rows = period * max(1, _TEMPLATE_BYTES // (period * row_bytes))

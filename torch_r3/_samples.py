@@ -18,7 +18,7 @@ import torch
 
 from torch_r3.keys import INPUT_IDS, OUTPUT_KEYS
 
-__all__ = ["SeqField", "batch_samples", "check_pad_number", "collate_extra"]
+__all__ = ["SeqField", "batch_samples", "check_pad_number", "collate_extra", "prompt_lengths_of"]
 
 # Token ids become torch.long: anything at or past 2**63 would wrap negative.
 _INT64_END = 2**63
@@ -244,3 +244,32 @@ def batch_samples(
     for key in extra:
         _check_extra(samples, key)
     return [s[routes_key] for s in samples], fields, extra
+
+
+def prompt_lengths_of(samples: Sequence[Mapping[str, Any]], key: str) -> list[int]:
+    """Each sample's prompt token count from its `key`: an int, or a one-element integer tensor or array.
+
+    Only the type is checked here; the range (`0 <= p <= n`, within the
+    widths) is the kernel's rule, checked with the token counts.
+    """
+    out = []
+    for i, s in enumerate(samples):
+        if key not in s:
+            raise ValueError(f"sample {i}: missing key {key!r} (its prompt length, for layout='prompt_response')")
+        value = s[key]
+        if isinstance(value, (torch.Tensor, np.ndarray)):
+            if isinstance(value, torch.Tensor):
+                dt = value.dtype
+                ok = not (dt.is_floating_point or dt.is_complex or dt == torch.bool) and value.device.type != "meta"
+            else:
+                ok = value.dtype.kind in ("i", "u")
+            if not ok or math.prod(value.shape) != 1:
+                raise TypeError(
+                    f"sample {i}: {key!r} must be an int prompt length, got a {type(value).__name__} "
+                    f"of dtype {value.dtype} and shape {list(value.shape)}"
+                )
+            value = value.item()
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"sample {i}: {key!r} must be an int prompt length, got {type(value).__name__}")
+        out.append(int(value))
+    return out

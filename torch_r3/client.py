@@ -14,6 +14,7 @@ sit beside the one client that uses them.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -30,10 +31,12 @@ import numpy as np
 import yarl
 
 from torch_r3._checks import check_bool, check_choice, check_indices, check_int, check_positive, check_str
+from torch_r3._offload import off_loop
 from torch_r3.errors import RemoteGenerateError
 from torch_r3.protocols import PROTOCOLS, SERVERS, GenerateCall, RouteLimits, WeightVersionSpan
 from torch_r3.protocols.base import check_cache_salt
 from torch_r3.protocols.native import MODEL_INFO_PATH
+from torch_r3.protocols.spans import parse_body, route_text_bytes
 from torch_r3.transport import DEFAULT_MAX_RESPONSE_BYTES, HttpTransport, TransportConfig
 
 __all__ = [
@@ -349,7 +352,9 @@ class RemoteGenerateClient:
         body = protocol.request_body(call)
         url = self.url
         try:
-            raw = await self._transport.request("POST", protocol.generate_path, body, headers)
+            # The route text stays in the body as views; the rest is parsed as JSON.
+            parse = functools.partial(parse_body, paths=protocol.route_text_paths)
+            raw = await self._transport.request("POST", protocol.generate_path, body, headers, parse=parse)
         except RemoteGenerateError as exc:
             if exc.status != 404:
                 raise
@@ -362,7 +367,9 @@ class RemoteGenerateClient:
                 attempts=exc.attempts,
             ) from exc
         try:
-            parsed = protocol.parse_response(raw, call, self.limits)
+            # Large payloads decode on the pool, with the GIL released: the loop keeps serving.
+            size = route_text_bytes(raw, protocol.route_text_paths)
+            parsed = await off_loop(size, protocol.parse_response, raw, call, self.limits)
         except (TypeError, ValueError, MemoryError, OverflowError) as exc:
             raise RemoteGenerateError(
                 f"POST {url}: response breaks the {self.server} format: {exc}", url=url, status=200

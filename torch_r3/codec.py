@@ -19,17 +19,23 @@ Three payloads carry routes, and each has one decoder here:
 Every decoder treats its input as hostile: each size is computed from the
 declared shape and the length of the base64 text, and compared with the
 caller's cap (`max_bytes`) and with each other, before a single byte of the
-result is allocated. A decoder holds at most the decoded payload (up to
-`max_bytes`) and its canonical result (at most twice that, when `uint16` ids
-above 2**15 widen to `int32`). Anything malformed raises `WireFormatError`, a
+result is allocated. Anything malformed raises `WireFormatError`, a
 `ValueError`, naming the field. Every decoder returns a canonical
 `[rows, layers, topk]` array (see `torch_r3.compact_routes`) whose ids have been
 range-checked once (`torch_r3.check_expert_ids`): never negative, and below
 `num_experts` when the caller knows it.
 
-This module needs NumPy only; it never imports aiohttp. It stays a little past
-500 lines because the three decoders share one set of bounded
-base64 and shape checks, which must not drift apart.
+The text is a `str` or bytes (a `memoryview` of a response body, as the client
+passes it, is read in place). After the checks, each decoder hands it to the
+chunked kernel (`torch_r3._base64`: pybase64, else strict `binascii`), which
+decodes, range-checks and narrows a chunk at a time straight into the result:
+it holds the result and one chunk. A payload the kernel refuses goes to the
+decoder's reference path, the decode of torch_r3 0.1.0 (the whole decoded
+payload, up to `max_bytes`, then its canonical copy), which names the problem.
+
+This module needs NumPy only; it never imports aiohttp. It is past 500 lines
+because the three decoders share one set of bounded base64 and shape checks,
+and each keeps its reference path beside its fast one: they must not drift apart.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from torch_r3 import _base64
 from torch_r3._checks import check_at_least
 from torch_r3.routes import CANONICAL_DTYPES, check_expert_ids, compact_routes
 
@@ -191,6 +198,10 @@ def decode_routes(
         )
     _check_size(nbytes, max_bytes, name, described)
     _check_b64_length(data, nbytes, f"{name}.data", described)
+    fast = _base64.decode_compact(data, shape=shape, wire=dtype.newbyteorder("<"), keep=True, num_experts=num_experts)
+    if fast is not None:
+        return fast
+    # The reference path: it decodes what the kernel refused, and names the problem.
     out = np.empty(shape, dtype=dtype.newbyteorder("<"))
     _b64decode_into(data, out, f"{name}.data")
     return _checked_ids(_to_native(out), num_experts, name)
@@ -289,7 +300,12 @@ def decode_sglang_routes(
     rows = nbytes // row_bytes
     if num_tokens is not None and rows != num_tokens:
         raise WireFormatError(f"{name}: expected {num_tokens} rows of [{num_layers}, {topk}], got {rows}")
-    wide = np.empty((rows, int(num_layers), int(topk)), dtype=wire_dtype)
+    shape = (rows, int(num_layers), int(topk))
+    fast = _base64.decode_compact(data, shape=shape, wire=wire_dtype, num_experts=num_experts)
+    if fast is not None:
+        return fast
+    # The reference path: it decodes what the kernel refused, and names the problem.
+    wide = np.empty(shape, dtype=wire_dtype)
     _b64decode_into(data, wide, name)
     # Narrowing int32 / uint16 is the one value scan the contract allows, done
     # here on the receiving edge because the sender did not.
@@ -353,22 +369,53 @@ def decode_vllm_routes(
         )
     nbytes = base64_decoded_length(value, name=name)
     _check_size(nbytes, max_bytes + 10 + _NPY_MAX_HEADER, name, "a .npy file")
+    fast = _decode_npy_routes(value, nbytes, num_layers, topk, num_experts, max_bytes, name)
+    if fast is not None:
+        return fast
+    # The reference path: it decodes what the kernel refused, and names the problem.
     raw = np.empty(nbytes, dtype=np.uint8)
     _b64decode_into(value, raw, name)
     array = decode_npy(raw, max_bytes=max_bytes, name=name)
-    if array.ndim == 1 and num_layers is not None and topk is not None:
+    return _canonical(array.reshape(_vllm_shape(array.shape, num_layers, topk, name)), num_experts, name)
+
+
+def _decode_npy_routes(
+    value: Any,
+    nbytes: int,
+    num_layers: int | None,
+    topk: int | None,
+    num_experts: int | None,
+    max_bytes: int,
+    name: str,
+) -> np.ndarray | None:
+    """The fast path of `decode_vllm_routes`: the header from the first quanta, the data by the kernel."""
+    if not isinstance(value, str):
+        value = memoryview(value).cast("B")  # lengths and slices in bytes, whatever view was given
+    head_chars = min(len(value), -(-(12 + _NPY_MAX_HEADER) // 3) * 4)
+    head = _base64.decode_bytes(value[:head_chars])
+    if head is None or len(head) != (head_chars // 4 * 3 if head_chars < len(value) else nbytes):
+        return None  # not base64, or padding inside the text
+    dtype, fortran, shape, offset = _npy_layout(memoryview(head), nbytes, max_bytes, name)
+    if fortran and sum(d > 1 for d in shape) > 1:
+        return None  # a Fortran-order array: the reference path transposes it
+    return _base64.decode_compact(
+        value, shape=_vllm_shape(shape, num_layers, topk, name), wire=dtype, start=offset, num_experts=num_experts
+    )
+
+
+def _vllm_shape(shape: tuple[int, ...], num_layers: int | None, topk: int | None, name: str) -> tuple[int, int, int]:
+    """The `[tokens, layers, topk]` shape of a `.npy` array of `shape`, checked."""
+    if len(shape) == 1 and num_layers is not None and topk is not None:
         row = int(num_layers) * int(topk)
-        if array.shape[0] % row:
-            raise WireFormatError(
-                f"{name}: {array.shape[0]} flat ids are not a whole number of [{num_layers}, {topk}] rows"
-            )
-        array = array.reshape(-1, int(num_layers), int(topk))
-    if array.ndim != 3:
-        raise WireFormatError(f"{name}: expected a .npy array [tokens, layers, topk], got shape {array.shape}")
-    _check_row_shape(array.shape, num_layers, topk, name)
-    if 0 in array.shape[1:]:
-        raise WireFormatError(f"{name}: layers and topk must be > 0, got shape {array.shape}")
-    return _canonical(array, num_experts, name)
+        if shape[0] % row:
+            raise WireFormatError(f"{name}: {shape[0]} flat ids are not a whole number of [{num_layers}, {topk}] rows")
+        shape = (shape[0] // row, int(num_layers), int(topk))
+    if len(shape) != 3:
+        raise WireFormatError(f"{name}: expected a .npy array [tokens, layers, topk], got shape {shape}")
+    _check_row_shape(shape, num_layers, topk, name)
+    if 0 in shape[1:]:
+        raise WireFormatError(f"{name}: layers and topk must be > 0, got shape {shape}")
+    return (shape[0], shape[1], shape[2])
 
 
 def decode_npy(data: Any, *, max_bytes: int = DEFAULT_MAX_ROUTE_BYTES, name: str = "npy") -> np.ndarray:
@@ -410,32 +457,41 @@ def decode_npy(data: Any, *, max_bytes: int = DEFAULT_MAX_ROUTE_BYTES, name: str
         buf = memoryview(data).cast("B")
     else:
         raise WireFormatError(f"{name}: expected .npy bytes, got {type(data).__name__}")
-    if len(buf) < 10 or bytes(buf[:6]) != _NPY_MAGIC:
+    dtype, fortran, shape, offset = _npy_layout(buf, len(buf), max_bytes, name)
+    array = np.frombuffer(buf, dtype=dtype, count=math.prod(shape), offset=offset)
+    return array.reshape(shape, order="F" if fortran else "C")
+
+
+def _npy_layout(head: memoryview, total: int, max_bytes: int, name: str) -> tuple[np.dtype, bool, tuple[int, ...], int]:
+    """The dtype, order, shape and data offset of a `.npy` file of `total` bytes, from its first bytes.
+
+    `head` holds the whole file, or at least its first `12 + _NPY_MAX_HEADER` bytes.
+    """
+    if total < 10 or bytes(head[:6]) != _NPY_MAGIC:
         raise WireFormatError(f"{name}: not a .npy file (missing the \\x93NUMPY magic)")
-    major = buf[6]
+    major = head[6]
     if major == 1:
-        length, start = int.from_bytes(buf[8:10], "little"), 10
-    elif major in (2, 3) and len(buf) >= 12:
-        length, start = int.from_bytes(buf[8:12], "little"), 12
+        length, start = int.from_bytes(head[8:10], "little"), 10
+    elif major in (2, 3) and total >= 12:
+        length, start = int.from_bytes(head[8:12], "little"), 12
     else:
-        raise WireFormatError(f"{name}: unsupported .npy format version {major}.{buf[7]}")
-    if length > _NPY_MAX_HEADER or start + length > len(buf):
+        raise WireFormatError(f"{name}: unsupported .npy format version {major}.{head[7]}")
+    if length > _NPY_MAX_HEADER or start + length > total:
         raise WireFormatError(
-            f"{name}: .npy header of {length} bytes is too long or truncated (file has {len(buf)} bytes)"
+            f"{name}: .npy header of {length} bytes is too long or truncated (file has {total} bytes)"
         )
-    dtype, fortran, shape = _parse_npy_header(bytes(buf[start : start + length]), major, name)
+    dtype, fortran, shape = _parse_npy_header(bytes(head[start : start + length]), major, name)
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:  # a zero dim: the others must still fit, or NumPy refuses the shape
         extent = math.prod(d for d in shape if d) * dtype.itemsize
         _check_size(extent, max_bytes, name, f"the non-zero dims of .npy shape {list(shape)} {dtype.str}")
     _check_size(nbytes, max_bytes, name, f".npy data {dtype.str} {list(shape)}")
     offset = start + length
-    if len(buf) - offset != nbytes:
+    if total - offset != nbytes:
         raise WireFormatError(
-            f"{name}: .npy header declares {nbytes} data bytes ({dtype.str} {list(shape)}), but {len(buf) - offset} follow it"
+            f"{name}: .npy header declares {nbytes} data bytes ({dtype.str} {list(shape)}), but {total - offset} follow it"
         )
-    array = np.frombuffer(buf, dtype=dtype, count=math.prod(shape), offset=offset)
-    return array.reshape(shape, order="F" if fortran else "C")
+    return dtype, fortran, shape, offset
 
 
 def base64_decoded_length(text: Any, *, name: str = "data") -> int:

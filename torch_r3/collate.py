@@ -4,18 +4,22 @@
 `torch.utils.data.DataLoader`. Both write the layouts described on the route
 layout page of the documentation:
 
-* `padded`: `rollout_expert_indices [B, T, L, K]`, right-aligned like a
-  left-padded token batch; `router_padding_mask [B, T]` (`True` = no captured
-  route); `attention_mask [B, T]`.
+* `padded`: `rollout_expert_indices [B, T, L, K]`, aligned like a left-
+  (or, `padding_side="right"`, right-) padded token batch;
+  `router_padding_mask [B, T]` (`True` = no captured route); `attention_mask [B, T]`.
+* `prompt_response`: the same keys, `[B, P + R, ...]`, each prompt
+  left-padded to `P` and each response right-padded to `R`.
 * `packed`: `rollout_expert_indices [sum(n), L, K]`, `router_padding_mask
-  [sum(n)]` and `cu_seqlens [B + 1]` for THD training.
+  [sum(n)]` and `cu_seqlens [B + 1]` for THD training; with
+  `pad_to_multiple_of`, each sequence aligned and `cu_seqlens_padded`.
 
 Argument rules of the batch's geometry (`seq_len`, `dtype`, `layers`,
-`sample_ids`, the output-size bound) live in `torch_r3.geometry`, the samples'
-side of `R3Collator` in `torch_r3._samples`. What remains here, past the usual
-500 lines, is the kernel: the checks that must all pass before the first byte
-is written and the two writers that then write each byte once; splitting them
-would spread one invariant over two modules.
+`sample_ids`, padding side, prompt widths and lengths, the output-size bound)
+live in `torch_r3.geometry`, the samples' side of `R3Collator` in
+`torch_r3._samples`, the two writers in `torch_r3._writers`. What remains
+here, past the usual 500 lines, is the kernel: the options and the checks that
+must all pass before the first byte is written, the allocation, and the
+hand-over to the writers.
 
 How it stays fast: the output is allocated uninitialised (or recycled, see
 `torch_r3.BufferPool`) and every byte is written exactly once, row by row, by
@@ -41,24 +45,39 @@ from torch_r3._buffers import BufferPool
 from torch_r3._checks import check_bool, check_choice, check_int, check_positive
 from torch_r3._deprecation import renamed_argument
 from torch_r3._filler import FillerWriter, check_filler, padding_rows
-from torch_r3._samples import SeqField, batch_samples, check_pad_number, collate_extra
+from torch_r3._samples import SeqField, batch_samples, check_pad_number, collate_extra, prompt_lengths_of
+from torch_r3._writers import packed_writer, padded_writer
 from torch_r3.geometry import (
+    aligned_counts,
     check_layers,
     check_layers_in_range,
     check_max_output_bytes,
     check_output_size,
+    check_padding_side,
+    check_prompt_lengths,
+    check_prompt_response_widths,
     check_route_dtype,
     check_sample_ids,
     check_seq_len,
     output_size,
     padded_length,
 )
-from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS, INPUT_IDS, OUTPUT_KEYS, ROUTER_MASK, ROUTES, SAMPLE_ROUTES
+from torch_r3.keys import (
+    ATTENTION_MASK,
+    CU_SEQLENS,
+    CU_SEQLENS_PADDED,
+    INPUT_IDS,
+    OUTPUT_KEYS,
+    PROMPT_LENGTH,
+    ROUTER_MASK,
+    ROUTES,
+    SAMPLE_ROUTES,
+)
 from torch_r3.routes import CANONICAL_DTYPES, canonical_dtype_for, compact_routes, widest
 
 __all__ = ["R3Collator", "collate_routes", "padding_rows"]
 
-LAYOUTS = ("padded", "packed")
+LAYOUTS = ("padded", "packed", "prompt_response")
 MAX_WORKERS = _pool.MAX_WORKERS
 
 _NP_TO_TORCH = {
@@ -78,6 +97,9 @@ class _Options:
     """The settings `collate_routes` and `R3Collator` share, validated once."""
 
     layout: str = "padded"
+    padding_side: str = "left"
+    prompt_width: int | None = None
+    response_width: int | None = None
     pad_to_multiple_of: int | None = None
     filler: str = "arange"
     num_experts: int | None = None
@@ -91,14 +113,26 @@ class _Options:
 
     def __post_init__(self) -> None:
         check_choice(self.layout, "layout", LAYOUTS)
+        side = check_padding_side(self.padding_side)
+        if side != "left" and self.layout != "padded":
+            raise ValueError(f"padding_side={side!r} applies to layout='padded' only, got layout={self.layout!r}")
+        widths = check_prompt_response_widths(self.layout, self.prompt_width, self.response_width)
+        object.__setattr__(self, "prompt_width", widths[0])
+        object.__setattr__(self, "response_width", widths[1])
         if self.pad_to_multiple_of is not None:
-            if self.layout != "padded":
-                raise ValueError("pad_to_multiple_of applies to layout='padded' only; the packed layout has no padding")
+            if self.layout == "prompt_response":
+                raise ValueError(
+                    "pad_to_multiple_of does not apply to layout='prompt_response': its length is "
+                    "prompt_width + response_width"
+                )
             multiple = check_positive(self.pad_to_multiple_of, "pad_to_multiple_of")
             object.__setattr__(self, "pad_to_multiple_of", multiple)
         if self.seq_len is not None:
             if self.layout != "padded":
-                raise ValueError("seq_len applies to layout='padded' only; a packed batch is as long as its tokens")
+                raise ValueError(
+                    f"seq_len applies to layout='padded' only (layout={self.layout!r}: a packed batch is as long "
+                    f"as its tokens, a prompt_response batch prompt_width + response_width)"
+                )
             seq_len = check_seq_len(self.seq_len)
             if self.pad_to_multiple_of is not None and seq_len % self.pad_to_multiple_of:
                 raise ValueError(f"seq_len={seq_len} is not a multiple of pad_to_multiple_of={self.pad_to_multiple_of}")
@@ -202,7 +236,10 @@ def _output_dtype(arrays: Sequence[np.ndarray], topk: int, opts: _Options) -> np
     # Promotion by dtype alone (the sender compacted, no value is rescanned),
     # widened where a padding expert id would not fit the inputs' dtype.
     experts = opts.num_experts  # set whenever padding is balanced (checked by _Options)
-    largest_pad_id = experts - 1 if opts.filler == "balanced" and experts is not None else topk - 1
+    if opts.filler == "zeros":
+        largest_pad_id = 0
+    else:
+        largest_pad_id = experts - 1 if opts.filler == "balanced" and experts is not None else topk - 1
     pad_dtype = canonical_dtype_for(largest_pad_id)
     if opts.dtype is None:
         return widest({a.dtype for a in arrays} | {pad_dtype})
@@ -283,76 +320,6 @@ def _check_out(out: Any, want: dict[str, tuple[tuple[int, ...], torch.dtype]]) -
     return dict(out)
 
 
-# --------------------------------------------------------------------------
-# The writers: one per layout, each returning its rows' costs and row writer
-# --------------------------------------------------------------------------
-
-
-def _padded_writer(
-    views: dict[str, np.ndarray],
-    arrays: Sequence[np.ndarray],
-    counts: list[int],
-    ids: Sequence[int],
-    T: int,
-    fill_pad: FillerWriter,
-    copy_rows: Callable[[np.ndarray, np.ndarray], None],
-    fields: Sequence[SeqField],
-) -> tuple[list[int], Callable[[int, int], None]]:
-    routes_out, mask_out, att_out = views[ROUTES], views[ROUTER_MASK], views[ATTENTION_MASK]
-    fviews = [(views[f.key], f.arrays, f.pad) for f in fields]
-
-    def write_rows(lo: int, hi: int) -> None:
-        for i in range(lo, hi):
-            s = T - counts[i]  # first real token
-            r = arrays[i].shape[0]
-            e = s + r  # end of captured rows
-            dst = routes_out[i]
-            # Filler is keyed by the trajectory (global row) and the position from its first token.
-            fill_pad(dst[:s], ids[i] - s)
-            copy_rows(dst[s:e], arrays[i])
-            fill_pad(dst[e:], ids[i] + r)
-            m = mask_out[i]
-            m[:s] = True
-            m[s:e] = False
-            m[e:] = True
-            a = att_out[i]
-            a[:s] = 0
-            a[s:] = 1
-            for fo, fa, pad in fviews:
-                fo[i, :s] = pad
-                fo[i, s:] = fa[i]
-
-    return [T] * len(arrays), write_rows
-
-
-def _packed_writer(
-    views: dict[str, np.ndarray],
-    arrays: Sequence[np.ndarray],
-    counts: list[int],
-    ids: Sequence[int],
-    fill_pad: FillerWriter,
-    copy_rows: Callable[[np.ndarray, np.ndarray], None],
-    fields: Sequence[SeqField],
-) -> tuple[list[int], Callable[[int, int], None]]:
-    routes_out, mask_out = views[ROUTES], views[ROUTER_MASK]
-    fviews = [(views[f.key], f.arrays) for f in fields]
-    cu = np.zeros(len(arrays) + 1, dtype=np.int64)
-    np.cumsum(counts, out=cu[1:])
-    views[CU_SEQLENS][:] = cu
-
-    def write_rows(lo: int, hi: int) -> None:
-        for i in range(lo, hi):
-            c, n, r = int(cu[i]), counts[i], arrays[i].shape[0]
-            copy_rows(routes_out[c : c + r], arrays[i])
-            fill_pad(routes_out[c + r : c + n], ids[i] + r)
-            mask_out[c : c + r] = False
-            mask_out[c + r : c + n] = True
-            for fo, fa in fviews:
-                fo[c : c + n] = fa[i]
-
-    return counts, write_rows
-
-
 def _collate(
     arrays: Sequence[np.ndarray],
     counts: list[int],
@@ -362,6 +329,7 @@ def _collate(
     buffers: BufferPool | None = None,
     fields: Sequence[SeqField] = (),
     sample_ids: Any = None,
+    prompt_lengths: Any = None,
 ) -> dict[str, torch.Tensor]:
     B, (_, num_layers, topk) = len(arrays), arrays[0].shape
     check_filler(opts.filler, opts.num_experts, topk)
@@ -371,7 +339,14 @@ def _collate(
     dtype = _output_dtype(arrays, topk, opts)
     out_layers = num_layers if opts.keep_layers is None else len(opts.keep_layers)
     row_shape, tdtype = (out_layers, topk), _NP_TO_TORCH[dtype]
-    if opts.layout == "padded":
+    if opts.layout == "prompt_response":
+        assert opts.prompt_width is not None and opts.response_width is not None  # checked by _Options
+        prompts = check_prompt_lengths(prompt_lengths, counts, opts.prompt_width, opts.response_width)
+        T = opts.prompt_width + opts.response_width
+        starts = [opts.prompt_width - p for p in prompts]
+    elif prompt_lengths is not None:
+        raise ValueError(f"prompt_lengths applies to layout='prompt_response' only, got layout={opts.layout!r}")
+    elif opts.layout == "padded":
         if opts.seq_len is None:
             T = padded_length(counts, opts.pad_to_multiple_of)
         else:
@@ -379,6 +354,8 @@ def _collate(
             for i, n in enumerate(counts):
                 if n > T:
                     raise ValueError(f"sample {i} has {n} tokens, more than seq_len={T}")
+        starts = [T - n for n in counts] if opts.padding_side == "left" else [0] * B
+    if opts.layout != "packed":
         want = {
             ROUTES: ((B, T) + row_shape, tdtype),
             ROUTER_MASK: ((B, T), torch.bool),
@@ -386,7 +363,10 @@ def _collate(
         }
         want.update({f.key: ((B, T), f.dtype) for f in fields})
     else:
-        N = sum(counts)
+        spans = counts if opts.pad_to_multiple_of is None else aligned_counts(counts, opts.pad_to_multiple_of)
+        offsets = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(spans, out=offsets[1:])
+        N = int(offsets[-1])
         if N >= 2**31:
             raise ValueError(f"packed batch of {N} tokens does not fit int32 cu_seqlens")
         want = {
@@ -394,6 +374,8 @@ def _collate(
             ROUTER_MASK: ((N,), torch.bool),
             CU_SEQLENS: ((B + 1,), torch.int32),
         }
+        if opts.pad_to_multiple_of is not None:
+            want[CU_SEQLENS_PADDED] = ((B + 1,), torch.int32)
         want.update({f.key: ((N,), f.dtype) for f in fields})
 
     result = _check_out(out, want)
@@ -413,10 +395,14 @@ def _collate(
     views = {k: v.numpy() for k, v in result.items()}
     fill_pad = FillerWriter(opts.filler, opts.num_experts, out_layers, topk, dtype)
     copy_rows = _row_copier(opts.keep_layers)
-    if opts.layout == "padded":
-        costs, write_rows = _padded_writer(views, arrays, counts, ids, T, fill_pad, copy_rows, fields)
+    if opts.layout != "packed":
+        costs, write_rows = padded_writer(views, arrays, counts, starts, ids, fill_pad, copy_rows, fields)
     else:
-        costs, write_rows = _packed_writer(views, arrays, counts, ids, fill_pad, copy_rows, fields)
+        views[CU_SEQLENS][0] = 0
+        views[CU_SEQLENS][1:] = np.cumsum(counts)  # the real lengths, whether aligned or not
+        if opts.pad_to_multiple_of is not None:
+            views[CU_SEQLENS_PADDED][:] = offsets
+        costs, write_rows = packed_writer(views, arrays, counts, offsets, ids, fill_pad, copy_rows, fields)
     workers = _pool.default_workers() if opts.workers is None else opts.workers
     _pool.run(costs, write_rows, workers, views[ROUTES].nbytes)
     return result
@@ -427,6 +413,10 @@ def collate_routes(
     token_counts: Sequence[int],
     *,
     layout: str = "padded",
+    padding_side: str = "left",
+    prompt_width: int | None = None,
+    response_width: int | None = None,
+    prompt_lengths: Sequence[int] | None = None,
     pad_to_multiple_of: int | None = None,
     filler: str = "arange",
     num_experts: int | None = None,
@@ -453,14 +443,29 @@ def collate_routes(
             expert id would not fit it).
         token_counts: `n_i`, the trajectory's token count, `n_i >= r_i`.
             Captured rows are a prefix of the tokens; the tail is padding.
-        layout: `"padded"` (left-padded `[B, T, L, K]`) or `"packed"`
-            (`[sum(n), L, K]` with `cu_seqlens`).
-        pad_to_multiple_of: round `T` up to a multiple (padded layout only).
+        layout: `"padded"` (`[B, T, L, K]`, padded on `padding_side`),
+            `"packed"` (`[sum(n), L, K]` with `cu_seqlens`) or
+            `"prompt_response"` (`[B, P + R, L, K]`: each prompt left-padded
+            to `prompt_width`, each response right-padded to `response_width`).
+        padding_side: `"left"` (the real tokens end at `T`) or `"right"`
+            (they start at 0); padded layout only.
+        prompt_width: `P`, the prompts' width (`prompt_response` only).
+        response_width: `R`, the responses' width (`prompt_response` only).
+        prompt_lengths: each sample's prompt token count `p_i`
+            (`prompt_response` only, `0 <= p_i <= n_i`, `p_i <= P`,
+            `n_i - p_i <= R`): its first `p_i` tokens are the prompt.
+        pad_to_multiple_of: padded: round `T` up to a multiple. Packed:
+            pad each sequence on its own to a multiple (Transformer Engine's
+            THD and context parallelism need it), adding `cu_seqlens_padded`
+            (the aligned offsets; `cu_seqlens` stays the real lengths' sums).
         filler: the routes written where no route was captured: `"arange"`
-            (experts `0..K-1`) or `"balanced"` (position `s = g + p` uses
+            (experts `0..K-1`), `"balanced"` (position `s = g + p` uses
             `(s*K + j) % num_experts`, for the sample's global row `g` and the
             position `p` from its first token, so a subset gets the global
-            batch's filler; needs `num_experts >= K`).
+            batch's filler; needs `num_experts >= K`) or `"zeros"` (every id 0, for trainers that mask those rows
+            themselves; a zero row is no valid route for `K > 1`, so it must
+            never be replayed through Megatron's dropless dispatcher, which
+            needs `K` distinct experts).
         num_experts: the model's expert count, for `balanced`.
         workers: copy threads, at most `MAX_WORKERS`; default
             `torch_r3.cpu.pool_workers()` (in a DataLoader worker, its share of
@@ -498,7 +503,8 @@ def collate_routes(
         layers: deprecated spelling of `keep_layers`.
 
     Returns:
-        The batch: `rollout_expert_indices`, `router_padding_mask` and, padded, `attention_mask`; packed, `cu_seqlens`.
+        The batch: `rollout_expert_indices`, `router_padding_mask` and, padded or prompt_response,
+        `attention_mask`; packed, `cu_seqlens` (and `cu_seqlens_padded` with `pad_to_multiple_of`).
 
     Raises:
         TypeError: an argument of the wrong kind, naming it (and the sample).
@@ -519,6 +525,9 @@ def collate_routes(
     """
     opts = _Options(
         layout=layout,
+        padding_side=padding_side,
+        prompt_width=prompt_width,
+        response_width=response_width,
         pad_to_multiple_of=pad_to_multiple_of,
         filler=renamed_argument(padding, filler, old="padding", new="filler", where="collate_routes", default="arange"),
         num_experts=num_experts,
@@ -533,7 +542,9 @@ def collate_routes(
     if buffers is not None and not isinstance(buffers, BufferPool):
         raise TypeError(f"buffers must be None or a torch_r3.BufferPool, got {type(buffers).__name__}")
     arrays, counts = _check_batch(routes, token_counts, opts)
-    return _collate(arrays, counts, opts, out=out, buffers=buffers, sample_ids=sample_ids)
+    return _collate(
+        arrays, counts, opts, out=out, buffers=buffers, sample_ids=sample_ids, prompt_lengths=prompt_lengths
+    )
 
 
 class R3Collator:
@@ -561,8 +572,15 @@ class R3Collator:
     Args:
         routes_key: the samples' key for their routes.
         tokens_key: the samples' key for their token ids.
-        layout: `"padded"` or `"packed"`, as in `collate_routes`.
-        pad_token_id: the token id of left padding (fits `int64`).
+        layout: `"padded"`, `"packed"` or `"prompt_response"`, as in `collate_routes`.
+        padding_side: as in `collate_routes`.
+        prompt_width: as in `collate_routes`.
+        response_width: as in `collate_routes`.
+        prompt_length_key: with `layout="prompt_response"`, the samples' key
+            holding their prompt token count (an int; the sample's first that
+            many tokens are its prompt). The key stays in the batch, collated
+            like any other key.
+        pad_token_id: the token id of padding (fits `int64`).
         pad_keys: per-token keys to pad alongside the tokens: `{key: pad value}`,
             or a sequence of keys padded with 0.
         pad_to_multiple_of: as in `collate_routes`.
@@ -613,6 +631,10 @@ class R3Collator:
         routes_key: str = SAMPLE_ROUTES,
         tokens_key: str = INPUT_IDS,
         layout: str = "padded",
+        padding_side: str = "left",
+        prompt_width: int | None = None,
+        response_width: int | None = None,
+        prompt_length_key: str = PROMPT_LENGTH,
         pad_token_id: int = 0,
         pad_keys: Mapping[str, float] | Sequence[str] = (),
         pad_to_multiple_of: int | None = None,
@@ -632,6 +654,9 @@ class R3Collator:
     ) -> None:
         self._options = _Options(
             layout=layout,
+            padding_side=padding_side,
+            prompt_width=prompt_width,
+            response_width=response_width,
             pad_to_multiple_of=pad_to_multiple_of,
             filler=renamed_argument(padding, filler, old="padding", new="filler", where="R3Collator", default="arange"),
             num_experts=num_experts,
@@ -656,6 +681,7 @@ class R3Collator:
             raise ValueError(f"pad_keys may not include the routes/tokens/output keys {sorted(clash)}")
         self.routes_key = routes_key
         self.tokens_key = tokens_key
+        self.prompt_length_key = prompt_length_key
         if buffers is not None:
             if not isinstance(buffers, BufferPool):
                 raise TypeError(f"buffers must be None or a torch_r3.BufferPool, got {type(buffers).__name__}")
@@ -670,7 +696,15 @@ class R3Collator:
         o = self._options
         geometry = "".join(
             f", {name}={value!r}"
-            for name, value in (("seq_len", o.seq_len), ("dtype", o.dtype), ("keep_layers", o.keep_layers))
+            for name, value in (
+                ("padding_side", None if o.padding_side == "left" else o.padding_side),
+                ("prompt_width", o.prompt_width),
+                ("response_width", o.response_width),
+                ("pad_to_multiple_of", o.pad_to_multiple_of),
+                ("seq_len", o.seq_len),
+                ("dtype", o.dtype),
+                ("keep_layers", o.keep_layers),
+            )
             if value is not None
         )
         return (
@@ -687,9 +721,18 @@ class R3Collator:
             arrays, counts = _check_batch(routes, [tokens.shape[0] for tokens in fields[0].arrays], self._options)
         except (TypeError, ValueError) as e:
             raise type(e)(f"{e} [key {self.routes_key!r}]") from None
+        prompts = None
+        if self._options.layout == "prompt_response":
+            prompts = prompt_lengths_of(samples, self.prompt_length_key)
         extra_batch = collate_extra(samples, extra)
         batch: dict[str, Any] = _collate(
-            arrays, counts, self._options, buffers=self.buffers, fields=fields, sample_ids=sample_ids
+            arrays,
+            counts,
+            self._options,
+            buffers=self.buffers,
+            fields=fields,
+            sample_ids=sample_ids,
+            prompt_lengths=prompts,
         )
         batch.update(extra_batch)
         return batch

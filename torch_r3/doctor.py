@@ -15,7 +15,7 @@ __all__ = ["doctor_report", "fatal_problem", "format_doctor"]
 
 
 # The distributions whose versions matter to a bug report, in report order.
-_DISTRIBUTIONS = ("torch_r3", "torch", "numpy", "megatron-core", "aiohttp")
+_DISTRIBUTIONS = ("torch_r3", "torch", "numpy", "megatron-core", "aiohttp", "pybase64")
 
 
 def _version(distribution: str) -> str | None:
@@ -61,6 +61,12 @@ def _pinned_memory(accelerator: bool) -> tuple[bool, str]:
     return True, "available: collate_routes pins its outputs in the main process"
 
 
+def _wire() -> dict[str, Any]:
+    from torch_r3 import _base64
+
+    return {"decoder": _base64.decoder(), "note": _base64.describe_decoder()}
+
+
 def _cpu() -> dict[str, Any]:
     import torch
 
@@ -99,7 +105,9 @@ def doctor_report() -> dict[str, Any]:
 
     Returns:
         `versions` (distribution -> version, `None` when not installed; plus `python`
-        and `platform`), `accelerator` (availability, devices, CUDA/HIP build, pinned
+        and `platform`), `wire` (the base64 decoder the wire codec uses: `decoder`,
+        `"pybase64"`, `"binascii"` or `"reference"`, and a one-line `note`),
+        `accelerator` (availability, devices, CUDA/HIP build, pinned
         memory), `cpu` (affinity mask, cgroup quotas, usable CPUs, pool workers, thread
         settings), `memory` (the transparent-hugepage mode, `None` when unknown, and the
         hugepage size) and `warnings` (what to fix; empty on a set-up that needs nothing).
@@ -112,6 +120,7 @@ def doctor_report() -> dict[str, Any]:
     cpus = _cpu()
     return {
         "versions": versions,
+        "wire": _wire(),
         "accelerator": accelerator,
         "cpu": cpus,
         "memory": _memory_report(),
@@ -150,6 +159,7 @@ def format_doctor(r: dict[str, Any]) -> str:
 
     acc, cpus = r["accelerator"], r["cpu"]
     lines = ["versions"] + [row(k, v or "not installed") for k, v in r["versions"].items()]
+    lines += ["wire codec (routes off the HTTP body)", row("base64 decoder", r["wire"]["note"])]
     build = ", ".join(f"{k} {v}" for k, v in (("CUDA", acc["cuda_build"]), ("HIP", acc["hip_build"])) if v)
     lines += [
         "accelerator",

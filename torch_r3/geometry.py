@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torch_r3._checks import check_dtype, check_indices, check_positive, check_token_counts
+from torch_r3._checks import check_choice, check_dtype, check_indices, check_int, check_positive, check_token_counts
 from torch_r3._deprecation import renamed_argument
 from torch_r3._filler import check_filler
 from torch_r3.routes import CANONICAL_DTYPES, canonical_dtype_for, widest
@@ -63,6 +63,62 @@ def check_sample_ids(sample_ids: Any, batch_size: int) -> list[int]:
     if len(ids) != batch_size:
         raise ValueError(f"sample_ids: expected {batch_size} ids (one per sample), got {len(ids)}")
     return list(ids)
+
+
+PADDING_SIDES = ("left", "right")
+
+
+def check_padding_side(padding_side: Any) -> str:
+    """`padding_side=`: where the padded layout's padding goes, `"left"` or `"right"`."""
+    return check_choice(padding_side, "padding_side", PADDING_SIDES)
+
+
+def check_prompt_response_widths(layout: str, prompt_width: Any, response_width: Any) -> tuple[int | None, int | None]:
+    """`prompt_width=` and `response_width=`: both positive ints for `layout="prompt_response"`, else both unset."""
+    if layout != "prompt_response":
+        for name, value in (("prompt_width", prompt_width), ("response_width", response_width)):
+            if value is not None:
+                raise ValueError(f"{name} applies to layout='prompt_response' only, got layout={layout!r}")
+        return None, None
+    if prompt_width is None or response_width is None:
+        raise ValueError(
+            "layout='prompt_response' needs prompt_width= and response_width= (the prompt's left-padded width P "
+            "and the response's right-padded width R)"
+        )
+    return check_positive(prompt_width, "prompt_width"), check_positive(response_width, "response_width")
+
+
+def check_prompt_lengths(prompt_lengths: Any, counts: Sequence[int], width: int, response_width: int) -> list[int]:
+    """Each sample's prompt token count `p_i`, with `p_i <= width` and `n_i - p_i <= response_width`."""
+    if prompt_lengths is None:
+        raise ValueError("layout='prompt_response' needs each sample's prompt length (prompt_lengths=)")
+    if isinstance(prompt_lengths, (torch.Tensor, np.ndarray)):
+        prompt_lengths = prompt_lengths.tolist()
+    if isinstance(prompt_lengths, (str, bytes)) or not isinstance(prompt_lengths, Sequence):
+        raise TypeError(f"prompt_lengths: expected a sequence of ints, got {type(prompt_lengths).__name__}")
+    if len(prompt_lengths) != len(counts):
+        raise ValueError(f"prompt_lengths: expected {len(counts)} lengths (one per sample), got {len(prompt_lengths)}")
+    out = []
+    for i, (p, n) in enumerate(zip(prompt_lengths, counts)):
+        p = check_int(p, f"prompt_lengths[{i}]")
+        if not 0 <= p <= n:
+            raise ValueError(f"sample {i}: prompt length {p} is outside [0, {n}] (the sample has {n} tokens)")
+        if p > width:
+            raise ValueError(f"sample {i}: prompt of {p} tokens is longer than prompt_width={width}")
+        if n - p > response_width:
+            raise ValueError(f"sample {i}: response of {n - p} tokens is longer than response_width={response_width}")
+        out.append(p)
+    return out
+
+
+def aligned_counts(token_counts: Sequence[int], multiple: int) -> list[int]:
+    """Each count rounded up to a multiple: the packed layout's per-sequence alignment.
+
+    Examples:
+        >>> aligned_counts([3, 4, 5], 4)
+        [4, 4, 8]
+    """
+    return [-(-int(n) // multiple) * multiple for n in token_counts]
 
 
 def default_max_output_bytes() -> int:
@@ -147,7 +203,9 @@ class BatchGeometry:
         seq_len: `T` of the padded layout (the longest trajectory, rounded up).
         dtype: the route dtype of the batch (NumPy), as `collate_routes` would choose it.
         batch_size: `B`, the trajectories.
-        num_tokens: `sum(n)`, the packed layout's token axis.
+        num_tokens: the packed layout's token axis: `sum(n)`, or with
+            `layout="packed"` and `pad_to_multiple_of` the sum of the aligned
+            lengths (`cu_seqlens_padded[-1]`).
     """
 
     seq_len: int
@@ -163,6 +221,7 @@ def global_geometry(
     pad_to_multiple_of: int | None = None,
     filler: str = "arange",
     num_experts: int | None = None,
+    layout: str = "padded",
     padding: str | None = None,
 ) -> BatchGeometry:
     """The global batch's `seq_len` and route dtype, from token counts and route dtypes alone.
@@ -176,10 +235,15 @@ def global_geometry(
         token_counts: every trajectory's token count `n_i` (positive ints).
         dtypes: the trajectories' route dtypes (NumPy or torch dtypes, or
             their names; any iterable, a set is enough).
-        pad_to_multiple_of: as in `collate_routes`.
+        pad_to_multiple_of: as in `collate_routes`: `seq_len` is rounded up
+            to it, and with `layout="packed"` every sequence is, so that
+            `num_tokens` is the aligned total (`seq_len` is then the longest
+            aligned sequence, Transformer Engine's `max_seqlen`).
         filler: as in `collate_routes`; `balanced` widens the dtype where
             `num_experts - 1` does not fit it.
         num_experts: as in `collate_routes` (needed for `balanced`).
+        layout: `"padded"` or `"packed"`, the layout the batch is collated
+            in (a `prompt_response` batch's geometry is its two widths).
         padding: deprecated spelling of `filler`.
 
     Returns:
@@ -202,6 +266,7 @@ def global_geometry(
     if not found:
         raise ValueError("dtypes: expected at least one route dtype, got none")
     filler = renamed_argument(padding, filler, old="padding", new="filler", where="global_geometry", default="arange")
+    check_choice(layout, "layout", ("padded", "packed"))
     num_experts = check_filler(filler, num_experts, 1)
     if num_experts is not None and filler == "balanced":
         found.add(canonical_dtype_for(num_experts - 1))
@@ -209,5 +274,9 @@ def global_geometry(
         seq_len=padded_length(counts, pad_to_multiple_of),
         dtype=widest(found),
         batch_size=len(counts),
-        num_tokens=sum(counts),
+        num_tokens=sum(
+            counts
+            if layout == "padded" or pad_to_multiple_of is None
+            else aligned_counts(counts, check_positive(pad_to_multiple_of, "pad_to_multiple_of"))
+        ),
     )

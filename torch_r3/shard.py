@@ -34,7 +34,7 @@ from torch_r3._buffers import BufferPool
 from torch_r3._checks import check_bool, check_indices, check_positive, check_token_counts
 from torch_r3._deprecation import renamed_argument
 from torch_r3.collate import R3Collator
-from torch_r3.geometry import MAX_SAMPLE_ID
+from torch_r3.geometry import MAX_SAMPLE_ID, aligned_counts
 
 __all__ = ["ShardCollator", "plan_microbatches"]
 
@@ -67,6 +67,7 @@ def plan_microbatches(
     dp_size: int,
     micro_batch_size: int | None = None,
     max_tokens_per_microbatch: int | None = None,
+    pad_to_multiple_of: int | None = None,
 ) -> list[list[list[int]]]:
     """Split a global batch into micro-batches per data-parallel rank, from token counts alone.
 
@@ -85,6 +86,10 @@ def plan_microbatches(
         max_tokens_per_microbatch: the most tokens per micro-batch (a
             trajectory longer than this is refused). Without either limit,
             each rank gets one micro-batch.
+        pad_to_multiple_of: count every trajectory as its aligned length
+            (rounded up to this multiple), the tokens a packed batch collated
+            with the same `pad_to_multiple_of` holds: balancing and
+            `max_tokens_per_microbatch` then count what the model computes.
 
     Returns:
         `plan[rank][k]`: the global sample indices of rank `rank`'s `k`-th micro-batch.
@@ -99,6 +104,8 @@ def plan_microbatches(
         [[[0], [1, 5]], [[2], [3, 4]]]
     """
     counts = check_token_counts(token_counts)
+    if pad_to_multiple_of is not None:
+        counts = aligned_counts(counts, check_positive(pad_to_multiple_of, "pad_to_multiple_of"))
     dp = check_positive(dp_size, "dp_size")
     mbs = None if micro_batch_size is None else check_positive(micro_batch_size, "micro_batch_size")
     cap = (

@@ -43,7 +43,7 @@ import random
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -295,7 +295,15 @@ class HttpTransport:
         if state is not None and state.owned:
             await state.session.close()
 
-    async def request(self, method: str, path: str, body: Any = None, headers: Mapping[str, str] | None = None) -> Any:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        headers: Mapping[str, str] | None = None,
+        *,
+        parse: Callable[[bytearray], Any] = json.loads,
+    ) -> Any:
         """Send one request with the configured retries.
 
         Args:
@@ -304,6 +312,10 @@ class HttpTransport:
             body: Sent as JSON when not `None` (serialised once, before the
                 first attempt).
             headers: Extra headers for this request.
+            parse: Reads the `2xx` body: `json.loads`, or a parser that raises
+                what it raises (`ValueError`, `RecursionError`, `MemoryError`)
+                for a body that is not JSON, such as
+                `torch_r3.protocols.spans.parse_body`.
 
         Returns:
             The parsed JSON of the `2xx` answer.
@@ -324,7 +336,7 @@ class HttpTransport:
             extra = {**self.headers, **extra}
         call = _Call(method, url, data, extra, state)
         answer = await self._with_retries(call)
-        return _parse_json(answer, call)
+        return _parse_json(answer, call, parse)
 
     async def _with_retries(self, call: _Call) -> _Answer:
         """The retry policy: attempts until a final answer, a final error, or the budget is spent."""
@@ -483,7 +495,7 @@ def _translate(exc: Exception, call: _Call) -> tuple[_Outcome, str, int | None]:
     raise exc
 
 
-def _parse_json(answer: _Answer, call: _Call) -> Any:
+def _parse_json(answer: _Answer, call: _Call, parse: Callable[[bytearray], Any]) -> Any:
     """The parsed JSON of a final answer; an error status or a body that is not JSON is an error."""
     status, payload = answer.status, answer.payload
     where = f"{call.method} {call.url}"
@@ -505,7 +517,7 @@ def _parse_json(answer: _Answer, call: _Call) -> Any:
         )
     cause: ValueError | None = None
     try:
-        return json.loads(payload)
+        return parse(payload)
     except MemoryError:
         problem = f": out of memory parsing a JSON body of {len(payload)} bytes"
     except RecursionError:

@@ -115,6 +115,20 @@ def test_filler_positions_are_checked_only_when_they_are_replayed(qwen):
                 pass
 
 
+def test_zero_filler_rows_marked_to_replay_are_refused_naming_the_filler(qwen):
+    with ReplayHook(qwen) as probe:
+        batch = make_batch(probe)
+    routes, mask = batch[ROUTES].clone(), batch[ROUTER_MASK]
+    routes[mask] = 0  # what filler="zeros" writes into every uncaptured row
+    zeros = {**batch, ROUTES: routes}
+    with ReplayHook(qwen) as hook, torch.no_grad(), hook.replay(zeros):  # live: the zero rows never replay
+        qwen(**inputs(zeros))
+    with ReplayHook(qwen, uncaptured="replay") as hook:
+        with pytest.raises(ValueError, match=r"expert id 0 twice.*all-zero filler row \(filler='zeros'\)"):
+            with hook.replay(zeros):
+                pass
+
+
 def test_bad_layouts_are_refused_naming_the_key(qwen):
     with ReplayHook(qwen) as hook:
         batch = make_batch(hook)

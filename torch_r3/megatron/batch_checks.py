@@ -21,15 +21,57 @@ from typing import Any
 
 import torch
 
-from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS, INPUT_IDS
+from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS, CU_SEQLENS_PADDED, INPUT_IDS
 from torch_r3.replay.checks import check_replayed_ids, check_router_tokens
 
 # The other checks are the hook's internals, shared with `hook.py` under plain names.
 __all__ = ["check_route_values"]
 
 
+def check_aligned_offsets(batch: Mapping, cu_seqlens: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """A packed batch's `cu_seqlens_padded` (per-sequence alignment), checked against `cu_seqlens`; else `None`.
+
+    Sequence `i` holds rows `[cu_seqlens_padded[i], cu_seqlens_padded[i] + n_i)`
+    of the packed tensors, `n_i` from `cu_seqlens`, then its alignment rows; the
+    aligned offsets are what the context-parallel split and the routers follow.
+
+    Raises:
+        TypeError: When it is no integer tensor.
+        ValueError: When it comes without `cu_seqlens`, has another length, does
+            not cover the `rows` of the routes, or a sequence's real tokens exceed its span.
+    """
+    aligned = batch.get(CU_SEQLENS_PADDED)
+    if aligned is None:
+        return None
+    if cu_seqlens is None:
+        raise ValueError(f"microbatch: {CU_SEQLENS_PADDED!r} without {CU_SEQLENS!r} (the real sequence lengths)")
+    if not isinstance(aligned, torch.Tensor) or aligned.dtype.is_floating_point or aligned.dtype == torch.bool:
+        what = aligned.dtype if isinstance(aligned, torch.Tensor) else type(aligned).__name__
+        raise TypeError(f"{CU_SEQLENS_PADDED}: expected an integer torch.Tensor [B + 1], got {what}")
+    spans, real = aligned.tolist(), cu_seqlens.tolist()
+    if aligned.ndim != 1 or len(spans) != len(real):
+        raise ValueError(
+            f"{CU_SEQLENS_PADDED}: expected shape [{len(real)}] like {CU_SEQLENS}, got {list(aligned.shape)}"
+        )
+    if spans[0] != 0 or spans[-1] != rows:
+        raise ValueError(f"{CU_SEQLENS_PADDED}: expected offsets from 0 to the routes' {rows} rows, got {spans}")
+    for i in range(len(spans) - 1):
+        n, span = real[i + 1] - real[i], spans[i + 1] - spans[i]
+        if not 0 <= n <= span:
+            raise ValueError(
+                f"{CU_SEQLENS_PADDED}: sequence {i} has {n} real tokens ({CU_SEQLENS}) in an aligned span of {span}"
+            )
+    return aligned
+
+
 def model_padding_mask(
-    batch: Mapping, uncaptured: torch.Tensor, cu_seqlens: torch.Tensor | None, *, microbatch: int, layer: int
+    batch: Mapping,
+    uncaptured: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    *,
+    microbatch: int,
+    layer: int,
+    cu_seqlens_padded: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The padding mask Megatron gets: `True` only where there is no real token.
 
@@ -38,7 +80,8 @@ def model_padding_mask(
     expert-bias token counts must include them. The padded layout's
     `attention_mask` (0 = padding) says which positions are padding; without it,
     padding is the leading run of uncaptured positions of each row (left
-    padding). The packed layout has no padding.
+    padding). The packed layout has no padding, except, with per-sequence
+    alignment (`cu_seqlens_padded`), each sequence's alignment rows.
 
     Args:
         batch: The microbatch dict.
@@ -46,6 +89,7 @@ def model_padding_mask(
         cu_seqlens: The packed layout's offsets, or `None`.
         microbatch: Index of the microbatch in the step, for the message.
         layer: The stage's first MoE layer (global, 0-based), for the message.
+        cu_seqlens_padded: The aligned packed layout's offsets (`check_aligned_offsets`), or `None`.
 
     Returns:
         A bool tensor shaped like `uncaptured`, on its device.
@@ -56,7 +100,12 @@ def model_padding_mask(
             routes do not cover the tokens), naming the first token without a route.
     """
     if cu_seqlens is not None:
-        return torch.zeros_like(uncaptured)
+        if cu_seqlens_padded is None:
+            return torch.zeros_like(uncaptured)
+        pad = torch.ones_like(uncaptured)
+        for start, n in zip(cu_seqlens_padded.tolist(), cu_seqlens.diff().tolist()):
+            pad[start : start + n] = False
+        return pad
     attention = batch.get(ATTENTION_MASK)
     if attention is None:
         return (~uncaptured).cumsum(1) == 0
@@ -71,7 +120,8 @@ def check_record_microbatch(batch: Any) -> tuple[tuple[int, int], torch.Tensor |
     """The token layout of a microbatch whose routes are to be recorded (R2): `(B, T)` and `cu_seqlens`.
 
     Read from `attention_mask` `[B, T]` (or `input_ids` `[B, T]`) in the padded
-    layout, and from `cu_seqlens` in the packed one (`B = 1`, `T = cu_seqlens[-1]`).
+    layout, and from `cu_seqlens` in the packed one (`B = 1`, `T = cu_seqlens[-1]`;
+    `cu_seqlens_padded[-1]` with per-sequence alignment).
 
     Raises:
         TypeError: When the batch is no mapping.
@@ -83,6 +133,9 @@ def check_record_microbatch(batch: Any) -> tuple[tuple[int, int], torch.Tensor |
     if cu_seqlens is not None:
         if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.ndim != 1 or cu_seqlens.numel() < 1:
             raise ValueError(f"{CU_SEQLENS}: expected a [B + 1] tensor")
+        aligned = batch.get(CU_SEQLENS_PADDED)
+        if isinstance(aligned, torch.Tensor) and aligned.ndim == 1 and aligned.numel() >= 1:
+            return (1, int(aligned[-1])), cu_seqlens  # checked by check_aligned_offsets
         return (1, int(cu_seqlens[-1])), cu_seqlens
     for key in (ATTENTION_MASK, INPUT_IDS):
         value = batch.get(key)
@@ -103,6 +156,7 @@ def check_route_values(
     *,
     microbatch: int,
     cu_seqlens: torch.Tensor | None = None,
+    uncaptured: torch.Tensor | None = None,
 ) -> None:
     """Every checked route holds K distinct expert ids in `[0, num_experts)`.
 
@@ -112,7 +166,9 @@ def check_route_values(
         layers: `(global layer, index into L)` for each router that will use the routes.
         num_experts: The model's `num_moe_experts`.
         microbatch: Index of the microbatch in the step, for the message.
-        cu_seqlens: The packed layout's cumulative sequence lengths, for the message.
+        cu_seqlens: The packed layout's sequence offsets, for the message.
+        uncaptured: `router_padding_mask`, shaped like `checked`: an all-zero route
+            at an uncaptured position (`filler="zeros"`) gets a message saying so.
 
     Raises:
         ValueError: At the first bad route (in batch order), naming the
@@ -136,6 +192,7 @@ def check_route_values(
         prefix=f"microbatch {microbatch}, ",
         experts=f"num_moe_experts={num_experts}",
         cu_seqlens=cu_seqlens,
+        uncaptured=uncaptured,
     )
 
 

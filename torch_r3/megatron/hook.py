@@ -21,6 +21,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplayAction
 from torch_r3._checks import check_indices
 from torch_r3.keys import ROUTER_MASK, ROUTES
 from torch_r3.megatron.batch_checks import (
+    check_aligned_offsets,
     check_model_input,
     check_record_microbatch,
     check_route_values,
@@ -479,7 +480,11 @@ class ReplayHook:
             mask = mask.to(device, non_blocking=True)
             if index != list(range(routes.shape[-2])):
                 routes = routes[..., index, :]
-        pad = model_padding_mask(batch, mask, cu_seqlens, microbatch=microbatch, layer=self.router_layers[0])
+        aligned = check_aligned_offsets(batch, cu_seqlens, mask.shape[0]) if cu_seqlens is not None else None
+        offsets = cu_seqlens if aligned is None else aligned  # where each sequence starts in the packed rows
+        pad = model_padding_mask(
+            batch, mask, cu_seqlens, microbatch=microbatch, layer=self.router_layers[0], cu_seqlens_padded=aligned
+        )
         if not self._record:
             layers = [(r.layer, j) for j, r in enumerate(self._routers)]  # (global layer, index into routes)
             check_route_values(
@@ -488,7 +493,8 @@ class ReplayHook:
                 layers,
                 self._num_experts,
                 microbatch=microbatch,
-                cu_seqlens=cu_seqlens,
+                cu_seqlens=offsets,
+                uncaptured=mask,
             )
         rank = self._rank()
         # Only the first stage's model scatters padding_mask for sequence parallelism;
@@ -497,7 +503,7 @@ class ReplayHook:
             routes,
             torch.stack([mask, pad], -1),
             rank,
-            cu_seqlens=cu_seqlens,
+            cu_seqlens=offsets,
             model_scatters_mask=self._model_scatters_mask,
             packed_balancing=self._packed_balancing,
         )

@@ -182,7 +182,8 @@ def packed_positions(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> to
             raise ValueError(
                 f"cu_seqlens: sequence {i} has {length} tokens; with context parallelism "
                 f"every packed sequence must be padded to a multiple of 2 * "
-                f"context_parallel_size = {2 * cp_size}"
+                f"context_parallel_size = {2 * cp_size} (collate with layout='packed', "
+                f"pad_to_multiple_of={2 * cp_size} and pass its cu_seqlens_padded)"
             )
         parts.append(start + context_parallel_positions(length, cp_size, cp_rank))
     return torch.cat(parts) if parts else torch.arange(0)
@@ -319,7 +320,10 @@ def slice_for_rank(
             with `cu_seqlens`).
         padding_mask: `[B, T]` or `[N]` bool, `True` where no route was captured.
         rank: This rank's place in the context/tensor-parallel layout.
-        cu_seqlens: `[B + 1]` for the packed layout, else `None`.
+        cu_seqlens: `[B + 1]` sequence offsets for the packed layout, else
+            `None`: for a batch collated with per-sequence alignment, its
+            `cu_seqlens_padded` (the offsets the rows follow, and the bounds
+            Transformer Engine's THD context-parallel split uses).
         model_scatters_mask: Whether the model itself applies the
             sequence-parallel split to `padding_mask` (Megatron's `GPTModel`
             does on its first pipeline stage only). When false, the returned mask

@@ -8,7 +8,9 @@
 Each module holds its server's endpoint paths (their one home) and a stateless
 `ServerProtocol` object, `PROTOCOL`, that builds request bodies and reads
 answers into the same canonical `ParsedResponse`. `RemoteGenerateClient` picks
-one by name from `PROTOCOLS`. Nothing here imports aiohttp.
+one by name from `PROTOCOLS`. `torch_r3.protocols.spans` reads a body with its
+route text left in place, where each protocol's `route_text_paths` says. Nothing
+here imports aiohttp.
 """
 
 from __future__ import annotations

@@ -161,6 +161,10 @@ class ServerProtocol(abc.ABC):
     needs_route_shape: ClassVar[bool] = False
     #: Where the answer carries its route payload: paths of keys, `"*"` for every list item.
     route_payload_paths: ClassVar[tuple[tuple[str, ...], ...]] = ()
+    #: Where the base64 route text sits, each under a payload path: the client reads it
+    #: in place (`torch_r3.protocols.spans.parse_body`), so `parse_response` finds a
+    #: read-only `memoryview` there instead of a `str`; the codec's decoders take either.
+    route_text_paths: ClassVar[tuple[tuple[str, ...], ...]] = ()
 
     @abc.abstractmethod
     def request_body(self, call: GenerateCall) -> dict[str, Any]:
@@ -220,6 +224,7 @@ class ChoicesProtocol(ServerProtocol):
     start_may_be_ignored: ClassVar[bool] = False
     null_routes_hint: ClassVar[str] = ""
     route_payload_paths = (("choices", "*", "routed_experts"),)
+    route_text_paths: ClassVar[tuple[tuple[str, ...], ...]] = (("choices", "*", "routed_experts"),)
 
     @abc.abstractmethod
     def flags(self, call: GenerateCall) -> dict[str, Any]:

@@ -37,6 +37,7 @@ class TorchR3Protocol(ChoicesProtocol):
     name = "torch_r3"
     generate_path = GENERATE_PATH
     salt_field = "cache_salt"
+    route_text_paths = (("choices", "*", "routed_experts", "data"),)  # inside the envelope
 
     def flags(self, call: GenerateCall) -> dict[str, Any]:
         return {"return_routed_experts": call.return_routed_experts}

@@ -65,6 +65,7 @@ class SGLangProtocol(ServerProtocol):
     salt_field = "extra_key"
     needs_route_shape = True
     route_payload_paths = (("meta_info", "routed_experts"), ("meta_info", "indexer_topk"))
+    route_text_paths = (("meta_info", "routed_experts"),)
 
     def request_body(self, call: GenerateCall) -> dict[str, Any]:
         for key in _OWN_FIELDS:

@@ -190,6 +190,7 @@ def check_replayed_ids(
     prefix: str = "",
     experts: str | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    uncaptured: torch.Tensor | None = None,
 ) -> None:
     """Every checked route holds `K` distinct expert ids in `[0, num_experts)`.
 
@@ -202,6 +203,9 @@ def check_replayed_ids(
         prefix: Put before the message (`"microbatch 0, "`).
         experts: How the model names its expert count (default `"<n> experts"`).
         cu_seqlens: The packed layout's offsets, for the message.
+        uncaptured: `router_padding_mask`, shaped like `checked`: an all-zero
+            route at an uncaptured position (`filler="zeros"`) gets a message
+            saying so.
 
     Raises:
         ValueError: At the first bad route in batch order, naming the layer,
@@ -217,11 +221,18 @@ def check_replayed_ids(
     """
     if cu_seqlens is not None and routes.ndim == 3:
         routes, checked = routes.unsqueeze(0), checked.unsqueeze(0)
+        uncaptured = None if uncaptured is None else uncaptured.unsqueeze(0)
     found = first_bad_route(routes, checked, num_experts)  # the one host sync of a clean batch
     if found is None:
         return
     b, t, j, route = found
     message = bad_route_message(route, num_experts, experts=experts or f"{num_experts} experts")
+    if uncaptured is not None and not any(route) and bool(uncaptured[b, t]):
+        message += (
+            "; an all-zero filler row (filler='zeros') is marked to replay, but a route needs K distinct "
+            "experts (Megatron's dropless dispatcher relies on it): collate with filler='arange' or "
+            "'balanced', or let uncaptured tokens route live (uncaptured='live')"
+        )
     raise ValueError(f"{prefix}layer {layers[j]}: {route_position(b, t, cu_seqlens)}: {message}")
 
 

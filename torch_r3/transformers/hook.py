@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from torch_r3.keys import ROUTER_MASK, ROUTES
+from torch_r3.keys import CU_SEQLENS_PADDED, ROUTER_MASK, ROUTES
 from torch_r3.replay import marker
 from torch_r3.replay.checks import check_replayed_ids, check_route_batch, check_router_tokens
 from torch_r3.replay.layers import moe_pattern, route_layer_map
@@ -196,7 +196,9 @@ class ReplayHook:
         if columns != list(range(routes.shape[2])):
             routes = routes[:, :, columns]
         checked = ~mask if self.uncaptured == "live" else torch.ones_like(mask)
-        check_replayed_ids(routes, checked, self.router_layers, self._num_experts, cu_seqlens=cu_seqlens)
+        # Positions in messages count from each sequence's first row (cu_seqlens_padded when aligned).
+        offsets = batch.get(CU_SEQLENS_PADDED, cu_seqlens) if cu_seqlens is not None else None
+        check_replayed_ids(routes, checked, self.router_layers, self._num_experts, cu_seqlens=offsets, uncaptured=mask)
         rows, positions = mask.shape
         device = _device_of(self._routers[0].module)
         # One copy to the device, widened once: the experts index with int64.

@@ -1,0 +1,158 @@
+"""`parse_body` is `json.loads`, with each route string at a path left as a view of the body.
+
+The reference is `json.loads` itself: on every body, valid or not, `parse_body`
+returns what it returns (with views where the route strings were, holding the
+same text) or raises the same kind of error. Bodies are built to trip a
+locator that trusts the key: the key inside other strings, escaped route text,
+duplicated keys, the key at a path nobody asked for, truncated bodies.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from torch_r3.codec import WireFormatError, decode_sglang_routes
+from torch_r3.protocols import PROTOCOLS
+from torch_r3.protocols.spans import MAX_SPANS, parse_body, route_text_bytes
+
+SGLANG = (("meta_info", "routed_experts"),)
+CHOICES = (("choices", "*", "routed_experts"),)
+ENVELOPE = (("choices", "*", "routed_experts", "data"),)
+
+
+def with_text(tree):
+    """`tree` with every view turned back into the `str` `json.loads` would have given."""
+    if isinstance(tree, memoryview):
+        return bytes(tree).decode("ascii")
+    if isinstance(tree, dict):
+        return {k: with_text(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [with_text(v) for v in tree]
+    return tree
+
+
+def views_in(tree) -> int:
+    if isinstance(tree, memoryview):
+        return 1
+    if isinstance(tree, dict):
+        return sum(views_in(v) for v in tree.values())
+    if isinstance(tree, list):
+        return sum(views_in(v) for v in tree)
+    return 0
+
+
+def same_as_json_loads(body: bytes, paths) -> int:
+    """Assert `parse_body(body)` agrees with `json.loads(body)`; the number of views it left."""
+    try:
+        expected = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        with pytest.raises(type(exc)):
+            parse_body(bytearray(body), paths)
+        return 0
+    got = parse_body(bytearray(body), paths)
+    assert with_text(got) == expected
+    return views_in(got)
+
+
+def test_an_sglang_body_keeps_its_route_text_as_a_read_only_view():
+    body = bytearray(b'{"output_ids": [1, 2], "meta_info": {"routed_experts": "AAAAAQ==", "id": "x"}}')
+    tree = parse_body(body, SGLANG)
+    view = tree["meta_info"]["routed_experts"]
+    assert isinstance(view, memoryview) and view.readonly and bytes(view) == b"AAAAAQ=="
+    assert view.obj is body  # no copy: a view of the body itself
+    assert tree["output_ids"] == [1, 2] and tree["meta_info"]["id"] == "x"
+
+
+def test_every_choice_and_the_envelope_text_are_views():
+    body = json.dumps({"choices": [{"routed_experts": "AAAA"}, {"routed_experts": "BBBB"}, {"routed_experts": None}]})
+    tree = parse_body(body.encode(), CHOICES)
+    assert [bytes(c["routed_experts"]) for c in tree["choices"][:2]] == [b"AAAA", b"BBBB"]
+    assert tree["choices"][2]["routed_experts"] is None
+    assert route_text_bytes(tree, CHOICES) == 8
+    envelope = json.dumps({"choices": [{"routed_experts": {"data": "AAAA", "shape": [1, 1, 3], "dtype": "uint8"}}]})
+    tree = parse_body(envelope.encode(), ENVELOPE)
+    assert isinstance(tree["choices"][0]["routed_experts"]["data"], memoryview)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        # the key inside another string: its quotes are escaped there
+        b'{"text": "\\"routed_experts\\": \\"AAAA\\"", "meta_info": {"routed_experts": "BBBB"}}',
+        # route text with an escape (a JSON-legal "\\/"): left to json.loads, which unescapes it
+        b'{"meta_info": {"routed_experts": "AA\\/A"}}',
+        # the key twice in one object: json.loads keeps the last
+        b'{"meta_info": {"routed_experts": "AAAA", "routed_experts": "BBBB"}}',
+        # the key at a path nobody asked for, before and after the real one
+        b'{"routed_experts": "CCCC", "meta_info": {"routed_experts": "BBBB"}, "x": {"routed_experts": "DD"}}',
+        # a key ending in the route key, and the key as a value
+        b'{"not_routed_experts": "AAAA", "k": "routed_experts", "meta_info": {"routed_experts": "BBBB"}}',
+        # whitespace JSON allows around the colon
+        b'{"meta_info": {"routed_experts" \n\t:\r "BBBB"}}',
+        # not a string value
+        b'{"meta_info": {"routed_experts": ["AAAA"]}}',
+        b'{"meta_info": {"routed_experts": null}}',
+        # broken bodies: json.loads's own error
+        b'{"meta_info": {"routed_experts": "AAAA"',
+        b'{"meta_info": {"routed_experts": "AAAA}}',
+        b'{"meta_info": {"routed_experts": "AAAA"}} trailing',
+        b'{"meta_info": {"routed_experts": "AAAA"}, "x": "\xff"}',
+        b"[" * 100_000 + b"]" * 100_000,
+    ],
+)
+def test_a_hostile_or_odd_body_parses_as_json_loads_parses_it(body):
+    same_as_json_loads(body, SGLANG)
+
+
+@pytest.mark.parametrize("text", ["AA\xffAA".encode("latin-1"), "AAé=".encode()])
+def test_non_ascii_route_text_is_left_to_the_decoder_which_refuses_it(text):
+    # The view's bytes are not checked to be UTF-8 (that would be a pass over all of them):
+    # base64 is ASCII, and the decoder refuses anything else.
+    tree = parse_body(b'{"meta_info": {"routed_experts": "' + text + b'"}}', SGLANG)
+    assert bytes(tree["meta_info"]["routed_experts"]) == text
+    with pytest.raises(WireFormatError, match="routed_experts: invalid base64"):
+        decode_sglang_routes(tree["meta_info"], num_layers=1, topk=1)
+
+
+def test_only_the_route_string_at_the_path_becomes_a_view():
+    body = b'{"routed_experts": "CCCC", "meta_info": {"routed_experts": "BBBB"}}'
+    tree = parse_body(body, SGLANG)
+    assert isinstance(tree["meta_info"]["routed_experts"], memoryview)
+    assert tree["routed_experts"] == "CCCC"  # read the ordinary way, as a str
+
+
+def test_more_route_strings_than_max_spans_are_parsed_as_json():
+    body = json.dumps({"choices": [{"routed_experts": "AAAA"} for _ in range(MAX_SPANS + 3)]}).encode()
+    assert same_as_json_loads(body, CHOICES) == MAX_SPANS
+
+
+def test_a_path_must_end_in_a_plain_key():
+    with pytest.raises(ValueError, match="plain key"):
+        parse_body(b"{}", (("meta_info", "routed.experts"),))
+
+
+def test_each_protocols_route_text_lies_under_a_payload_path_it_drops():
+    # What the client keeps as `raw` must hold no view of the body.
+    for protocol in PROTOCOLS.values():
+        assert protocol.route_text_paths
+        for text_path in protocol.route_text_paths:
+            assert any(text_path[: len(p)] == p for p in protocol.route_payload_paths), protocol.name
+
+
+json_scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=12))
+keys = st.sampled_from(["routed_experts", "meta_info", "choices", "data", "text", 'routed_experts"', "x\\"])
+json_values = st.recursive(
+    json_scalars | st.sampled_from(["AAAA", "routed_experts", '"routed_experts": "AAAA"']),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(keys | st.text(max_size=6), inner, max_size=3),
+    max_leaves=16,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(tree=json_values, paths=st.sampled_from([SGLANG, CHOICES, ENVELOPE]), cut=st.integers(0, 3))
+def test_any_json_body_parses_as_json_loads_parses_it(tree, paths, cut):
+    body = json.dumps(tree, ensure_ascii=False).encode()
+    same_as_json_loads(body[: len(body) - cut] if cut else body, paths)

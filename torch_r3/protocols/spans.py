@@ -1,0 +1,183 @@
+"""Route text read in place: a response body parsed as JSON, its route strings left as views.
+
+A route payload is nearly all of an answer (81 MB of an 81 MB SGLang body for
+32k tokens of a DeepSeek-V3-shaped model), and `json.loads` would copy it into
+a Python `str` before a decoder reads it once. `parse_body` instead finds
+each route string by its key, parses everything else as JSON, and puts a
+read-only `memoryview` of the string's bytes in the body where the string
+would have been. The codec's decoders read that view like any base64 text,
+so a protocol's `parse_response` does not change.
+
+Where the route strings sit is a small spec, the protocol's
+`route_text_paths`: tuples of keys, with `"*"` for every item of a list,
+e.g. `("meta_info", "routed_experts")` for SGLang's `/generate` or
+`("choices", "*", "routed_experts")` for vLLM. A new response shape plugs in by
+listing its paths; nothing here changes.
+
+Why the result is the body's own JSON: each candidate is the string that
+follows `"<last key of a path>":`, up to the next quote, with no backslash in
+it (a string with escapes is left to `json.loads`). It is replaced by a
+placeholder string holding a random token and a bare `@`, and the rest is
+parsed. A candidate that was not a string value (say the key sat inside
+another string) makes that text invalid JSON, since the `@` lands outside a
+string; and a placeholder that parses but is not found at one of the paths
+means the key sat somewhere else: there it gets its text back, as a `str`.
+For the first case, and for a body that is not valid JSON at all, the whole
+body goes to `json.loads`, which gives the same value or the same error as
+before. So the result equals `json.loads(body)`
+with each route string at a path replaced by a view of its bytes, which are
+its text (base64 has no character JSON escapes). One difference: the bytes of
+a view are not checked to be UTF-8 (that would be one more pass over all of
+them); base64 is ASCII, and the decoder refuses any other byte.
+
+Memory: the views are not copies; the rest, with placeholders, is one copy
+of the non-route bytes, and its parsed objects.
+
+This module needs the standard library only; it never imports aiohttp or NumPy.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Iterator
+from typing import Any
+
+# The body parser and its spec serve the transport and the protocols.
+__all__ = ["parse_body", "route_text_bytes"]
+
+#: At most this many route strings are read in place per body (more are parsed as JSON).
+MAX_SPANS = 64
+_KEY = re.compile(r"[A-Za-z0-9_]+")
+_WHITESPACE = rb"[ \t\n\r]*"  # JSON's four
+
+
+def _candidates(body: bytearray | bytes, keys: list[str]) -> Iterator[tuple[int, int]]:
+    """`(first, end)` of the text of each string that follows `"key":` for one of `keys`."""
+    alternatives = b"|".join(re.escape(key.encode("ascii")) for key in keys)
+    pattern = re.compile(b'"(?:' + alternatives + b')"' + _WHITESPACE + b":" + _WHITESPACE + b'"')
+    at = 0
+    while True:
+        match = pattern.search(body, at)
+        if match is None:
+            return
+        first = match.end()
+        end = body.find(b'"', first)  # memchr: the base64 text is skipped, never scanned by the regex
+        if end < 0:
+            return  # unterminated: json.loads names the error
+        at = end + 1
+        if body.find(b"\\", first, end) < 0:
+            yield first, end
+
+
+def parse_body(body: bytearray | bytes, paths: tuple[tuple[str, ...], ...]) -> Any:
+    """`json.loads(body)`, with each route string at one of `paths` left as a view of the body.
+
+    Args:
+        body: The response body (UTF-8 JSON).
+        paths: Where route strings sit: tuples of keys, `"*"` for every list
+            item. Each path's last key is a plain name (letters, digits, `_`).
+
+    Returns:
+        The parsed JSON; where a path leads to a route string, a read-only
+        `memoryview` of its bytes in `body` instead of a `str`.
+
+    Raises:
+        ValueError: `body` is not valid JSON (`json.JSONDecodeError`, or a
+            `UnicodeDecodeError`), exactly as `json.loads` raises it.
+        RecursionError: The JSON is nested too deeply for `json.loads`.
+
+    Examples:
+        >>> tree = parse_body(b'{"meta_info": {"routed_experts": "AAAA"}}', (("meta_info", "routed_experts"),))
+        >>> bytes(tree["meta_info"]["routed_experts"])
+        b'AAAA'
+    """
+    keys = sorted({path[-1] for path in paths})
+    for key in keys:
+        if not _KEY.fullmatch(key):
+            raise ValueError(f"route text paths must end in a plain key, got {key!r}")
+    spans = []
+    for span in _candidates(body, keys) if keys else ():
+        spans.append(span)
+        if len(spans) == MAX_SPANS:
+            break
+    if not spans:
+        return json.loads(body)
+    marker = f"@torch_r3-route-{secrets.token_hex(8)}-"
+    view = memoryview(body).toreadonly()
+    pieces: list[bytes | memoryview] = []
+    at = 0
+    for i, (first, end) in enumerate(spans):
+        pieces += [view[at:first], f"{marker}{i}".encode("ascii")]
+        at = end
+    pieces.append(view[at:])
+    try:
+        tree = json.loads(b"".join(pieces))
+    except ValueError:
+        return json.loads(body)  # not a string value, or not JSON at all: the body's own answer
+    views = [view[first:end] for first, end in spans]
+    if _place(tree, paths, marker, views) != len(spans):
+        try:
+            _restore(tree, marker, views)  # a key sat elsewhere too: there, the text it held
+        except UnicodeDecodeError:
+            return json.loads(body)  # which names the bytes that are not UTF-8
+    return tree
+
+
+def _place(tree: Any, paths: tuple[tuple[str, ...], ...], marker: str, views: list[memoryview]) -> int:
+    """Put each view where its placeholder parsed, along `paths`; the number placed."""
+    placed = 0
+    for path in paths:
+        for parent, key in _leaves(tree, path):
+            value = parent[key]
+            if isinstance(value, str) and value.startswith(marker):
+                index = value[len(marker) :]
+                if index.isdigit() and int(index) < len(views):
+                    parent[key] = views[int(index)]
+                    placed += 1
+    return placed
+
+
+def _restore(tree: Any, marker: str, views: list[memoryview]) -> None:
+    """Put back the text of every placeholder not at a path (a walk of the parsed rest, not of the body)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, value in list(items):
+            if isinstance(value, str) and value.startswith(marker):
+                node[key] = str(views[int(value[len(marker) :])], "utf-8")
+            elif isinstance(value, (dict, list)):
+                stack.append(value)
+
+
+def _leaves(node: Any, path: tuple[str, ...]) -> Iterator[tuple[Any, Any]]:
+    """`(container, key)` of every value `path` reaches in `node`."""
+    key, rest = path[0], path[1:]
+    items: list[tuple[Any, Any]] = []
+    if key == "*":
+        items = list(enumerate(node)) if isinstance(node, list) else []
+    elif isinstance(node, dict) and key in node:
+        items = [(key, node[key])]
+    for k, child in items:
+        if rest:
+            yield from _leaves(child, rest)
+        else:
+            yield node, k
+
+
+def route_text_bytes(tree: Any, paths: tuple[tuple[str, ...], ...]) -> int:
+    """The length of the route text `paths` reach in a parsed body (views and strings alike).
+
+    Examples:
+        >>> route_text_bytes({"choices": [{"routed_experts": "AAAA"}, {}]}, (("choices", "*", "routed_experts"),))
+        4
+    """
+    total = 0
+    for path in paths:
+        for parent, key in _leaves(tree, path):
+            value = parent[key]
+            if isinstance(value, (str, bytes, memoryview)):
+                total += len(value)
+    return total
