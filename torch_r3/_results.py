@@ -63,6 +63,10 @@ class RemoteGenerateResult:
             cached before a weight update keeps its older routes); `()`
             otherwise. `RoutedExpertTrace.record_result` refuses a turn whose
             rows and tokens come from different versions.
+        indexer_topk: With `return_indexer_topk=True` (SGLang, DSA models):
+            the indexer's selections of positions `0 .. len(prompt) +
+            len(response_ids) - 2` as compact `torch_r3.indexer.IndexerSelections`,
+            every row checked on receipt; `None` otherwise.
     """
 
     response_ids: tuple[int, ...]
@@ -76,3 +80,4 @@ class RemoteGenerateResult:
     health_checked: bool = False
     prompt_token_ids: tuple[int, ...] | None = None
     route_versions: tuple[WeightVersionSpan, ...] = ()
+    indexer_topk: Any = None

@@ -29,7 +29,7 @@ import aiohttp
 import numpy as np
 import yarl
 
-from torch_r3._checks import check_choice, check_indices, check_int, check_positive, check_str
+from torch_r3._checks import check_bool, check_choice, check_indices, check_int, check_positive, check_str
 from torch_r3._offload import off_loop
 from torch_r3._results import RemoteGenerateResult
 from torch_r3.errors import RemoteGenerateError
@@ -77,6 +77,11 @@ class RemoteGenerateClient:
             SGLang routes (its payload has no shape); checked when given.
         topk: Experts per token (`num_experts_per_tok`). Required for SGLang routes.
         num_experts: Routed experts per layer; when given, every id must be below it.
+        indexer_layers: DSA indexer layers per row (SGLang's `num_indexer_layers`:
+            `num_hidden_layers` for DeepSeek-V3.2-style models). Required for
+            `return_indexer_topk`.
+        index_topk: Positions each indexer query selects (`index_topk`).
+            Required for `return_indexer_topk`.
         moe_layers: Indices into the routes' layer axis of the MoE layers; when
             given, a zero row in one of them is an engine-health finding (see
             `health`). Without them only rows zero in every layer are (dense
@@ -133,6 +138,8 @@ class RemoteGenerateClient:
         num_layers: int | None = None,
         topk: int | None = None,
         num_experts: int | None = None,
+        indexer_layers: int | None = None,
+        index_topk: int | None = None,
         moe_layers: Sequence[int] | None = None,
         health: str | RouteHealthCheck = "raise",
         cache_salt: str | None = None,
@@ -172,6 +179,9 @@ class RemoteGenerateClient:
             num_layers=num_layers,
             topk=topk,
             num_experts=num_experts,
+            indexer_layers=None if indexer_layers is None else check_positive(indexer_layers, "indexer_layers"),
+            index_topk=None if index_topk is None else check_positive(index_topk, "index_topk"),
+            max_indexer_bytes=config.max_response_bytes,
         )
         self._transport = HttpTransport(
             self.base_url, config, headers=headers, session=session, ssl=ssl, trace_configs=trace_configs
@@ -218,6 +228,7 @@ class RemoteGenerateClient:
         session_id: str | None = None,
         model: str | None = None,
         cache_salt: str | None = None,
+        return_indexer_topk: bool = False,
     ) -> RemoteGenerateResult:
         """Generate a continuation of `prompt_token_ids`.
 
@@ -240,6 +251,8 @@ class RemoteGenerateClient:
                 0.30+ refuses others; the rule holds for every server).
                 Sent as vLLM's and the torch_r3 server's `cache_salt`, as
                 SGLang's `extra_key`.
+            return_indexer_topk: Ask for the DSA indexer's selections
+                (SGLang only; the client needs `indexer_layers=` and `index_topk=`).
 
         Returns:
             The decoded first choice; with routes, their row count is checked
@@ -276,13 +289,24 @@ class RemoteGenerateClient:
                 f"server={self.server!r} sends routes without their shape: give the client num_layers= "
                 "(the model's num_hidden_layers) and topk= (num_experts_per_tok)"
             )
+        return_indexer_topk = check_bool(return_indexer_topk, "return_indexer_topk")
+        if return_indexer_topk:
+            if self.server != "sglang":
+                raise ValueError(
+                    f"return_indexer_topk: only SGLang returns indexer selections (server={self.server!r})"
+                )
+            if self.limits.indexer_layers is None or self.limits.index_topk is None:
+                raise ValueError(
+                    "return_indexer_topk: SGLang sends selections without their shape: give the client "
+                    "indexer_layers= (num_indexer_layers) and index_topk="
+                )
         if model is not None:
             check_str(model, "model")
         headers = {}
         if session_id is not None:
             headers["X-Session-ID"] = check_str(session_id, "session_id")
         salt = _check_salt(cache_salt) if cache_salt is not None else self.cache_salt
-        call = GenerateCall(prompt, params, return_routed_experts, start, salt, model)
+        call = GenerateCall(prompt, params, return_routed_experts, start, salt, model, return_indexer_topk)
         body = protocol.request_body(call)
         url = self.url
         try:

@@ -23,6 +23,29 @@ COMMON = dict(
 )
 
 
+DSA_COMMON = dict(
+    {**COMMON, "num_key_value_heads": 4},
+    num_hidden_layers=3,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    n_shared_experts=1,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    first_k_dense_replace=1,
+    q_lora_rank=16,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=8,
+    index_topk=3,
+    index_n_heads=2,
+    index_head_dim=16,
+)
+
+
 def _config(family: str):
     import transformers as tf
 
@@ -111,6 +134,13 @@ def _config(family: str):
             qk_nope_head_dim=8,
             v_head_dim=8,
         )
+    if family in ("deepseek_v32", "glm_moe_dsa"):
+        # DeepSeek Sparse Attention: index_topk 3 < the batch's lengths, so the indexer really selects.
+        dsa = dict(DSA_COMMON)
+        if family == "glm_moe_dsa":
+            dsa.update(index_topk_freq=2, index_skip_topk_offset=1)  # layers full, shared, full
+            return tf.GlmMoeDsaConfig(**dsa)
+        return tf.DeepseekV32Config(**dsa)
     if family == "qwen3_5_moe":
         return tf.Qwen3_5MoeTextConfig(
             **COMMON,
@@ -138,6 +168,8 @@ FAMILY_NAMES = (
     "glm4_moe",
     "glm4_moe_lite",
     "qwen3_5_moe",
+    "deepseek_v32",
+    "glm_moe_dsa",
 )
 
 

@@ -61,6 +61,7 @@ class GenerateCall:
         start: First position whose route is wanted (`0`: the whole prompt).
         cache_salt: The prefix-cache salt, a non-empty string, or `None`.
         model: The body's `model` field, or `None`.
+        return_indexer_topk: Whether DSA indexer selections were asked for (SGLang only).
     """
 
     prompt: list[int]
@@ -69,6 +70,7 @@ class GenerateCall:
     start: int = 0
     cache_salt: str | None = None
     model: str | None = None
+    return_indexer_topk: bool = False
 
 
 @dataclass(frozen=True)
@@ -81,12 +83,18 @@ class RouteLimits:
             SGLang and vLLM), or `None` when unknown.
         topk: Experts per token, or `None` when unknown.
         num_experts: Routed experts per layer (ids must be below it), or `None`.
+        indexer_layers: DSA indexer layers per row (SGLang's `num_indexer_layers`), or `None`.
+        index_topk: Positions each indexer query selects, or `None`.
+        max_indexer_bytes: The cap on one dense indexer payload.
     """
 
     max_bytes: int
     num_layers: int | None = None
     topk: int | None = None
     num_experts: int | None = None
+    indexer_layers: int | None = None
+    index_topk: int | None = None
+    max_indexer_bytes: int = 1 << 32
 
 
 @dataclass(frozen=True)
@@ -126,6 +134,8 @@ class ParsedResponse:
         route_versions: The spans of weight versions over the returned route
             rows (0 = position `start`) where the server says which weights
             computed them (Megatron's `kv_cache_epoch`); `()` otherwise.
+        indexer_topk: The DSA indexer selections of positions `[0, P + O - 1)`
+            (`torch_r3.indexer.IndexerSelections`), or `None` when not asked for.
     """
 
     response_ids: tuple[int, ...]
@@ -135,6 +145,7 @@ class ParsedResponse:
     weight_version: str | None
     weight_versions: tuple[WeightVersionSpan, ...] = ()
     route_versions: tuple[WeightVersionSpan, ...] = ()
+    indexer_topk: Any = None
 
 
 class ServerProtocol(abc.ABC):

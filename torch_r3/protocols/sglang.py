@@ -20,6 +20,12 @@ aborted request may have no `routed_experts` key.
 With `sampling_params.n > 1` SGLang answers a JSON list, one output per
 sample; the client refuses such an `n` before sending.
 
+With `"return_indexer_topk": true` (server flag `--enable-return-indexer-topk`,
+DP attention, DSA models), `meta_info.indexer_topk` carries the indexer's
+selections of positions `[0, P + O - 1)`: base64 of flat little-endian `int32`
+`[rows, num_indexer_layers, index_topk]` (no start: every turn sends every row),
+decoded into `torch_r3.indexer.IndexerSelections`.
+
 sglang 0.5.10.post1 accepts `routed_experts_start_len` but ignores it and
 returns every row from position 0; that answer is recognised by its row count
 and sliced here.
@@ -30,6 +36,7 @@ from __future__ import annotations
 from typing import Any
 
 from torch_r3.codec import WireFormatError, decode_sglang_routes
+from torch_r3.indexer.wire import decode_sglang_indexer_topk
 from torch_r3.protocols import base
 from torch_r3.protocols.base import GenerateCall, ParsedResponse, RouteLimits, ServerProtocol
 from torch_r3.protocols.switches import missing_routes_hint
@@ -41,7 +48,14 @@ __all__: list[str] = []
 GENERATE_PATH = "/generate"
 #: SGLang's endpoint that drops its radix (prefix) cache.
 FLUSH_CACHE_PATH = "/flush_cache"
-_OWN_FIELDS = ("input_ids", "return_logprob", "return_routed_experts", "routed_experts_start_len", "extra_key")
+_OWN_FIELDS = (
+    "input_ids",
+    "return_logprob",
+    "return_routed_experts",
+    "routed_experts_start_len",
+    "extra_key",
+    "return_indexer_topk",
+)
 
 
 class SGLangProtocol(ServerProtocol):
@@ -51,7 +65,7 @@ class SGLangProtocol(ServerProtocol):
     generate_path = GENERATE_PATH
     salt_field = "extra_key"
     needs_route_shape = True
-    route_payload_paths = (("meta_info", "routed_experts"),)
+    route_payload_paths = (("meta_info", "routed_experts"), ("meta_info", "indexer_topk"))
     route_text_paths = (("meta_info", "routed_experts"),)
 
     def request_body(self, call: GenerateCall) -> dict[str, Any]:
@@ -66,6 +80,8 @@ class SGLangProtocol(ServerProtocol):
         }
         if call.return_routed_experts and call.start:
             body["routed_experts_start_len"] = call.start
+        if call.return_indexer_topk:
+            body["return_indexer_topk"] = True
         if call.model is not None:
             raise ValueError(
                 "SGLang's /generate has no model field: it serves one model (model= is for the other servers)"
@@ -128,7 +144,18 @@ class SGLangProtocol(ServerProtocol):
                 )
         version = base.weight_version(meta.get("weight_version"), "meta_info.weight_version")
         spans = base.weight_spans(meta.get("weight_versions"), "meta_info.weight_versions", len(ids))
-        return ParsedResponse(ids, logprobs, reason, routes, base.newest_version(version, spans), spans)
+        selections = None
+        if call.return_indexer_topk and not (meta.get("indexer_topk") is None and reason == "abort"):
+            if limits.indexer_layers is None or limits.index_topk is None:  # the client checks this before sending
+                raise ValueError("return_indexer_topk needs indexer_layers= and index_topk= to read selections")
+            selections = decode_sglang_indexer_topk(
+                meta,
+                num_layers=limits.indexer_layers,
+                index_topk=limits.index_topk,
+                num_tokens=len(call.prompt) + len(ids) - 1,
+                max_bytes=limits.max_indexer_bytes,
+            )
+        return ParsedResponse(ids, logprobs, reason, routes, base.newest_version(version, spans), spans, selections)
 
 
 PROTOCOL = SGLangProtocol()

@@ -222,6 +222,10 @@ class LoopbackServer:
             routed-experts flag (vLLM: `null` routes; SGLang: no routes key).
         sglang_ignores_start: SGLang only: return every route row from 0 whatever
             `routed_experts_start_len` asked, as sglang 0.5.10.post1 does.
+        sglang_indexer: SGLang only: a `torch_r3.testing.indexer.IndexerLM` whose
+            real DSA indexers answer `"return_indexer_topk": true` with
+            `meta_info.indexer_topk` (as `--enable-return-indexer-topk` does) for
+            the prompt and the generated tokens; `None`: the field is never sent.
         sglang_routes_dtype: SGLang only: `"uint8"`/`"uint16"` to narrow the
             routes and announce it in `meta_info.routed_experts_dtype`.
         prefix_cache: Keep a prefix cache (`False`: every route is fresh).
@@ -253,6 +257,7 @@ class LoopbackServer:
         routes_enabled: bool = True,
         sglang_ignores_start: bool = False,
         sglang_routes_dtype: str | None = None,
+        sglang_indexer: Any = None,
         prefix_cache: bool = True,
         block_size: int | None = None,
         cache_blocks: int = 4096,
@@ -270,10 +275,11 @@ class LoopbackServer:
         self.model = model if model is not None else TinyMoELM()
         options: dict[str, Any] = {"routes_enabled": routes_enabled}
         if protocol == "sglang":
-            options.update(ignores_start=sglang_ignores_start, routes_dtype=sglang_routes_dtype)
-        elif sglang_ignores_start or sglang_routes_dtype is not None:
+            options.update(ignores_start=sglang_ignores_start, routes_dtype=sglang_routes_dtype, indexer=sglang_indexer)
+        elif sglang_ignores_start or sglang_routes_dtype is not None or sglang_indexer is not None:
             raise ValueError(
-                f"sglang_ignores_start and sglang_routes_dtype apply to protocol='sglang', not {protocol!r}"
+                "sglang_ignores_start, sglang_routes_dtype and sglang_indexer apply to protocol='sglang', "
+                f"not {protocol!r}"
             )
         self.wire = make_protocol(protocol, **options)
         if block_size is None:

@@ -15,7 +15,7 @@ What the families of `transformers` 5.x do with their choice:
   Qwen3.5-MoE always), cast back to the logits' dtype (not Mixtral).
 * `pick_then_softmax` (gpt-oss): softmax over the chosen logits only (the
   logits include the router's bias).
-* `sigmoid_grouped` (DeepSeek-V3, GLM-4.5 MoE and `glm4_moe_lite`): sigmoid scores of the chosen
+* `sigmoid_grouped` (DeepSeek-V3, DeepSeek-V3.2, GLM-4.5 MoE, `glm4_moe_lite` and `glm_moe_dsa`): sigmoid scores of the chosen
   experts (the selection-only `e_score_correction_bias` and the group limit
   decide which experts are chosen, never their weight), renormalised where
   `norm_topk_prob` is set, times `routed_scaling_factor`.
@@ -98,6 +98,8 @@ FAMILIES: tuple[Family, ...] = (
     _family("deepseek_v3", "DeepseekV3TopkRouter", _sigmoid_grouped),
     _family("glm4_moe", "Glm4MoeTopkRouter", _sigmoid_grouped),
     _family("glm4_moe_lite", "Glm4MoeLiteTopkRouter", _sigmoid_grouped),
+    _family("deepseek_v32", "DeepseekV32TopkRouter", _sigmoid_grouped),
+    _family("glm_moe_dsa", "GlmMoeDsaTopkRouter", _sigmoid_grouped),
 )
 """The supported families, one router class each (checked against `transformers` 5.24)."""
 

@@ -66,6 +66,7 @@ _FIELDS = frozenset(
         "rid",
         "extra_key",
         "stream",
+        "return_indexer_topk",
     }
 )
 # SGLang's sampling parameter -> the model's.
@@ -87,6 +88,9 @@ class SGLangWire(WireProtocol):
         routes_enabled: `False`: launched without the flag, no `routed_experts` key.
         ignores_start: Return every row from 0 whatever start was asked (sglang 0.5.10.post1).
         routes_dtype: `None` (int32, no dtype key) or `"uint8"`/`"uint16"`.
+        indexer: An object with `select(tokens) -> [n, layers, index_topk]` int32
+            (`torch_r3.testing.indexer.IndexerLM`) that answers `return_indexer_topk`;
+            `None`: launched without `--enable-return-indexer-topk`.
     """
 
     name = "sglang"
@@ -95,9 +99,17 @@ class SGLangWire(WireProtocol):
     default_block_size = 1  # a radix tree with page size 1 matches any prefix length
 
     def __init__(
-        self, *, routes_enabled: bool = True, ignores_start: bool = False, routes_dtype: str | None = None
+        self,
+        *,
+        routes_enabled: bool = True,
+        ignores_start: bool = False,
+        routes_dtype: str | None = None,
+        indexer: Any = None,
     ) -> None:
         super().__init__(routes_enabled=routes_enabled)
+        if indexer is not None and not callable(getattr(indexer, "select", None)):
+            raise TypeError(f"indexer must have a select(tokens) method, got {type(indexer).__name__}")
+        self.indexer = indexer
         self.ignores_start = check_flag(ignores_start, "ignores_start")
         if routes_dtype is not None:
             check_choice(routes_dtype, "routes_dtype", sorted(_NARROW))
@@ -136,6 +148,7 @@ class SGLangWire(WireProtocol):
                 "rid": rid or uuid.uuid4().hex,
                 "prefill_only": prefill_only,
                 "samples": samples,
+                "indexer_topk": check_bool(body.get("return_indexer_topk", False), "return_indexer_topk"),
             },
         )
 
@@ -172,6 +185,11 @@ class SGLangWire(WireProtocol):
             meta["routed_experts"] = base64.b64encode(data).decode("ascii")
             if self.routes_dtype:
                 meta["routed_experts_dtype"] = self.routes_dtype
+        if request.options["indexer_topk"] and self.indexer is not None:
+            # Every evaluated position, from 0 (SGLang has no start for these): the last token never ran.
+            seen = list(request.prompt) + list(out)
+            chosen = np.ascontiguousarray(self.indexer.select(seen)[: len(seen) - 1], dtype="<i4")
+            meta["indexer_topk"] = base64.b64encode(chosen.tobytes()).decode("ascii")
         text = "".join(f"<{t}>" for t in out)  # no tokenizer: a readable stand-in
         return {"text": text, "output_ids": out, "meta_info": meta}, rows
 

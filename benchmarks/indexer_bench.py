@@ -1,0 +1,119 @@
+"""DSA indexer selections: how small the compact form is, and how fast a long trajectory decodes and collates.
+
+Selections come from real indexers (`torch_r3.testing.IndexerLM`: `transformers`' `DeepseekV32Indexer`,
+random weights, chunked prefill) over two inputs: uniform random tokens, and text (the bytes of this
+repository's documentation, cycled). For each, the compact form's bytes per token are printed beside
+SGLang's dense int32 (`layers * index_topk * 4`).
+
+Then, on the text capture, median over interleaved rounds (the machine may be shared: say so with the figures):
+
+* `wire decode`: SGLang's base64 `meta_info.indexer_topk` -> `IndexerSelections` (checked, encoded);
+* `collate`: `collate_selections([sel], [n])` -> the `[1, n, L, K]` int16 batch tensor (decode + shift);
+* `copy floor`: a fresh `[n, L, K]` int16 buffer filled by one copy of an already decoded array: what
+  any collation must at least pay for writing the output;
+* `b64 floor`: `binascii.a2b_base64` of the payload alone.
+
+    PYTHONPATH=. python benchmarks/indexer_bench.py                 # 32k tokens, 2 layers, top-2048
+    PYTHONPATH=. python benchmarks/indexer_bench.py --tokens 8192 --rounds 3 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import binascii
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from torch_r3.indexer import IndexerSelections
+from torch_r3.indexer.collate import SELECTIONS, collate_selections
+from torch_r3.indexer.wire import decode_sglang_indexer_topk
+from torch_r3.testing.indexer import IndexerLM
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def text_tokens(n: int) -> np.ndarray:
+    docs = b"".join(p.read_bytes() for p in sorted((ROOT / "docs").rglob("*.md")))
+    reps = -(-n // len(docs))
+    return np.frombuffer(docs * reps, dtype=np.uint8)[:n].astype(np.int64)
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--topk", type=int, default=2048)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--workers", type=int, default=None)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    n, L, K = args.tokens, args.layers, args.topk
+    lm = IndexerLM(num_layers=L, index_topk=K)
+    inputs = {"random": np.random.default_rng(0).integers(0, 256, n), "text": text_tokens(n)}
+    report: dict = {"tokens": n, "layers": L, "index_topk": K, "compression": {}, "timings_s": {}}
+    print(f"selections of {n} tokens, {L} indexer layers, index_topk={K} (real DeepseekV32Indexer, random weights)")
+    print(f"{'input':8} {'dense int32 B/token':>20} {'compact B/token':>16} {'ratio':>7} {'B/token/layer':>14}")
+    dense = {}
+    for kind, tokens in inputs.items():
+        t = time.perf_counter()
+        dense[kind] = lm.select(tokens)[:-1]  # the engine's rows: seqlen - 1
+        sel = IndexerSelections.from_dense(dense[kind])
+        rows = sel.rows
+        per_token, int32 = sel.nbytes / rows, sel.dense_nbytes / rows
+        report["compression"][kind] = {"bytes_per_token": per_token, "int32_bytes_per_token": int32}
+        print(
+            f"{kind:8} {int32:20.0f} {per_token:16.1f} {int32 / per_token:7.1f} {per_token / L:14.1f}"
+            f"   (capture {time.perf_counter() - t:.1f} s)"
+        )
+    d = dense["text"]
+    payload = base64.b64encode(d.astype("<i4").tobytes()).decode()
+    sel = IndexerSelections.from_dense(d)
+    decoded16 = sel.to_dense(np.int16)
+    rounds: dict[str, list[float]] = {k: [] for k in ("wire decode", "collate", "copy floor", "b64 floor")}
+    want = None
+    for _ in range(args.rounds):  # interleaved: each round runs every stage once
+        rounds["wire decode"].append(
+            timed(lambda: decode_sglang_indexer_topk(payload, num_layers=L, index_topk=K, max_bytes=1 << 40))
+        )
+        out: dict = {}
+
+        def collate(out: dict = out) -> None:
+            out.update(collate_selections([sel], [d.shape[0] + 1], workers=args.workers))
+
+        rounds["collate"].append(timed(collate))
+        want = out[SELECTIONS]
+        rounds["copy floor"].append(timed(lambda: np.copyto(np.empty_like(decoded16), decoded16)))
+        rounds["b64 floor"].append(timed(lambda: binascii.a2b_base64(payload)))
+    assert want is not None and np.array_equal(want.numpy()[0, :-1], decoded16)  # the batch is the decoded capture
+    out_mb = decoded16.nbytes / 1e6
+    print(
+        f"\none {n}-token trajectory, text input; median of {args.rounds} interleaved rounds "
+        "(a shared machine: figures vary with load)"
+    )
+    print(f"{'stage':12} {'seconds':>9} {'x copy floor':>13} {'output MB/s':>12}")
+    floor = statistics.median(rounds["copy floor"])
+    for stage, times in rounds.items():
+        med = statistics.median(times)
+        report["timings_s"][stage] = med
+        print(f"{stage:12} {med:9.3f} {med / floor:13.1f} {out_mb / med:12.0f}")
+    print(
+        f"(payload {len(payload) / 1e6:.0f} MB of base64, compact {sel.nbytes / 1e6:.1f} MB, "
+        f"int16 output {out_mb:.0f} MB)"
+    )
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

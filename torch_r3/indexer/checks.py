@@ -1,0 +1,150 @@
+"""The checks a replay hook makes on a batch's selections before the model runs, with no framework imported.
+
+A replayed selection that is out of range or not causal lets a query attend
+to padding or to the future; a repeated position silently attends to fewer
+than `index_topk` positions. So every captured row is checked once, when
+`replay()` is entered, with whole-tensor reductions and one host sync when
+the batch is clean:
+
+* `check_selection_batch`: keys, dtypes and shapes (`[B, T, L, K]` of
+  `int16`/`int32`/`int64` and a `[B, T]` bool mask);
+* `check_selection_values`: in every captured row of every replayed layer,
+  the positions are distinct, lie in `[first, t]` (`first` the sample's first
+  captured row, `t` the query's own position), and there are exactly
+  `min(K, t - first + 1)` of them, the rest `-1`; the first bad row is named
+  (layer, batch row, position, what is wrong);
+* `canonical_rows`: a model's own `[B, T, K']` top-k turned into that form
+  (positions outside `[first, t]`, which the attention mask hides anyway,
+  dropped; sorted; `-1` after), for statistics and `record()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from torch_r3.indexer.collate import SELECTION_MASK, SELECTIONS
+from torch_r3.indexer.encoding import FILL
+from torch_r3.keys import CU_SEQLENS
+
+__all__ = ["canonical_rows", "check_selection_batch", "check_selection_values", "first_positions"]
+
+SELECTION_TENSOR_DTYPES = (torch.int16, torch.int32, torch.int64)
+
+
+def check_selection_batch(batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's `[B, T, L, K]` selections and `[B, T]` mask, after checking their kinds and shapes.
+
+    Raises:
+        TypeError: `batch` is not a mapping, or a tensor has the wrong dtype.
+        ValueError: a key is missing, the batch is packed, or the shapes disagree.
+    """
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"batch: expected a mapping of tensors, got {type(batch).__name__}")
+    missing = [k for k in (SELECTIONS, SELECTION_MASK) if k not in batch]
+    if missing:
+        raise ValueError(f"batch: missing {missing}; collate the selections with torch_r3.indexer.collate_selections")
+    if CU_SEQLENS in batch and batch[SELECTIONS].ndim == 3:
+        raise ValueError(
+            "batch: packed selections ([N, L, K] with cu_seqlens) need a packed forward; use the padded layout"
+        )
+    sel, mask = batch[SELECTIONS], batch[SELECTION_MASK]
+    if not isinstance(sel, torch.Tensor) or sel.dtype not in SELECTION_TENSOR_DTYPES:
+        what = sel.dtype if isinstance(sel, torch.Tensor) else type(sel).__name__
+        raise TypeError(f"{SELECTIONS}: expected an int16/int32/int64 torch.Tensor, got {what}")
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        what = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise TypeError(f"{SELECTION_MASK}: expected a torch.bool tensor, got {what}")
+    if sel.ndim != 4 or mask.shape != sel.shape[:2]:
+        raise ValueError(
+            f"{SELECTIONS} {list(sel.shape)} and {SELECTION_MASK} {list(mask.shape)}: expected [B, T, L, K] and [B, T]"
+        )
+    return sel, mask
+
+
+def first_positions(mask: torch.Tensor) -> torch.Tensor:
+    """`[B]`: each row's first captured position (its first real token), `T` where it has none."""
+    captured = ~mask
+    T = mask.shape[1]
+    idx = torch.arange(T, device=mask.device).expand_as(mask)
+    return torch.where(captured, idx, T).min(dim=1).values
+
+
+def check_selection_values(sel: torch.Tensor, mask: torch.Tensor, layers: Sequence[int], prefix: str = "") -> None:
+    """Refuse the first captured row whose selection is not valid (see the module docstring).
+
+    Args:
+        sel: `[B, T, L, K]` selections in batch positions, `-1` in unused slots.
+        mask: `[B, T]`, `True` where a row has no captured selection (not checked).
+        layers: The model layer each of the `L` columns holds (for messages).
+        prefix: Put before the message (e.g. `"microbatch 0, "`).
+
+    Raises:
+        ValueError: naming the layer, the batch row, the position and the fault.
+    """
+    B, T, L, K = sel.shape
+    if B * T == 0:
+        return
+    v = sel.to(torch.int64)
+    first = first_positions(mask).view(B, 1, 1, 1)
+    t = torch.arange(T, device=sel.device).view(1, T, 1, 1)
+    valid = v != FILL
+    in_range = (v >= first) & (v <= t)
+    count = valid.sum(-1)
+    want = torch.minimum(t[..., 0] - first[..., 0] + 1, torch.tensor(K, device=sel.device))
+    key = torch.where(valid, v, torch.iinfo(torch.int64).max)
+    srt = key.sort(dim=-1).values
+    dup = ((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] != torch.iinfo(torch.int64).max)).any(-1)
+    bad_slot = valid & ~in_range
+    bad = bad_slot.any(-1) | dup | (count != want) | (v < FILL).any(-1)
+    bad &= ~mask.view(B, T, 1)
+    if not bool(bad.any()):
+        return
+    b, pos, col = (int(x) for x in bad.nonzero()[0])
+    row, f, n = v[b, pos, col], int(first[b, 0, 0, 0]), int(count[b, pos, col])
+    where = f"{prefix}layer {layers[col]}, batch row {b}, position {pos}"
+    if bool((row < FILL).any()) or bool(bad_slot[b, pos, col].any()):
+        p = int(row[(row < FILL) | bad_slot[b, pos, col]][0])
+        what = f"selects position {p}, outside [{f}, {pos}] (the sample's first token .. the query: causal)"
+    elif bool(dup[b, pos, col]):
+        what = "selects a position twice"
+    else:
+        what = f"selects {n} positions, expected {int(want[b, pos, col])} (index_topk={K} or all it sees)"
+    raise ValueError(f"{where}: {what}")
+
+
+def canonical_rows(own: torch.Tensor, first: torch.Tensor, topk: int) -> torch.Tensor:
+    """A model's own top-k `[B, T, K']` as checked selections `[B, T, topk]` `int64`.
+
+    Positions outside `[first[b], t]` are dropped (the attention mask hides
+    them: future positions and left padding), the rest sorted, `-1` after.
+    """
+    B, T, Kp = own.shape
+    v = own.to(torch.int64)
+    t = torch.arange(T, device=own.device).view(1, T, 1)
+    ok = (v >= first.view(B, 1, 1)) & (v <= t)
+    big = torch.iinfo(torch.int64).max
+    srt = torch.where(ok, v, big).sort(dim=-1).values
+    srt = torch.where(srt == big, FILL, srt)
+    if Kp < topk:
+        srt = torch.cat([srt, srt.new_full((B, T, topk - Kp), FILL)], dim=-1)
+    return srt[..., :topk]
+
+
+def overlap(own: torch.Tensor, replayed: torch.Tensor) -> tuple[float, int]:
+    """Sum over rows of the share of `replayed`'s positions that `own` also holds, and the row count.
+
+    Both are `[N, K]` canonical rows (sorted, `-1` after); rows of `replayed`
+    without any position are not counted.
+    """
+    big = torch.iinfo(torch.int64).max
+    rep = torch.where(replayed == FILL, big, replayed)
+    idx = torch.searchsorted(rep, own.contiguous()).clamp(max=rep.shape[-1] - 1)
+    hit = (rep.gather(-1, idx) == own) & (own != FILL)
+    n = (replayed != FILL).sum(-1)
+    rows = n > 0
+    if not bool(rows.any()):
+        return 0.0, 0
+    return float((hit.sum(-1)[rows] / n[rows]).sum()), int(rows.sum())

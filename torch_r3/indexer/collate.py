@@ -1,0 +1,236 @@
+"""A batch's indexer selections, in the layouts routes use, every output byte written once.
+
+Selections differ from routes in one way that matters here: they are
+*positions*. A trajectory's row `j` names positions of that trajectory, counted
+from its first token; in the batch they must name batch positions. So:
+
+* `layout="padded"`, `padding_side="left"` (the default, like the route batch):
+  sample `i`'s `n_i` tokens sit at `T - n_i .. T - 1`, and every selected
+  position is shifted by `T - n_i`; `padding_side="right"` shifts by 0;
+* `layout="packed"`: sample `i` starts at `cu_seqlens[i]` of the packed token
+  axis, and its positions are shifted by that offset;
+* unused slots (a query that sees fewer than `index_topk` positions) stay `-1`
+  (`FILL`), unshifted, and rows with no captured selection (left padding, the
+  uncaptured tail) are `-1` throughout, with `indexer_padding_mask` `True`.
+
+Context parallelism does not shift anything: a context-parallel rank keeps
+the query rows of its sequence chunks and their positions still name the
+whole sequence's keys (which the indexer gathers from every rank); the query
+rows a rank holds are those of its routes (`torch_r3.megatron.slicing`).
+
+`seq_len=` fixes `T` (a rank collating only its own micro-batches with the
+global batch's `T` gets exactly the global batch's rows), `keep_layers=` keeps
+a pipeline stage's layers, and `dtype=` fixes the output dtype across ranks.
+The output is `int16` while every position fits (`T` or the packed length at
+most 32768), else `int32`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from torch_r3 import _memory, _pool
+from torch_r3._checks import check_choice, check_dtype, check_int, check_positive
+from torch_r3.indexer.encoding import FILL, IndexerSelections
+from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS
+
+__all__ = ["SELECTIONS", "SELECTION_MASK", "collate_selections", "selection_dtype"]
+
+SELECTIONS = "rollout_indexer_topk"
+"""Batch key of the selections: `[B, T, L, K]` (padded) or `[sum(n), L, K]` (packed), batch positions."""
+
+SELECTION_MASK = "indexer_padding_mask"
+"""Batch key: `True` where a token position has no captured selection."""
+
+SELECTION_DTYPES = (np.dtype(np.int16), np.dtype(np.int32))
+_TORCH = {np.dtype(np.int16): torch.int16, np.dtype(np.int32): torch.int32}
+
+
+def selection_dtype(positions: int) -> np.dtype:
+    """The narrowest selection dtype for a batch axis of `positions` tokens (`int16` up to 32768).
+
+    Examples:
+        >>> selection_dtype(32768), selection_dtype(32769)
+        (dtype('int16'), dtype('int32'))
+    """
+    return SELECTION_DTYPES[0] if positions <= 1 << 15 else SELECTION_DTYPES[1]
+
+
+def _check_inputs(selections: Any, token_counts: Any) -> tuple[list[IndexerSelections], list[int]]:
+    if isinstance(selections, (str, bytes)) or not isinstance(selections, Sequence):
+        raise TypeError(f"selections must be a sequence of IndexerSelections, got {type(selections).__name__}")
+    sels = list(selections)
+    counts = [check_int(c, f"token_counts[{i}]") for i, c in enumerate(token_counts)]
+    if not sels:
+        raise ValueError("selections: the batch is empty")
+    if len(counts) != len(sels):
+        raise ValueError(f"token_counts has {len(counts)} entries for {len(sels)} samples")
+    for i, s in enumerate(sels):
+        if not isinstance(s, IndexerSelections):
+            raise TypeError(f"sample {i}: expected IndexerSelections, got {type(s).__name__}")
+        if (s.num_layers, s.index_topk) != (sels[0].num_layers, sels[0].index_topk):
+            raise ValueError(
+                f"sample {i}: selections of [layers={s.num_layers}, index_topk={s.index_topk}], sample 0 has "
+                f"[{sels[0].num_layers}, {sels[0].index_topk}]"
+            )
+        if counts[i] < 1:
+            raise ValueError(f"sample {i}: token count must be >= 1, got {counts[i]}")
+        if s.rows > counts[i]:
+            raise ValueError(f"sample {i}: {s.rows} selection rows for {counts[i]} tokens (rows must be <= tokens)")
+    return sels, counts
+
+
+def _check_keep(keep_layers: Any, num_layers: int) -> list[int]:
+    if keep_layers is None:
+        return list(range(num_layers))
+    if isinstance(keep_layers, (str, bytes)) or not hasattr(keep_layers, "__iter__"):
+        raise TypeError(f"keep_layers must be a sequence of layer indices, got {type(keep_layers).__name__}")
+    keep = [check_int(x, "keep_layers[]") for x in keep_layers]
+    if not keep:
+        raise ValueError("keep_layers must name at least one layer")
+    for x in keep:
+        if not 0 <= x < num_layers:
+            raise ValueError(f"keep_layers: layer {x} is not in [0, {num_layers})")
+    if len(set(keep)) != len(keep):
+        raise ValueError(f"keep_layers: a layer is named twice in {keep}")
+    return keep
+
+
+def collate_selections(
+    selections: Sequence[IndexerSelections],
+    token_counts: Sequence[int],
+    *,
+    layout: str = "padded",
+    padding_side: str = "left",
+    pad_to_multiple_of: int | None = None,
+    seq_len: int | None = None,
+    keep_layers: Sequence[int] | None = None,
+    dtype: Any = None,
+    workers: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Collate per-trajectory selections into one batch, positions in batch coordinates.
+
+    Args:
+        selections: One `IndexerSelections` per trajectory, all of the same
+            layers and `index_topk`.
+        token_counts: Each trajectory's token count `n_i` (`rows <= n_i`).
+        layout: `"padded"` (`[B, T, L, K]`) or `"packed"` (`[sum(n), L, K]`).
+        padding_side: Where padding goes in the padded layout.
+        pad_to_multiple_of: Round `T` up to a multiple (padded layout).
+        seq_len: Use this `T` (padded layout), e.g. the global batch's.
+        keep_layers: Indices of the layer axis to keep (a pipeline stage's).
+        dtype: `int16` or `int32`; by default the narrowest that holds every
+            position of the batch axis.
+        workers: Copy threads, the caller's included (default: the CPUs).
+
+    Returns:
+        `{"rollout_indexer_topk", "indexer_padding_mask"}` plus
+        `"attention_mask"` (padded) or `"cu_seqlens"` (packed).
+
+    Raises:
+        TypeError: a sample is not `IndexerSelections`, an argument has the wrong type.
+        ValueError: samples disagree on layers or `index_topk`, rows exceed
+            tokens, a setting is out of range or `dtype` cannot hold a position.
+
+    Examples:
+        >>> import numpy as np
+        >>> sel = IndexerSelections.from_dense(np.array([[[0, -1]], [[0, 1]], [[2, 0]]]))
+        >>> batch = collate_selections([sel], [4], seq_len=6)
+        >>> batch["rollout_indexer_topk"][0, :, 0].tolist()
+        [[-1, -1], [-1, -1], [2, -1], [2, 3], [2, 4], [-1, -1]]
+        >>> batch["indexer_padding_mask"][0].tolist()
+        [True, True, False, False, False, True]
+    """
+    check_choice(layout, "layout", ("padded", "packed"))
+    check_choice(padding_side, "padding_side", ("left", "right"))
+    sels, counts = _check_inputs(selections, token_counts)
+    keep = _check_keep(keep_layers, sels[0].num_layers)
+    B, K, Lo = len(sels), sels[0].index_topk, len(keep)
+    if layout == "padded":
+        if seq_len is not None:
+            if pad_to_multiple_of is not None:
+                raise ValueError("give seq_len or pad_to_multiple_of, not both")
+            T = check_positive(seq_len, "seq_len")
+            for i, n in enumerate(counts):
+                if n > T:
+                    raise ValueError(f"sample {i} has {n} tokens, more than seq_len={T}")
+        else:
+            T = max(counts)
+            if pad_to_multiple_of is not None:
+                m = check_positive(pad_to_multiple_of, "pad_to_multiple_of")
+                T = -(-T // m) * m
+        axis = T
+        starts = [T - n if padding_side == "left" else 0 for n in counts]
+        shapes = {SELECTIONS: (B, T, Lo, K), SELECTION_MASK: (B, T), ATTENTION_MASK: (B, T)}
+    else:
+        if seq_len is not None or pad_to_multiple_of is not None or padding_side != "left":
+            raise ValueError("seq_len, pad_to_multiple_of and padding_side apply to layout='padded' only")
+        cu = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(counts, out=cu[1:])
+        axis = int(cu[-1])
+        if axis >= 2**31:
+            raise ValueError(f"packed batch of {axis} tokens does not fit int32 cu_seqlens")
+        starts = [int(c) for c in cu[:-1]]
+        shapes = {SELECTIONS: (axis, Lo, K), SELECTION_MASK: (axis,), CU_SEQLENS: (B + 1,)}
+    out_dtype = selection_dtype(axis) if dtype is None else check_dtype(dtype, "dtype", SELECTION_DTYPES)
+    if axis - 1 > np.iinfo(out_dtype).max:
+        raise ValueError(f"dtype={out_dtype} cannot hold position {axis - 1} of a batch axis of {axis} tokens")
+    kind = _memory.memory_kind(None)
+    torch_dtypes = {
+        SELECTIONS: _TORCH[out_dtype],
+        SELECTION_MASK: torch.bool,
+        ATTENTION_MASK: torch.long,
+        CU_SEQLENS: torch.int32,
+    }
+    result = {k: _memory.empty(shape, torch_dtypes[k], kind) for k, shape in shapes.items()}
+    views = {k: v.numpy() for k, v in result.items()}
+    sel_out, mask_out = views[SELECTIONS], views[SELECTION_MASK]
+    if layout == "packed":
+        views[CU_SEQLENS][:] = cu
+
+    # One task per sample and source layer: it decodes once into the first output layer that
+    # uses the source and copies that into the others (shared layers are decoded once).
+    tasks: list[tuple[int, list[int]]] = []
+    for i, s in enumerate(sels):
+        groups: dict[int, list[int]] = {}
+        for k, layer in enumerate(keep):
+            groups.setdefault(s.layer_source[layer], []).append(k)
+        tasks.extend((i, ks) for ks in groups.values())
+    first_task = {i: t for t, (i, _) in reversed(list(enumerate(tasks)))}
+
+    def write_tasks(lo: int, hi: int) -> None:
+        for t in range(lo, hi):
+            i, ks = tasks[t]
+            s, r, n = starts[i], sels[i].rows, counts[i]
+            rows = sel_out[i] if layout == "padded" else sel_out
+            base = 0 if layout == "padded" else s
+            if first_task[i] == t:  # the sample's rows without a selection, and its masks
+                m = mask_out[i] if layout == "padded" else mask_out[base : base + n]
+                if layout == "padded":
+                    rows[:s] = FILL
+                    rows[s + r :] = FILL
+                    m[:s] = True
+                    m[s : s + r] = False
+                    m[s + r :] = True
+                    a = views[ATTENTION_MASK][i]
+                    a[:s] = 0
+                    a[s : s + n] = 1
+                    a[s + n :] = 0
+                else:
+                    rows[base + r : base + n] = FILL
+                    m[:r] = False
+                    m[r:] = True
+            lo_row = s if layout == "padded" else base
+            dst = rows[lo_row : lo_row + r]
+            sels[i].write_layer(keep[ks[0]], dst[:, ks[0]], offset=s)
+            for k in ks[1:]:
+                dst[:, k] = dst[:, ks[0]]
+
+    costs = [sels[i].rows * len(ks) + 1 for i, ks in tasks]
+    workers_ = _pool.default_workers() if workers is None else _pool.check_workers(workers)
+    _pool.run(costs, write_tasks, workers_, sel_out.nbytes)
+    return result
