@@ -155,7 +155,9 @@ class SGLangProtocol(ServerProtocol):
                 num_tokens=len(call.prompt) + len(ids) - 1,
                 max_bytes=limits.max_indexer_bytes,
             )
-        return ParsedResponse(ids, logprobs, reason, routes, base.newest_version(version, spans), spans, selections)
+        return ParsedResponse(
+            ids, logprobs, reason, routes, base.newest_version(version, spans), spans, indexer_topk=selections
+        )
 
 
 PROTOCOL = SGLangProtocol()
