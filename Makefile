@@ -15,7 +15,7 @@ MEGATRON_NEXT := 0.19.2
 VENV_NEXT := .venv-megatron-0.19
 STAMP_NEXT := $(VENV_NEXT)/.installed
 
-.PHONY: setup bench test docs dist clean
+.PHONY: setup bench test docs dist clean browser
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,7 +41,17 @@ bench: $(STAMP)
 # The paths ruff checks; mypy's are in pyproject.toml ([tool.mypy] files).
 LINT_PATHS := torch_r3 tests benchmarks examples docs/img
 
-test: $(STAMP) $(STAMP_NEXT)
+# `torch-r3 report`'s page is opened in headless Chromium (tests/test_runlog_report.py), from the
+# system's packages: installed here when missing (as root, or with sudo); where apt-get does not
+# exist the browser tests skip and say why.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || command -v sudo >/dev/null 2>&1 && [ "$$(id -u)" != 0 ] && echo sudo)
+browser:
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then :; \
+	elif command -v apt-get >/dev/null 2>&1; then \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium; \
+	else echo "make browser: no apt-get here; the headless-browser tests will skip (install chromium to run them)"; fi
+
+test: $(STAMP) $(STAMP_NEXT) browser
 	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/ruff format --check $(LINT_PATHS)
 	$(BIN)/mypy

@@ -16,7 +16,7 @@ from browser import chromium, console_errors
 from torch_r3.cli import main
 from torch_r3.replay.stats import ReplayStats, StepCounts, TokenCounts
 from torch_r3.report import render_report
-from torch_r3.runlog import RunLog, read_run_log
+from torch_r3.runlog import RunLog, read_routing_trace, read_run_log
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,6 +82,16 @@ def test_the_reader_names_the_line_and_the_field_it_refuses(tmp_path, line, matc
         read_run_log(tmp_path / "r.jsonl")
 
 
+def test_a_trace_line_whose_ids_do_not_match_its_counts_is_refused(tmp_path):
+    path = tmp_path / "router_trace_rank0.jsonl"
+    path.write_text(
+        '{"step": 0, "stage": "pre_dispatch", "block": "decoder", "layer": 0, "rank": 0, '
+        '"num_tokens": 2, "topk": 2, "top_indices": [[0, 1], [2]]}\n'
+    )
+    with pytest.raises(ValueError, match=r"router_trace_rank0.jsonl:1: top_indices row 1 must hold topk=2 ids"):
+        read_routing_trace(path)
+
+
 def _two_runs(tmp_path) -> Path:
     path = tmp_path / "run.jsonl"
     with RunLog(path, rank=0) as log:
@@ -115,8 +125,9 @@ def test_figures_are_drawn_only_from_what_the_log_holds(tmp_path):
 
 def test_report_command_writes_the_page_next_to_the_log(tmp_path, capsys):
     path = _two_runs(tmp_path)
-    assert main(["report", str(path)]) == 0
+    assert main(["report", str(path), "--json", str(tmp_path / "r.json")]) == 0
     assert (tmp_path / "run.html").exists()
+    assert json.loads((tmp_path / "r.json").read_text())["figures"] == ["drift", "curves", "load", "on_off"]
     out = capsys.readouterr()
     assert "figures: drift, curves, load, on_off" in out.out and "wrote" in out.err
     with pytest.raises(SystemExit):

@@ -309,6 +309,7 @@ def _report_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", metavar="PATH", help="the HTML page (default: the first log's name, .html)")
     p.add_argument("--png-dir", metavar="DIR", help="also write each figure there as NAME.png")
     p.add_argument("--title", default="torch_r3 run report", help="the page's title")
+    p.add_argument("--json", metavar="PATH", help="also write what was drawn (page, lines, figures) as JSON")
 
 
 def _report_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -317,6 +318,7 @@ def _report_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
 
     output = args.output or os.path.splitext(args.logs[0])[0] + ".html"
     _check_writable(parser, "--output", output)
+    _check_writable(parser, "--json", args.json)
     records = []
     for path in args.logs:
         if not os.path.isfile(path):
@@ -331,6 +333,8 @@ def _report_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         return 2
     print(f"{output}: {len(records)} lines, figures: {', '.join(pngs) or 'none'}")
     print(f"torch-r3 report: wrote {output}", file=sys.stderr)
+    if args.json:
+        _write_json(args.json, {"output": output, "lines": len(records), "figures": list(pngs)}, "report")
     return 0
 
 

@@ -29,7 +29,7 @@ import os
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import IO, Any, NamedTuple
 
 import numpy as np
 
@@ -104,7 +104,7 @@ class RunLog:
         self.path: Path | None = Path(text.replace("{rank}", str(self.rank)))
         if "{rank}" not in text and self.rank != 0:
             self.path = None  # rank 0 writes the reduced figures
-        self._file = None
+        self._file: IO[str] | None = None
 
     def write(self, step: int, metrics: Any, **meta: Any) -> None:
         """Append the step's line.
