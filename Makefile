@@ -29,7 +29,7 @@ FW_DEPS := numpy==2.4.6 packaging==25.0 jaxtyping==0.3.11 tensordict==0.10.0 log
 	pybase64==1.5.1 orjson==3.13.0 cloudpathlib==0.26.0 omegaconf==2.4.0 pydantic==2.14.4 \
 	transformers==5.10.4 'pytest>=8' 'pytest-timeout>=2.3' 'setuptools>=77'
 
-.PHONY: setup frameworks bench test docs dist clean
+.PHONY: setup frameworks bench test docs dist clean browser
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -67,7 +67,17 @@ bench: $(STAMP)
 # The paths ruff checks; mypy's are in pyproject.toml ([tool.mypy] files).
 LINT_PATHS := torch_r3 tests benchmarks examples docs/img
 
-test: $(STAMP) $(STAMP_NEXT) $(STAMP_FW)
+# `torch-r3 report`'s page is opened in headless Chromium (tests/test_runlog_report.py), from the
+# system's packages: installed here when missing (as root, or with sudo); where apt-get does not
+# exist the browser tests skip and say why.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || command -v sudo >/dev/null 2>&1 && [ "$$(id -u)" != 0 ] && echo sudo)
+browser:
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then :; \
+	elif command -v apt-get >/dev/null 2>&1; then \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium; \
+	else echo "make browser: no apt-get here; the headless-browser tests will skip (install chromium to run them)"; fi
+
+test: $(STAMP) $(STAMP_NEXT) $(STAMP_FW) browser
 	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/ruff format --check $(LINT_PATHS)
 	$(BIN)/mypy

@@ -356,6 +356,45 @@ def _demo_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 # --------------------------------------------------------------------------
+# report: torch_r3.report, an HTML page of a run log's figures
+# --------------------------------------------------------------------------
+
+
+def _report_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("logs", nargs="+", metavar="RUN.jsonl", help="run logs written by torch_r3.runlog.RunLog")
+    p.add_argument("-o", "--output", metavar="PATH", help="the HTML page (default: the first log's name, .html)")
+    p.add_argument("--png-dir", metavar="DIR", help="also write each figure there as NAME.png")
+    p.add_argument("--title", default="torch_r3 run report", help="the page's title")
+    p.add_argument("--json", metavar="PATH", help="also write what was drawn (page, lines, figures) as JSON")
+
+
+def _report_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from torch_r3._extras import MissingExtraError
+    from torch_r3.runlog import read_run_log
+
+    output = args.output or os.path.splitext(args.logs[0])[0] + ".html"
+    _check_writable(parser, "--output", output)
+    _check_writable(parser, "--json", args.json)
+    records = []
+    for path in args.logs:
+        if not os.path.isfile(path):
+            parser.error(f"{path}: no such file")
+        records += read_run_log(path)
+    try:
+        from torch_r3.report import render_report
+
+        pngs = render_report(records, output, png_dir=args.png_dir, title=args.title)
+    except MissingExtraError as e:
+        print(f"torch-r3 report: {e}", file=sys.stderr)
+        return 2
+    print(f"{output}: {len(records)} lines, figures: {', '.join(pngs) or 'none'}")
+    print(f"torch-r3 report: wrote {output}", file=sys.stderr)
+    if args.json:
+        _write_json(args.json, {"output": output, "lines": len(records), "figures": list(pngs)}, "report")
+    return 0
+
+
+# --------------------------------------------------------------------------
 # Shared conventions: reports on stdout, status lines on stderr
 # --------------------------------------------------------------------------
 
@@ -387,6 +426,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Runner
         _demo_arguments,
         _demo_run,
     ),
+    "report": ("an HTML page of a run log's R3 figures (needs matplotlib)", _report_arguments, _report_run),
 }
 
 

@@ -457,10 +457,29 @@ def run(
     return results
 
 
+# The demo's own figures a run log keeps beside R3's metrics (for the report's R3 on/off panel).
+RUN_LOG_FIGURES = ("route_agreement", "logprob_abs_diff", "k3_kl", "uncaptured_logprob_abs_diff")
+
+
+def write_run_log(path: str, results: dict[str, dict[str, Any]], *, trainer: str) -> None:
+    """Append one line per run in `RUNS` (step 0) to the run log at `path`: R3's metrics and the demo's figures."""
+    from torch_r3.runlog import RunLog
+
+    with RunLog(path) as log:
+        for name, (mode, _column) in RUNS.items():
+            figures = results[name]
+            metrics = dict(figures.get("metrics") or {})
+            metrics.update({k: figures[k] for k in RUN_LOG_FIGURES if figures.get(k) is not None})
+            log.write(0, metrics, run=name, replay=mode is not None, trainer=trainer)
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The demo's command-line options (shared with ``torch-r3 demo``)."""
     parser = parser or argparse.ArgumentParser(prog="python -m torch_r3.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    parser.add_argument(
+        "--run-log", metavar="PATH", help="append each run's step to a run log (JSON lines; see torch-r3 report)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="weights, prompts and sampling seed (default 0)")
     parser.add_argument("--trajectories", type=int, default=8, help="rollouts (default 8)")
     parser.add_argument("--turns", type=int, default=3, help="turns per rollout (default 3)")
@@ -505,6 +524,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(format_report(results, cfg))
+    if getattr(args, "run_log", None):
+        write_run_log(args.run_log, results, trainer=getattr(args, "trainer", "megatron"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

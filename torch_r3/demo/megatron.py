@@ -230,7 +230,7 @@ def run_schedule(model, microbatches: list[dict[str, torch.Tensor]], cfg: DemoCo
         if uncaptured is None:
             get_forward_backward_func()(**kwargs)
         else:
-            with ReplayHook(model, uncaptured=uncaptured) as hook:
+            with ReplayHook(model, uncaptured=uncaptured, expert_load=True) as hook:
                 hook.forward_backward(get_forward_backward_func(), **kwargs)
                 stats = hook.last_stats
     finally:
@@ -270,6 +270,7 @@ def measure(model, microbatches, cfg: DemoConfig, *, uncaptured: str | None) -> 
             "live_fraction": stats.live_fraction,
             "tokens": stats.tokens._asdict(),
         }
+        figures["metrics"] = stats.as_dict()  # what the run log holds (`--run-log`)
     return figures
 
 

@@ -111,7 +111,7 @@ def train_step(model: torch.nn.Module, microbatches, *, uncaptured: str | None):
     """One forward/backward per microbatch (left-padded); `uncaptured=None` runs without `ReplayHook`."""
     model.zero_grad(set_to_none=True)
     spy = _ExpertSpy(model)
-    hook = ReplayHook(model, uncaptured=uncaptured) if uncaptured is not None else None
+    hook = ReplayHook(model, uncaptured=uncaptured, expert_load=True) if uncaptured is not None else None
     logps = []
     try:
         with hook.step() if hook is not None else contextlib.nullcontext():
@@ -165,6 +165,7 @@ def measure(model, microbatches, cfg: DemoConfig, *, uncaptured: str | None) -> 
             "live_fraction": stats.live_fraction,
             "tokens": stats.tokens._asdict(),
         }
+        figures["metrics"] = stats.as_dict()  # what the run log holds (`--run-log`)
     return figures
 
 

@@ -92,6 +92,10 @@ class ReplayHook:
             `"per_document"` (Megatron's default with `cu_seqlens`) or
             `"per_sequence"` (its `use_per_sequence_balancing=True`). Other
             modes are refused.
+        expert_load: Also count tokens per expert in each layer, from the
+            replayed routes and from the router's own choice, into
+            `last_stats.rollout_load` / `trainer_load` (off by default: a
+            scatter-add per router call, on the routes' device).
 
     Raises:
         InterleavedPipelineError: When `virtual_pipeline_model_parallel_size` is
@@ -115,6 +119,7 @@ class ReplayHook:
         uncaptured: str = "live",
         route_layers: Sequence[int] | None = None,
         packed_balancing: str = "per_document",
+        expert_load: bool = False,
     ):
         chunks = _as_chunks(model)
         if config is None:
@@ -150,7 +155,11 @@ class ReplayHook:
         self._num_experts = config.num_moe_experts
         stage = self._stage_layers(config)
         measure_drops = getattr(config, "moe_expert_capacity_factor", None) is not None
-        self._stats = StatsCollector(measure_drops=measure_drops)
+        if not isinstance(expert_load, bool):
+            raise TypeError(f"expert_load: expected True or False, got {expert_load!r}")
+        self._stats = StatsCollector(
+            measure_drops=measure_drops, num_experts=self._num_experts if expert_load else None
+        )
         self._routers, self._live_routers = find_routers(self._chunk, config, stage.start, self._stats)
         if not self._routers:
             raise ValueError(

@@ -6,7 +6,7 @@ the `transformers` hook (`torch_r3.transformers`) import it, never each other.
 
 * `checks`: the batch, expert-id and router-token checks;
 * `layers`: the layer map (which index of the routes' `L` each router reads);
-* `stats`: `ReplayStats`, `TokenCounts` and the hooks' accumulator;
+* `stats`: `ReplayStats`, `TokenCounts`, expert load, `merge_stats` / `reduce_stats` over ranks, and the hooks' accumulator;
 * `recording`: `Recording`, what a hook recorded from the routers' own choice (R2);
 * `modes`: the uncaptured-token modes and the recorded-route dtype;
 * `marker`: one hook per router, by a marker attribute on the instance.

@@ -108,6 +108,10 @@ class ReplayHook:
             True: left padding, the last sampled token) do: `"live"` (default)
             routes them with the router's own choice, `"replay"` replays the
             filler routes the batch holds for them (then those are checked too).
+        expert_load: Also count tokens per expert in each layer, from the
+            replayed routes and from the router's own choice, into
+            `last_stats.rollout_load` / `trainer_load` (off by default: a
+            scatter-add per router call, on the routes' device).
 
     Raises:
         TypeError: When `model` is not a `torch.nn.Module`.
@@ -118,7 +122,7 @@ class ReplayHook:
             `"live"` nor `"replay"`.
     """
 
-    def __init__(self, model: torch.nn.Module, *, uncaptured: str = "live"):
+    def __init__(self, model: torch.nn.Module, *, uncaptured: str = "live", expert_load: bool = False):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         self.uncaptured = check_uncaptured(uncaptured)
@@ -136,7 +140,9 @@ class ReplayHook:
             marker.check_free(r.module, r.name)
         for r in self._routers:
             marker.claim(r.module, r.name)
-        self._stats = StatsCollector(measure_drops=False)
+        if not isinstance(expert_load, bool):
+            raise TypeError(f"expert_load: expected True or False, got {expert_load!r}")
+        self._stats = StatsCollector(measure_drops=False, num_experts=self._num_experts if expert_load else None)
         self._active: _Replay | None = None
         self._recording: _Recorder | None = None
         self._call: _Call | None = None  # the checkpointed layer call running now

@@ -1,0 +1,119 @@
+"""Open a page in headless Chromium and collect its console errors over the DevTools protocol.
+
+Chromium comes from the system's packages (`apt-get install -y chromium`; `make test` installs it
+when missing). `console_errors(path)` starts it with a fresh profile, opens the page, waits for the
+load event, and returns every console error, uncaught exception and failed load (`Log.entryAdded`
+at level "error") as text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--no-first-run",
+    "--disable-component-update",
+    "--disable-sync",
+)
+
+
+def chromium() -> str | None:
+    """The Chromium executable on PATH, or None."""
+    return next((p for name in ("chromium", "chromium-browser") if (p := shutil.which(name))), None)
+
+
+async def _collect(ws_url: str, url: str, timeout: float) -> list[str]:
+    import aiohttp
+
+    errors: list[str] = []
+    ids = iter(range(1, 1 << 30))
+    async with aiohttp.ClientSession() as http, http.ws_connect(ws_url, max_msg_size=1 << 26) as ws:
+        pending: dict[int, asyncio.Future] = {}
+        loaded = asyncio.Event()
+
+        async def send(method: str, params: dict | None = None, session: str | None = None) -> dict:
+            n = next(ids)
+            fut = asyncio.get_running_loop().create_future()
+            pending[n] = fut
+            msg = {"id": n, "method": method, "params": params or {}}
+            if session:
+                msg["sessionId"] = session
+            await ws.send_str(json.dumps(msg))
+            return await fut
+
+        async def reader() -> None:
+            async for raw in ws:
+                msg = json.loads(raw.data)
+                if "id" in msg and msg["id"] in pending:
+                    pending.pop(msg["id"]).set_result(msg.get("result", msg.get("error")))
+                    continue
+                method, params = msg.get("method"), msg.get("params", {})
+                if method == "Runtime.consoleAPICalled" and params.get("type") in ("error", "assert"):
+                    errors.append(
+                        "console: " + " ".join(str(a.get("value", a.get("description"))) for a in params["args"])
+                    )
+                elif method == "Runtime.exceptionThrown":
+                    errors.append("exception: " + params["exceptionDetails"].get("text", ""))
+                elif method == "Log.entryAdded" and params["entry"].get("level") == "error":
+                    errors.append(f"log: {params['entry'].get('text')} {params['entry'].get('url', '')}".strip())
+                elif method == "Page.loadEventFired":
+                    loaded.set()
+
+        task = asyncio.create_task(reader())
+        try:
+            target = await send("Target.createTarget", {"url": "about:blank"})
+            attached = await send("Target.attachToTarget", {"targetId": target["targetId"], "flatten": True})
+            session = attached["sessionId"]
+            for domain in ("Runtime", "Log", "Page"):
+                await send(f"{domain}.enable", session=session)
+            await send("Page.navigate", {"url": url}, session=session)
+            await asyncio.wait_for(loaded.wait(), timeout)
+            await asyncio.sleep(0.5)  # late console output and failed loads after the load event
+        finally:
+            task.cancel()
+    return errors
+
+
+def console_errors(path: Path, *, timeout: float = 60.0) -> list[str]:
+    """Console errors, exceptions and failed loads of the page at `path` in headless Chromium."""
+    exe = chromium()
+    if exe is None:
+        raise RuntimeError("chromium is not installed (apt-get install -y chromium)")
+    with tempfile.TemporaryDirectory() as profile:
+        proc = subprocess.Popen(
+            [exe, *FLAGS, f"--user-data-dir={profile}", "--remote-debugging-port=0", "about:blank"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert proc.stderr is not None
+            ws_url = None
+            for line in proc.stderr:  # "DevTools listening on ws://127.0.0.1:PORT/devtools/browser/ID"
+                m = re.search(r"DevTools listening on (ws://\S+)", line)
+                if m:
+                    ws_url = m.group(1)
+                    break
+            if ws_url is None:
+                raise RuntimeError(f"chromium exited ({proc.wait()}) without a DevTools address")
+            # keep draining its log, so that a full pipe never blocks the browser
+            threading.Thread(target=proc.stderr.read, daemon=True).start()
+            return asyncio.run(_collect(ws_url, Path(path).resolve().as_uri(), timeout))
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
