@@ -2,7 +2,7 @@
 
 Behaviour common to every protocol (multi-turn traces, load, restarts, faults,
 weight updates) is tested per protocol in `test_client_e2e.py`; hostile servers
-in `test_client_hardening.py`. Nothing is mocked: the server is real aiohttp on
+in `test_client_transport.py`. Nothing is mocked: the server is real aiohttp on
 127.0.0.1.
 
 References are computed in-process by the same seeded model the server serves,

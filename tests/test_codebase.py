@@ -6,9 +6,6 @@ to the module that defines it. Another module of the package may import a privat
 names, but it never reaches a private *name* of another module: neither
 `from torch_r3.a import _b` nor `a._b` on a module it imported. A private name that is
 itself a module (`torch_r3.testing._wire`) counts as a module.
-
-The size rule: a module past 500 lines says why in its docstring, in a sentence that
-contains "500 lines".
 """
 
 from __future__ import annotations
@@ -21,7 +18,6 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "torch_r3"
-MAX_LINES = 500
 
 
 def _modules() -> list[Path]:
@@ -132,21 +128,6 @@ def test_the_scanner_finds_each_kind_of_reach(tmp_path: Path, monkeypatch: pytes
 def test_no_private_name_is_reached_across_modules() -> None:
     found = [line for path in _modules() for line in private_reaches(path)]
     assert found == [], "private names used outside their module:\n" + "\n".join(found)
-
-
-def test_every_long_module_says_why_in_its_docstring() -> None:
-    missing = []
-    for path in _modules():
-        source = path.read_text()
-        lines = source.count("\n") + (not source.endswith("\n"))
-        if lines <= MAX_LINES:
-            continue
-        docstring = ast.get_docstring(ast.parse(source)) or ""
-        if "500 lines" not in " ".join(docstring.split()):
-            missing.append(f"{path.relative_to(PACKAGE.parent)} ({lines} lines)")
-    assert missing == [], 'modules over 500 lines without a reason ("500 lines") in their docstring: ' + ", ".join(
-        missing
-    )
 
 
 def test_deprecations_fail_the_suite_unless_a_third_party_one_is_filtered_by_name(

@@ -7,9 +7,7 @@ One client for three servers, picked with `server=`: the torch_r3 server format
 whose routes are the canonical `[rows, layers, topk]` array of positions
 `[start, P + O - 1)`. Transport concerns (sessions, retries, the body cap) live
 in `torch_r3.transport`; the request path here only checks the arguments,
-lets the protocol build the body, and reads the answer. It is slightly past
-500 lines because its argument checks (prompt ids, salt, base URL)
-sit beside the one client that uses them.
+lets the protocol build the body, and reads the answer.
 """
 
 from __future__ import annotations

@@ -33,9 +33,7 @@ it holds the result and one chunk. A payload the kernel refuses goes to the
 decoder's reference path, the decode of torch_r3 0.1.0 (the whole decoded
 payload, up to `max_bytes`, then its canonical copy), which names the problem.
 
-This module needs NumPy only; it never imports aiohttp. It is past 500 lines
-because the three decoders share one set of bounded base64 and shape checks,
-and each keeps its reference path beside its fast one: they must not drift apart.
+This module needs NumPy only; it never imports aiohttp.
 """
 
 from __future__ import annotations

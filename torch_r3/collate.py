@@ -17,7 +17,7 @@ Argument rules of the batch's geometry (`seq_len`, `dtype`, `layers`,
 `sample_ids`, padding side, prompt widths and lengths, the output-size bound)
 live in `torch_r3.geometry`, the samples' side of `R3Collator` in
 `torch_r3._samples`, the two writers in `torch_r3._writers`. What remains
-here, past the usual 500 lines, is the kernel: the options and the checks that
+here is the kernel: the options and the checks that
 must all pass before the first byte is written, the allocation, and the
 hand-over to the writers.
 

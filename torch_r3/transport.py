@@ -26,11 +26,6 @@ can neither exhaust memory nor raise anything but `RemoteGenerateError`.
 
 Each retry is logged as a warning on the `torch_r3.transport` logger (silent
 unless the application configures logging).
-
-The module is a little past 500 lines because the request path's layers
-(one attempt, the retry policy, response reading) and the one table that
-translates their exceptions only make sense together; each layer is 20-40
-lines.
 """
 
 from __future__ import annotations

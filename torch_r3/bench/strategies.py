@@ -37,10 +37,6 @@ allocate the same kind of buffer. The floors' buffers are plain outputs too
 (`BufferPool(cache_bytes=0).empty`): hugepage-backed where the kernel
 gives torch_r3's outputs hugepages, small pages where it does not, so a floor
 is always like-for-like with what it judges.
-
-This module is past 500 lines on purpose: every strategy, floors included, is
-a few lines beside the others it is timed against, and the bit-identical
-checks they all pass live with them.
 """
 
 from __future__ import annotations

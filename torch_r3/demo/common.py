@@ -23,9 +23,6 @@ model on both sides. This module holds what both trainers share (the
 configuration, the inference side's sampling, the rollouts, the collation, the
 measurements and the report) and the one `run(cfg, trainer=)`; each trainer's
 own side is `torch_r3.demo.megatron` or `torch_r3.demo.transformers`.
-
-The module is just past 500 lines on purpose: it is the tutorial's shared half,
-read from top to bottom (set-up, inference side, rollouts, collation, report).
 """
 
 from __future__ import annotations

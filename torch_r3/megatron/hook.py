@@ -1,9 +1,9 @@
 """`ReplayHook`: install a batch's routes into one Megatron model's routers per microbatch.
 
-Past 500 lines on purpose: it is one class whose per-step state (what each
-router was given, what recompute must pop, what was recorded for R2) is read and
-reset in one place; the pure parts already live elsewhere (`slicing`,
-`batch_checks`, `setup_checks`, `routers`), and most of the length is docstrings.
+It is one class whose per-step state (what each router was given, what
+recompute must pop, what was recorded for R2) is read and reset in one place;
+the pure parts live elsewhere (`slicing`, `batch_checks`, `setup_checks`,
+`routers`).
 """
 
 from __future__ import annotations

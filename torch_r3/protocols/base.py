@@ -7,10 +7,7 @@ canonical layout `[rows, layers, topk]` for positions `[start, P + O - 1)`
 (`P` prompt tokens, `O` generated tokens; the last sampled token never ran
 forward, so it has no row). Malformed answers raise `WireFormatError`.
 
-This module needs NumPy only; it never imports aiohttp. It is past 500
-lines because it holds the field readers every protocol shares (token
-ids, log-probs, finish reasons, weight-version spans, the row-count rule), so
-that the three protocols cannot drift apart.
+This module needs NumPy only; it never imports aiohttp.
 """
 
 from __future__ import annotations
