@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from reference_collate import assert_batch_equal, reference_packed, reference_padded, reference_r3_collator
 
+from tests.reference_collate import assert_batch_equal, reference_packed, reference_padded, reference_r3_collator
 from torch_r3 import bench, cli
 from torch_r3.bench import memory, report, strategies
 from torch_r3.bench.checkout import load_targets

@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
-from reference_collate import assert_batch_equal, reference_collate_routes, reference_r3_collator
 from torch.utils.data import DataLoader
 
+from tests.reference_collate import assert_batch_equal, reference_collate_routes, reference_r3_collator
 from torch_r3 import BufferPool, R3Collator, collate_routes
 
 PAD_KEYS = {"loss_mask": (0.0, np.float32)}

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from aiohttp import web
-from http_stub import serve_routes
 
+from tests.http_stub import serve_routes
 from torch_r3.client import RemoteGenerateClient, RemoteGenerateError
 from torch_r3.codec import WireFormatError
 from torch_r3.protocols import PROTOCOLS, GenerateCall, RouteLimits, WeightVersionSpan

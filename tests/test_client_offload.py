@@ -15,8 +15,8 @@ import threading
 import numpy as np
 import pytest
 from aiohttp import web
-from http_stub import serve_routes
 
+from tests.http_stub import serve_routes
 from torch_r3 import _offload
 from torch_r3.client import RemoteGenerateClient
 from torch_r3.protocols import PROTOCOLS

@@ -20,8 +20,8 @@ import aiohttp
 import numpy as np
 import pytest
 from aiohttp import web
-from http_stub import serve_routes
 
+from tests.http_stub import serve_routes
 from torch_r3.client import RemoteGenerateClient, RemoteGenerateError, TransportConfig
 from torch_r3.codec import encode_routes
 from torch_r3.protocols.native import GENERATE_PATH

@@ -11,13 +11,18 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-from reference_collate import ROUTE_DTYPES as ORDER, assert_batch_equal, reference_collate_routes, reference_r3_collator
 from torch.utils.data import DataLoader
 
 import torch_r3._buffers
 import torch_r3._filler
 import torch_r3._pool as pool_mod
 import torch_r3.keys
+from tests.reference_collate import (
+    ROUTE_DTYPES as ORDER,
+    assert_batch_equal,
+    reference_collate_routes,
+    reference_r3_collator,
+)
 from torch_r3 import R3Collator, collate_routes, compact_routes
 
 LIMIT = {np.uint8: 256, np.int16: 2**15, np.int32: 2**31}

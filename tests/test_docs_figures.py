@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from demo_figures import FACTORS, PERCENT_POINTS, REPLAY_FACTOR, table_mismatches
+
+from tests.demo_figures import FACTORS, PERCENT_POINTS, REPLAY_FACTOR, table_mismatches
 
 ROOT = Path(__file__).resolve().parents[1]
 TUTORIAL = ROOT / "docs" / "guides" / "tutorial-rl-step.md"

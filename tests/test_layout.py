@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-from reference_collate import assert_batch_equal, reference_collate_routes
 
+from tests.reference_collate import assert_batch_equal, reference_collate_routes
 from torch_r3 import R3Collator, collate_routes, global_geometry
 
 GOOD = np.zeros((2, 4, 2), np.uint8)

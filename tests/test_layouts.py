@@ -12,8 +12,13 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-from reference_collate import ROUTE_DTYPES as ORDER, assert_batch_equal, reference_collate_routes, reference_r3_collator
 
+from tests.reference_collate import (
+    ROUTE_DTYPES as ORDER,
+    assert_batch_equal,
+    reference_collate_routes,
+    reference_r3_collator,
+)
 from torch_r3 import R3Collator, ShardCollator, as_nested, collate_routes, global_geometry, plan_microbatches
 
 L, K, EXPERTS = 3, 2, 7

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from browser import chromium, console_errors
 
+from tests.browser import chromium, console_errors
 from torch_r3.cli import main
 from torch_r3.replay.stats import ReplayStats, StepCounts, TokenCounts
 from torch_r3.report import render_report

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-from reference_collate import assert_batch_equal, reference_r3_collator
 
+from tests.reference_collate import assert_batch_equal, reference_r3_collator
 from torch_r3 import BufferPool, R3Collator, ShardCollator, collate_routes, global_geometry, plan_microbatches
 
 L, K, EXPERTS = 4, 2, 7

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from frameworks import requires
+from tests.integrations.frameworks import requires
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent

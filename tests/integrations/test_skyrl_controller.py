@@ -12,8 +12,8 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from frameworks import SKYRL_VERSION, installed_version, load, requires
 
+from tests.integrations.frameworks import SKYRL_VERSION, installed_version, load, requires
 from torch_r3 import BufferPool
 
 pytestmark = requires("skyrl")

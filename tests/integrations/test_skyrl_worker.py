@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from frameworks import load, requires
+
+from tests.integrations.frameworks import load, requires
 
 pytestmark = [requires("skyrl"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from frameworks import VERL_VERSION, installed_version, load, requires
+
+from tests.integrations.frameworks import VERL_VERSION, installed_version, load, requires
 
 pytestmark = [requires("verl"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from _models import EXPERTS, TOPK, VOCAB, RouteRecorder, make_config
+
+from tests.megatron._models import EXPERTS, TOPK, VOCAB, RouteRecorder, make_config
 
 NUM_SAMPLES = 8
 SEQ = 16  # every sample fits; padded batches are always SEQ long

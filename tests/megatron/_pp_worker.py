@@ -15,7 +15,7 @@ MBS = 2
 
 
 def _batches(seed):
-    from _models import make_batch
+    from tests.megatron._models import make_batch
 
     g = torch.Generator().manual_seed(seed)
     return [make_batch(generator=g, layers=4, seq_len=SEQ) for _ in range(M)]
@@ -23,8 +23,9 @@ def _batches(seed):
 
 def _recompute_mismatches(recorder, batches, layer_of):
     """For each router: its REPLAY_BACKWARD calls in order vs the microbatches' routes."""
-    from _models import expected_map
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    from tests.megatron._models import expected_map
 
     checked = wrong = 0
     for layer, calls in recorder.calls.items():
@@ -50,11 +51,11 @@ def run(rank, world_size, port, out_dir):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    from _models import RouteRecorder, build_model, forward_step
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
+    from tests.megatron._models import RouteRecorder, build_model, forward_step
     from torch_r3.megatron import InterleavedPipelineError, ReplayHook
     from torch_r3.megatron._cpu import megatron_on_cpu
 

@@ -12,8 +12,8 @@ pytest.importorskip("megatron.core.transformer.moe.router_replay")
 
 import torch
 import torch.distributed as dist
-from _models import build_model
 
+from tests.megatron._models import build_model
 from torch_r3.megatron._cpu import megatron_on_cpu
 
 

@@ -6,8 +6,8 @@ import importlib.util
 
 import pytest
 import torch
-from _models import RouteRecorder, build_hybrid_model, expected_map, make_batch, run_step
 
+from tests.megatron._models import RouteRecorder, build_hybrid_model, expected_map, make_batch, run_step
 from torch_r3.megatron import ReplayHook, hybrid_moe_pattern
 
 pytestmark = pytest.mark.skipif(
@@ -68,8 +68,7 @@ def test_under_sequence_parallelism_the_hook_cuts_padding_mask_only_for_models_t
     run TP=2): what the model is handed and what each router is given are compared with
     the rank's share, built position by position.
     """
-    from _models import build_model
-
+    from tests.megatron._models import build_model
     from torch_r3.megatron import RankSlice
 
     torch.manual_seed(0)

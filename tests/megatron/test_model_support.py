@@ -7,8 +7,8 @@ import warnings
 
 import pytest
 import torch
-from _models import EXPERTS, RouteRecorder, expected_map, make_batch, own_choice, run_step
 
+from tests.megatron._models import EXPERTS, RouteRecorder, expected_map, make_batch, own_choice, run_step
 from torch_r3.megatron import ReplayHook
 
 

@@ -34,11 +34,12 @@ import os
 import socket
 from collections import defaultdict
 
-import _mr_worker
 import pytest
 import torch
 import torch.multiprocessing as mp
-from _mr_worker import NUM_SAMPLES, SCENARIOS, SEQ, make_samples
+
+from tests.megatron import _mr_worker
+from tests.megatron._mr_worker import NUM_SAMPLES, SCENARIOS, SEQ, make_samples
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +66,7 @@ def _spawn(out_dir, world_size: int, names: list[str]) -> dict:
         port = s.getsockname()[1]
     # Fresh processes (no inherited process group or threads) forked from one
     # server that has imported torch and Megatron once: start-up is what costs.
-    mp.get_context("forkserver").set_forkserver_preload(["_mr_worker", *_mr_worker.PRELOAD])
+    mp.get_context("forkserver").set_forkserver_preload(["tests.megatron._mr_worker", *_mr_worker.PRELOAD])
     mp.start_processes(
         _mr_worker.run,
         args=(world_size, port, str(out_dir), names, BACKEND),

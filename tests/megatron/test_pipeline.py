@@ -8,9 +8,10 @@ from __future__ import annotations
 import json
 import socket
 
-import _pp_worker
 import pytest
 import torch.multiprocessing as mp
+
+from tests.megatron import _pp_worker
 
 pytestmark = pytest.mark.slow
 

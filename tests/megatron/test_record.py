@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _models import EXPERTS, RouteRecorder, expected_map, make_batch, run_step
 
+from tests.megatron._models import EXPERTS, RouteRecorder, expected_map, make_batch, run_step
 from torch_r3.megatron import ReplayHook
 
 

@@ -6,8 +6,8 @@ import dataclasses
 import warnings
 
 import pytest
-from _models import make_config
 
+from tests.megatron._models import make_config
 from torch_r3.megatron import ReplayHook
 
 

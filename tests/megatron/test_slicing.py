@@ -127,7 +127,7 @@ def test_rank_slice_validates():
 
 
 def test_stage_layer_range_uses_megatrons_offsets(world_of_one):
-    from _models import make_config
+    from tests.megatron._models import make_config
 
     even = make_config(num_layers=4, pipeline_model_parallel_size=2)
     assert [stage_layer_range(even, pp_rank=r) for r in (0, 1)] == [range(0, 2), range(2, 4)]

@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _models import EXPERTS, TOPK, VOCAB, RouteRecorder, expected_map
 
+from tests.megatron._models import EXPERTS, TOPK, VOCAB, RouteRecorder, expected_map
 from torch_r3 import R3Collator
 from torch_r3.megatron import ReplayHook
 from torch_r3.megatron.slicing import RankSlice, slice_for_rank
@@ -252,7 +252,7 @@ def test_context_parallel_slicing_follows_the_aligned_bounds(cp_size):
     ids=["right", "prompt_response"],
 )
 def test_routers_replay_exactly_from_right_and_prompt_response_padding(make_model, options):
-    from _models import forward_step
+    from tests.megatron._models import forward_step
 
     model = make_model(seq_len=16)
     samples = _samples(7, lengths=(9, 12, 4), captured=(8, 11, 4))

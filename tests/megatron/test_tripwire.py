@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _models import RouteRecorder, expected_map, forward_step, make_batch, run_step
 
+from tests.megatron._models import RouteRecorder, expected_map, forward_step, make_batch, run_step
 from torch_r3.megatron import ReplayHook
 
 RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -46,7 +46,7 @@ def test_a_router_whose_replay_is_bypassed_only_in_recompute_makes_the_step_rais
 
 
 def test_quantile_balancing_is_refused_naming_the_setting(make_model):
-    from _models import make_config
+    from tests.megatron._models import make_config
 
     try:
         config = make_config(moe_router_load_balancing_type="quantile_balancing")

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 import torch
-from _models import TOPK, RouteRecorder, expected_map, make_batch, own_choice, run_step
 
+from tests.megatron._models import TOPK, RouteRecorder, expected_map, make_batch, own_choice, run_step
 from torch_r3.megatron import ReplayHook, ReplayStats
 
 

@@ -15,9 +15,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from hf_models import build
+from tests.transformers.hf_models import build
 
 FAMILY = "qwen3_moe"
 STEPS = 2

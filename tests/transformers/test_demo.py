@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from demo_figures import table_mismatches
+
+from tests.demo_figures import table_mismatches
 
 pytestmark = pytest.mark.slow
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import build, inputs, make_batch
 
+from tests.transformers.hf_models import build, inputs, make_batch
 from torch_r3.keys import ROUTER_MASK, ROUTES
 from torch_r3.replay.stats import load_entropy, load_imbalance, merge_stats
 from torch_r3.transformers import ReplayHook

@@ -6,9 +6,9 @@ import copy
 
 import pytest
 import torch
-from hf_models import COMMON, build, experts_used, forced, inputs, make_batch, router_weights
-from hf_reference import forced_topk
 
+from tests.transformers.hf_models import COMMON, build, experts_used, forced, inputs, make_batch, router_weights
+from tests.transformers.hf_reference import forced_topk
 from torch_r3.keys import ROUTER_MASK, ROUTES
 from torch_r3.transformers import ReplayHook
 

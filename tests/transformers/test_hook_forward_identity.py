@@ -13,8 +13,8 @@ import copy
 
 import pytest
 import torch
-from hf_models import build, inputs, make_batch
 
+from tests.transformers.hf_models import build, inputs, make_batch
 from torch_r3.transformers import ReplayHook
 
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_models import build
-from hf_mr_worker import BATCH, STEPS, loss_of, samples
 
+from tests.transformers.hf_models import build
+from tests.transformers.hf_mr_worker import BATCH, STEPS, loss_of, samples
 from torch_r3 import R3Collator
 from torch_r3.transformers import ReplayHook
 

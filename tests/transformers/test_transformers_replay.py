@@ -11,9 +11,18 @@ import copy
 
 import pytest
 import torch
-from hf_models import FAMILY_NAMES, LENGTHS, build, experts_used, forced, inputs, make_batch, router_weights
-from hf_reference import forced_topk
 
+from tests.transformers.hf_models import (
+    FAMILY_NAMES,
+    LENGTHS,
+    build,
+    experts_used,
+    forced,
+    inputs,
+    make_batch,
+    router_weights,
+)
+from tests.transformers.hf_reference import forced_topk
 from torch_r3.transformers import ReplayHook
 
 
