@@ -95,7 +95,7 @@ forms = st.sampled_from(["str", "bytes", "view"])
 
 def reference_sglang(text: str, wire: str, layers: int, topk: int) -> np.ndarray:
     flat = np.frombuffer(base64.b64decode(text, validate=True), dtype=np.dtype(wire).newbyteorder("<"))
-    return compact_routes(flat.reshape(-1, layers, topk))
+    return compact_routes(flat.reshape(-1, layers, topk), health=None)
 
 
 @SETTINGS
@@ -146,7 +146,7 @@ def test_vllm_npy_files_decode_bit_for_bit_on_every_path(array, descr, fortran, 
     known = {"num_layers": layers, "topk": topk} if flat else {}
     results = outcomes(decode_vllm_routes, text, form, chunk, **known)
     reference = np.load(io.BytesIO(base64.b64decode(text, validate=True)), allow_pickle=False)
-    assert_same_array(results, compact_routes(reference.reshape(array.shape)))
+    assert_same_array(results, compact_routes(reference.reshape(array.shape), health=None))
 
 
 @SETTINGS

@@ -14,19 +14,26 @@ from torch_r3 import RoutedExpertTrace
 L, K = 3, 2
 
 
+def _routes(rows: int) -> np.ndarray:
+    """Routes a router could make: distinct experts per token, varying over tokens (not the all-zero rows
+    the engine-health check refuses)."""
+    rng = np.random.default_rng(rows)
+    return np.stack([[rng.permutation(8)[:K] for _ in range(L)] for _ in range(rows)]).astype(np.uint8)
+
+
 def test_a_turn_sent_without_the_prompt_start_is_told_to_send_it():
     trace = RoutedExpertTrace()
-    trace.record(prompt_len=4, generated_len=3, routes=np.zeros((6, L, K), np.uint8))
+    trace.record(prompt_len=4, generated_len=3, routes=_routes(6))
     assert trace.prompt_start == 6
     # Turn 2 asked the server without routed_experts_prompt_start: rows for every position from 0.
     with pytest.raises(ValueError) as e:
-        trace.record(prompt_len=9, generated_len=2, routes=np.zeros((10, L, K), np.uint8))
+        trace.record(prompt_len=9, generated_len=2, routes=_routes(10))
     message = str(e.value)
     assert message.startswith("turn 1: expected prompt_len - prompt_start + generated_len - 1 = 9 - 6 + 2 - 1 = 4")
     assert "sampling_params['routed_experts_prompt_start'] = trace.prompt_start (6)" in message
     # A row count that is simply wrong gets no such hint.
     with pytest.raises(ValueError) as e:
-        trace.record(prompt_len=9, generated_len=2, routes=np.zeros((5, L, K), np.uint8))
+        trace.record(prompt_len=9, generated_len=2, routes=_routes(5))
     assert "routed_experts_prompt_start" not in str(e.value)
 
 
