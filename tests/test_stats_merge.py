@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -116,8 +119,21 @@ def test_merge_refuses_hand_built_and_unlike_parts():
 
 
 def test_reduce_needs_an_initialized_process_group():
-    with pytest.raises(RuntimeError, match=r"not initialized"):
-        reduce_stats(_collector_step(num_experts=4))
+    # In a fresh interpreter: other tests of the session (the Megatron fixtures' world of one) may have
+    # initialised this process's default group, which would make the refusal unobservable here.
+    code = (
+        "import pytest, torch.distributed as dist\n"
+        "from tests.test_stats_merge import _collector_step\n"
+        "from torch_r3.replay.stats import reduce_stats\n"
+        "assert not dist.is_initialized()\n"
+        "with pytest.raises(RuntimeError, match=r'not initialized'):\n"
+        "    reduce_stats(_collector_step(num_experts=4))\n"
+        "print('refused')\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "refused", done.stderr
 
 
 # --- real gloo groups in spawned processes --------------------------------------------------------------
