@@ -67,7 +67,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--capture", type=Path, default=None, help="an .npz of the captures: read if it exists, else written")
+    ap.add_argument(
+        "--capture", type=Path, default=None, help="an .npz of the captures: read if it exists, else written"
+    )
     args = ap.parse_args()
     n, L, K = args.tokens, args.layers, args.topk
     lm = IndexerLM(num_layers=L, index_topk=K)

@@ -217,9 +217,7 @@ def _decode_stored(
                     raise ValueError(f"indexer selections: corrupt bitmap code in rows {r0}..{r1 - 1}")
                 starts *= 8
                 starts -= offset
-                np.subtract(
-                    found.reshape(r1 - r0, K), starts[:-1, None], out=out[r0 - lo : r1 - lo], casting="unsafe"
-                )
+                np.subtract(found.reshape(r1 - r0, K), starts[:-1, None], out=out[r0 - lo : r1 - lo], casting="unsafe")
             continue
         block = max(1, _BLOCK_GAPS // K)
         for r0 in range(lo + a, lo + b, block):
