@@ -482,21 +482,21 @@ class IndexerSelections:
             index = self._index[id(code)] = _StreamIndex(code, self.index_topk)
         return index.at(row - self.index_topk)
 
-    def first_difference(self, other: IndexerSelections, rows: int) -> tuple[int, int] | None:
-        """The first `(layer, row)` among rows `0 .. rows - 1` where `other` selects another set, or `None`.
+    def differing_rows(self, other: IndexerSelections, rows: int) -> np.ndarray:
+        """The rows among `0 .. rows - 1` where `other` selects another set in any layer (sorted `int64`).
 
         Both must have the same layers and `index_topk` and at least `rows`
         rows. Equal rows usually have equal codes, which are compared as
-        bytes; where the codes differ, the rows are decoded piece by piece to
-        find the first that differs (the same set can be coded two ways when
-        the row counts put the exception lists in different dtypes).
+        bytes; only a layer whose codes differ is decoded, piece by piece (the
+        same set can be coded two ways when the row counts put the exception
+        lists in different dtypes).
 
         Examples:
             >>> import numpy as np
             >>> a = IndexerSelections.from_dense(np.array([[[0, -1]], [[0, 1]], [[2, 0]]]))
             >>> b = IndexerSelections.from_dense(np.array([[[0, -1]], [[0, 1]], [[2, 1]], [[3, 0]]]))
-            >>> a.first_difference(b, 2), a.first_difference(b, 3)
-            (None, (0, 2))
+            >>> a.differing_rows(b, 2).tolist(), a.differing_rows(b, 3).tolist()
+            ([], [2])
         """
         if (other.num_layers, other.index_topk) != (self.num_layers, self.index_topk):
             raise ValueError(
@@ -506,23 +506,20 @@ class IndexerSelections:
         if not 0 <= rows <= min(self.rows, other.rows):
             raise ValueError(f"rows: expected 0 <= rows <= {min(self.rows, other.rows)}, got {rows}")
         K = self.index_topk
-        if rows <= K:
-            return None  # short rows are checked to be exactly 0 .. j on arrival
+        differs = np.zeros(max(0, rows - K), dtype=np.bool_)  # short rows are exactly 0 .. j on arrival
+        step = _rows_per_chunk(K)
         for layer in range(self.num_layers):
             mine, theirs = self._codes[self.layer_source[layer]], other._codes[other.layer_source[layer]]
-            if self._same_code(mine, other, theirs, rows):
+            if rows <= K or self._same_code(mine, other, theirs, rows):
                 continue
-            step = _rows_per_chunk(K)
-            a = np.empty((min(step, rows), K), dtype=np.int32)
+            a = np.empty((min(step, rows - K), K), dtype=np.int32)
             b = np.empty_like(a)
             for lo in range(K, rows, step):
                 hi = min(rows, lo + step)
                 self.write_layer(layer, a[: hi - lo], rows=(lo, hi))
                 other.write_layer(layer, b[: hi - lo], rows=(lo, hi))
-                bad = np.flatnonzero((a[: hi - lo] != b[: hi - lo]).any(axis=1))
-                if bad.size:
-                    return layer, lo + int(bad[0])
-        return None
+                differs[lo - K : hi - K] |= (a[: hi - lo] != b[: hi - lo]).any(axis=1)
+        return np.flatnonzero(differs) + K
 
     def _same_code(self, mine: _LayerCode, other: IndexerSelections, theirs: _LayerCode, rows: int) -> bool:
         stored = rows - self.index_topk
