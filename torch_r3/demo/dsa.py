@@ -112,7 +112,7 @@ class DSAServedModel(SampledServedModel):
         from torch_r3.indexer.transformers import DSAReplayHook
 
         self.model = model
-        self.cfg = cfg.sampling()  # type: ignore[assignment]
+        self.cfg = cfg.sampling()
         self.hook = DSAReplayHook(model)
         assert self.hook.routes is not None  # the model has MoE routers
         self.num_layers = self.hook.routes.num_layers
