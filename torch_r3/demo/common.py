@@ -539,18 +539,18 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 def _run_dsa_from_args(args: argparse.Namespace) -> int:
     """`--dsa`: the sparse-attention variant (`torch_r3.demo.dsa`), its own report and JSON."""
-    from torch_r3.demo.dsa import DSAConfig, format_dsa_report, run_dsa
-
+    # Like the trainers' sides (`run`), the variant is a module built on this one, found by name.
+    dsa = importlib.import_module("torch_r3.demo.dsa")
     if args.server_url or getattr(args, "run_log", None):
         print("error: --dsa runs its own loopback server and writes no run log", file=sys.stderr)
         return 2
-    cfg = DSAConfig(seed=args.seed, trajectories=args.trajectories, turns=args.turns)
+    cfg = dsa.DSAConfig(seed=args.seed, trajectories=args.trajectories, turns=args.turns)
     try:
-        results = run_dsa(cfg, quiet=args.quiet)
+        results = dsa.run_dsa(cfg, quiet=args.quiet)
     except DemoError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(format_dsa_report(results))
+    print(dsa.format_dsa_report(results))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
