@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from tests.reference_collate import assert_batch_equal, reference_collate_routes, reference_r3_collator
-from tests.samples import route_samples
+from tests.samples import route_samples, router_routes
 from torch_r3 import BufferPool, R3Collator, collate_routes
 
 PAD_KEYS = {"loss_mask": (0.0, np.float32)}
@@ -90,7 +90,7 @@ def test_kernel_outputs_from_a_pool_match_the_reference_and_out_still_wins():
     rng = np.random.default_rng(3)
     for call in range(20):
         counts = [int(x) for x in rng.integers(1, 30, size=3)]
-        routes = [rng.integers(0, 99, size=(n - 1, 3, 2)).astype(np.int16) for n in counts]
+        routes = [router_routes(rng, n - 1, 3, 2, num_experts=99, dtype=np.int16) for n in counts]
         layout = ("padded", "packed")[call % 2]
         mine = torch.empty(len(counts) + 1, dtype=torch.int32)
         out = {"cu_seqlens": mine} if layout == "packed" else None

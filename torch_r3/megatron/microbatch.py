@@ -22,7 +22,7 @@ from megatron.core import parallel_state
 from torch_r3.megatron.batch_checks import check_aligned_offsets, model_padding_mask
 from torch_r3.megatron.slicing import RankSlice, sequence_parallel_positions, slice_for_rank
 
-__all__ = ["MicrobatchLayout", "RankShare", "current_rank", "prepare_microbatch", "rank_share"]
+__all__: list[str] = []  # the hook's internals
 
 
 @dataclass(frozen=True)

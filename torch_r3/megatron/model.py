@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["as_chunks", "find_hybrid_pattern", "find_padding_mask_module", "first_device"]
+__all__: list[str] = []  # the hook's internals
 
 _MAX_WRAPPERS = 8
 
