@@ -10,8 +10,10 @@ timing is asserted.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -111,3 +113,37 @@ def test_compare_runs_as_a_module_of_the_checkout():
     )
     assert done.returncode == 0, done.stderr
     assert "--speedup-over" in done.stdout and "SkyRL-style padded" in done.stdout
+
+
+def test_check_targets_loads_the_checkout_s_benchmarks_by_path_where_they_are_not_importable(tmp_path):
+    # An installed (editable) torch_r3 run from elsewhere: the checkout's root is not on sys.path.
+    code = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "import torch_r3.bench\n"
+        "sys.path.pop(0)\n"
+        "from torch_r3.bench.checkout import load_targets\n"
+        "targets = load_targets()\n"
+        "print(sys.modules['benchmarks'].__path__[0], targets.SPEEDUP_OVER in torch_r3.bench.registered())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(ROOT / "benchmarks"), "True"]
+
+
+def test_check_targets_refuses_another_package_named_benchmarks(monkeypatch, capsys, tmp_path):
+    from torch_r3 import cli
+    from torch_r3.bench import checkout
+
+    other = types.ModuleType("benchmarks")
+    other.__path__ = [str(tmp_path)]
+    monkeypatch.setitem(sys.modules, "benchmarks", other)
+    monkeypatch.delitem(sys.modules, checkout.TARGETS_MODULE, raising=False)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--check-targets", "--no-progress"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"another package named 'benchmarks' is imported ({tmp_path})" in err and err.count("\n") == 1
