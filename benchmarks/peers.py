@@ -52,6 +52,7 @@ PAD_SEQUENCE = "pad_sequence"
 
 
 def _baseline(ctx: Context) -> dict[str, torch.Tensor]:
+    """prefill the whole padded buffer, re-compact every sample, copy them in one by one (one thread)."""
     b = ctx.batch
     B, T, L, K = len(b.routes), b.T, b.num_layers, b.topk
     routes = torch.empty((B, T, L, K), dtype=TORCH_DTYPES[b.dtype.name])
@@ -69,6 +70,7 @@ def _baseline(ctx: Context) -> dict[str, torch.Tensor]:
 
 
 def _skyrl_padded(ctx: Context) -> dict[str, torch.Tensor]:
+    """what SkyRL's merged collation does: one serial write per trajectory into a fresh padded buffer."""
     b = ctx.batch
     B, T, L, K = len(b.routes), b.T, b.num_layers, b.topk
     routes = torch.empty((B, T, L, K), dtype=TORCH_DTYPES[b.dtype.name])
@@ -88,6 +90,7 @@ def _skyrl_padded(ctx: Context) -> dict[str, torch.Tensor]:
 
 
 def _skyrl_packed(ctx: Context) -> dict[str, torch.Tensor]:
+    """SkyRL's packed form: the trajectories concatenated into a fresh buffer with cu_seqlens, serially."""
     b = ctx.batch
     L, K = b.num_layers, b.topk
     pad = np.broadcast_to(np.arange(K, dtype=b.dtype), (1, L, K))
@@ -107,6 +110,7 @@ def _skyrl_packed(ctx: Context) -> dict[str, torch.Tensor]:
 
 
 def _pad_sequence(ctx: Context) -> dict[str, torch.Tensor]:
+    """torch.nn.utils.rnn.pad_sequence plus fixing the padding rows, as written by hand."""
     b = ctx.batch
     T, L, K = b.T, b.num_layers, b.topk
     tdtype = TORCH_DTYPES[b.dtype.name]
@@ -128,32 +132,12 @@ def _pad_sequence(ctx: Context) -> dict[str, torch.Tensor]:
     return {ROUTES: routes, ROUTER_MASK: mask, ATTENTION_MASK: att.long()}
 
 
-#: The peers, as registered.
+#: The peers, as registered (each one's description is its docstring's first line).
 PEERS = (
-    Strategy(
-        BASELINE,
-        _baseline,
-        "padded",
-        description="prefill the whole padded buffer, re-compact every sample, copy them in one by one (one thread)",
-    ),
-    Strategy(
-        SKYRL_PADDED,
-        _skyrl_padded,
-        "padded",
-        description="what SkyRL's merged collation does: one serial write per trajectory into a fresh padded buffer",
-    ),
-    Strategy(
-        SKYRL_PACKED,
-        _skyrl_packed,
-        "packed",
-        description="SkyRL's packed form: the trajectories concatenated into a fresh buffer with cu_seqlens, serially",
-    ),
-    Strategy(
-        PAD_SEQUENCE,
-        _pad_sequence,
-        "padded",
-        description="torch.nn.utils.rnn.pad_sequence plus fixing the padding rows, as written by hand",
-    ),
+    Strategy(BASELINE, _baseline, "padded"),
+    Strategy(SKYRL_PADDED, _skyrl_padded, "padded"),
+    Strategy(SKYRL_PACKED, _skyrl_packed, "packed"),
+    Strategy(PAD_SEQUENCE, _pad_sequence, "padded"),
 )
 
 #: The side-by-side run, in order: the baseline first (every padded output is

@@ -143,6 +143,10 @@ def test_without_its_reference_strategy_a_shape_has_no_speed_up_and_its_table_no
 
 
 def _two_threads(ctx):
+    """torch_r3 fresh on two threads.
+
+    More lines, not in the report.
+    """
     return bench.run_strategy(bench.FRESH, ctx.batch, workers=2)
 
 
@@ -156,6 +160,8 @@ def test_a_registered_strategy_runs_by_name_and_is_checked_like_torch_r3_s_own(m
     monkeypatch.setattr(strategies, "_REGISTRY", dict(strategies._REGISTRY))  # the registry as it was, after
     mine = bench.register(bench.Strategy("two threads", _two_threads, "padded", description="mine"))
     assert bench.registered()["two threads"] is mine and "two threads" not in bench.STRATEGIES
+    assert bench.Strategy("y", _two_threads, "padded").description == "torch_r3 fresh on two threads"
+    assert bench.Strategy("z", _one_byte_off, "padded").description == ""  # no docstring, no description
     shape = bench.run_shape(bench.BenchConfig(**TINY), [bench.SERIAL, "two threads"])
     assert shape.get("two threads").checked_against == bench.SERIAL
     assert "  two threads          mine" in bench.format_report(dataclasses.replace(synthetic_result(), main=shape))

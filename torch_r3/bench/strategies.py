@@ -228,6 +228,7 @@ def parallel_copy(dst: np.ndarray, src: np.ndarray, workers: int, pool: ThreadPo
 
 
 def _serial(ctx: Context) -> dict[str, torch.Tensor]:
+    """torch_r3's kernel on one thread: each byte written once, no prefill, a fresh output."""
     # The kernel itself on the calling thread: the same writes as torch_r3
     # fresh, so the difference between the two is exactly the pool.
     b = ctx.batch
@@ -235,16 +236,19 @@ def _serial(ctx: Context) -> dict[str, torch.Tensor]:
 
 
 def _fresh(ctx: Context) -> dict[str, torch.Tensor]:
+    """torch_r3 with its copy pool into a fresh output (a first batch, and every DataLoader-worker batch)."""
     b = ctx.batch
     return collate_routes(b.routes, b.token_counts, workers=ctx.workers, pin_memory=False)
 
 
 def _reused(ctx: Context) -> dict[str, torch.Tensor]:
+    """torch_r3 into caller-owned out= buffers."""
     b = ctx.batch
     return collate_routes(b.routes, b.token_counts, workers=ctx.workers, out=ctx.out)
 
 
 def _steady(ctx: Context) -> dict[str, torch.Tensor]:
+    """torch_r3 with a BufferPool, the previous batch held: what R3Collator does in a training loop."""
     b = ctx.batch
     # `ctx.held` is the loop variable of `for batch in loader`: it keeps the
     # previous batch alive while this one is collated (so its buffer cannot be
@@ -255,11 +259,13 @@ def _steady(ctx: Context) -> dict[str, torch.Tensor]:
 
 
 def _packed(ctx: Context) -> dict[str, torch.Tensor]:
+    """torch_r3, packed (THD) layout, a fresh output."""
     b = ctx.batch
     return collate_routes(b.routes, b.token_counts, layout="packed", workers=ctx.workers, pin_memory=False)
 
 
 def _packed_steady(ctx: Context) -> dict[str, torch.Tensor]:
+    """torch_r3, packed layout, with a BufferPool as in a training loop."""
     b = ctx.batch
     out = collate_routes(
         b.routes, b.token_counts, layout="packed", workers=ctx.workers, pin_memory=False, buffers=ctx.packed_buffers
@@ -269,6 +275,7 @@ def _packed_steady(ctx: Context) -> dict[str, torch.Tensor]:
 
 
 def _gather(ctx: Context) -> dict[str, torch.Tensor]:
+    """floor: the batch's own sources copied where they live into a warm padded output, on the pool's threads."""
     b, out, template = ctx.batch, ctx.gather, ctx.template
     assert out is not None and template is not None  # made by Context for this strategy
     routes, mask, att = out[ROUTES], out[ROUTER_MASK], out[ATTENTION_MASK]
@@ -290,6 +297,7 @@ def _gather(ctx: Context) -> dict[str, torch.Tensor]:
 
 
 def _packed_gather(ctx: Context) -> dict[str, torch.Tensor]:
+    """floor: the same for the packed layout."""
     b, out, template = ctx.batch, ctx.packed_gather, ctx.template
     assert out is not None and template is not None  # made by Context for this strategy
     routes, mask, cu = out[ROUTES], out[ROUTER_MASK], out[CU_SEQLENS]
@@ -310,6 +318,7 @@ def _packed_gather(ctx: Context) -> dict[str, torch.Tensor]:
 
 
 def _memcpy(ctx: Context) -> None:
+    """floor: one warm contiguous copy of as many bytes as the padded output, on the pool's threads."""
     assert ctx.dst is not None and ctx.src is not None  # made by Context for this strategy
     parallel_copy(ctx.dst, ctx.src, ctx.workers, ctx.copy_pool)
 
@@ -326,7 +335,7 @@ class Strategy:
     measured over: 1, or more for a strategy whose cost shows only in a loop.
     `floor` marks a floor (it writes into warm memory it owns and allocates
     nothing), not a collation. `description` is the one line the report prints
-    under its table.
+    under its table (default: the first line of `call`'s docstring).
     """
 
     name: str
@@ -343,66 +352,25 @@ class Strategy:
             raise TypeError(f"strategy {self.name!r}: call must be callable, got {type(self.call).__name__}")
         check_choice(self.layout, f"strategy {self.name!r}: layout", ("padded", "packed", None))
         check_positive(self.loop_calls, f"strategy {self.name!r}: loop_calls")
+        if not self.description:
+            first = (getattr(self.call, "__doc__", None) or "").strip().split("\n")[0]
+            object.__setattr__(self, "description", first.rstrip("."))
 
 
 _REGISTRY: dict[str, Strategy] = {
     s.name: s
     for s in (
-        Strategy(
-            SERIAL,
-            _serial,
-            "padded",
-            description="torch_r3's kernel on one thread: each byte written once, no prefill, a fresh output",
-        ),
-        Strategy(
-            FRESH,
-            _fresh,
-            "padded",
-            description=(
-                "torch_r3 with its copy pool into a fresh output (a first batch, and every DataLoader-worker batch)"
-            ),
-        ),
-        Strategy(REUSED, _reused, "padded", description="torch_r3 into caller-owned out= buffers"),
+        Strategy(SERIAL, _serial, "padded"),
+        Strategy(FRESH, _fresh, "padded"),
+        Strategy(REUSED, _reused, "padded"),
         # Four calls: the pool's first buffer, a second while the first is held,
         # then two that reuse them. The peak must stay at two batches.
-        Strategy(
-            STEADY,
-            _steady,
-            "padded",
-            loop_calls=4,
-            description=(
-                "torch_r3 with a BufferPool, the previous batch held: what R3Collator does in a training loop"
-            ),
-        ),
-        Strategy(PACKED, _packed, "packed", description="torch_r3, packed (THD) layout, a fresh output"),
-        Strategy(
-            PACKED_STEADY,
-            _packed_steady,
-            "packed",
-            loop_calls=4,
-            description="torch_r3, packed layout, with a BufferPool as in a training loop",
-        ),
-        Strategy(
-            GATHER,
-            _gather,
-            "padded",
-            floor=True,
-            description=(
-                "floor: the batch's own sources copied where they live into a warm padded output, on the pool's threads"
-            ),
-        ),
-        Strategy(
-            PACKED_GATHER, _packed_gather, "packed", floor=True, description="floor: the same for the packed layout"
-        ),
-        Strategy(
-            MEMCPY,
-            _memcpy,
-            None,
-            floor=True,
-            description=(
-                "floor: one warm contiguous copy of as many bytes as the padded output, on the pool's threads"
-            ),
-        ),
+        Strategy(STEADY, _steady, "padded", loop_calls=4),
+        Strategy(PACKED, _packed, "packed"),
+        Strategy(PACKED_STEADY, _packed_steady, "packed", loop_calls=4),
+        Strategy(GATHER, _gather, "padded", floor=True),
+        Strategy(PACKED_GATHER, _packed_gather, "packed", floor=True),
+        Strategy(MEMCPY, _memcpy, None, floor=True),
     )
 }
 
