@@ -61,7 +61,8 @@ def _paired_medians(fns: dict[str, Callable[[], float | None]], repeat: int) -> 
 
 
 def _cost(off: float, on: float) -> str:
-    return f"off {off * 1e3:.1f} ms, on {on * 1e3:.1f} ms ({100 * (on - off) / off:+.1f}%)"
+    scale, unit = (1e6, "us") if off < 1e-3 else (1e3, "ms")
+    return f"off {off * scale:.1f} {unit}, on {on * scale:.1f} {unit} ({100 * (on - off) / off:+.1f}%)"
 
 
 def check_alone(repeat: int) -> None:
@@ -84,7 +85,8 @@ def check_alone(repeat: int) -> None:
 def expert_load_alone(repeat: int) -> None:
     from torch_r3.replay.stats import StatsCollector
 
-    for tokens, k, experts in ((8 * 4096, 8, 128), (4 * 8192, 8, 256)):
+    # the two production shapes of check_alone, then one router call of the small steps below
+    for tokens, k, experts in ((8 * 4096, 8, 128), (4 * 8192, 8, 256), (4 * 256, 2, 8)):
         g = torch.Generator().manual_seed(0)
         replayed = torch.argsort(torch.rand(tokens, experts, generator=g), -1)[:, :k]
         own = replayed.clone()

@@ -16,7 +16,6 @@ from torch_r3.report import render_report
 from torch_r3.runlog import RunLog, read_routing_trace, read_run_log
 
 
-
 def _stats(drift0: float) -> ReplayStats:
     return ReplayStats(
         microbatches=1,
