@@ -42,6 +42,7 @@ class DemoRun:
     stdout: str
     stderr: str
     figures: dict[str, Any]
+    run_log: Path | None = None  # where `--run-log` wrote, when it was given
 
 
 def run_demo(workdir: Path, *args: str, block: tuple[str, ...] = (), timeout: float = 900) -> DemoRun:
@@ -59,15 +60,17 @@ def run_demo(workdir: Path, *args: str, block: tuple[str, ...] = (), timeout: fl
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, cwd=workdir, env=env, check=False
     )
     figures = json.loads(path.read_text()) if done.returncode == 0 else {}
-    return DemoRun(done.returncode, done.stdout, done.stderr, figures)
+    run_log = workdir / args[args.index("--run-log") + 1] if "--run-log" in args else None
+    return DemoRun(done.returncode, done.stdout, done.stderr, figures, run_log)
 
 
 @pytest.fixture(scope="session")
 def megatron_demo(tmp_path_factory) -> DemoRun:
     """The default demo (Megatron trainer, seed 0), run once per session: the end-to-end
-    tests and the tutorial's figure checks read the same run."""
+    tests, the tutorial's figure checks and the report's (from the run log it also writes,
+    after its output) read the same run."""
     pytest.importorskip("megatron.core", reason="the megatron extra is not installed")
-    run = run_demo(tmp_path_factory.mktemp("megatron-demo"))
+    run = run_demo(tmp_path_factory.mktemp("megatron-demo"), "--run-log", "run.jsonl")
     assert run.returncode == 0, run.stderr[-4000:]
     return run
 
