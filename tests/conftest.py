@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -13,6 +14,27 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_finish(session) -> None:
+    """Move what collection built (torch, Megatron, transformers, Hypothesis strategies: millions of
+    long-lived objects) out of the garbage collector's reach. Every full collection afterwards, the
+    interpreter's own and the explicit ones (the benchmark collects before each strategy it times),
+    walks only what the tests themselves create; nothing frozen is freed, and nothing frozen is garbage."""
+    gc.collect()
+    gc.freeze()
+
+
+try:  # the test extra installs Hypothesis; a run without it skips the property tests, not the suite
+    from hypothesis import HealthCheck, settings
+except ImportError:
+    pass
+else:
+    # Every property test in any environment: no per-example deadline and no "generation too slow"
+    # check, so a loaded machine slows a run down without failing it. A test's own @settings
+    # (its example count) still applies on top of this profile.
+    settings.register_profile("torch_r3", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    settings.load_profile("torch_r3")
 
 
 @pytest.fixture(scope="session")
@@ -42,6 +64,7 @@ class DemoRun:
     stdout: str
     stderr: str
     figures: dict[str, Any]
+    workdir: Path  # where it ran: a `--run-log demo.jsonl` given as an argument is here
 
 
 def run_demo(workdir: Path, *args: str, block: tuple[str, ...] = (), timeout: float = 900) -> DemoRun:
@@ -59,15 +82,17 @@ def run_demo(workdir: Path, *args: str, block: tuple[str, ...] = (), timeout: fl
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, cwd=workdir, env=env, check=False
     )
     figures = json.loads(path.read_text()) if done.returncode == 0 else {}
-    return DemoRun(done.returncode, done.stdout, done.stderr, figures)
+    return DemoRun(done.returncode, done.stdout, done.stderr, figures, workdir)
 
 
 @pytest.fixture(scope="session")
 def megatron_demo(tmp_path_factory) -> DemoRun:
     """The default demo (Megatron trainer, seed 0), run once per session: the end-to-end
-    tests and the tutorial's figure checks read the same run."""
+    tests, the tutorial's figure checks and the report's browser check read the same run (its
+    run log is `workdir / "demo.jsonl"`; the log is written after the report is printed, and
+    changes neither the printout nor the figures)."""
     pytest.importorskip("megatron.core", reason="the megatron extra is not installed")
-    run = run_demo(tmp_path_factory.mktemp("megatron-demo"))
+    run = run_demo(tmp_path_factory.mktemp("megatron-demo"), "--run-log", "demo.jsonl")
     assert run.returncode == 0, run.stderr[-4000:]
     return run
 
