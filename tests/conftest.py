@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -13,6 +14,34 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_finish(session) -> None:
+    """Move what collection built (torch, Megatron, transformers, Hypothesis strategies: millions of
+    long-lived objects) out of the garbage collector's reach. Every full collection afterwards, the
+    interpreter's own and the explicit ones (the benchmark collects before each strategy it times),
+    walks only what the tests themselves create. Collected first, so none of it is garbage; frozen
+    objects are not freed until the session ends (`pytest_unconfigure`)."""
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_unconfigure(config) -> None:
+    """Hand the frozen objects back before the interpreter exits, so that its last collection frees
+    them as it did before (extension modules otherwise report them as leaked at exit)."""
+    gc.unfreeze()
+
+
+try:  # the test extra installs Hypothesis; a run without it skips the property tests, not the suite
+    from hypothesis import HealthCheck, settings
+except ImportError:
+    pass
+else:
+    # Every property test in any environment: no per-example deadline and no "generation too slow"
+    # check, so a loaded machine slows a run down without failing it. A test's own @settings
+    # (its example count) still applies on top of this profile.
+    settings.register_profile("torch_r3", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    settings.load_profile("torch_r3")
 
 
 @pytest.fixture(scope="session")

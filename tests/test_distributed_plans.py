@@ -1,6 +1,6 @@
 """`scatter_trajectories` refuses a bad `src` or plan before any message, on real gloo ranks.
 
-Two spawned processes in one gloo group with a 20 s time-out (the default is 30 min: a
+Two spawned processes in one gloo group with a 120 s time-out (the default is 30 min: a
 refusal that came only from the time-out would fail this test, not hang it). A `src`
 outside the group is refused on every rank at once; a plan that names a sample by a float
 or leaves samples out is refused on the source, before it sends (so the other rank takes
@@ -38,7 +38,7 @@ def _refusal(call) -> list[str] | None:
 
 def _worker(rank: int, store_path: str, out: str) -> None:
     store = dist.FileStore(store_path, 2)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=20))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
     from torch_r3.distributed import scatter_trajectories
 
     samples = _samples()

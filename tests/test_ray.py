@@ -20,6 +20,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="the ray extra is not installed: pip install 'torch_r3[ray]'")
 
 import torch_r3
+from tests.local_ray import start_local_ray
 from tests.samples import route_samples, router_routes
 from torch_r3 import R3Collator
 from torch_r3.ray import RefFetch, TrajectoryRef, put_trajectory, route_dtypes, token_counts
@@ -100,20 +101,11 @@ def test_a_trainer_holds_no_microbatch_buffers_once_its_loop_has_dropped_them():
 @pytest.fixture(scope="module")
 def cluster():
     # Workers inherit this environment: the checkout's torch_r3 (and this test module's actors) come first.
-    # A loaded 2-core CI machine can miss Ray's 30 s window for the node agent: wait longer, retry once.
     saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "RAY_agent_register_timeout_ms")}
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), saved["PYTHONPATH"]) if p)
-    os.environ.setdefault("RAY_agent_register_timeout_ms", "180000")
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     try:
-        for attempt in (1, 2):
-            try:
-                ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 2**20)
-                break
-            except Exception:
-                ray.shutdown()
-                if attempt == 2:
-                    raise
+        start_local_ray(ray, num_cpus=2, object_store_memory=200 * 2**20)
         yield
     finally:
         ray.shutdown()

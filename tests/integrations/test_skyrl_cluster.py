@@ -12,6 +12,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from tests.local_ray import start_local_ray
 from tests.samples import router_routes
 from torch_r3 import R3Collator, global_geometry, plan_microbatches
 
@@ -19,7 +20,7 @@ from torch_r3 import R3Collator, global_geometry, plan_microbatches
 @pytest.fixture(scope="module")
 def local_ray():
     if not ray.is_initialized():
-        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, object_store_memory=100 * 2**20)
+        start_local_ray(ray, num_cpus=1, object_store_memory=100 * 2**20)
     yield
     ray.shutdown()
 
