@@ -172,6 +172,29 @@ def test_replay_is_exact_against_a_dense_attention_forced_to_the_selection(dsa_m
 
 
 @needs_dsa
+def test_the_indexer_loss_path_attends_with_the_replayed_selection(cpu_megatron):
+    """In training with dsa_indexer_loss_coeff > 0 Megatron computes the top-k inside its indexer-loss function."""
+    from tests.megatron._dsa_models import build_dsa_model
+    from torch_r3.megatron.indexer import IndexerReplayHook
+
+    torch.manual_seed(0)
+    model = build_dsa_model(dsa_indexer_loss_coeff=0.01)
+    batch = _batch()
+    hook = IndexerReplayHook(model)
+    seen = Capture(model)
+    _run(hook, model, [batch], forward_only=False)
+    sel, captured = batch["rollout_indexer_topk"].long(), ~batch["indexer_padding_mask"]
+    for layer in (0, 2):
+        ((module, inputs, out),) = seen.calls[layer]
+        ref = dense_reference(module, inputs, sel[:, :, layer]).transpose(0, 1)
+        torch.testing.assert_close(out.transpose(0, 1)[captured], ref[captured], rtol=1e-4, atol=1e-5)
+    assert any(
+        p.grad is not None and p.grad.abs().sum() > 0
+        for p in model.decoder.layers[0].self_attention.core_attention.indexer.parameters()
+    )
+
+
+@needs_dsa
 def test_outside_a_step_and_after_close_the_model_is_unchanged(dsa_model):
     from torch_r3.megatron.indexer import IndexerReplayHook
 

@@ -59,7 +59,7 @@ from torch_r3.megatron.slicing import context_parallel_positions, sequence_paral
 from torch_r3.replay import marker
 from torch_r3.replay.modes import check_uncaptured
 
-__all__ = ["DSA_MODULE", "IndexerReplayHook", "dsa_module", "selections_for_rank"]
+__all__ = ["DSA_MODULE", "TOPK_FUNCTION", "IndexerReplayHook", "dsa_module", "selections_for_rank"]
 
 DSA_MODULE = "megatron.core.transformer.experimental_attention_variant.dsa"
 """The megatron-core module that holds `DSAttention` and the top-k the hook replays (0.19)."""
@@ -136,7 +136,14 @@ class IndexerReplayHook:
     Each microbatch dict holds `rollout_indexer_topk` (`[B, T, L, K]` in batch
     positions, `torch_r3.indexer.collate_selections` with the padded layout)
     and `indexer_padding_mask` (`[B, T]`, `True` where no selection was
-    captured).
+    captured); a packed microbatch (`cu_seqlens`) is refused. Every rank gets
+    the whole microbatch: the hook keeps this context-parallel rank's rows.
+    `T` must be the model's sequence length.
+
+    The rebinding of `fused_qk_topk_naive` lasts one layer's forward and is
+    process-wide for that time: another thread running Megatron DSA in the
+    same process at that moment would see it (and is refused by its own hook,
+    if it has one).
 
     Args:
         model: A Megatron module (`GPTModel` with DSA attention, possibly
@@ -153,10 +160,11 @@ class IndexerReplayHook:
     Raises:
         ImportError: This megatron-core has no DSA (see `dsa_module`).
         InterleavedPipelineError: The virtual pipeline schedule, as `ReplayHook`.
-        ValueError: No `DSAttention` in the model, a fused DSA kernel backend
-            (it computes the top-k in CUDA code the hook cannot reach), a CUDA
-            graph around attention, packed sequences via `selection_layers`
-            that lack a layer, another hook on a layer, a bad `uncaptured`.
+        ValueError: No `DSAttention` in the model (or no
+            `experimental_attention_variant="dsa"`), a fused DSA kernel
+            backend (it computes the top-k in CUDA code the hook cannot
+            reach), a CUDA graph, `selection_layers` without one of this
+            stage's indexer layers, another hook on a layer, a bad `uncaptured`.
         TypeError: `model` is not a module or a list of modules.
     """
 
@@ -169,7 +177,7 @@ class IndexerReplayHook:
         selection_layers: Sequence[int] | None = None,
     ):
         self._dsa = dsa_module()
-        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        chunks: list[torch.nn.Module] = list(model) if isinstance(model, (list, tuple)) else [model]  # type: ignore[list-item]
         if not chunks:
             raise ValueError("model: got an empty list of model chunks")
         for i, chunk in enumerate(chunks):
@@ -383,7 +391,7 @@ class IndexerReplayHook:
                 entry.column = self._computing.index(entry.layer)
         return len(self._computing), self._num_layers
 
-    def _columns_for(self, L: int) -> list[int] | None:
+    def _columns_for(self, L: int) -> list[int]:
         fixed, every = self._columns
         if L == fixed:
             return [e.column for e in self._layers if e.computes]
