@@ -62,7 +62,7 @@ frameworks: $(STAMP_FW)
 setup: $(STAMP) $(STAMP_NEXT) $(STAMP_FW)
 
 bench: $(STAMP)
-	$(BIN)/torch-r3 bench
+	$(BIN)/python -m benchmarks.compare
 
 # The paths ruff checks; mypy's are in pyproject.toml ([tool.mypy] files).
 LINT_PATHS := torch_r3 tests benchmarks examples docs/img

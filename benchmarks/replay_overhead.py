@@ -1,20 +1,34 @@
-"""What ReplayHook's per-microbatch work costs on the CPU (route checks, live routing).
+"""What ReplayHook's per-microbatch work costs on the CPU (route checks, live routing, expert load).
 
 1. `check_route_values` alone on a production-sized microbatch
    (`[B, T, L, K]` uint8 routes, every position captured).
-2. A training step (`forward_backward`, full recompute) of a small MoE GPTModel
-   with the hook, `uncaptured="live"` and `"replay"`, against the time the
-   route check takes for the same microbatches.
+2. Expert load alone: what `expert_load=True` adds to one router call's
+   statistics (the drift count it always makes, then the two per-expert
+   scatter-adds) on a production-sized microbatch.
+3. A training step (`forward_backward`, full recompute) of a small MoE GPTModel
+   with the Megatron hook, `uncaptured="live"` and `"replay"`, each with
+   `expert_load` off and on, against the time the route check takes for the
+   same microbatches.
+4. The same for the transformers hook: forward and backward of a tiny
+   Qwen3-MoE (the demo's shape) inside `hook.replay(batch)`, expert load off and on.
+5. Collation: whether the collators can reach the expert-load code at all (they
+   cannot: `torch_r3.collate` and `torch_r3.shard` never import `torch_r3.replay`),
+   so the collation figures of `torch-r3 bench` hold with expert load on or off.
 
-Usage: python benchmarks/replay_overhead.py [--repeat 7] [--threads 1]
-Medians of `--repeat` runs; run it on an idle machine.
+Usage: python benchmarks/replay_overhead.py [--repeat 7] [--threads 1] [--only megatron|transformers|...]
+Medians of `--repeat` runs; the on/off pairs run interleaved (off, on, off, on, ...) so
+that a load change on a shared machine falls on both. Run it on an idle machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -27,6 +41,28 @@ def _median_seconds(fn, repeat: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def _paired_medians(fns: dict[str, Callable[[], float | None]], repeat: int) -> dict[str, float]:
+    """Median seconds of each callable, the runs interleaved (a, b, a, b, ...) after one warm-up each.
+
+    A callable that returns a number returns the seconds of its own timed part (what it
+    does around that part, such as building and closing a hook, is left out).
+    """
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            own = fn()
+            times[name].append(time.perf_counter() - start if own is None else own)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _cost(off: float, on: float) -> str:
+    scale, unit = (1e6, "us") if off < 1e-3 else (1e3, "ms")
+    return f"off {off * scale:.1f} {unit}, on {on * scale:.1f} {unit} ({100 * (on - off) / off:+.1f}%)"
 
 
 def check_alone(repeat: int) -> None:
@@ -44,6 +80,30 @@ def check_alone(repeat: int) -> None:
             f"check_route_values [{b}, {t}, {layers}, {k}] uint8 ({mib:.0f} MiB): {s * 1e3:.1f} ms "
             f"(widening the same routes to int64: {widen * 1e3:.1f} ms)"
         )
+
+
+def expert_load_alone(repeat: int) -> None:
+    from torch_r3.replay.stats import StatsCollector
+
+    # the two production shapes of check_alone, then one router call of the small steps below
+    for tokens, k, experts in ((8 * 4096, 8, 128), (4 * 8192, 8, 256), (4 * 256, 2, 8)):
+        g = torch.Generator().manual_seed(0)
+        replayed = torch.argsort(torch.rand(tokens, experts, generator=g), -1)[:, :k]
+        own = replayed.clone()
+        own[::50] = torch.argsort(torch.rand(own[::50].shape[0], experts, generator=g), -1)[:, :k]  # 2% drift
+        captured = torch.ones(tokens, dtype=torch.bool)
+        collectors = {
+            "off": StatsCollector(measure_drops=False),
+            "on": StatsCollector(measure_drops=False, num_experts=experts),
+        }
+
+        def call(c, own=own, replayed=replayed, captured=captured):
+            c.reset()
+            c.add_drift(0, own, replayed, captured)
+            c.finish((0,))  # the step's one host copy, which carries the counts
+
+        t = _paired_medians({name: (lambda c=c: call(c)) for name, c in collectors.items()}, repeat)
+        print(f"one router call's statistics, [{tokens}, {k}] routes, {experts} experts: {_cost(t['off'], t['on'])}")
 
 
 def step_with_hook(repeat: int) -> None:
@@ -123,24 +183,122 @@ def step_with_hook(repeat: int) -> None:
             repeat,
         )
         for uncaptured in ("live", "replay"):
-            with ReplayHook(model, uncaptured=uncaptured) as hook:
-                s = _median_seconds(lambda: run(hook), repeat)
+            # One hook at a time may hold the routers: enter each around its own run.
+            def timed(expert_load, uncaptured=uncaptured):
+                with ReplayHook(model, uncaptured=uncaptured, expert_load=expert_load) as hook:
+                    start = time.perf_counter()
+                    run(hook)
+                    seconds = time.perf_counter() - start
+                    assert (hook.last_stats.trainer_load is not None) == expert_load
+                return seconds
+
+            s = _paired_medians({"off": lambda: timed(False), "on": lambda: timed(True)}, repeat)
             print(
-                f"step ({m} microbatches of [{b}, {t}], {layers} MoE layers, uncaptured={uncaptured!r}): "
-                f"{s * 1e3:.0f} ms; of it the route checks: {checks * 1e3:.2f} ms ({100 * checks / s:.2f}%)"
+                f"Megatron step ({m} microbatches of [{b}, {t}], {layers} MoE layers, uncaptured={uncaptured!r}): "
+                f"expert load {_cost(s['off'], s['on'])}; the route checks: {checks * 1e3:.2f} ms "
+                f"({100 * checks / s['off']:.2f}% of the step)"
             )
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
+
+
+def transformers_step(repeat: int) -> None:
+    import transformers
+
+    from torch_r3.transformers import ReplayHook
+
+    b, t, layers, experts, k, vocab, hidden = 4, 256, 4, 8, 2, 128, 64
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=hidden // 4,
+        num_experts=experts,
+        num_experts_per_tok=k,
+        max_position_embeddings=t,
+        pad_token_id=0,
+        bos_token_id=None,
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
+    g = torch.Generator().manual_seed(0)
+    mask = torch.zeros(b, t, dtype=torch.bool)
+    mask[:, :16] = True  # left padding
+    attention = (~mask).long()
+    batch = {
+        "input_ids": torch.randint(1, vocab, (b, t), generator=g),
+        "attention_mask": attention,
+        "rollout_expert_indices": torch.argsort(torch.rand(b, t, layers, experts, generator=g), -1)[..., :k].to(
+            torch.uint8
+        ),
+        "router_padding_mask": mask,
+    }
+
+    def step(hook):
+        with hook.replay(batch):
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logits.float().mean().backward()
+
+    def timed(expert_load: bool):
+        # One hook at a time may hold the routers: build each around its own step.
+        with ReplayHook(model, expert_load=expert_load) as hook:
+            start = time.perf_counter()
+            step(hook)
+            seconds = time.perf_counter() - start
+            assert (hook.last_stats.trainer_load is not None) == expert_load
+        model.zero_grad(set_to_none=True)
+        return seconds
+
+    s = _paired_medians({"off": lambda: timed(False), "on": lambda: timed(True)}, repeat)
+    print(
+        f"transformers step (Qwen3-MoE, one batch of [{b}, {t}], {layers} MoE layers, {experts} experts, "
+        f"forward and backward): expert load {_cost(s['off'], s['on'])}"
+    )
+
+
+def collation_reaches_no_stats() -> None:
+    code = (
+        "import sys, numpy as np, torch_r3\n"
+        "from torch_r3 import R3Collator\n"
+        "import torch_r3.shard\n"
+        "rng = np.random.default_rng(0)\n"
+        "samples = [{'input_ids': list(range(1, 9)), "
+        "'routes': np.argsort(rng.random((7, 2, 8)), -1)[..., :2].astype(np.uint8)} for _ in range(2)]\n"
+        "R3Collator(pad_token_id=0)(samples)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('torch_r3.replay')))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    loaded = done.stdout.strip()
+    verdict = "none: collation cannot run it" if loaded == "[]" else f"{loaded}: CHECK"
+    print(f"collation: expert-load modules loaded by collating a batch: {verdict}")
+
+
+PARTS = {
+    "check": check_alone,
+    "load": expert_load_alone,
+    "megatron": step_with_hook,
+    "transformers": transformers_step,
+}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--only", choices=[*PARTS, "collation"], action="append", help="run only these parts")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    check_alone(args.repeat)
-    step_with_hook(args.repeat)
+    for name, part in PARTS.items():
+        if not args.only or name in args.only:
+            part(args.repeat)
+    if not args.only or "collation" in args.only:
+        collation_reaches_no_stats()
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ This file is part of the checkout, not of the installed package: the targets
 are the project's yardstick, not something a user's report needs. The CLI
 loads it from here (`torch_r3.bench.checkout.load_targets`), so
 `--check-targets` works only from a checkout (an editable install included).
+Importing it registers the peers (`benchmarks/peers.py`): one target is the
+speed-up over the baseline, so `--check-targets` runs them too.
 
 They are set for the default shape (256 trajectories of at most 8192 tokens,
 40 layers, top-8, `uint8`, uniform lengths) on a quiet 2-core machine, and
@@ -28,9 +30,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from benchmarks.peers import BASELINE, COMPARE_ORDER
 from torch_r3.bench.results import BenchResult, StrategyResult
 from torch_r3.bench.strategies import (
-    BASELINE,
     FRESH,
     GATHER,
     MEMCPY,
@@ -39,10 +41,22 @@ from torch_r3.bench.strategies import (
     STEADY,
 )
 
-__all__ = ["REQUIRED_STRATEGIES", "TARGETS", "Target", "check_targets", "format_targets", "targets_met"]
+__all__ = [
+    "REQUIRED_STRATEGIES",
+    "SPEEDUP_OVER",
+    "STRATEGIES",
+    "TARGETS",
+    "Target",
+    "check_targets",
+    "format_targets",
+    "targets_met",
+]
 
-#: The strategies whose medians the targets compare.
+#: The strategies whose medians the targets compare (`baseline` is a peer, `benchmarks/peers.py`).
 REQUIRED_STRATEGIES = (BASELINE, FRESH, STEADY, PACKED_STEADY, GATHER, PACKED_GATHER, MEMCPY)
+#: What `--check-targets` runs when `--strategies` is not given, and the strategy its speed-ups are over.
+STRATEGIES = COMPARE_ORDER
+SPEEDUP_OVER = BASELINE
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 Every strategy is compared with a plain position-by-position reference
 collator, independent of torch_r3.collate. Shapes are tiny and no timing is
-asserted.
+asserted. The peers' collations, which live in the checkout
+(`benchmarks/peers.py`), are specified in `tests/test_bench_peers.py`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.peers import BASELINE
 from tests.reference_collate import assert_batch_equal, reference_packed, reference_padded, reference_r3_collator
 from torch_r3 import bench, cli
 from torch_r3.bench import memory, report, strategies
@@ -103,26 +105,98 @@ def test_strategies_match_the_reference_past_the_pool_threshold():
     # Big enough (> 4 MiB of output) that torch_r3 really uses its pool.
     batch = bench.make_batch(bench.BenchConfig(num_sequences=8, max_seqlen=2048, num_layers=40, topk=8))
     want = reference_padded(batch.routes, batch.token_counts)
-    for name in (bench.FRESH, bench.REUSED, bench.PAD_SEQUENCE):
+    for name in (bench.SERIAL, bench.FRESH, bench.REUSED):
         assert_batch_equal(bench.run_strategy(name, batch, workers=2), want)
 
 
 def test_run_shape_checks_then_times_every_strategy():
     result = bench.run_shape(bench.BenchConfig(**{**TINY, "repeats": 2}))
     assert [s.name for s in result.strategies] == list(bench.STRATEGIES)
+    assert result.speedup_over == bench.SERIAL  # torch_r3's kernel on one thread, the first strategy
+    serial = result.get(bench.SERIAL)
     for s in result.strategies:
         assert len(s.times_s) == 2 and s.min_s <= s.median_s <= s.max_s
-        if s.name == bench.BASELINE:
-            assert s.checked_against is None and s.speedup_vs_baseline == 1.0
+        assert s.speedup == pytest.approx(serial.median_s / s.median_s)
+        if s.name == bench.SERIAL:
+            assert s.checked_against is None and s.speedup == 1.0
         elif s.name != bench.MEMCPY:
-            assert s.checked_against == bench.BASELINE
+            assert s.checked_against == bench.SERIAL
     assert result.get(bench.MEMCPY).ratio_to_memcpy == 1.0
+
+
+def test_the_wheel_s_strategies_are_torch_r3_s_own_and_the_floors():
+    assert set(bench.FLOORS) <= set(bench.STRATEGIES)
+    for name in bench.STRATEGIES:
+        strategy = strategies.get_strategy(name)
+        assert strategy.description and (strategy.floor == (name in bench.FLOORS))
+        assert name in bench.FLOORS or name.startswith(("torch_r3", "single-write"))
+
+
+def test_without_its_reference_strategy_a_shape_has_no_speed_up_and_its_table_no_column():
+    shape = bench.run_shape(bench.BenchConfig(**TINY), [bench.FRESH, bench.PACKED])
+    assert shape.speedup_over is None and all(s.speedup is None for s in shape.strategies)
+    head = bench.format_table(shape).splitlines()[0]
+    assert "vs memcpy" in head and "vs single-write serial" not in head and "vs baseline" not in head
+    over_fresh = bench.run_shape(bench.BenchConfig(**TINY), [bench.FRESH, bench.PACKED], speedup_over=bench.FRESH)
+    assert over_fresh.get(bench.FRESH).speedup == 1.0
+    assert "vs torch_r3 fresh" in bench.format_table(over_fresh).splitlines()[0]
+
+
+def _two_threads(ctx):
+    """torch_r3 fresh on two threads.
+
+    More lines, not in the report.
+    """
+    return bench.run_strategy(bench.FRESH, ctx.batch, workers=2)
+
+
+def _one_byte_off(ctx):
+    out = _two_threads(ctx)
+    out["rollout_expert_indices"].view(-1)[-1] += 1
+    return out
+
+
+def test_a_registered_strategy_runs_by_name_and_is_checked_like_torch_r3_s_own(monkeypatch):
+    monkeypatch.setattr(strategies, "_REGISTRY", dict(strategies._REGISTRY))  # the registry as it was, after
+    mine = bench.register(bench.Strategy("two threads", _two_threads, "padded", description="mine"))
+    assert bench.registered()["two threads"] is mine and "two threads" not in bench.STRATEGIES
+    assert bench.Strategy("y", _two_threads, "padded").description == "torch_r3 fresh on two threads"
+    assert bench.Strategy("z", _one_byte_off, "padded").description == ""  # no docstring, no description
+    shape = bench.run_shape(bench.BenchConfig(**TINY), [bench.SERIAL, "two threads"])
+    assert shape.get("two threads").checked_against == bench.SERIAL
+    assert "  two threads          mine" in bench.format_report(dataclasses.replace(synthetic_result(), main=shape))
+    bench.register(bench.Strategy("one byte off", _one_byte_off, "padded"))
+    with pytest.raises(AssertionError, match="'one byte off'.*not bit-identical to 'single-write serial'"):
+        bench.run_shape(bench.BenchConfig(**TINY), [bench.SERIAL, "one byte off"])
+    bench.unregister("one byte off")
+    assert "one byte off" not in bench.registered()
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda: bench.register(bench.Strategy(bench.FRESH, _two_threads, "padded")), ValueError, "registered already"),
+        (lambda: bench.register(object()), TypeError, "takes a torch_r3.bench.strategies.Strategy, got object"),
+        (lambda: bench.Strategy("x", _two_threads, "ragged"), ValueError, "layout must be one of"),
+        (lambda: bench.Strategy("a,b", _two_threads, "padded"), ValueError, "without commas"),
+        (lambda: bench.Strategy("x", None, "padded"), TypeError, "call must be callable"),
+        (lambda: bench.Strategy("x", _two_threads, "padded", loop_calls=0), ValueError, "loop_calls must be >= 1"),
+        (lambda: bench.unregister(bench.SERIAL), ValueError, "one of torch_r3's own strategies"),
+        (lambda: bench.unregister("never registered"), ValueError, "registered strategy must be one of"),
+        (lambda: bench.run_shape(bench.BenchConfig(**TINY), ["nope"]), ValueError, "non-empty selection"),
+        (lambda: bench.plan(bench.BenchConfig(**TINY), speedup_over="nope"), ValueError, "speedup_over must be"),
+    ],
+    ids=["duplicate", "not-a-strategy", "layout", "comma", "call", "loop-calls", "own", "unknown", "run", "over"],
+)
+def test_a_bad_registration_or_name_is_refused_naming_it(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
 
 
 def test_a_strategy_that_differs_from_the_first_is_refused():
     batch = bench.make_batch(bench.BenchConfig(**TINY))
     reference = strategies.Reference(batch.token_counts)
-    reference.check(strategies.get_strategy(bench.BASELINE), bench.run_strategy(bench.BASELINE, batch))
+    reference.check(strategies.get_strategy(bench.SERIAL), bench.run_strategy(bench.SERIAL, batch))
     out = bench.run_strategy(bench.FRESH, batch)
     out["rollout_expert_indices"].view(-1)[0] += 1
     with pytest.raises(AssertionError, match="torch_r3 fresh.*rollout_expert_indices is not bit-identical"):
@@ -219,15 +293,16 @@ def test_bench_json_holds_every_strategy_the_topology_and_the_versions(tmp_path,
     out, err = capsys.readouterr()
     assert "torch_r3 fresh" in out and f"wrote {path}" in err and f"wrote {path}" not in out
     data = json.loads(path.read_text())
-    assert data["schema_version"] == 3
+    assert data["schema_version"] == 4
     assert [s["name"] for s in data["main"]["strategies"]] == list(bench.STRATEGIES)
+    assert data["main"]["speedup_over"] == bench.SERIAL and data["packed_vs_padded"]["speedup_over"] is None
     for key in (
         "median_s",
         "min_s",
         "max_s",
         "times_s",
         "gb_per_s",
-        "speedup_vs_baseline",
+        "speedup",
         "ratio_to_memcpy",
         "peak_bytes",
         "peak_ratio",
@@ -264,7 +339,7 @@ def test_bench_plot_writes_a_png_of_the_sweep(tmp_path):
         "--sweep",
         "2,4",
         "--strategies",
-        "baseline,torch_r3 fresh",
+        "single-write serial,torch_r3 fresh",
         "--no-packed-compare",
         "--json",
         str(tmp_path / "r.json"),
@@ -295,7 +370,8 @@ def test_production_preset_is_refused_with_one_memory_figure(monkeypatch, capsys
     [
         (["--num-sequences", "0"], "expected a positive integer"),
         (["--distribution", "zipf"], "invalid choice"),
-        (["--strategies", "baseline,fast"], "unknown ['fast']"),
+        (["--strategies", "single-write serial,fast"], "unknown ['fast']"),
+        (["--speedup-over", "fastest"], "--speedup-over: unknown 'fastest'"),
         (["--num-experts", "300", "--dtype", "uint8"], "need int16"),
         (["--sweep", "4"], "--sweep only applies with --plot"),
     ],
@@ -488,7 +564,7 @@ def synthetic_result(
         workers=2,
         peak_method="test",
         strategies=[
-            strategy(bench.BASELINE, baseline_s),
+            strategy(BASELINE, baseline_s),
             strategy(bench.FRESH, fresh_s),
             strategy(bench.STEADY, steady_s, steady_peak or inp + 2 * out),
             strategy(bench.PACKED_STEADY, packed_steady_s),
@@ -719,7 +795,7 @@ def test_bench_survives_a_load_average_the_os_will_not_give(monkeypatch, capsys)
         raise OSError("Load averages are unobtainable")
 
     monkeypatch.setattr(os, "getloadavg", refuse)
-    assert cli.main(["bench", *TINY_ARGS, "--strategies", "baseline,torch_r3 fresh"]) == 0
+    assert cli.main(["bench", *TINY_ARGS, "--strategies", "single-write serial,torch_r3 fresh"]) == 0
     assert "load average unknown" in capsys.readouterr().out
 
 
@@ -743,19 +819,6 @@ def test_check_targets_outside_a_checkout_says_it_needs_one(monkeypatch, tmp_pat
     assert "--check-targets needs a torch_r3 checkout" in err and err.count("\n") == 1
 
 
-def test_a_fresh_output_s_peak_memory_counts_the_whole_output():
-    # Strategies run one after another in one process: memory the previous ones
-    # freed is still resident in the C allocator, and a fresh output must not look free.
-    config = bench.BenchConfig(num_sequences=8, max_seqlen=4096, num_layers=40, topk=8, repeats=1)
-    names = [bench.BASELINE, bench.SERIAL, bench.FRESH, bench.PACKED, bench.PAD_SEQUENCE]
-    shape = bench.run_shape(config, names)
-    for name in names:
-        s = shape.get(name)
-        written = shape.packed_bytes if name == bench.PACKED else shape.padded_bytes
-        assert s.peak_extra_bytes >= 0.95 * written, (name, s.peak_extra_bytes, written)
-        assert 0.95 <= s.peak_ratio, (name, s.peak_ratio)
-
-
 # --------------------------------------------------------------------------
 # A busy machine: warned about in the report, never judged
 # --------------------------------------------------------------------------
@@ -763,14 +826,14 @@ def test_a_fresh_output_s_peak_memory_counts_the_whole_output():
 
 def test_the_report_warns_when_the_load_average_says_the_machine_is_busy(monkeypatch, capsys):
     monkeypatch.setattr(os, "getloadavg", lambda: (27.8, 20.0, 10.0))
-    assert cli.main(["bench", *TINY_ARGS, "--strategies", "baseline,torch_r3 fresh"]) == 0
+    assert cli.main(["bench", *TINY_ARGS, "--strategies", "single-write serial,torch_r3 fresh"]) == 0
     out = capsys.readouterr().out
     assert "WARNING: the machine was busy: the load average was 27.80 when the run started" in out
 
 
 def test_a_quiet_load_average_gives_no_load_warning(monkeypatch, capsys):
     monkeypatch.setattr(os, "getloadavg", lambda: (0.05, 0.05, 0.05))
-    assert cli.main(["bench", *TINY_ARGS, "--strategies", "baseline,torch_r3 fresh"]) == 0
+    assert cli.main(["bench", *TINY_ARGS, "--strategies", "single-write serial,torch_r3 fresh"]) == 0
     assert "the load average was" not in capsys.readouterr().out
 
 

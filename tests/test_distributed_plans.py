@@ -1,6 +1,6 @@
 """`scatter_trajectories` refuses a bad `src` or plan before any message, on real gloo ranks.
 
-Two spawned processes in one gloo group with a 20 s time-out (the default is 30 min: a
+Two spawned processes in one gloo group with a 120 s time-out (the default is 30 min: a
 refusal that came only from the time-out would fail this test, not hang it). A `src`
 outside the group is refused on every rank at once; a plan that names a sample by a float
 or leaves samples out is refused on the source, before it sends (so the other rank takes
@@ -13,16 +13,17 @@ import datetime
 import json
 import os
 
-import numpy as np
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tests.samples import route_samples
 
 pytestmark = pytest.mark.slow
 
 
 def _samples() -> list[dict]:
-    return [{"routes": np.zeros((n - 1, 2, 2), np.uint8), "input_ids": list(range(n))} for n in (3, 4, 5, 6)]
+    return route_samples(0, [3, 4, 5, 6], captured="all_but_last", num_layers=2, topk=2)
 
 
 def _refusal(call) -> list[str] | None:
@@ -37,7 +38,7 @@ def _refusal(call) -> list[str] | None:
 
 def _worker(rank: int, store_path: str, out: str) -> None:
     store = dist.FileStore(store_path, 2)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=20))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
     from torch_r3.distributed import scatter_trajectories
 
     samples = _samples()

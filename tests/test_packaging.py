@@ -114,8 +114,20 @@ def test_the_documented_wheel_name_is_the_one_pip_builds(wheel):
             assert named == built, f"{page} names {named}; make dist builds {built}"
 
 
-def test_the_wheel_installs_and_its_entry_point_runs_outside_the_checkout(wheel, tmp_path):
+# What the installed package says about itself, from outside the checkout: its version and
+# place, and the strategies its benchmark knows (torch_r3's own and the floors, no peer).
+INSTALLED_PROBE = """
+import json, torch_r3, torch_r3.demo, torch_r3.cli
+from torch_r3 import bench
+print(json.dumps({"version": torch_r3.__version__, "file": torch_r3.__file__,
+                  "registered": list(bench.registered()), "strategies": list(bench.STRATEGIES)}))
+"""
+
+
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory) -> dict[str, object]:
     """`pip install` of the built wheel (no index, no dependencies: torch and numpy are here) into a fresh target."""
+    tmp_path = tmp_path_factory.mktemp("installed")
     target = tmp_path / "site"
     done = subprocess.run(
         [
@@ -137,24 +149,48 @@ def test_the_wheel_installs_and_its_entry_point_runs_outside_the_checkout(wheel,
     )
     assert done.returncode == 0, done.stderr
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(target)}
-    code = "import torch_r3, torch_r3.demo, torch_r3.cli; print(torch_r3.__version__, torch_r3.__file__)"
     done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env, check=False
+        [sys.executable, "-c", INSTALLED_PROBE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=env,
+        check=False,
     )
     assert done.returncode == 0, done.stderr
-    version, location = done.stdout.split()
-    assert version == torch_r3.__version__ and Path(location).is_relative_to(target)
+    return {"target": target, "cwd": tmp_path, "env": env, **json.loads(done.stdout.strip().splitlines()[-1])}
+
+
+def test_the_wheel_installs_and_its_entry_point_runs_outside_the_checkout(installed):
+    target = installed["target"]
+    assert installed["version"] == torch_r3.__version__ and Path(installed["file"]).is_relative_to(target)
     done = subprocess.run(
         [str(target / "bin" / "torch-r3"), "--help"],
         check=False,
         capture_output=True,
         text=True,
         timeout=120,
-        cwd=tmp_path,
-        env=env,
+        cwd=installed["cwd"],
+        env=installed["env"],
     )
     assert done.returncode == 0, done.stderr
     assert all(command in done.stdout for command in ("bench", "doctor", "demo"))
+
+
+def test_the_wheel_ships_the_product_s_strategies_and_no_peer_s(wheel, installed):
+    """The peers' collations (`benchmarks/peers.py`) are comparisons: they stay in the checkout."""
+    from benchmarks import peers
+    from torch_r3 import bench
+
+    peer_names = {p.name for p in peers.PEERS}
+    assert installed["registered"] == installed["strategies"] == list(bench.STRATEGIES)
+    assert not peer_names & set(installed["registered"])
+    assert not any(n.startswith("benchmarks/") for n in wheel.namelist())
+    sources = {n: wheel.read(n).decode() for n in wheel.namelist() if n.endswith(".py")}
+    for peer in peers.PEERS:
+        defined = [n for n, text in sources.items() if f"def {peer.call.__name__}(" in text]
+        assert not defined, f"the wheel implements the peer {peer.name!r} in {defined}"
 
 
 # What `import torch_r3` must work without, and the part of it that needs each extra. One

@@ -120,7 +120,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def _bench_arguments(p: argparse.ArgumentParser) -> None:
-    from torch_r3.bench import DISTRIBUTIONS, PRESETS, STRATEGIES
+    from torch_r3.bench import DISTRIBUTIONS, PRESETS, SERIAL, STRATEGIES, registered
 
     shape = p.add_argument_group("batch shape (default: the headline shape, --preset default)")
     shape.add_argument(
@@ -148,7 +148,17 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
     timing.add_argument(
         "--strategies",
         type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
-        help="comma-separated subset of: " + ", ".join(STRATEGIES),
+        help="comma-separated, in run order (default: torch_r3's own and the floors: "
+        + ", ".join(STRATEGIES)
+        + "); also any registered with torch_r3.bench.register"
+        + "".join(f", {s}" for s in registered() if s not in STRATEGIES)
+        + " (a checkout's python -m benchmarks.compare adds the peers' collations)",
+    )
+    timing.add_argument(
+        "--speedup-over",
+        metavar="STRATEGY",
+        help=f"the strategy the speed-up column is taken over (default {SERIAL!r}, torch_r3's kernel on one "
+        "thread); the column is left out when it does not run",
     )
     timing.add_argument(
         "--no-packed-compare", action="store_true", help="skip the typical_rl packed-vs-padded comparison"
@@ -206,10 +216,22 @@ def _bench_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             settings["dtype"] = "int16"  # the widest sender's dtype
     if args.num_experts is not None and args.dtype is None:
         settings.pop("dtype", None)  # derived from the expert count
-    strategies = args.strategies or list(bench.STRATEGIES)
-    unknown = [s for s in strategies if s not in bench.STRATEGIES]
+    targets_module = None
+    if args.check_targets:
+        from torch_r3.bench.checkout import TargetsUnavailableError, load_targets
+
+        try:
+            targets_module = load_targets()  # registers the peers the targets compare with
+        except TargetsUnavailableError as e:
+            parser.error(str(e))
+    known = list(bench.registered())
+    strategies = args.strategies or list(targets_module.STRATEGIES if targets_module else bench.STRATEGIES)
+    unknown = [s for s in strategies if s not in known]
     if unknown:
-        parser.error(f"--strategies: unknown {unknown}; choose from {', '.join(bench.STRATEGIES)}")
+        parser.error(f"--strategies: unknown {unknown}; choose from {', '.join(known)}")
+    if args.speedup_over is not None and args.speedup_over not in known:
+        parser.error(f"--speedup-over: unknown {args.speedup_over!r}; choose from {', '.join(known)}")
+    speedup_over = args.speedup_over or (targets_module.SPEEDUP_OVER if targets_module else bench.SERIAL)
     if args.sweep and not args.plot:
         parser.error("--sweep only applies with --plot")
     _check_writable(parser, "--json", args.json)
@@ -223,14 +245,7 @@ def _bench_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             import matplotlib  # noqa: F401
         except ImportError:
             parser.error("--plot needs matplotlib: pip install 'torch_r3[bench]'")
-    targets_module = None
-    if args.check_targets:
-        from torch_r3.bench.checkout import TargetsUnavailableError, load_targets
-
-        try:
-            targets_module = load_targets()
-        except TargetsUnavailableError as e:
-            parser.error(str(e))
+    if targets_module is not None:
         if not bench.is_default_shape(config):
             parser.error("--check-targets judges the default shape only; drop the shape options")
         missing = [s for s in targets_module.REQUIRED_STRATEGIES if s not in strategies]
@@ -243,7 +258,13 @@ def _bench_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     if dataloader and batch_size > config.num_sequences:
         parser.error(f"--batch-size {batch_size} is larger than --num-sequences {config.num_sequences}")
     sweep = (args.sweep or bench.default_sweep(config.num_sequences)) if args.plot else None
-    run_plan = bench.plan(config, strategies=strategies, packed_vs_padded=not args.no_packed_compare, sweep=sweep)
+    run_plan = bench.plan(
+        config,
+        strategies=strategies,
+        packed_vs_padded=not args.no_packed_compare,
+        sweep=sweep,
+        speedup_over=speedup_over,
+    )
     need = bench.memory_needed(run_plan)
     try:
         bench.check_memory(need, config.label)

@@ -37,9 +37,10 @@ _MEMORY_SLACK = 512 << 20
 # Padded outputs resident together at a run's peak: the reference (kept for the
 # bit-identical checks), the `out=` buffers of `torch_r3 reused`, the source and
 # destination of `memcpy limit`, the batch `torch_r3 steady` holds and the one
-# its buffer pool keeps, `pad_sequence`'s output, the two gather floors' warm
-# outputs and the two packed batches of `torch_r3 packed steady` (a packed
-# batch is never larger than a padded one).
+# its buffer pool keeps, the two gather floors' warm outputs, the two packed
+# batches of `torch_r3 packed steady` (a packed batch is never larger than a
+# padded one), and one more for a registered strategy's output (a checkout's
+# `pad_sequence` peer).
 _OUTPUTS_AT_PEAK = 11
 
 
@@ -50,11 +51,13 @@ class InsufficientMemoryError(RuntimeError):
 def estimate_memory(config: BenchConfig) -> int:
     """Bytes a run of `config` needs at its peak, from the shape alone (an upper bound).
 
-    Resident together at the peak: the input, `pad_sequence`'s copy of it, and
-    up to eleven padded outputs (the reference kept for the checks, the `out=`
-    buffers, the memcpy source and destination, the steady loops' batches,
-    the gather floors' outputs, `pad_sequence`'s output). The `--dataloader` mode needs less: its
-    batches are an eighth of the input or smaller.
+    Resident together at the peak: the input, one copy of it, and up to eleven
+    padded outputs (the reference kept for the checks, the `out=` buffers, the
+    memcpy source and destination, the steady loops' batches, the gather
+    floors' outputs). The copy and one of the outputs are room for a
+    registered strategy that copies its input and writes a fresh output, as a
+    checkout's `pad_sequence` peer does. The `--dataloader` mode needs less:
+    its batches are an eighth of the input or smaller.
 
     Args:
         config: the shape.

@@ -10,7 +10,7 @@ import os
 from collections.abc import Sequence
 
 from torch_r3.bench.results import BenchResult, DataLoaderResult, ShapeResult
-from torch_r3.bench.strategies import DESCRIPTIONS, MEMCPY
+from torch_r3.bench.strategies import MEMCPY, registered
 from torch_r3.bench.units import format_bytes, format_gib, format_rate, format_ratio, number, time_unit
 
 __all__ = [
@@ -43,6 +43,9 @@ def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 def format_table(shape: ShapeResult) -> str:
     """The strategies of one batch as an aligned text table (times and sizes in scaled units).
 
+    The speed-up column, `vs <strategy>`, is there when the shape has a
+    `speedup_over` strategy (`torch_r3.bench.run_shape`), and left out when not.
+
     Args:
         shape: one batch's results.
 
@@ -50,6 +53,7 @@ def format_table(shape: ShapeResult) -> str:
         The table, header first.
     """
     strategies = shape.strategies
+    over = shape.speedup_over
     t_name, t_scale = time_unit([s.min_s for s in strategies])
     head = (
         "strategy",
@@ -57,7 +61,7 @@ def format_table(shape: ShapeResult) -> str:
         f"min {t_name}",
         f"max {t_name}",
         "throughput",
-        "vs baseline",
+        *([f"vs {over}"] if over else []),
         "vs memcpy",
         "vs gather",
         "peak memory",
@@ -75,7 +79,7 @@ def format_table(shape: ShapeResult) -> str:
                 number(s.min_s / t_scale),
                 number(s.max_s / t_scale),
                 format_rate(s.gb_per_s * 1e9),
-                format_ratio(s.speedup_vs_baseline),
+                *([format_ratio(s.speedup)] if over else []),
                 format_ratio(s.ratio_to_memcpy),
                 format_ratio(s.ratio_to_gather),
                 peak,
@@ -87,9 +91,18 @@ def format_table(shape: ShapeResult) -> str:
 
 
 def format_legend(shape: ShapeResult) -> list[str]:
-    """One line per strategy of `shape`: what it is."""
+    """One line per strategy of `shape`: what it is (its `Strategy.description`; empty for one not registered)."""
+    known = registered()
     width = max(len(s.name) for s in shape.strategies)
-    return [f"  {s.name:<{width}}  {DESCRIPTIONS.get(s.name, '')}" for s in shape.strategies]
+    return [f"  {s.name:<{width}}  {known[s.name].description if s.name in known else ''}" for s in shape.strategies]
+
+
+def _columns_line(shape: ShapeResult) -> str:
+    over = f"vs {shape.speedup_over}: its median over each strategy's (the speed-up); " if shape.speedup_over else ""
+    return (
+        f"{over}vs gather: against the gather floor of the same layout; "
+        f"peak = input + resident memory the call added ({shape.peak_method})"
+    )
 
 
 def _memory_line(result: BenchResult) -> str:
@@ -270,10 +283,7 @@ def format_report(result: BenchResult) -> str:
         format_table(result.main),
         "",
         *format_legend(result.main),
-        (
-            "vs gather: against the gather floor of the same layout; "
-            f"peak = input + resident memory the call added ({result.main.peak_method})"
-        ),
+        _columns_line(result.main),
         *_too_small(result.main),
     ]
     pair = result.packed_vs_padded

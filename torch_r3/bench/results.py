@@ -12,7 +12,7 @@ from typing import Any
 __all__ = ["BenchResult", "DataLoaderResult", "DataLoaderRow", "ShapeResult", "StrategyResult"]
 
 #: Version of the `--json` layout; bumped when a field changes meaning or goes away.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 @dataclass
@@ -21,7 +21,9 @@ class StrategyResult:
 
     `peak_bytes` is the input plus the resident memory the call added at its
     peak (over `loop_calls` consecutive calls); `peak_ratio` is `peak_bytes /
-    (input + output)`, None for a strategy that writes no batch.
+    (input + output)`, None for a strategy that writes no batch. `speedup` is
+    the median of the shape's `speedup_over` strategy over this one's (None
+    when that strategy did not run).
     """
 
     name: str
@@ -35,7 +37,7 @@ class StrategyResult:
     peak_bytes: int
     peak_ratio: float | None
     loop_calls: int = 1
-    speedup_vs_baseline: float | None = None
+    speedup: float | None = None
     ratio_to_memcpy: float | None = None
     checked_against: str | None = None
     #: median over the gather floor of the same layout (`gather floor` or `packed gather floor`).
@@ -44,7 +46,11 @@ class StrategyResult:
 
 @dataclass
 class ShapeResult:
-    """Every strategy's figures on one batch."""
+    """Every strategy's figures on one batch.
+
+    `speedup_over` names the strategy the `speedup` figures are taken over
+    (None when none was: the report then leaves that column out).
+    """
 
     config: dict[str, Any]
     label: str
@@ -56,6 +62,7 @@ class ShapeResult:
     workers: int
     peak_method: str
     strategies: list[StrategyResult]
+    speedup_over: str | None = None
 
     def get(self, name: str) -> StrategyResult | None:
         """The result of strategy `name`, or None if it did not run."""

@@ -18,21 +18,23 @@ from typing import Any
 import numpy as np
 import torch
 
+from torch_r3._checks import check_choice
 from torch_r3.bench.config import BenchConfig, make_batch
 from torch_r3.bench.dataloader import configurations, run_dataloader
 from torch_r3.bench.memory import PeakRss, check_memory, collector_paused, estimate_memory, process_peak_rss
 from torch_r3.bench.results import BenchResult, ShapeResult, StrategyResult
 from torch_r3.bench.strategies import (
-    BASELINE,
     FRESH,
     GATHER,
     MEMCPY,
     PACKED,
     PACKED_GATHER,
+    SERIAL,
     STRATEGIES,
     Context,
     Reference,
     get_strategy,
+    registered,
 )
 from torch_r3.bench.trust import busy_reasons
 from torch_r3.cpu import cpu_topology, loadavg_1min, pool_workers
@@ -136,7 +138,12 @@ def _time_rounds(
 
 
 def _summarise(
-    config: BenchConfig, ctx: Context, strategies: Sequence[str], times: dict[str, list[float]], checked: _Checked
+    config: BenchConfig,
+    ctx: Context,
+    strategies: Sequence[str],
+    times: dict[str, list[float]],
+    checked: _Checked,
+    speedup_over: str | None,
 ) -> ShapeResult:
     batch = ctx.batch
     results = []
@@ -164,10 +171,11 @@ def _summarise(
             )
         )
     by_name = {s.name: s for s in results}
+    over = by_name.get(speedup_over or "")
     for s in results:
         layout = get_strategy(s.name).layout
-        if BASELINE in by_name:
-            s.speedup_vs_baseline = by_name[BASELINE].median_s / s.median_s
+        if over is not None:
+            s.speedup = over.median_s / s.median_s
         if MEMCPY in by_name:
             s.ratio_to_memcpy = s.median_s / by_name[MEMCPY].median_s
         gather = by_name.get(GATHER if layout == "padded" else PACKED_GATHER if layout == "packed" else "")
@@ -184,13 +192,24 @@ def _summarise(
         workers=ctx.workers,
         peak_method=checked.method,
         strategies=results,
+        speedup_over=over.name if over is not None else None,
     )
+
+
+def _check_strategies(strategies: Sequence[str], speedup_over: str | None) -> None:
+    known = tuple(registered())
+    unknown = [s for s in strategies if s not in known]
+    if unknown or not strategies:
+        raise ValueError(f"strategies must be a non-empty selection of {known}, got {list(strategies)}")
+    if speedup_over is not None:
+        check_choice(speedup_over, "speedup_over", known)
 
 
 def run_shape(
     config: BenchConfig,
     strategies: Sequence[str] = STRATEGIES,
     progress: Progress | None = None,
+    speedup_over: str | None = SERIAL,
 ) -> ShapeResult:
     """Time `strategies` on the batch of `config`, all in this process.
 
@@ -202,25 +221,28 @@ def run_shape(
 
     Args:
         config: the shape.
-        strategies: names from `STRATEGIES`, in run order. The first one that
-            produces an output is the reference.
+        strategies: names from `torch_r3.bench.strategies.registered()`
+            (`STRATEGIES` and any registered since), in run order. The first
+            one that produces an output of a layout is that layout's reference.
         progress: where to report each call.
+        speedup_over: the strategy whose median each one's speed-up is taken
+            over (`StrategyResult.speedup`); when it is not among `strategies`,
+            or None, no speed-up is computed.
 
     Returns:
         The `ShapeResult`.
 
     Raises:
-        ValueError: `strategies` is empty or names an unknown strategy.
+        ValueError: `strategies` is empty or names an unknown strategy, or
+            `speedup_over` is not a registered strategy.
         AssertionError: a strategy's output differs from the reference.
     """
-    unknown = [s for s in strategies if s not in STRATEGIES]
-    if unknown or not strategies:
-        raise ValueError(f"strategies must be a non-empty selection of {STRATEGIES}, got {list(strategies)}")
+    _check_strategies(strategies, speedup_over)
     ctx = Context(make_batch(config), config.workers or pool_workers(), strategies)
     try:
         checked = _warm_up(ctx, strategies, config.warmup, progress)
         times = _time_rounds(ctx, strategies, config.repeats, progress)
-        return _summarise(config, ctx, strategies, times, checked)
+        return _summarise(config, ctx, strategies, times, checked, speedup_over)
     finally:
         ctx.close()
 
@@ -241,7 +263,8 @@ class Plan:
 
     `pair_is_main` marks a main shape that is itself the pair (a `typical_rl`
     batch timed with both `torch_r3 fresh` and `torch_r3 packed`); `sweep` is
-    empty when no sweep was asked for.
+    empty when no sweep was asked for; `speedup_over` is the strategy the
+    speed-ups are taken over (see `run_shape`).
     """
 
     config: BenchConfig
@@ -249,6 +272,7 @@ class Plan:
     pair: BenchConfig | None
     pair_is_main: bool
     sweep: tuple[int, ...]
+    speedup_over: str | None = SERIAL
 
     @property
     def sweep_shapes(self) -> list[BenchConfig]:
@@ -271,6 +295,7 @@ def plan(
     strategies: Sequence[str] = STRATEGIES,
     packed_vs_padded: bool = True,
     sweep: Sequence[int] | None = None,
+    speedup_over: str | None = SERIAL,
 ) -> Plan:
     """The shapes `run` will time for these arguments.
 
@@ -280,15 +305,23 @@ def plan(
         packed_vs_padded: also time `torch_r3 fresh` against `torch_r3 packed`
             on a `typical_rl` batch of the same size.
         sweep: `num_sequences` values to repeat the main run at (for the chart).
+        speedup_over: the strategy the speed-up column is taken over (default
+            `single-write serial`, torch_r3's kernel on one thread); the column
+            is left out of a shape that does not run it.
 
     Returns:
         The `Plan`.
+
+    Raises:
+        ValueError: `strategies` is empty or names an unknown strategy, or
+            `speedup_over` is not a registered strategy.
     """
+    _check_strategies(strategies, speedup_over)
     pair_is_main = (
         packed_vs_padded and config.distribution == "typical_rl" and FRESH in strategies and PACKED in strategies
     )
     pair = dataclasses.replace(config, distribution="typical_rl") if packed_vs_padded and not pair_is_main else None
-    return Plan(config, tuple(strategies), pair, pair_is_main, tuple(sweep or ()))
+    return Plan(config, tuple(strategies), pair, pair_is_main, tuple(sweep or ()), speedup_over)
 
 
 def memory_needed(run_plan: Plan) -> int:
@@ -333,11 +366,12 @@ def run(
     total += len(list(configurations())) if dataloader_batch_size else 0
     bar = Progress(total, progress)
     try:
-        main = run_shape(config, strategies, bar)
-        pair = run_shape(run_plan.pair, PAIR_STRATEGIES, bar) if run_plan.pair else None
+        over = run_plan.speedup_over
+        main = run_shape(config, strategies, bar, over)
+        pair = run_shape(run_plan.pair, PAIR_STRATEGIES, bar, over) if run_plan.pair else None
         if run_plan.pair_is_main:
             pair = main
-        swept = [run_shape(c, strategies, bar) for c in run_plan.sweep_shapes]
+        swept = [run_shape(c, strategies, bar, over) for c in run_plan.sweep_shapes]
         loader = run_dataloader(config, dataloader_batch_size, bar) if dataloader_batch_size else None
     finally:
         bar.close()

@@ -1,11 +1,10 @@
-"""The collation strategies `torch-r3 bench` times, and the checks that they agree.
+"""The collation strategies `torch-r3 bench` times, the floors it judges them by, and the checks that they agree.
 
-- `baseline`: what users run without torch_r3: allocate the full `[B, T, L, K]`
-  buffer, fill all of it with the padding row (a NumPy broadcast), re-compact
-  every sample (`torch_r3.compact_routes`: scan min and max, copy to the
-  narrowest dtype), then copy the samples in one by one, on one thread.
+torch_r3's own strategies:
+
 - `single-write serial`: `torch_r3.collate_routes` with `workers=1`:
-  exact-region writes, no prefill, one thread. It isolates what the pool buys.
+  exact-region writes, no prefill, one thread. It isolates what the pool buys,
+  and it is what the report's speed-up column compares with by default.
 - `torch_r3 fresh`: `torch_r3.collate_routes` with its pool and a new output per
   call (the first-touch page faults of a fresh buffer are paid every time).
 - `torch_r3 reused`: the same into caller-owned `out=` buffers.
@@ -16,12 +15,9 @@
 - `torch_r3 packed`: `layout="packed"` (THD), a new output per call.
 - `torch_r3 packed steady`: `layout="packed"` with a `torch_r3.BufferPool`,
   called as `torch_r3 steady` is.
-- `SkyRL-style padded` and `SkyRL-style packed`: what SkyRL's merged
-  collation does today, in our own code: each trajectory written once into a
-  fresh padded `[B, T, L, K]` buffer (its padding rows and its routes, then
-  both masks), one trajectory after another on one thread; and the packed
-  form, every trajectory's routes (padding rows for its uncaptured tail)
-  concatenated into a fresh `[N, L, K]` buffer with `cu_seqlens`, also serial.
+
+The floors (what a collation cannot beat on this machine):
+
 - `gather floor`: exactly the batch's own source arrays, read where they live,
   copied into a warm padded output (padding rows from a small template, both
   masks), trajectories split over as many threads as the pool has; no
@@ -29,8 +25,11 @@
 - `packed gather floor`: the same for the packed layout.
 - `memcpy limit`: a warm copy of as many bytes as the padded output, split over
   as many threads as the pool has: the floor on this machine.
-- `pad_sequence`: `torch.nn.utils.rnn.pad_sequence(padding_side="left")` plus
-  fixing the padding rows, as a PyTorch user would write it by hand.
+
+Other code can time its own collation beside these: `register` adds a
+`Strategy`, which `run_shape` and `torch-r3 bench --strategies` then accept by
+name (a checkout's `benchmarks/peers.py` registers the peers' collations this
+way, and `python -m benchmarks.compare` times them side by side).
 
 Every strategy writes plain (`pin_memory=False`) memory, so that all of them
 allocate the same kind of buffer. The floors' buffers are plain outputs too
@@ -50,16 +49,13 @@ import numpy as np
 import torch
 
 from torch_r3 import BufferPool
-from torch_r3._checks import check_choice
+from torch_r3._checks import check_choice, check_positive
 from torch_r3.bench.config import TORCH_DTYPES, Batch
 from torch_r3.collate import collate_routes
 from torch_r3.cpu import pool_workers
 from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS, ROUTER_MASK, ROUTES
-from torch_r3.routes import compact_routes
 
 __all__ = [
-    "BASELINE",
-    "DESCRIPTIONS",
     "FLOORS",
     "FRESH",
     "GATHER",
@@ -67,11 +63,8 @@ __all__ = [
     "PACKED",
     "PACKED_GATHER",
     "PACKED_STEADY",
-    "PAD_SEQUENCE",
     "REUSED",
     "SERIAL",
-    "SKYRL_PACKED",
-    "SKYRL_PADDED",
     "STEADY",
     "STRATEGIES",
     "Context",
@@ -81,20 +74,19 @@ __all__ = [
     "get_strategy",
     "packed_from_padded",
     "parallel_copy",
+    "register",
+    "registered",
     "run_strategy",
+    "unregister",
 ]
 
-BASELINE = "baseline"
 SERIAL = "single-write serial"
 FRESH = "torch_r3 fresh"
 REUSED = "torch_r3 reused"
 STEADY = "torch_r3 steady"
 PACKED = "torch_r3 packed"
 MEMCPY = "memcpy limit"
-PAD_SEQUENCE = "pad_sequence"
 PACKED_STEADY = "torch_r3 packed steady"
-SKYRL_PADDED = "SkyRL-style padded"
-SKYRL_PACKED = "SkyRL-style packed"
 GATHER = "gather floor"
 PACKED_GATHER = "packed gather floor"
 #: The strategies that are floors (what a collation cannot beat), not collations.
@@ -235,24 +227,8 @@ def parallel_copy(dst: np.ndarray, src: np.ndarray, workers: int, pool: ThreadPo
         f.result()
 
 
-def _baseline(ctx: Context) -> dict[str, torch.Tensor]:
-    b = ctx.batch
-    B, T, L, K = len(b.routes), b.T, b.num_layers, b.topk
-    routes = torch.empty((B, T, L, K), dtype=TORCH_DTYPES[b.dtype.name])
-    out = routes.numpy()
-    out[...] = np.arange(K, dtype=b.dtype)  # prefill every row with the padding route
-    mask = np.ones((B, T), dtype=bool)
-    att = np.zeros((B, T), dtype=np.int64)
-    for i, (a, n) in enumerate(zip(b.routes, b.token_counts)):
-        a = compact_routes(a, health=None)  # the receiver distrusts the sender: min/max scan and a copy
-        s = T - n
-        out[i, s : s + a.shape[0]] = a
-        mask[i, s : s + a.shape[0]] = False
-        att[i, s:] = 1
-    return {ROUTES: routes, ROUTER_MASK: torch.from_numpy(mask), ATTENTION_MASK: torch.from_numpy(att)}
-
-
 def _serial(ctx: Context) -> dict[str, torch.Tensor]:
+    """torch_r3's kernel on one thread: each byte written once, no prefill, a fresh output."""
     # The kernel itself on the calling thread: the same writes as torch_r3
     # fresh, so the difference between the two is exactly the pool.
     b = ctx.batch
@@ -260,16 +236,19 @@ def _serial(ctx: Context) -> dict[str, torch.Tensor]:
 
 
 def _fresh(ctx: Context) -> dict[str, torch.Tensor]:
+    """torch_r3 with its copy pool into a fresh output (a first batch, and every DataLoader-worker batch)."""
     b = ctx.batch
     return collate_routes(b.routes, b.token_counts, workers=ctx.workers, pin_memory=False)
 
 
 def _reused(ctx: Context) -> dict[str, torch.Tensor]:
+    """torch_r3 into caller-owned out= buffers."""
     b = ctx.batch
     return collate_routes(b.routes, b.token_counts, workers=ctx.workers, out=ctx.out)
 
 
 def _steady(ctx: Context) -> dict[str, torch.Tensor]:
+    """torch_r3 with a BufferPool, the previous batch held: what R3Collator does in a training loop."""
     b = ctx.batch
     # `ctx.held` is the loop variable of `for batch in loader`: it keeps the
     # previous batch alive while this one is collated (so its buffer cannot be
@@ -280,11 +259,13 @@ def _steady(ctx: Context) -> dict[str, torch.Tensor]:
 
 
 def _packed(ctx: Context) -> dict[str, torch.Tensor]:
+    """torch_r3, packed (THD) layout, a fresh output."""
     b = ctx.batch
     return collate_routes(b.routes, b.token_counts, layout="packed", workers=ctx.workers, pin_memory=False)
 
 
 def _packed_steady(ctx: Context) -> dict[str, torch.Tensor]:
+    """torch_r3, packed layout, with a BufferPool as in a training loop."""
     b = ctx.batch
     out = collate_routes(
         b.routes, b.token_counts, layout="packed", workers=ctx.workers, pin_memory=False, buffers=ctx.packed_buffers
@@ -293,45 +274,8 @@ def _packed_steady(ctx: Context) -> dict[str, torch.Tensor]:
     return out
 
 
-def _skyrl_padded(ctx: Context) -> dict[str, torch.Tensor]:
-    b = ctx.batch
-    B, T, L, K = len(b.routes), b.T, b.num_layers, b.topk
-    routes = torch.empty((B, T, L, K), dtype=TORCH_DTYPES[b.dtype.name])
-    mask = torch.empty((B, T), dtype=torch.bool)
-    att = torch.empty((B, T), dtype=torch.long)
-    out, m, a = routes.numpy(), mask.numpy(), att.numpy()
-    pad = np.arange(K, dtype=b.dtype)
-    for i, (src, n) in enumerate(zip(b.routes, b.token_counts)):  # one trajectory after another, one thread
-        s = T - n
-        e = s + src.shape[0]
-        out[i, :s] = pad
-        out[i, s:e] = src
-        out[i, e:] = pad
-        m[i, :s], m[i, s:e], m[i, e:] = True, False, True
-        a[i, :s], a[i, s:] = 0, 1
-    return {ROUTES: routes, ROUTER_MASK: mask, ATTENTION_MASK: att}
-
-
-def _skyrl_packed(ctx: Context) -> dict[str, torch.Tensor]:
-    b = ctx.batch
-    L, K = b.num_layers, b.topk
-    pad = np.broadcast_to(np.arange(K, dtype=b.dtype), (1, L, K))
-    parts, masks = [], []
-    for src, n in zip(b.routes, b.token_counts):
-        tail = n - src.shape[0]  # tokens without a captured route: padding rows
-        parts += [src, np.broadcast_to(pad, (tail, L, K))] if tail else [src]
-        masks += [np.zeros(src.shape[0], bool), np.ones(tail, bool)]
-    cu = np.zeros(len(b.token_counts) + 1, dtype=np.int32)
-    np.cumsum(b.token_counts, out=cu[1:])
-    routes = np.concatenate(parts).astype(b.dtype, copy=False)
-    return {
-        ROUTES: torch.from_numpy(routes),
-        ROUTER_MASK: torch.from_numpy(np.concatenate(masks)),
-        CU_SEQLENS: torch.from_numpy(cu),
-    }
-
-
 def _gather(ctx: Context) -> dict[str, torch.Tensor]:
+    """floor: the batch's own sources copied where they live into a warm padded output, on the pool's threads."""
     b, out, template = ctx.batch, ctx.gather, ctx.template
     assert out is not None and template is not None  # made by Context for this strategy
     routes, mask, att = out[ROUTES], out[ROUTER_MASK], out[ATTENTION_MASK]
@@ -353,6 +297,7 @@ def _gather(ctx: Context) -> dict[str, torch.Tensor]:
 
 
 def _packed_gather(ctx: Context) -> dict[str, torch.Tensor]:
+    """floor: the same for the packed layout."""
     b, out, template = ctx.batch, ctx.packed_gather, ctx.template
     assert out is not None and template is not None  # made by Context for this strategy
     routes, mask, cu = out[ROUTES], out[ROUTER_MASK], out[CU_SEQLENS]
@@ -373,41 +318,24 @@ def _packed_gather(ctx: Context) -> dict[str, torch.Tensor]:
 
 
 def _memcpy(ctx: Context) -> None:
+    """floor: one warm contiguous copy of as many bytes as the padded output, on the pool's threads."""
     assert ctx.dst is not None and ctx.src is not None  # made by Context for this strategy
     parallel_copy(ctx.dst, ctx.src, ctx.workers, ctx.copy_pool)
-
-
-def _pad_sequence(ctx: Context) -> dict[str, torch.Tensor]:
-    b = ctx.batch
-    T, L, K = b.T, b.num_layers, b.topk
-    tdtype = TORCH_DTYPES[b.dtype.name]
-    pad_row = torch.arange(K, dtype=tdtype).expand(L, K)
-    seqs = []
-    for a, n in zip(b.routes, b.token_counts):
-        t = torch.from_numpy(a).to(tdtype)
-        if n > t.shape[0]:  # the uncaptured tail gets padding routes
-            t = torch.cat([t, pad_row.expand(n - t.shape[0], L, K)])
-        seqs.append(t)
-    routes = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_side="left")
-    counts = torch.tensor(b.token_counts)
-    rows = torch.tensor([a.shape[0] for a in b.routes])
-    pos = torch.arange(T)
-    start = (T - counts)[:, None]
-    att = pos >= start
-    routes[~att] = pad_row  # pad_sequence left-pads with the scalar 0: fix those rows
-    mask = ~(att & (pos < start + rows[:, None]))
-    return {ROUTES: routes, ROUTER_MASK: mask, ATTENTION_MASK: att.long()}
 
 
 @dataclass(frozen=True)
 class Strategy:
     """One way of collating a batch.
 
-    `layout` is the layout of its output (`padded` or `packed`), or None for a
-    strategy that writes no batch (`memcpy limit`). `loop_calls` is how many
-    consecutive calls its memory is measured over: 1, or more for a strategy
-    whose cost shows only in a loop. `floor` marks a floor (it writes into
-    warm memory it owns and allocates nothing), not a collation.
+    `call` gets the run's `Context` (its `batch` is the input) and returns the
+    batch it made, as `torch_r3.collate_routes` returns it, or None for a
+    strategy that writes no batch. `layout` is the layout of its output
+    (`padded` or `packed`), or None for a strategy that writes no batch
+    (`memcpy limit`). `loop_calls` is how many consecutive calls its memory is
+    measured over: 1, or more for a strategy whose cost shows only in a loop.
+    `floor` marks a floor (it writes into warm memory it owns and allocates
+    nothing), not a collation. `description` is the one line the report prints
+    under its table (default: the first line of `call`'s docstring).
     """
 
     name: str
@@ -415,12 +343,23 @@ class Strategy:
     layout: str | None
     loop_calls: int = 1
     floor: bool = False
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip() or "," in self.name:
+            raise ValueError(f"a strategy's name must be a non-empty str without commas, got {self.name!r}")
+        if not callable(self.call):
+            raise TypeError(f"strategy {self.name!r}: call must be callable, got {type(self.call).__name__}")
+        check_choice(self.layout, f"strategy {self.name!r}: layout", ("padded", "packed", None))
+        check_positive(self.loop_calls, f"strategy {self.name!r}: loop_calls")
+        if not self.description:
+            first = (getattr(self.call, "__doc__", None) or "").strip().split("\n")[0]
+            object.__setattr__(self, "description", first.rstrip("."))
 
 
 _REGISTRY: dict[str, Strategy] = {
     s.name: s
     for s in (
-        Strategy(BASELINE, _baseline, "padded"),
         Strategy(SERIAL, _serial, "padded"),
         Strategy(FRESH, _fresh, "padded"),
         Strategy(REUSED, _reused, "padded"),
@@ -429,43 +368,77 @@ _REGISTRY: dict[str, Strategy] = {
         Strategy(STEADY, _steady, "padded", loop_calls=4),
         Strategy(PACKED, _packed, "packed"),
         Strategy(PACKED_STEADY, _packed_steady, "packed", loop_calls=4),
-        Strategy(SKYRL_PADDED, _skyrl_padded, "padded"),
-        Strategy(SKYRL_PACKED, _skyrl_packed, "packed"),
         Strategy(GATHER, _gather, "padded", floor=True),
         Strategy(PACKED_GATHER, _packed_gather, "packed", floor=True),
         Strategy(MEMCPY, _memcpy, None, floor=True),
-        Strategy(PAD_SEQUENCE, _pad_sequence, "padded"),
     )
 }
 
-#: Every strategy, in the order they are run and reported.
+#: torch_r3's own strategies and the floors, in the order a default run times and reports them.
 STRATEGIES = tuple(_REGISTRY)
 
-#: What each strategy is, in one line (the report prints them under the table).
-DESCRIPTIONS = {
-    BASELINE: "prefill the whole padded buffer, re-compact every sample, copy them in one by one (one thread)",
-    SERIAL: "torch_r3's kernel on one thread: each byte written once, no prefill, a fresh output",
-    FRESH: "torch_r3 with its copy pool into a fresh output (a first batch, and every DataLoader-worker batch)",
-    REUSED: "torch_r3 into caller-owned out= buffers",
-    STEADY: "torch_r3 with a BufferPool, the previous batch held: what R3Collator does in a training loop",
-    PACKED: "torch_r3, packed (THD) layout, a fresh output",
-    PACKED_STEADY: "torch_r3, packed layout, with a BufferPool as in a training loop",
-    SKYRL_PADDED: "what SkyRL's merged collation does: one serial write per trajectory into a fresh padded buffer",
-    SKYRL_PACKED: "SkyRL's packed form: the trajectories concatenated into a fresh buffer with cu_seqlens, serially",
-    GATHER: "floor: the batch's own sources copied where they live into a warm padded output, on the pool's threads",
-    PACKED_GATHER: "floor: the same for the packed layout",
-    MEMCPY: "floor: one warm contiguous copy of as many bytes as the padded output, on the pool's threads",
-    PAD_SEQUENCE: "torch.nn.utils.rnn.pad_sequence plus fixing the padding rows, as written by hand",
-}
+
+def register(strategy: Strategy) -> Strategy:
+    """Add `strategy` to the ones a run can time, by its name.
+
+    Registered strategies are timed only when asked for by name (`run_shape`'s
+    `strategies`, `torch-r3 bench --strategies`); a default run times
+    `STRATEGIES`. A registered strategy's output is checked bit-identical to
+    the run's first output of its layout, as every other strategy's is. It
+    gets the run's `Context`: `ctx.batch` is the input and `ctx.workers` the
+    pool size the threaded strategies use; buffers it wants it makes itself.
+
+    Args:
+        strategy: its name must not be registered yet.
+
+    Returns:
+        `strategy`.
+
+    Raises:
+        TypeError: `strategy` is not a `Strategy`.
+        ValueError: a strategy of that name is registered already.
+
+    Examples:
+        >>> from torch_r3 import collate_routes
+        >>> def two_threads(ctx):
+        ...     return collate_routes(ctx.batch.routes, ctx.batch.token_counts, workers=2, pin_memory=False)
+        >>> strategy = register(Strategy("two threads", two_threads, "padded", description="the pool, two threads"))
+        >>> "two threads" in registered() and "two threads" not in STRATEGIES
+        True
+        >>> unregister("two threads")
+    """
+    if not isinstance(strategy, Strategy):
+        raise TypeError(f"register takes a torch_r3.bench.strategies.Strategy, got {type(strategy).__name__}")
+    if strategy.name in _REGISTRY:
+        raise ValueError(f"a strategy named {strategy.name!r} is registered already")
+    _REGISTRY[strategy.name] = strategy
+    return strategy
+
+
+def unregister(name: str) -> None:
+    """Remove the registered strategy called `name` (torch_r3's own `STRATEGIES` stay).
+
+    Raises:
+        ValueError: `name` is one of `STRATEGIES`, or no strategy of that name is registered.
+    """
+    if name in STRATEGIES:
+        raise ValueError(f"{name!r} is one of torch_r3's own strategies; only registered ones can be removed")
+    check_choice(name, "registered strategy", [n for n in _REGISTRY if n not in STRATEGIES])
+    del _REGISTRY[name]
+
+
+def registered() -> dict[str, Strategy]:
+    """Every strategy a run can time, by name: `STRATEGIES` first, then the registered ones in order (a copy)."""
+    return dict(_REGISTRY)
 
 
 def get_strategy(name: str) -> Strategy:
     """The `Strategy` called `name`.
 
     Raises:
-        ValueError: `name` is not one of `STRATEGIES`.
+        ValueError: `name` is not one of `registered()`.
     """
-    check_choice(name, "strategy", STRATEGIES)
+    check_choice(name, "strategy", tuple(_REGISTRY))
     return _REGISTRY[name]
 
 
@@ -473,7 +446,7 @@ def run_strategy(name: str, batch: Batch, workers: int | None = None) -> dict[st
     """Run one strategy once on `batch` and return its output (None for `memcpy limit`).
 
     Args:
-        name: one of `STRATEGIES`.
+        name: one of `registered()`.
         batch: from `torch_r3.bench.make_batch`.
         workers: pool workers (default `torch_r3.cpu.pool_workers()`).
 

@@ -16,6 +16,9 @@ Public names:
 * `ReplayStats` (with `TokenCounts`) is what `ReplayHook.last_stats` holds after
   a step: per-layer route drift, live share, token counts, capacity drops.
 * `Recording` (`ReplayHook.last_recording`): the routes a recording step chose (R2).
+* `IndexerReplayHook` (`torch_r3.megatron.indexer`, megatron-core 0.19) replays
+  each microbatch's DSA indexer selections (`rollout_indexer_topk`) in one
+  model's `DSAttention` layers, with `ReplayHook`'s step contract.
 * `InterleavedPipelineError` is raised for the interleaved (virtual pipeline)
   schedule, which this product refuses by contract.
 * The pure slicing helpers (`context_parallel_positions`,
@@ -33,6 +36,7 @@ require("megatron.core", "megatron")  # without megatron-core: name the extra th
 from torch_r3.megatron import slicing
 from torch_r3.megatron.batch_checks import check_route_values
 from torch_r3.megatron.hook import ReplayHook
+from torch_r3.megatron.indexer import IndexerReplayHook
 from torch_r3.megatron.setup_checks import InterleavedPipelineError
 
 # Redundant aliases mark these as re-exports: `__all__` lists them through `*slicing.__all__`,
@@ -54,6 +58,7 @@ from torch_r3.replay.recording import Recording
 from torch_r3.replay.stats import ReplayStats, TokenCounts
 
 __all__ = [
+    "IndexerReplayHook",
     "InterleavedPipelineError",
     "Recording",
     "ReplayHook",

@@ -1,0 +1,640 @@
+"""`IndexerReplayHook`: replay a batch's DSA indexer selections in one Megatron model, microbatch by microbatch.
+
+Megatron-core 0.19's `DSAttention.forward` (module
+`megatron.core.transformer.experimental_attention_variant.dsa`) never calls
+`DSAIndexer.forward`: it asks the indexer for `q, k, weights` only
+(`self.indexer.forward_before_topk`) and computes the top-k itself, through
+the module-level `fused_qk_topk_naive` on the unfused path, directly or
+inside the indexer loss (`fwd_fused_indexer_loss_naive`). The fused kernels
+(`dsa_kernel_backend="tilelang"`/`"cudnn"`) compute it inside CUDA code with
+no Python seam. So the one place a top-k can be replaced for one layer is that
+function's call during that layer's forward, and the hook does exactly that:
+
+* it wraps each computing `DSAttention` instance's `forward` (an instance
+  attribute, never the class); during a step the wrapper rebinds
+  `dsa.fused_qk_topk_naive` to a replaying function for the length of that
+  one call and restores it in `finally`, so other instances, other models and
+  calls outside a step see Megatron's function;
+* the replaying function calls Megatron's own top-k (for uncaptured queries
+  and the drift statistics) and returns the microbatch's selection for
+  captured queries: the sparse attention, the indexer loss and the layers that
+  share this layer's top-k (`dsa_indexer_topk_freq > 1`) all use it;
+* a layer that ran its forward without consulting the function (a fused
+  kernel, a changed Megatron) raises instead of silently attending live.
+
+The microbatch contract is `torch_r3.megatron.ReplayHook`'s: `step()` /
+`wrap_forward_step()` / `forward_backward()`, every stage's data iterator
+yields the collated microbatch dicts, the selections are checked before the
+model runs (positions causal and in range, distinct, `min(index_topk, seen)`
+of them), activation recompute replays what the forward used, and the
+interleaved schedule is refused. For a DSA MoE model, wrap the forward step
+with both hooks (`routes.wrap_forward_step(indexer.wrap_forward_step(fn))`)
+inside both steps: each takes the one microbatch dict its inner step is
+handed.
+
+Context parallelism (Megatron's allgather DSA): a rank keeps the query rows of
+its two sequence chunks; the positions still name the whole sequence's keys,
+so the rows are cut and the values kept (`context_parallel_positions`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from megatron.core import parallel_state
+
+from torch_r3.indexer.checks import check_selection_batch, check_selection_values, overlap
+from torch_r3.indexer.collate import SELECTIONS
+from torch_r3.indexer.encoding import FILL
+from torch_r3.indexer.transformers import IndexerStats
+from torch_r3.keys import CU_SEQLENS
+from torch_r3.megatron.setup_checks import check_pipeline
+from torch_r3.megatron.slicing import context_parallel_positions, sequence_parallel_positions, stage_layer_range
+from torch_r3.replay import marker
+from torch_r3.replay.modes import check_uncaptured
+
+__all__ = ["DSA_MODULE", "TOPK_FUNCTION", "IndexerReplayHook", "dsa_module", "selections_for_rank"]
+
+DSA_MODULE = "megatron.core.transformer.experimental_attention_variant.dsa"
+"""The megatron-core module that holds `DSAttention` and the top-k the hook replays (0.19)."""
+
+TOPK_FUNCTION = "fused_qk_topk_naive"
+"""The module-level function of `DSA_MODULE` through which every unfused DSA top-k is computed."""
+
+_BIG = torch.iinfo(torch.int64).max
+
+
+def dsa_module() -> Any:
+    """Megatron's DSA module, after checking it has what replay needs.
+
+    Raises:
+        ImportError: This megatron-core has no DSA (0.16 has none) or a DSA
+            module without `DSAttention` and `fused_qk_topk_naive`.
+    """
+    try:
+        from megatron.core import __version__ as version
+    except ImportError:  # pragma: no cover - every release has it
+        version = "?"
+    try:
+        module = importlib.import_module(DSA_MODULE)
+    except ImportError as err:
+        raise ImportError(
+            f"megatron-core {version} has no DeepSeek Sparse Attention ({DSA_MODULE} is missing); "
+            "torch_r3.megatron.IndexerReplayHook needs megatron-core 0.19 (checked against 0.19.2)"
+        ) from err
+    missing = [name for name in ("DSAttention", TOPK_FUNCTION, "is_dsa_skip_topk_layer") if not hasattr(module, name)]
+    if missing:
+        raise ImportError(
+            f"megatron-core {version}: its DSA ({DSA_MODULE}) predates the structure IndexerReplayHook replays "
+            f"(it has no {', '.join(missing)}; 0.16's DSAttention takes its top-k from "
+            "DSAIndexer.forward_with_scores); the hook needs megatron-core 0.19 (checked against 0.19.2)"
+        )
+    return module
+
+
+@dataclass
+class _Layer:
+    module: torch.nn.Module
+    name: str
+    layer: int  # global, 0-based
+    source: int  # the global layer whose top-k it uses (itself when it computes one)
+    recomputed: bool  # does full activation recompute re-run it in backward?
+    column: int = -1  # index into the batch's L (computing layers only)
+    queue: list[torch.Tensor] = field(default_factory=list)
+    consults: int = 0
+    pushes: int = 0
+    pops: int = 0
+
+    @property
+    def computes(self) -> bool:
+        return self.source == self.layer
+
+
+@dataclass
+class _Microbatch:
+    index: int
+    columns: list[torch.Tensor]  # per computing layer: [B, S, K] int64, canonical, this rank's rows
+    uncaptured: torch.Tensor  # [B, S] bool
+    recompute: bool  # will backward recompute the recomputed layers?
+
+
+class IndexerReplayHook:
+    """Replays captured DSA indexer selections in one Megatron model's `DSAttention` layers.
+
+    ```python
+    hook = IndexerReplayHook(model)
+    with hook.step():
+        losses = forward_backward_func(forward_step_func=hook.wrap_forward_step(forward_step), ...)
+    ```
+
+    Each microbatch dict holds `rollout_indexer_topk` (`[B, T, L, K]` in batch
+    positions, `torch_r3.indexer.collate_selections` with the padded layout)
+    and `indexer_padding_mask` (`[B, T]`, `True` where no selection was
+    captured); a packed microbatch (`cu_seqlens`) is refused. Every rank gets
+    the whole microbatch: the hook keeps this context-parallel rank's rows.
+    `T` must be the model's sequence length.
+
+    The rebinding of `fused_qk_topk_naive` lasts one layer's forward and is
+    process-wide for that time: another thread running Megatron DSA in the
+    same process at that moment would see it (and is refused by its own hook,
+    if it has one).
+
+    Args:
+        model: A Megatron module (`GPTModel` with DSA attention, possibly
+            wrapped in DDP or `Float16Module`) or a list of exactly one chunk.
+        config: The model's `TransformerConfig`; by default the chunk's `.config`.
+        uncaptured: Queries without a captured selection (left padding, the
+            last token): `"live"` (default) uses the layer's own top-k,
+            `"replay"` lets each attend to itself only.
+        selection_layers: The global layer (0-based) each index of the
+            selections' `L` holds. Without it `L` is told apart by its size:
+            every decoder layer (`num_layers`; a sharing layer's column must equal
+            its source's) or the computing layers only (layers with an indexer).
+
+    Raises:
+        ImportError: This megatron-core has no DSA (see `dsa_module`).
+        InterleavedPipelineError: The virtual pipeline schedule, as `ReplayHook`.
+        ValueError: No `DSAttention` in the model (or no
+            `experimental_attention_variant="dsa"`), a fused DSA kernel
+            backend (it computes the top-k in CUDA code the hook cannot
+            reach), a CUDA graph, `selection_layers` without one of this
+            stage's indexer layers, another hook on a layer, a bad `uncaptured`.
+        TypeError: `model` is not a module or a list of modules.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module | Sequence[torch.nn.Module],
+        config: Any | None = None,
+        *,
+        uncaptured: str = "live",
+        selection_layers: Sequence[int] | None = None,
+    ):
+        self._dsa = dsa_module()
+        chunks: list[torch.nn.Module] = list(model) if isinstance(model, (list, tuple)) else [model]  # type: ignore[list-item]
+        if not chunks:
+            raise ValueError("model: got an empty list of model chunks")
+        for i, chunk in enumerate(chunks):
+            if not isinstance(chunk, torch.nn.Module):
+                raise TypeError(f"model[{i}]: expected a torch.nn.Module, got {type(chunk).__name__}")
+        if config is None:
+            config = getattr(chunks[0], "config", None)
+            if config is None:
+                raise TypeError("config: the model has no .config; pass its TransformerConfig as config=")
+        self.uncaptured = check_uncaptured(uncaptured)
+        check_pipeline(config, len(chunks))
+        _check_dsa_config(config, self._dsa)
+        self.config = config
+        self._chunk = chunks[0]
+        self._num_layers = int(config.num_layers)
+        offset, freq = _share(config)
+        self._computing = tuple(
+            g for g in range(self._num_layers) if freq == 1 or not self._dsa.is_dsa_skip_topk_layer(g + 1, offset, freq)
+        )
+        self._layers = self._find_layers(config)
+        for entry in self._layers:
+            marker.check_free(entry.module, entry.name)
+        self._columns = self._column_map(selection_layers)
+        self._original_topk = getattr(self._dsa, TOPK_FUNCTION)
+        self._in_step = False
+        self._forward_only = False
+        self._current: _Microbatch | None = None
+        self._microbatch = 0
+        self._num_microbatches: int | None = None
+        self._sums: dict[int, float] = {}
+        self._rows: dict[int, int] = {}
+        self._captured = self._live = self._forwards = 0
+        self._last_stats: IndexerStats | None = None
+        self._open = True
+        for entry in self._layers:
+            marker.claim(entry.module, entry.name)
+            if entry.computes:
+                vars(entry.module)["forward"] = self._wrapped_forward(entry, entry.module.forward)
+
+    # ----------------------------------------------------------------- public
+
+    @property
+    def indexer_layers(self) -> tuple[int, ...]:
+        """Global layers (0-based) of this stage whose `DSAttention` computes a top-k, in model order."""
+        return tuple(e.layer for e in self._layers if e.computes)
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """Global layers (0-based) of this stage's `DSAttention` layers, sharing layers included."""
+        return tuple(e.layer for e in self._layers)
+
+    @property
+    def index_topk(self) -> int:
+        return int(self.config.dsa_indexer_topk)
+
+    @property
+    def last_stats(self) -> IndexerStats | None:
+        """`IndexerStats` of the last step that completed (overlap per computing layer, rows, forwards)."""
+        return self._last_stats
+
+    def sources(self) -> dict[int, int]:
+        """For each of this stage's DSA layers, the global layer whose top-k it uses."""
+        return {e.layer: e.source for e in self._layers}
+
+    def forward_backward(self, forward_backward_func: Callable | None = None, **kwargs: Any) -> Any:
+        """Run one step of Megatron's schedule with replay (`ReplayHook.forward_backward`'s contract)."""
+        if "forward_step_func" not in kwargs:
+            raise TypeError("forward_backward: forward_step_func= is required")
+        if forward_backward_func is None:
+            from megatron.core.pipeline_parallel import get_forward_backward_func
+
+            forward_backward_func = get_forward_backward_func()
+        kwargs["forward_step_func"] = self.wrap_forward_step(kwargs["forward_step_func"])
+        with self.step(
+            forward_only=bool(kwargs.get("forward_only", False)), num_microbatches=kwargs.get("num_microbatches")
+        ):
+            return forward_backward_func(**kwargs)
+
+    @contextlib.contextmanager
+    def step(self, *, forward_only: bool = False, num_microbatches: int | None = None) -> Iterator[IndexerReplayHook]:
+        """Bracket one `forward_backward` call; on a clean exit check recompute and set `last_stats`.
+
+        Raises:
+            RuntimeError: A recomputed layer was re-run another number of times
+                than its microbatches, steps nest, or the hook is closed.
+        """
+        if not self._open:
+            raise RuntimeError("IndexerReplayHook.step(): the hook is closed; build a new one for this model")
+        if self._in_step:
+            raise RuntimeError("IndexerReplayHook.step() is already active; steps do not nest")
+        self._in_step, self._forward_only, self._num_microbatches = True, forward_only, num_microbatches
+        self._clear()
+        try:
+            yield self
+            self._check_drained()
+            share = {layer: self._sums[layer] / self._rows[layer] for layer in self._sums if self._rows[layer]}
+            self._last_stats = IndexerStats(share, self._captured, self._live, self._forwards)
+        finally:
+            self._clear()
+            self._in_step = False
+
+    def wrap_forward_step(self, forward_step_func: Callable) -> Callable:
+        """Wrap a Megatron `forward_step_func(data_iterator, model)` to replay each microbatch's selections.
+
+        Raises:
+            ValueError: The data iterator runs out, or a microbatch's selections are invalid.
+            RuntimeError: Outside `step()`.
+        """
+        if not callable(forward_step_func):
+            raise TypeError(f"forward_step_func: expected a callable, got {type(forward_step_func).__name__}")
+
+        @functools.wraps(forward_step_func)
+        def replaying_forward_step(data_iterator: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+            if not self._in_step:
+                raise RuntimeError(
+                    "the replaying forward step ran outside IndexerReplayHook.step(); use "
+                    "hook.forward_backward(...) or `with hook.step(): ...`"
+                )
+            if data_iterator is None or isinstance(data_iterator, (list, tuple)):
+                raise TypeError(
+                    "data_iterator: expected one iterator yielding the microbatch dicts on every pipeline stage "
+                    f"(they carry the selections), got {type(data_iterator).__name__}"
+                )
+            try:
+                batch = next(data_iterator)
+            except StopIteration:
+                want = f" of {self._num_microbatches}" if self._num_microbatches is not None else ""
+                raise ValueError(
+                    f"data_iterator ran out: the schedule asked for microbatch {self._microbatch + 1}{want}, "
+                    f"{self._microbatch} arrived"
+                ) from None
+            self._current = self._install(batch)
+            try:
+                return forward_step_func(iter((batch,)), model, *args, **kwargs)
+            finally:
+                self._current = None
+
+        return replaying_forward_step
+
+    def close(self) -> None:
+        """Give the layers Megatron's own `forward` back.
+
+        Raises:
+            RuntimeError: During a step.
+        """
+        if self._in_step:
+            raise RuntimeError("IndexerReplayHook.close() during a step; close it after forward_backward returns")
+        if self._open:
+            for entry in self._layers:
+                vars(entry.module).pop("forward", None)
+                marker.release(entry.module)
+        self._open = False
+
+    def __enter__(self) -> IndexerReplayHook:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --------------------------------------------------------------- internals
+
+    def _find_layers(self, config: Any) -> list[_Layer]:
+        stage = _stage(self._chunk, config)
+        granularity = getattr(config, "recompute_granularity", None)
+        method = getattr(config, "recompute_method", None)
+        found = []
+        for name, module in self._chunk.named_modules():
+            if not isinstance(module, self._dsa.DSAttention):
+                continue
+            parts = name.split(".")
+            if "mtp" in parts:
+                continue  # multi-token prediction layers attend with their own top-k
+            local = next(
+                (
+                    int(c)
+                    for a, b, c in zip(parts, parts[1:], parts[2:])
+                    if (a, b) == ("decoder", "layers") and c.isdigit()
+                ),
+                None,
+            )
+            if local is None:
+                raise ValueError(f"model: the DSAttention {name!r} is not in decoder.layers; cannot tell its layer")
+            layer = int(module.layer_number) - 1
+            if layer not in stage:
+                raise ValueError(
+                    f"{name}: layer {layer} is outside this stage's layers {stage.start}..{stage.stop - 1}"
+                )
+            recomputed = granularity == "full" and (method != "block" or local < (config.recompute_num_layers or 0))
+            found.append(_Layer(module, name, layer, int(module.source_layer) - 1, recomputed))
+        if not found:
+            raise ValueError(
+                "model: no DSAttention layer found; build the model with experimental_attention_variant='dsa' "
+                "(megatron-core's get_transformer_layer_with_experimental_attention_variant_spec)"
+            )
+        return found
+
+    def _column_map(self, selection_layers: Sequence[int] | None) -> tuple[int, int | None]:
+        """Set each computing layer's column; return the `L` the batch must have (and `None` or `num_layers`)."""
+        if selection_layers is not None:
+            held = [int(x) for x in selection_layers]
+            for entry in self._layers:
+                if entry.computes:
+                    if entry.layer not in held:
+                        raise ValueError(
+                            f"selection_layers={held} does not hold layer {entry.layer}, whose indexer this stage replays"
+                        )
+                    entry.column = held.index(entry.layer)
+            return len(held), None
+        for entry in self._layers:
+            if entry.computes:
+                entry.column = self._computing.index(entry.layer)
+        return len(self._computing), self._num_layers
+
+    def _columns_for(self, L: int) -> list[int]:
+        fixed, every = self._columns
+        if L == fixed:
+            return [e.column for e in self._layers if e.computes]
+        if every is not None and L == every:
+            return [e.layer for e in self._layers if e.computes]
+        expect = (
+            f"{fixed} (selection_layers)"
+            if every is None
+            else f"{every} (every layer) or {fixed} (the layers with an indexer)"
+        )
+        raise ValueError(f"{SELECTIONS} has {L} layers; expected {expect}")
+
+    def _install(self, batch: Mapping[str, Any]) -> _Microbatch:
+        index = self._microbatch
+        self._microbatch += 1
+        prefix = f"microbatch {index}, "
+        if isinstance(batch, Mapping) and CU_SEQLENS in batch:
+            raise ValueError(
+                f"{prefix}packed microbatch (cu_seqlens): IndexerReplayHook replays the padded layout only; "
+                "collate the selections with layout='padded'"
+            )
+        try:
+            sel, mask = check_selection_batch(batch)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"{prefix}{err}") from None
+        B, T, L, K = sel.shape
+        if K != self.index_topk:
+            raise ValueError(f"{prefix}{SELECTIONS}: index_topk {K}, the model's dsa_indexer_topk is {self.index_topk}")
+        columns = self._columns_for(L)
+        if self._columns[1] is not None and L == self._columns[1]:
+            for entry in self._layers:
+                if not entry.computes and not torch.equal(sel[:, :, entry.layer], sel[:, :, entry.source]):
+                    raise ValueError(
+                        f"{prefix}{SELECTIONS}: layer {entry.layer} reuses layer {entry.source}'s top-k in this "
+                        "model (dsa_indexer_topk_freq), but the batch's selections for the two differ"
+                    )
+        device = _first_device(self._chunk)
+        sel = sel.to(device, non_blocking=True)[:, :, columns]
+        mask = mask.to(device, non_blocking=True)
+        check_selection_values(sel, mask, self.indexer_layers, prefix=prefix)
+        wide, mask, _ = selections_for_rank(sel, mask, *_cp(), uncaptured=self.uncaptured)
+        recompute = torch.is_grad_enabled() and not self._forward_only and self._chunk.training
+        self._captured += int((~mask).sum())
+        self._live += int(mask.sum()) if self.uncaptured == "live" else 0
+        self._forwards += 1
+        return _Microbatch(index, [wide[:, :, j] for j in range(len(columns))], mask, recompute)
+
+    def _wrapped_forward(self, entry: _Layer, original: Callable) -> Callable:
+        j = [e for e in self._layers if e.computes].index(entry)
+
+        def replaying_topk(*args: Any, **kwargs: Any) -> Any:
+            scores, own = self._original_topk(*args, **kwargs)
+            return scores, self._choose(entry, j, own)
+
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if not self._in_step:
+                return original(*args, **kwargs)
+            current = getattr(self._dsa, TOPK_FUNCTION)
+            if current is not self._original_topk:
+                raise RuntimeError(
+                    f"{entry.name}: {DSA_MODULE}.{TOPK_FUNCTION} is not Megatron's function during this call "
+                    "(another replay hook, or a patch of it, is active); one hook per model, no nested forwards"
+                )
+            before = entry.consults
+            setattr(self._dsa, TOPK_FUNCTION, replaying_topk)
+            try:
+                out = original(*args, **kwargs)
+            finally:
+                setattr(self._dsa, TOPK_FUNCTION, current)
+            if entry.consults == before:
+                raise RuntimeError(
+                    f"{entry.name} (layer {entry.layer}): DSAttention ran without computing its top-k through "
+                    f"{TOPK_FUNCTION}, so it attended with a top-k the hook could not replay (a fused DSA kernel, "
+                    "or a megatron-core whose DSAttention changed)"
+                )
+            return out
+
+        return forward
+
+    def _choose(self, entry: _Layer, j: int, own: torch.Tensor) -> torch.Tensor:
+        entry.consults += 1
+        mb = self._current
+        if mb is None:  # in the step but outside a forward step: activation recompute
+            if not entry.queue:
+                raise RuntimeError(
+                    f"layer {entry.layer}: DSAttention ran outside the forward step with no microbatch left to "
+                    f"recompute ({entry.pushes} installed, {entry.pops} recomputed); run the model only inside "
+                    "forward_step_func"
+                )
+            chosen = entry.queue.pop(0)
+            entry.pops += 1
+            if chosen.shape != own.shape:
+                raise RuntimeError(
+                    f"layer {entry.layer}: recompute sees top-k {list(own.shape)}, the forward {list(chosen.shape)}"
+                )
+            return chosen.to(own.dtype)
+        replayed = mb.columns[j]
+        B, S, Kp = own.shape
+        rows = _query_rows(replayed.shape[1], S, mb.index, entry.layer)
+        replayed, uncaptured = replayed[:, rows, :Kp], mb.uncaptured[:, rows]
+        if replayed.shape[0] != B:
+            raise ValueError(
+                f"microbatch {mb.index}, layer {entry.layer}: the layer sees [{B}, {S}] queries but the batch "
+                f"covers [{replayed.shape[0]}, {mb.uncaptured.shape[1]}] on this rank (another batch?)"
+            )
+        chosen = replayed
+        if self.uncaptured == "live":
+            chosen = torch.where(uncaptured.unsqueeze(-1), own.to(torch.int64), replayed)
+        captured = ~uncaptured
+        if bool(captured.any()):
+            s, n = overlap(own.to(torch.int64)[captured], replayed[captured])
+            self._sums[entry.layer] = self._sums.get(entry.layer, 0.0) + s
+            self._rows[entry.layer] = self._rows.get(entry.layer, 0) + n
+        chosen = chosen.to(own.dtype)
+        if entry.recomputed and mb.recompute:
+            entry.queue.append(chosen)
+        entry.pushes += 1
+        return chosen
+
+    def _check_drained(self) -> None:
+        wrong = [
+            f"layer {e.layer}: {len(e.queue)} microbatches left unrecomputed"
+            for e in self._layers
+            if e.computes and e.queue
+        ]
+        if wrong:
+            raise RuntimeError(
+                "activation recompute did not re-run every recomputed DSA layer once per microbatch: "
+                + "; ".join(wrong)
+            )
+
+    def _clear(self) -> None:
+        self._current = None
+        self._microbatch = 0
+        self._sums, self._rows = {}, {}
+        self._captured = self._live = self._forwards = 0
+        for e in self._layers:
+            e.queue.clear()
+            e.consults = e.pushes = e.pops = 0
+
+
+def selections_for_rank(
+    sel: torch.Tensor, mask: torch.Tensor, cp_size: int = 1, cp_rank: int = 0, *, uncaptured: str = "live"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A padded microbatch's checked selections as one context-parallel rank's `DSAttention` uses them.
+
+    Rows are cut to the rank's two sequence chunks (`context_parallel_positions`);
+    the values are kept, since the positions name keys of the whole sequence,
+    which Megatron's allgather DSA gathers on every rank. Each row is sorted,
+    `-1` after; with `uncaptured="replay"` an uncaptured row selects its own
+    position only.
+
+    Args:
+        sel: `[B, T, L, K]` selections in batch positions, checked.
+        mask: `[B, T]`, `True` where a row has no captured selection.
+        cp_size: Context-parallel world size.
+        cp_rank: This rank's context-parallel rank.
+        uncaptured: `"live"` or `"replay"` (see `IndexerReplayHook`).
+
+    Returns:
+        `(selections [B, T / cp_size, L, K] int64, mask [B, T / cp_size], positions [T / cp_size])`:
+        the batch position of each kept row in `positions`.
+
+    Examples:
+        >>> sel = torch.tensor([[[[0, -1]], [[1, 0]], [[2, 1]], [[1, 3]]]])  # B=1, T=4, L=1, K=2
+        >>> mask = torch.zeros(1, 4, dtype=torch.bool)
+        >>> local, _, positions = selections_for_rank(sel, mask, cp_size=2, cp_rank=1)
+        >>> positions.tolist(), local[0, :, 0].tolist()
+        ([1, 2], [[0, 1], [1, 2]])
+    """
+    check_uncaptured(uncaptured)
+    B, T = mask.shape
+    positions = context_parallel_positions(T, cp_size, cp_rank).to(sel.device)
+    if cp_size > 1:
+        sel, mask = sel[:, positions], mask[:, positions]
+    wide = sel.to(torch.int64)
+    wide = torch.where(wide == FILL, _BIG, wide).sort(dim=-1).values
+    wide = torch.where(wide == _BIG, FILL, wide)
+    if uncaptured == "replay":
+        itself = torch.full_like(wide, FILL)
+        itself[..., 0] = positions.view(1, -1, 1)
+        wide = torch.where(mask.view(B, -1, 1, 1), itself, wide)
+    return wide, mask, positions
+
+
+def _share(config: Any) -> tuple[int, int]:
+    return int(getattr(config, "dsa_indexer_skip_topk_offset", 0) or 0), int(
+        getattr(config, "dsa_indexer_topk_freq", 1) or 1
+    )
+
+
+def _check_dsa_config(config: Any, dsa: Any) -> None:
+    if getattr(config, "experimental_attention_variant", None) != "dsa":
+        raise ValueError(
+            f"config.experimental_attention_variant={getattr(config, 'experimental_attention_variant', None)!r}: "
+            "the model has no DeepSeek Sparse Attention; build it with experimental_attention_variant='dsa'"
+        )
+    kernels = importlib.import_module(DSA_MODULE.rsplit(".", 1)[0] + ".dsa_kernels")
+    if kernels.use_fused_dsa_kernels(config):
+        raise ValueError(
+            f"config.dsa_kernel_backend={config.dsa_kernel_backend!r} with attention_backend="
+            f"{config.attention_backend!s}: the fused DSA kernels compute the indexer top-k inside CUDA code, "
+            "where no replayed selection can be given to them; set dsa_kernel_backend='none' (or "
+            "attention_backend='unfused')"
+        )
+    impl = getattr(config, "cuda_graph_impl", "none") or "none"
+    if impl != "none":
+        raise ValueError(
+            f"config.cuda_graph_impl={impl!r}: a CUDA graph replays the top-k of its capture run and never "
+            "consults the selections installed per microbatch; set cuda_graph_impl='none'"
+        )
+
+
+def _query_rows(local: int, seen: int, microbatch: int, layer: int) -> slice:
+    """The rows of this rank's selections a layer's top-k covers: all, or this TP rank's sequence-parallel share."""
+    if seen == local:
+        return slice(None)
+    tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
+    if tp > 1 and seen * tp == local:
+        return sequence_parallel_positions(local, tp, parallel_state.get_tensor_model_parallel_rank())
+    raise ValueError(
+        f"microbatch {microbatch}, layer {layer}: the layer's top-k covers {seen} query rows but the batch holds "
+        f"{local} on this rank (a sequence length other than the batch's?)"
+    )
+
+
+def _cp() -> tuple[int, int]:
+    if not parallel_state.model_parallel_is_initialized():
+        return 1, 0
+    return parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
+
+
+def _stage(chunk: torch.nn.Module, config: Any) -> range:
+    vp_stage = getattr(chunk, "vp_stage", None)
+    if parallel_state.model_parallel_is_initialized():
+        return stage_layer_range(config, vp_stage=vp_stage)
+    if (getattr(config, "pipeline_model_parallel_size", 1) or 1) > 1:
+        raise ValueError("config.pipeline_model_parallel_size > 1 but parallel_state is not initialized")
+    return stage_layer_range(config, vp_stage=vp_stage, pp_rank=0)
+
+
+def _first_device(chunk: torch.nn.Module) -> torch.device:
+    for p in chunk.parameters():
+        return p.device
+    return torch.device("cpu")
