@@ -34,9 +34,9 @@ from torch_r3.errors import RemoteGenerateError
 from torch_r3.health import RouteHealthCheck, ZeroRoutesWarning, health_check
 from torch_r3.protocols import CHATS, PROTOCOLS, SERVERS, GenerateCall, RouteLimits, WeightVersionSpan
 from torch_r3.protocols.base import check_cache_salt
+from torch_r3.protocols.chat import check_messages
 from torch_r3.protocols.native import MODEL_INFO_PATH
 from torch_r3.protocols.spans import parse_body, route_text_bytes
-from torch_r3.protocols.chat import check_messages
 from torch_r3.transport import DEFAULT_MAX_RESPONSE_BYTES, HttpTransport, TransportConfig
 
 __all__ = [
