@@ -132,7 +132,7 @@ class VLLMCompletionsWire(WireProtocol):
     ) -> tuple[dict[str, Any], np.ndarray | None]:
         out = generation.token_ids
         choice, rows = self._choice(request, generation, model, malformed)
-        logprobs = None
+        logprobs: dict[str, Any] | None = None
         if request.options["logprobs"]:
             logprobs = {
                 "content": [
