@@ -103,14 +103,19 @@ class RowMemory:
         rows = routes.shape[0]
         if rows < self.block:
             return None
-        flat = np.ascontiguousarray(routes).reshape(rows, -1)
-        width = flat.shape[1]
+        # The ids as uint32 whatever the dtype (one row hashes alike in a uint8 and an int16 response),
+        # read two at a time as uint64 words.
+        ids = routes.reshape(rows, -1)
+        if ids.shape[1] % 2:
+            ids = np.concatenate([ids, np.zeros((rows, 1), ids.dtype)], axis=1)
+        words = np.ascontiguousarray(ids, dtype="<u4").view("<u8")
+        width = words.shape[1]
         if self._multipliers is None or self._multipliers.shape[0] != width:
             rng = np.random.default_rng(0x52335F)  # fixed: hashes must agree across calls
             self._multipliers = rng.integers(1, 1 << 63, width, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
         with np.errstate(over="ignore"):
-            # Per row: a random linear combination of its ids (+1, so zero ids count), then a mixing multiply.
-            h = (flat.astype(np.uint64) + np.uint64(1)) @ self._multipliers
+            # Per row: a random linear combination of its words, then a mixing multiply.
+            h = words @ self._multipliers
             h = (h ^ (h >> np.uint64(29))) * _MIX
             # Window hash: sum_j h[i + j] * P**(block - 1 - j), from prefix sums of h[j] * P**-j.
             inv = _powers(_PRIME_INV, rows)
