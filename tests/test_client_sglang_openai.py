@@ -159,3 +159,28 @@ def test_routes_need_the_shape_before_anything_is_sent():
 
     with pytest.raises(ValueError, match="num_layers=.*topk="):
         http_stub.ask("sglang-openai", "/v1/chat/completions", [{}], call)
+
+
+def test_rows_replayed_from_an_earlier_request_are_refused_by_the_client():
+    rng = np.random.default_rng(5)
+    rows = np.stack([[rng.permutation(64)[:2] for _ in range(3)] for _ in range(40)]).astype("<i4")  # [40, 3, 2]
+    prompts = [rng.integers(100, 200, 37).tolist() for _ in range(2)]
+    answers = []
+    for prompt in prompts:  # the second answer carries the first's rows again, behind another prompt
+        answer = json.loads(json.dumps(FIXTURE["completions"][0]["response"]))
+        answer["choices"][0]["prompt_token_ids"] = prompt
+        answer["sglext"]["routed_experts"] = base64.b64encode(rows.tobytes()).decode()
+        answers.append(answer)
+
+    async def call(client):
+        first = await client.generate(prompts[0], {"max_tokens": 4}, return_routed_experts=True)
+        try:
+            await client.generate(prompts[1], {"max_tokens": 4}, return_routed_experts=True)
+        except RouteHealthError as exc:
+            return first, exc, client.health.stats
+        raise AssertionError("the replayed rows were accepted")
+
+    (first, exc, stats), _ = ask("/v1/completions", answers, call, num_experts=64)
+    assert first.routed_experts.shape == (40, 3, 2)
+    assert exc.findings[0].kind == "replayed_rows" and "37-token prompt" in exc.findings[0].seen
+    assert stats.replayed_rows == 1 and stats.trajectories == 2

@@ -10,6 +10,7 @@ row of another request (stale padded capture slots).
 
 from __future__ import annotations
 
+import pickle
 import warnings
 
 import numpy as np
@@ -248,6 +249,8 @@ def test_the_replay_check_is_bounded_counted_and_can_be_turned_off(router_model)
     assert [f.kind for f in counted.check(replayed, trajectory="req 2", token_ids=tokens)] == ["replayed_rows"]
     assert counted.stats.replayed_rows == 1 and counted.stats.accepted_unhealthy == 1
     assert len(counted.memory) <= 4  # only the last remember_blocks blocks are kept
+    copy = pickle.loads(pickle.dumps(counted))  # a client pickled into a worker: its memory starts empty
+    assert len(copy.memory) == 0 and copy.stats.replayed_rows == 1 and copy.memory.max_blocks == 4
     counted.forget()
     assert counted.check(replayed, trajectory="req 2", token_ids=tokens) == ()
     with pytest.raises(ValueError, match="remember_blocks must be >= 0"):

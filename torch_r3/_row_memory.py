@@ -16,7 +16,7 @@ so it is found wherever it sits in either response.
 Identical tokens are never a replay: a prefix-cached prompt replays the very
 rows its cached blocks were computed with, and a retried or resent request
 gets its own rows again; both are healthy. NumPy only; no rows are kept, only
-their hashes and the tokens behind them.
+their hashes and the tokens behind them. A pickled memory unpickles empty.
 """
 
 from __future__ import annotations
@@ -55,6 +55,11 @@ class RowMemory:
 
     def __len__(self) -> int:
         return len(self._blocks)
+
+    def __reduce__(self) -> tuple[type, tuple[int, int, int]]:
+        # A copy starts empty: the fingerprints are a cache of recent responses, megabytes that a client
+        # pickled into a worker or an actor need not carry along.
+        return (RowMemory, (self.block, self.max_blocks, self.min_token_changes))
 
     def clear(self) -> None:
         """Forget every response."""

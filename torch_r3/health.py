@@ -214,7 +214,8 @@ class RouteHealthCheck:
     One object may serve many trajectories (its `stats` add up); it holds no
     routes, only fingerprints of recent ones (`remember_blocks`) for the
     replayed-rows signature, so share one across the clients of a run to
-    catch replays between them. Thread-compatible, not thread-safe: give each
+    catch replays between them (a pickled copy keeps the stats and starts
+    with an empty memory). Thread-compatible, not thread-safe: give each
     thread its own, or lock around `check`.
 
     Args:
