@@ -282,15 +282,7 @@ class RemoteGenerateClient:
             raise TypeError(f"return_routed_experts must be a bool, got {type(return_routed_experts).__name__}")
         return_routed_experts = bool(return_routed_experts)
         start = _check_start(routed_experts_prompt_start, len(prompt), return_routed_experts)
-        if (
-            return_routed_experts
-            and protocol.needs_route_shape
-            and (self.limits.num_layers is None or self.limits.topk is None)
-        ):
-            raise ValueError(
-                f"server={self.server!r} sends routes without their shape: give the client num_layers= "
-                "(the model's num_hidden_layers) and topk= (num_experts_per_tok)"
-            )
+        self._check_route_shape(return_routed_experts)
         return_indexer_topk = check_bool(return_indexer_topk, "return_indexer_topk")
         if return_indexer_topk:
             if self.server != "sglang":
@@ -388,15 +380,7 @@ class RemoteGenerateClient:
                 f"'sglang-openai', not server={self.server!r}: the rows must be keyed by the tokens the server "
                 "rendered, which only those answers name (send token ids with generate() instead)"
             )
-        if (
-            bool(return_routed_experts)
-            and PROTOCOLS[self.server].needs_route_shape
-            and (self.limits.num_layers is None or self.limits.topk is None)
-        ):
-            raise ValueError(
-                f"server={self.server!r} sends routes without their shape: give the client num_layers= "
-                "(the model's num_hidden_layers) and topk= (num_experts_per_tok)"
-            )
+        self._check_route_shape(bool(return_routed_experts))
         body_messages = check_messages(messages)
         params = _sampling_params(sampling_params)
         if not isinstance(return_routed_experts, (bool, np.bool_)):
@@ -431,6 +415,17 @@ class RemoteGenerateClient:
                 f"POST {url}: response breaks the {self.server} chat format: {exc}", url=url, status=200
             ) from exc
         return self._result(parsed, list(prompt), start, raw, PROTOCOLS[self.server].without_routes, url, session_id)
+
+    def _check_route_shape(self, want_routes: bool) -> None:
+        if (
+            want_routes
+            and PROTOCOLS[self.server].needs_route_shape
+            and None in (self.limits.num_layers, self.limits.topk)
+        ):
+            raise ValueError(
+                f"server={self.server!r} sends routes without their shape: give the client num_layers= "
+                "(the model's num_hidden_layers) and topk= (num_experts_per_tok)"
+            )
 
     def _result(
         self,
