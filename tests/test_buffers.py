@@ -17,26 +17,18 @@ import torch
 from torch.utils.data import DataLoader
 
 from tests.reference_collate import assert_batch_equal, reference_collate_routes, reference_r3_collator
+from tests.samples import route_samples, router_routes
 from torch_r3 import BufferPool, R3Collator, collate_routes
 
 PAD_KEYS = {"loss_mask": (0.0, np.float32)}
 
 
 def make_samples(seed, n_samples=4, max_tokens=12, L=2, K=2, fixed_length=False):
-    rng = np.random.default_rng(seed)
-    samples = []
-    for i in range(n_samples):
-        n = max_tokens if fixed_length and i == 0 else int(rng.integers(1, max_tokens + 1))
-        r = int(rng.integers(0, n + 1))
-        samples.append(
-            {
-                "input_ids": rng.integers(1, 1000, size=n).tolist(),
-                "routes": rng.integers(0, 200, size=(r, L, K)).astype(np.uint8),
-                "loss_mask": rng.integers(0, 2, size=n).astype(np.float32),
-                "reward": float(rng.random()),
-            }
-        )
-    return samples
+    """The shared samples; with `fixed_length`, the first is `max_tokens` long (every batch as wide)."""
+    lengths = [max_tokens if fixed_length and i == 0 else None for i in range(n_samples)]
+    return route_samples(
+        seed, lengths, max_tokens=max_tokens, num_layers=L, topk=K, num_experts=200, extras=("loss_mask", "reward")
+    )
 
 
 def collator(**kwargs):
@@ -98,7 +90,7 @@ def test_kernel_outputs_from_a_pool_match_the_reference_and_out_still_wins():
     rng = np.random.default_rng(3)
     for call in range(20):
         counts = [int(x) for x in rng.integers(1, 30, size=3)]
-        routes = [rng.integers(0, 99, size=(n - 1, 3, 2)).astype(np.int16) for n in counts]
+        routes = [router_routes(rng, n - 1, 3, 2, num_experts=99, dtype=np.int16) for n in counts]
         layout = ("padded", "packed")[call % 2]
         mine = torch.empty(len(counts) + 1, dtype=torch.int32)
         out = {"cu_seqlens": mine} if layout == "packed" else None

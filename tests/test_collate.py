@@ -23,13 +23,8 @@ from tests.reference_collate import (
     reference_collate_routes,
     reference_r3_collator,
 )
+from tests.samples import EXPERTS_IN, route_samples, router_routes
 from torch_r3 import R3Collator, collate_routes, compact_routes
-
-LIMIT = {np.uint8: 256, np.int16: 2**15, np.int32: 2**31}
-
-
-def make_routes(rng, rows, L, K, dtype):
-    return rng.integers(0, min(LIMIT[dtype], 300), size=(rows, L, K)).astype(dtype)
 
 
 @pytest.fixture
@@ -53,7 +48,7 @@ def test_matches_reference_for_every_layout_padding_and_dtype_mix(layout, paddin
     rng = np.random.default_rng(0)
     counts = [5, 9, 1]
     rows = [4, 9, 0]  # uncaptured tail, fully captured, nothing captured
-    routes = [make_routes(rng, r, 3, 2, d) for r, d in zip(rows, dtypes)]
+    routes = [router_routes(rng, r, 3, 2, num_experts=EXPERTS_IN[d], dtype=d) for r, d in zip(rows, dtypes)]
     kw = dict(layout=layout, filler=padding, num_experts=5 if padding == "balanced" else None)
     got = collate_routes(routes, counts, **kw)
     assert_batch_equal(
@@ -71,16 +66,16 @@ def test_mixed_batch_promotes_to_widest_dtype_by_dtype_alone():
 @pytest.mark.parametrize("multiple", [1, 4, 16])
 def test_pad_to_multiple_of_rounds_T_up(multiple):
     rng = np.random.default_rng(1)
-    routes = [make_routes(rng, 3, 2, 2, np.uint8), make_routes(rng, 6, 2, 2, np.uint8)]
+    routes = [router_routes(rng, 3, 2, 2, num_experts=256), router_routes(rng, 6, 2, 2, num_experts=256)]
     got = collate_routes(routes, [5, 7], pad_to_multiple_of=multiple)
     assert_batch_equal(got, reference_collate_routes(routes, [5, 7], pad_to_multiple_of=multiple))
 
 
 def test_read_only_and_non_contiguous_inputs_are_valid():
     rng = np.random.default_rng(2)
-    base = make_routes(rng, 8, 4, 6, np.int16)
+    base = router_routes(rng, 8, 4, 6, num_experts=300, dtype=np.int16)
     view = base[::2, ::2, 1::2]  # strided in every dim
-    ro = make_routes(rng, 3, 2, 3, np.int16)
+    ro = router_routes(rng, 3, 2, 3, num_experts=300, dtype=np.int16)
     ro.flags.writeable = False
     assert not view.flags.c_contiguous
     got = collate_routes([view, ro], [4, 5])
@@ -89,7 +84,7 @@ def test_read_only_and_non_contiguous_inputs_are_valid():
 
 def test_cpu_tensors_are_accepted_like_arrays():
     rng = np.random.default_rng(3)
-    a = make_routes(rng, 2, 2, 2, np.uint8)
+    a = router_routes(rng, 2, 2, 2, num_experts=256)
     got = collate_routes([torch.from_numpy(a)], [3])
     assert_batch_equal(got, reference_collate_routes([a], [3]))
 
@@ -98,7 +93,7 @@ def test_cpu_tensors_are_accepted_like_arrays():
 def test_pool_path_matches_reference(layout, force_pool):
     rng = np.random.default_rng(4)
     counts = [int(x) for x in rng.integers(1, 70, size=40)]
-    routes = [make_routes(rng, max(n - 1, 0), 4, 8, np.uint8) for n in counts]
+    routes = [router_routes(rng, max(n - 1, 0), 4, 8, num_experts=256) for n in counts]
     got = collate_routes(routes, counts, layout=layout, workers=3)
     assert _collate_threads()  # helper threads were started for the call
     assert_batch_equal(got, reference_collate_routes(routes, counts, layout=layout))
@@ -107,7 +102,10 @@ def test_pool_path_matches_reference(layout, force_pool):
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 def test_out_buffer_is_fully_overwritten(layout):
     rng = np.random.default_rng(5)
-    routes = [make_routes(rng, 2, 2, 3, np.int16), make_routes(rng, 4, 2, 3, np.uint8)]
+    routes = [
+        router_routes(rng, 2, 2, 3, num_experts=300, dtype=np.int16),
+        router_routes(rng, 4, 2, 3, num_experts=256),
+    ]
     counts = [3, 4]
     first = collate_routes(routes, counts, layout=layout)
     # Garbage in every byte of caller-owned buffers: all of it must be replaced.
@@ -153,7 +151,7 @@ def test_property_random_batches_match_reference(data):
         dtype = data.draw(st.sampled_from(ORDER))
         seed = data.draw(st.integers(0, 2**16))
         counts.append(n)
-        routes.append(make_routes(np.random.default_rng(seed), r, L, K, dtype))
+        routes.append(router_routes(np.random.default_rng(seed), r, L, K, num_experts=EXPERTS_IN[dtype], dtype=dtype))
     got = collate_routes(routes, counts, layout=layout, filler=padding, num_experts=E, pad_to_multiple_of=pad_to)
     assert_batch_equal(
         got,
@@ -280,23 +278,19 @@ def test_compact_routes_rejects_bad_input(bad, exc, match):
 
 
 def make_samples(seed=0, n_samples=6, L=3, K=2, big=False):
-    rng = np.random.default_rng(seed)
-    samples = []
-    for i in range(n_samples):
-        n = int(rng.integers(1, 400 if big else 12))
-        r = int(rng.integers(0, n + 1))
-        dtype = ORDER[i % 2]  # mix uint8 and int16
-        samples.append(
-            {
-                "input_ids": rng.integers(1, 1000, size=n).tolist()
-                if i % 3
-                else torch.from_numpy(rng.integers(1, 1000, size=n)),
-                "routes": make_routes(rng, r, L, K, dtype),
-                "loss_mask": rng.integers(0, 2, size=n).astype(np.float32),
-                "reward": float(rng.random()),
-                "uid": i,
-            }
-        )
+    """The shared samples, uint8 and int16 mixed, with the token ids of every third sample a tensor."""
+    samples = route_samples(
+        seed,
+        n=n_samples,
+        max_tokens=399 if big else 11,
+        num_layers=L,
+        topk=K,
+        num_experts=256,
+        dtypes=ORDER[:2],
+        extras=("loss_mask", "reward", "uid"),
+    )
+    for sample in samples[::3]:
+        sample["input_ids"] = torch.tensor(sample["input_ids"])
     return samples
 
 
@@ -316,8 +310,8 @@ def test_collator_matches_reference(layout):
 def test_collator_reads_custom_routes_and_tokens_keys_and_drops_them_from_the_batch():
     rng = np.random.default_rng(0)
     samples = [
-        {"tok": [1, 2, 3], "r": make_routes(rng, 2, 1, 1, np.uint8)},
-        {"tok": [4], "r": make_routes(rng, 0, 1, 1, np.uint8)},
+        {"tok": [1, 2, 3], "r": router_routes(rng, 2, 1, 1, num_experts=256)},
+        {"tok": [4], "r": router_routes(rng, 0, 1, 1, num_experts=256)},
     ]
     got = R3Collator(routes_key="r", tokens_key="tok", pad_token_id=-1)(samples)
     assert got["input_ids"].tolist() == [[1, 2, 3], [-1, -1, 4]]
@@ -480,7 +474,7 @@ def test_distinct_worker_counts_share_one_pool_that_shrinks_when_idle(force_pool
     monkeypatch.setattr(pool_mod, "IDLE_SECONDS", 0.2)
     rng = np.random.default_rng(7)
     counts = [int(x) for x in rng.integers(1, 50, size=64)]
-    routes = [make_routes(rng, n, 2, 2, np.uint8) for n in counts]
+    routes = [router_routes(rng, n, 2, 2, num_experts=256) for n in counts]
     want = reference_collate_routes(routes, counts)
     for workers in (4, 16, 9, 16, 64):
         assert_batch_equal(collate_routes(routes, counts, workers=workers), want)
@@ -533,7 +527,8 @@ def test_a_sample_key_equal_to_an_output_key_is_refused_not_overwritten(layout, 
 )
 def test_padding_ids_beyond_the_input_dtype_widen_the_output_instead_of_wrapping(layout, padding, experts, topk):
     rng = np.random.default_rng(8)
-    routes = [make_routes(rng, 2, 2, topk, np.uint8), make_routes(rng, 0, 2, topk, np.uint8)]
+    # uint8 inputs whatever topk is (no router picks 300 distinct experts from 256): any ids will do.
+    routes = [rng.integers(0, 256, size=(rows, 2, topk)).astype(np.uint8) for rows in (2, 0)]
     counts = [9000, 3]  # padding positions up to 9000: balanced ids reach num_experts - 1
     got = collate_routes(routes, counts, layout=layout, filler=padding, num_experts=experts)
     want = reference_collate_routes(routes, counts, layout=layout, filler=padding, num_experts=experts)
@@ -631,7 +626,7 @@ def test_docstring_examples_of_the_modules_collate_uses_hold(module):
 def test_an_input_living_inside_out_is_refused_not_overwritten_before_it_is_read(layout):
     # Item 4: routes[1] is a view of out's first row; writing row 0 would clobber it.
     rng = np.random.default_rng(40)
-    a = make_routes(rng, 3, 2, 2, np.uint8)
+    a = router_routes(rng, 3, 2, 2, num_experts=256)
     counts = [3, 3]
     out = collate_routes([a, a], counts, layout=layout)["rollout_expert_indices"].clone()
     inside = out.numpy()[0, :3] if layout == "padded" else out.numpy()[:3]
@@ -772,7 +767,7 @@ def _hf_dataset():
     datasets = pytest.importorskip("datasets")
     rng = np.random.default_rng(26)
     rows = [3, 0, 5, 2]  # one trajectory with no captured route
-    routes = [rng.integers(0, 60, size=(r, 3, 2)) for r in rows]
+    routes = [router_routes(rng, r, 3, 2, num_experts=60, dtype=np.int64) for r in rows]
     tokens = [rng.integers(1, 100, size=r + 1).tolist() for r in rows]
     ds = datasets.Dataset.from_dict({"routes": [r.tolist() for r in routes], "input_ids": tokens})
     want = reference_r3_collator(

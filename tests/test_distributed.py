@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.samples import route_samples
+
 pytestmark = pytest.mark.slow
 
 L, K = 6, 4
@@ -26,20 +28,20 @@ COLLATE = {"pad_keys": {"loss_mask": 0}, "filler": "balanced", "num_experts": EX
 
 
 def _samples() -> list[dict]:
-    rng = np.random.default_rng(7)
-    out = []
-    for i, n in enumerate([5, 9, 3, 12, 7, 1, 4]):
-        dtype = np.int16 if i in (2, 4) else np.uint8  # rank 1 gets both dtypes
-        rows = n - (i % 3)  # some trajectories end in uncaptured tokens
-        out.append(
-            {
-                "routes": rng.integers(0, 200, size=(max(rows, 0), L, K)).astype(dtype),
-                "input_ids": rng.integers(0, 50_000, size=n).tolist(),
-                "loss_mask": (np.arange(n) % 2).astype(np.float32),
-                "reward": float(i) / 2,
-            }
-        )
-    return out
+    samples = route_samples(
+        7,
+        [5, 9, 3, 12, 7, 1, 4],
+        captured=lambda i, n: max(n - i % 3, 0),  # some trajectories end in uncaptured tokens
+        num_layers=L,
+        topk=K,
+        num_experts=200,
+        dtypes=(np.uint8, np.uint8, np.int16, np.uint8, np.int16, np.uint8, np.uint8),  # rank 1 gets both dtypes
+        token_ids=(0, 50_000),
+    )
+    for i, sample in enumerate(samples):
+        sample["loss_mask"] = (np.arange(len(sample["input_ids"])) % 2).astype(np.float32)
+        sample["reward"] = float(i) / 2
+    return samples
 
 
 def _crafted(case: str) -> list[torch.Tensor]:

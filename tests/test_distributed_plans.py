@@ -13,16 +13,17 @@ import datetime
 import json
 import os
 
-import numpy as np
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tests.samples import route_samples
 
 pytestmark = pytest.mark.slow
 
 
 def _samples() -> list[dict]:
-    return [{"routes": np.zeros((n - 1, 2, 2), np.uint8), "input_ids": list(range(n))} for n in (3, 4, 5, 6)]
+    return route_samples(0, [3, 4, 5, 6], captured="all_but_last", num_layers=2, topk=2)
 
 
 def _refusal(call) -> list[str] | None:

@@ -16,6 +16,7 @@ import warnings
 import numpy as np
 import pytest
 
+from tests.samples import router_routes
 from torch_r3 import RoutedExpertTrace, compact_routes
 from torch_r3.health import (
     RouteHealthCheck,
@@ -62,19 +63,6 @@ def real_routes(model, tokens: list[int]) -> np.ndarray:
     return routes
 
 
-def zipf_routes(
-    rng: np.random.Generator, rows: int, *, alpha: float, layers: int = 4, experts: int = 64, topk: int = 4
-):
-    """Top-k without replacement from Zipf-skewed expert popularity (a different ranking per layer)."""
-    out = np.empty((rows, layers, topk), np.int64)
-    for layer in range(layers):
-        weights = 1.0 / np.arange(1, experts + 1) ** alpha
-        popularity = np.log(weights[rng.permutation(experts)])
-        gumbel = rng.gumbel(size=(rows, experts))
-        out[:, layer] = np.argsort(-(popularity + gumbel), axis=1)[:, :topk]
-    return out
-
-
 @pytest.mark.parametrize("n", [1, 2, 7, 64, 300, 1024])
 def test_a_real_routers_routes_pass_at_every_length(router_model, n):
     rng = np.random.default_rng(n)
@@ -108,7 +96,7 @@ def test_zipf_skewed_routes_never_trip_a_check(alpha):
     rng = np.random.default_rng(int(alpha * 10))
     check = RouteHealthCheck(moe_layers=[0, 1, 2, 3])
     for n in [1, 3, 16, 65, 500, 4000] * 20:
-        routes = zipf_routes(rng, n, alpha=alpha)
+        routes = router_routes(rng, n, 4, 4, num_experts=64, dtype=np.int64, skew=alpha)
         check.check(routes, trajectory="t", token_ids=rng.integers(0, 1000, n))
     assert check.stats.as_dict() == {**check.stats.as_dict(), "zero_rows": 0, "constant_layers": 0, "stale_rows": 0}
 
@@ -136,7 +124,7 @@ def test_every_layer_zero_is_refused_without_a_layer_map_even_for_one_token():
 
 def test_prompt_rows_zero_in_every_layer_are_refused():
     # SGLang's prefill/decode disaggregation once returned all-zero prompt rows.
-    routes = zipf_routes(np.random.default_rng(2), 80, alpha=1.2)
+    routes = router_routes(2, 80, 4, 4, num_experts=64, dtype=np.int64, skew=1.2)
     routes[:30] = 0
     with pytest.raises(RouteHealthError, match="rows 0..29 of 80 are all zero"):
         check_route_health(routes, engine="sglang")
@@ -146,7 +134,7 @@ def test_with_top1_a_few_expert_0_rows_are_undecidable_and_many_are_refused():
     one = np.zeros((1, 2, 1), np.uint8)
     assert check_route_health(one, moe_layers=[0, 1], token_ids=[5]) == ()  # one token routed to expert 0: fine
     rng = np.random.default_rng(3)
-    routes = rng.integers(0, 16, (100, 2, 1))
+    routes = router_routes(rng, 100, 2, 1, num_experts=16, dtype=np.int64)
     popular = routes.copy()
     popular[:90, 1] = 0  # a skewed top-1 router sends most tokens to expert 0: a real choice
     assert check_route_health(popular, moe_layers=[0, 1]) == ()
@@ -173,7 +161,7 @@ def test_a_layer_stuck_on_one_row_is_refused_and_counted_in_every_mode(router_mo
 
 
 def test_a_few_rows_of_one_value_are_not_enough_to_call_a_layer_stuck():
-    routes = zipf_routes(np.random.default_rng(6), 63, alpha=1.2)
+    routes = router_routes(6, 63, 4, 4, num_experts=64, dtype=np.int64, skew=1.2)
     routes[:, 0] = [1, 2, 3, 4]
     assert check_route_health(routes, token_ids=np.arange(63)) == ()
 

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from tests.reference_collate import assert_batch_equal, reference_collate_routes
+from tests.samples import route_samples, router_routes
 from torch_r3 import R3Collator, collate_routes, global_geometry
 
 GOOD = np.zeros((2, 4, 2), np.uint8)
@@ -26,7 +27,8 @@ def test_property_geometry_arguments_match_the_reference(data):
     rng = np.random.default_rng(seed)
     counts = [int(rng.integers(1, 12)) for _ in range(B)]
     dtypes = [data.draw(st.sampled_from([np.uint8, np.int16])) for _ in range(B)]
-    routes = [rng.integers(0, 200, size=(int(rng.integers(0, n + 1)), L, K)).astype(d) for n, d in zip(counts, dtypes)]
+    samples = route_samples(rng, counts, num_layers=L, topk=K, num_experts=200, dtypes=dtypes, token_ids=None)
+    routes = [sample["routes"] for sample in samples]
     layers = data.draw(st.none() | st.permutations(range(L)).flatmap(lambda p: st.just(p[: max(1, len(p) // 2)])))
     ids = data.draw(st.none() | st.lists(st.integers(0, 2**40), min_size=B, max_size=B, unique=True))
     dtype = data.draw(st.sampled_from([None, np.int16, np.int32, torch.int32]))
@@ -46,7 +48,7 @@ def test_property_geometry_arguments_match_the_reference(data):
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 def test_layers_hold_exactly_the_chosen_layers_in_order(layers, layout):
     rng = np.random.default_rng(3)
-    routes = [rng.integers(0, 50, size=(r, 4, 3)).astype(np.uint8) for r in (3, 0, 7)]
+    routes = [router_routes(rng, r, 4, 3, num_experts=50) for r in (3, 0, 7)]
     counts = [4, 2, 7]
     got = collate_routes(routes, counts, layout=layout, keep_layers=layers, filler="balanced", num_experts=9)
     want = reference_collate_routes(
@@ -157,7 +159,7 @@ def test_global_geometry_refuses_bad_metadata(args, kwargs, exc, match):
 def test_every_output_byte_is_written_with_seq_len_dtype_and_layers(layers, layout):
     # Caller-owned buffers full of garbage: nothing of it may survive the single write.
     rng = np.random.default_rng(12)
-    routes = [rng.integers(0, 30, size=(r, 4, 2)).astype(np.uint8) for r in (2, 0, 5)]
+    routes = [router_routes(rng, r, 4, 2, num_experts=30) for r in (2, 0, 5)]
     counts, ids = [3, 4, 6], [7, 2, 40]
     kw = {"layout": layout, "keep_layers": layers, "dtype": np.int16, "filler": "balanced", "num_experts": 5}
     if layout == "padded":

@@ -19,10 +19,10 @@ from tests.reference_collate import (
     reference_collate_routes,
     reference_r3_collator,
 )
+from tests.samples import EXPERTS_IN, route_samples, router_routes
 from torch_r3 import R3Collator, ShardCollator, as_nested, collate_routes, global_geometry, plan_microbatches
 
 L, K, EXPERTS = 3, 2, 7
-LIMIT = {np.uint8: 256, np.int16: 2**15, np.int32: 2**31}
 
 # Each new layout as collator options; prompt_response's widths are filled in per batch.
 LAYOUTS = {
@@ -37,22 +37,17 @@ LAYOUTS = {
 
 
 def make_samples(rng, B=None):
-    B = int(rng.integers(4, 12)) if B is None else B
-    samples = []
-    for i in range(B):
-        n = int(rng.integers(1, 20))
-        r = int(rng.integers(0, n + 1))
-        dtype = np.int16 if i % 4 == 1 else np.uint8
-        samples.append(
-            {
-                "input_ids": rng.integers(1, 1000, size=n).tolist(),
-                "routes": rng.integers(0, EXPERTS, size=(r, L, K)).astype(dtype),
-                "loss_mask": rng.integers(0, 2, size=n).astype(np.float32),
-                "prompt_length": int(rng.integers(0, n + 1)),
-                "reward": float(rng.random()),
-            }
-        )
-    return samples
+    """The shared samples, every fourth one int16, each with a prompt length; `B` drawn in 4..11 when `None`."""
+    return route_samples(
+        rng,
+        n=(4, 12) if B is None else B,
+        max_tokens=19,
+        num_layers=L,
+        topk=K,
+        num_experts=EXPERTS,
+        dtypes=(np.uint8, np.int16, np.uint8, np.uint8),
+        extras=("loss_mask", "prompt_length", "reward"),
+    )
 
 
 def options_for(name, samples, filler=None):
@@ -133,9 +128,8 @@ def test_property_every_new_layout_matches_the_reference(data):
         n = data.draw(st.integers(1, 12))
         dtype = data.draw(st.sampled_from(ORDER))
         rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
-        routes.append(
-            rng.integers(0, min(LIMIT[dtype], 300), size=(data.draw(st.integers(0, n)), L_, K_)).astype(dtype)
-        )
+        rows = data.draw(st.integers(0, n))
+        routes.append(router_routes(rng, rows, L_, K_, num_experts=EXPERTS_IN[dtype], dtype=dtype))
         counts.append(n)
         prompts.append(data.draw(st.integers(0, n)))
     kw: dict = {"layout": layout, "filler": filler, "num_experts": E}

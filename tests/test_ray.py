@@ -20,6 +20,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="the ray extra is not installed: pip install 'torch_r3[ray]'")
 
 import torch_r3
+from tests.samples import route_samples, router_routes
 from torch_r3 import R3Collator
 from torch_r3.ray import RefFetch, TrajectoryRef, put_trajectory, route_dtypes, token_counts
 
@@ -28,16 +29,21 @@ L, K, EXPERTS = 6, 2, 16
 
 
 def sample(i: int) -> dict:
-    rng = np.random.default_rng(100 + i)
-    n = int(rng.integers(2, 20))
-    rows = n - 1 if i % 3 else n  # some trajectories end in an uncaptured token
-    dtype = np.int16 if i == 5 else np.uint8  # one wide sample widens the global batch
-    return {
-        "input_ids": rng.integers(0, 1000, size=n).tolist(),
-        "loss_mask": (rng.random(n) > 0.5).astype(np.float32),
-        "routes": rng.integers(0, EXPERTS, size=(rows, L, K)).astype(dtype),
-        "reward": float(i),
-    }
+    """Trajectory `i`, seeded by `i`, with reward `i`."""
+    (one,) = route_samples(
+        100 + i,
+        n=1,
+        min_tokens=2,
+        max_tokens=19,
+        captured=lambda _, n: n - 1 if i % 3 else n,  # some trajectories end in an uncaptured token
+        num_layers=L,
+        topk=K,
+        num_experts=EXPERTS,
+        dtypes=(np.int16 if i == 5 else np.uint8,),  # one wide sample widens the global batch
+        token_ids=(0, 1000),
+        extras=("loss_mask",),
+    )
+    return {**one, "reward": float(i)}
 
 
 # --------------------------------------------------------------------------
@@ -76,7 +82,7 @@ def test_a_trainer_holds_no_microbatch_buffers_once_its_loop_has_dropped_them():
 
     rng = np.random.default_rng(0)
     store = [
-        {"input_ids": np.arange(n), "routes": rng.integers(0, 255, (n, 58, 8)).astype(np.uint8)}
+        {"input_ids": np.arange(n), "routes": router_routes(rng, n, 58, 8, num_experts=255)}
         for n in (6000, 1000, 5000, 2000)
     ]
     shard = ShardCollator(lambda idx: [store[i] for i in idx], [[0, 1], [2, 3]], seq_len=6000, workers=2)

@@ -20,6 +20,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from tests.reference_collate import assert_batch_equal, reference_r3_collator
+from tests.samples import route_samples
 from torch_r3 import BufferPool, R3Collator, ShardCollator, collate_routes, global_geometry, plan_microbatches
 
 L, K, EXPERTS = 4, 2, 7
@@ -27,22 +28,17 @@ STAGES = ([0, 1], [2, 3])  # PP 2: each stage's MoE layers
 
 
 def make_global(seed, wide):
-    rng = np.random.default_rng(seed)
-    B = int(rng.integers(8, 15))
-    samples = []
-    for i in range(B):
-        n = int(rng.integers(1, 24))
-        r = int(rng.integers(0, n + 1))
-        dtype = np.int16 if wide and i % 3 == 1 else np.uint8
-        samples.append(
-            {
-                "input_ids": rng.integers(1, 1000, size=n).tolist(),
-                "routes": rng.integers(0, EXPERTS, size=(r, L, K)).astype(dtype),
-                "loss_mask": rng.integers(0, 2, size=n).astype(np.float32),
-                "reward": float(rng.random()),
-            }
-        )
-    return samples
+    """The shared global batch, 8 to 14 samples; with `wide`, every third sample (from the second) int16."""
+    return route_samples(
+        seed,
+        n=(8, 15),
+        max_tokens=23,
+        num_layers=L,
+        topk=K,
+        num_experts=EXPERTS,
+        dtypes=(np.uint8, np.int16, np.uint8) if wide else (np.uint8,),
+        extras=("loss_mask", "reward"),
+    )
 
 
 def expected_part(full, indices, layers, layout):
@@ -354,12 +350,19 @@ def test_property_any_plan_and_stage_slices_the_global_batch(data):
 
 
 def _gap_routes(seed=0):
-    rng = np.random.default_rng(seed)
+    """Four samples, the second int16: an uncaptured tail, full capture, nothing captured, a tail."""
     counts = [3, 9, 5, 7]
-    rows = [2, 9, 0, 6]
-    dtypes = [np.uint8, np.int16, np.uint8, np.uint8]
-    routes = [rng.integers(0, 200, size=(r, 4, 2)).astype(d) for r, d in zip(rows, dtypes)]
-    return routes, counts
+    samples = route_samples(
+        seed,
+        counts,
+        captured=[2, 9, 0, 6],
+        num_layers=4,
+        topk=2,
+        num_experts=200,
+        dtypes=(np.uint8, np.int16, np.uint8, np.uint8),
+        token_ids=None,
+    )
+    return [sample["routes"] for sample in samples], counts
 
 
 def test_seq_len_pads_a_subset_to_the_global_length():

@@ -16,16 +16,15 @@ import numpy as np
 import pytest
 import torch
 
+from tests.samples import route_samples
 from torch_r3 import BufferPool, R3Collator, ShardCollator
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _store(advantages: list[list]) -> list[dict]:
-    return [
-        {"input_ids": list(range(1, len(a) + 1)), "routes": np.zeros((len(a) - 1, 2, 2), np.uint8), "adv": a}
-        for a in advantages
-    ]
+    samples = route_samples(0, [len(a) for a in advantages], captured="all_but_last", num_layers=2, topk=2)
+    return [{**sample, "adv": a} for sample, a in zip(samples, advantages)]
 
 
 MIXED = _store([[0, 0, 0], [0.5, -1.0], [1, 2, 3, 4], [0.25, 0.0, 1.5]])  # int lists and float lists

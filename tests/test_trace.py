@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.samples import router_routes
 from torch_r3.codec import decode_routes, decode_sglang_routes, decode_vllm_routes, encode_routes
 from torch_r3.trace import RoutedExpertTrace, TokenMetadataTrace
 
@@ -68,7 +69,7 @@ def test_routed_expert_trace_stitches_turns_into_the_whole_conversation():
     rng = np.random.default_rng(0)
     turns = [(5, 3), (11, 4), (17, 1)]  # (prompt_len, generated_len); observations between turns
     total = turns[-1][0] + turns[-1][1]
-    reference = rng.integers(0, 8, size=(total - 1, 2, 2)).astype(np.uint8)
+    reference = router_routes(rng, total - 1, 2, 2)
     trace = RoutedExpertTrace(num_layers=2, topk=2)
     for prompt_len, generated_len in turns:
         start = trace.prompt_start
@@ -234,7 +235,7 @@ def test_a_multi_turn_trace_over_each_wire_format_equals_the_whole_conversation(
     rng = np.random.default_rng(7)
     turns = [(5, 3), (11, 4), (17, 2), (20, 1)]
     total = turns[-1][0] + turns[-1][1]
-    reference = rng.integers(0, 200, size=(total - 1, 3, 2))
+    reference = router_routes(rng, total - 1, 3, 2, num_experts=200, dtype=np.int64)
     reference[12:15] += 300
     decode = _DECODERS[protocol]
     trace = RoutedExpertTrace(num_layers=3, topk=2, num_experts=512)

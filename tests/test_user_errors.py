@@ -9,31 +9,25 @@ import numpy as np
 import pytest
 import torch
 
+from tests.samples import router_routes
 from torch_r3 import RoutedExpertTrace
 
 L, K = 3, 2
 
 
-def _routes(rows: int) -> np.ndarray:
-    """Routes a router could make: distinct experts per token, varying over tokens (not the all-zero rows
-    the engine-health check refuses)."""
-    rng = np.random.default_rng(rows)
-    return np.stack([[rng.permutation(8)[:K] for _ in range(L)] for _ in range(rows)]).astype(np.uint8)
-
-
 def test_a_turn_sent_without_the_prompt_start_is_told_to_send_it():
     trace = RoutedExpertTrace()
-    trace.record(prompt_len=4, generated_len=3, routes=_routes(6))
+    trace.record(prompt_len=4, generated_len=3, routes=router_routes(6, 6, L, K))
     assert trace.prompt_start == 6
     # Turn 2 asked the server without routed_experts_prompt_start: rows for every position from 0.
     with pytest.raises(ValueError) as e:
-        trace.record(prompt_len=9, generated_len=2, routes=_routes(10))
+        trace.record(prompt_len=9, generated_len=2, routes=router_routes(10, 10, L, K))
     message = str(e.value)
     assert message.startswith("turn 1: expected prompt_len - prompt_start + generated_len - 1 = 9 - 6 + 2 - 1 = 4")
     assert "sampling_params['routed_experts_prompt_start'] = trace.prompt_start (6)" in message
     # A row count that is simply wrong gets no such hint.
     with pytest.raises(ValueError) as e:
-        trace.record(prompt_len=9, generated_len=2, routes=_routes(5))
+        trace.record(prompt_len=9, generated_len=2, routes=router_routes(5, 5, L, K))
     assert "routed_experts_prompt_start" not in str(e.value)
 
 

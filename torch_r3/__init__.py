@@ -35,7 +35,7 @@ _LAZY: dict[str, str] = {
     "decode_routes": "torch_r3.codec",
     "decode_sglang_routes": "torch_r3.codec",
     "decode_vllm_routes": "torch_r3.codec",
-    "WireFormatError": "torch_r3.codec",
+    "WireFormatError": "torch_r3.errors",
     "RoutedExpertTrace": "torch_r3.trace",
     "RemoteGenerateClient": "torch_r3.client",
     "RemoteGenerateResult": "torch_r3.client",
@@ -91,11 +91,10 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # pragma: no cover
     from torch_r3.client import RemoteGenerateClient, RemoteGenerateResult, ZeroRoutesWarning
     from torch_r3.codec import (
-        WireFormatError,
         decode_routes,
         decode_sglang_routes,
         decode_vllm_routes,
         encode_routes,
     )
-    from torch_r3.errors import RemoteGenerateError
+    from torch_r3.errors import RemoteGenerateError, WireFormatError
     from torch_r3.trace import RoutedExpertTrace

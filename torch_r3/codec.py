@@ -38,11 +38,9 @@ This module needs NumPy only; it never imports aiohttp.
 
 from __future__ import annotations
 
-import ast
 import base64
 import binascii
 import math
-import re
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -51,10 +49,14 @@ import numpy as np
 
 from torch_r3 import _base64
 from torch_r3._checks import check_at_least
+from torch_r3._npy import DEFAULT_MAX_ROUTE_BYTES, MAX_HEADER, check_size, decode_npy, npy_layout
+from torch_r3.errors import WireFormatError
 from torch_r3.routes import CANONICAL_DTYPES, check_expert_ids, compact_routes
 
-# `decode_npy` and `base64_decoded_length` are the decoders' own parsers, kept
-# unprefixed for the fuzz tests that attack them directly; not offered to users.
+# `decode_npy` (the `.npy` reader of `torch_r3._npy`, re-exported here) and
+# `base64_decoded_length` are the decoders' own parsers, kept unprefixed for the
+# fuzz tests that attack them directly; not offered to users. `WireFormatError`
+# lives in `torch_r3.errors`; it is importable from here as it always was.
 __all__ = [
     "WireFormatError",
     "decode_routes",
@@ -62,10 +64,6 @@ __all__ = [
     "decode_vllm_routes",
     "encode_routes",
 ]
-
-#: Default cap on the decoded route bytes of one payload (1 GiB): 128k tokens of
-#: a 94-layer, top-8 model in `int32` are 0.4 GiB.
-DEFAULT_MAX_ROUTE_BYTES = 1 << 30
 
 _DTYPES_BY_NAME = {dtype.name: dtype for dtype in CANONICAL_DTYPES}
 _REQUIRED_KEYS = ("data", "shape", "dtype")
@@ -76,19 +74,6 @@ _SGLANG_DTYPES: dict[str, np.dtype] = {"int32": np.dtype("<i4"), "uint16": np.dt
 # the transient chunk stays small next to the result, which is written once.
 _CHUNK_CHARS = 4 << 20
 _STRICT = sys.version_info >= (3, 11)  # binascii strict_mode
-# .npy: magic, version, header length; NumPy itself refuses headers over 10000 bytes.
-_NPY_MAGIC = b"\x93NUMPY"
-_NPY_MAX_HEADER = 10_000
-_NPY_MAX_DIMS = 64  # NumPy's own limit on ndim
-_NPY_DESCR = re.compile(r"[<>|=]?[iu][1248]")
-
-
-class WireFormatError(ValueError):
-    """Malformed wire data: the one exception every decoder raises for it.
-
-    A `ValueError`, so `except ValueError` keeps working. The message names the
-    field (or sample) and what was expected.
-    """
 
 
 def encode_routes(array: Any) -> dict[str, Any]:
@@ -191,10 +176,10 @@ def decode_routes(
     if nbytes == 0:
         # Zero rows hold no data, but NumPy still refuses a shape whose other
         # dims overflow; a row larger than the cap cannot be valid anyway.
-        _check_size(
+        check_size(
             shape[1] * shape[2] * dtype.itemsize, max_bytes, name, f"a row of shape {list(shape[1:])} {dtype.name}"
         )
-    _check_size(nbytes, max_bytes, name, described)
+    check_size(nbytes, max_bytes, name, described)
     _check_b64_length(data, nbytes, f"{name}.data", described)
     fast = _base64.decode_compact(data, shape=shape, wire=dtype.newbyteorder("<"), keep=True, num_experts=num_experts)
     if fast is not None:
@@ -289,7 +274,7 @@ def decode_sglang_routes(
         raise WireFormatError(f"{name}: list-form routes are not accepted; expected SGLang's base64 string")
     row_bytes = int(num_layers) * int(topk) * wire_dtype.itemsize
     nbytes = base64_decoded_length(data, name=name)
-    _check_size(nbytes, max_bytes, name, f"{dtype} routes")
+    check_size(nbytes, max_bytes, name, f"{dtype} routes")
     if nbytes % row_bytes:
         raise WireFormatError(
             f"{name}: {nbytes} decoded bytes is not a whole number of {dtype} rows of "
@@ -366,7 +351,7 @@ def decode_vllm_routes(
             f"{name}: is null (server started without --enable-return-routed-experts, or the request was aborted)"
         )
     nbytes = base64_decoded_length(value, name=name)
-    _check_size(nbytes, max_bytes + 10 + _NPY_MAX_HEADER, name, "a .npy file")
+    check_size(nbytes, max_bytes + 10 + MAX_HEADER, name, "a .npy file")
     fast = _decode_npy_routes(value, nbytes, num_layers, topk, num_experts, max_bytes, name)
     if fast is not None:
         return fast
@@ -389,11 +374,11 @@ def _decode_npy_routes(
     """The fast path of `decode_vllm_routes`: the header from the first quanta, the data by the kernel."""
     if not isinstance(value, str):
         value = memoryview(value).cast("B")  # lengths and slices in bytes, whatever view was given
-    head_chars = min(len(value), -(-(12 + _NPY_MAX_HEADER) // 3) * 4)
+    head_chars = min(len(value), -(-(12 + MAX_HEADER) // 3) * 4)
     head = _base64.decode_bytes(value[:head_chars])
     if head is None or len(head) != (head_chars // 4 * 3 if head_chars < len(value) else nbytes):
         return None  # not base64, or padding inside the text
-    dtype, fortran, shape, offset = _npy_layout(memoryview(head), nbytes, max_bytes, name)
+    dtype, fortran, shape, offset = npy_layout(memoryview(head), nbytes, max_bytes, name)
     if fortran and sum(d > 1 for d in shape) > 1:
         return None  # a Fortran-order array: the reference path transposes it
     return _base64.decode_compact(
@@ -414,82 +399,6 @@ def _vllm_shape(shape: tuple[int, ...], num_layers: int | None, topk: int | None
     if 0 in shape[1:]:
         raise WireFormatError(f"{name}: layers and topk must be > 0, got shape {shape}")
     return (shape[0], shape[1], shape[2])
-
-
-def decode_npy(data: Any, *, max_bytes: int = DEFAULT_MAX_ROUTE_BYTES, name: str = "npy") -> np.ndarray:
-    """Read a `.npy` file of integers from bytes, checking the header before the data.
-
-    The header (format versions 1 to 3) is parsed as a Python literal, never
-    unpickled; only integer dtypes of 1, 2, 4 or 8 bytes are accepted. The
-    array's byte count, computed from the declared shape, is compared with
-    `max_bytes` and with the bytes that follow the header before anything is
-    read; the result is a read-only view of `data` (no copy).
-
-    Args:
-        data: The whole file as `bytes`, `bytearray`, `memoryview` or a `uint8`
-            NumPy array.
-        max_bytes: Largest array data accepted, in bytes.
-        name: What to call the value in error messages.
-
-    Returns:
-        The array with the file's dtype and shape, a view of `data`.
-
-    Raises:
-        WireFormatError: `data` is not a `.npy` file, its header is malformed,
-            its dtype is not an integer, its data is over `max_bytes`, or the
-            byte count after the header is not the declared one.
-
-    Examples:
-        >>> import io, numpy as np
-        >>> buf = io.BytesIO()
-        >>> np.save(buf, np.arange(6, dtype=np.int16).reshape(3, 2), allow_pickle=False)
-        >>> decode_npy(buf.getvalue()).tolist()
-        [[0, 1], [2, 3], [4, 5]]
-    """
-    _check_cap(max_bytes, name)
-    if isinstance(data, np.ndarray):
-        if data.dtype != np.uint8 or data.ndim != 1 or not data.flags.c_contiguous:
-            raise WireFormatError(f"{name}: expected .npy bytes, got an array of {data.dtype} shape {data.shape}")
-        buf = data.data
-    elif isinstance(data, (bytes, bytearray, memoryview)):
-        buf = memoryview(data).cast("B")
-    else:
-        raise WireFormatError(f"{name}: expected .npy bytes, got {type(data).__name__}")
-    dtype, fortran, shape, offset = _npy_layout(buf, len(buf), max_bytes, name)
-    array = np.frombuffer(buf, dtype=dtype, count=math.prod(shape), offset=offset)
-    return array.reshape(shape, order="F" if fortran else "C")
-
-
-def _npy_layout(head: memoryview, total: int, max_bytes: int, name: str) -> tuple[np.dtype, bool, tuple[int, ...], int]:
-    """The dtype, order, shape and data offset of a `.npy` file of `total` bytes, from its first bytes.
-
-    `head` holds the whole file, or at least its first `12 + _NPY_MAX_HEADER` bytes.
-    """
-    if total < 10 or bytes(head[:6]) != _NPY_MAGIC:
-        raise WireFormatError(f"{name}: not a .npy file (missing the \\x93NUMPY magic)")
-    major = head[6]
-    if major == 1:
-        length, start = int.from_bytes(head[8:10], "little"), 10
-    elif major in (2, 3) and total >= 12:
-        length, start = int.from_bytes(head[8:12], "little"), 12
-    else:
-        raise WireFormatError(f"{name}: unsupported .npy format version {major}.{head[7]}")
-    if length > _NPY_MAX_HEADER or start + length > total:
-        raise WireFormatError(
-            f"{name}: .npy header of {length} bytes is too long or truncated (file has {total} bytes)"
-        )
-    dtype, fortran, shape = _parse_npy_header(bytes(head[start : start + length]), major, name)
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes == 0:  # a zero dim: the others must still fit, or NumPy refuses the shape
-        extent = math.prod(d for d in shape if d) * dtype.itemsize
-        _check_size(extent, max_bytes, name, f"the non-zero dims of .npy shape {list(shape)} {dtype.str}")
-    _check_size(nbytes, max_bytes, name, f".npy data {dtype.str} {list(shape)}")
-    offset = start + length
-    if total - offset != nbytes:
-        raise WireFormatError(
-            f"{name}: .npy header declares {nbytes} data bytes ({dtype.str} {list(shape)}), but {total - offset} follow it"
-        )
-    return dtype, fortran, shape, offset
 
 
 def base64_decoded_length(text: Any, *, name: str = "data") -> int:
@@ -542,11 +451,6 @@ def _check_model_counts(num_layers: Any, topk: Any, name: str) -> None:
     _check_int_arg(topk, "topk", name, minimum=1)
 
 
-def _check_size(nbytes: int, max_bytes: int, name: str, described: str) -> None:
-    if nbytes > max_bytes:
-        raise WireFormatError(f"{name}: {described} is {nbytes} bytes, over the cap max_bytes={max_bytes}")
-
-
 def _check_dtype(value: Any, name: str) -> np.dtype:
     dtype = _DTYPES_BY_NAME.get(value) if isinstance(value, str) else None
     if dtype is None:
@@ -589,30 +493,6 @@ def _check_b64_length(data: Any, nbytes: int, what: str, described: str) -> None
     got = base64_decoded_length(data, name=what)
     if got != nbytes:
         raise WireFormatError(f"{what}: base64 decodes to {got} bytes, but {described} needs {nbytes}")
-
-
-def _parse_npy_header(header: bytes, major: int, name: str) -> tuple[np.dtype, bool, tuple[int, ...]]:
-    try:
-        text = header.decode("utf-8" if major == 3 else "latin1")
-        # A Python literal, never code: literal_eval builds only constants and
-        # containers, and the text is at most _NPY_MAX_HEADER characters.
-        meta = ast.literal_eval(text)
-    except (UnicodeDecodeError, SyntaxError, ValueError, TypeError, MemoryError, RecursionError) as exc:
-        raise WireFormatError(f"{name}: .npy header is not a Python literal ({type(exc).__name__})") from None
-    if not isinstance(meta, dict) or set(meta) != {"descr", "fortran_order", "shape"}:
-        raise WireFormatError(f"{name}: .npy header must be a dict with exactly descr, fortran_order and shape")
-    descr, fortran, shape = meta["descr"], meta["fortran_order"], meta["shape"]
-    if not isinstance(descr, str) or not _NPY_DESCR.fullmatch(descr):
-        raise WireFormatError(f"{name}: .npy dtype must be an integer dtype, got {descr!r:.40}")
-    if not isinstance(fortran, bool):
-        raise WireFormatError(f"{name}: .npy fortran_order must be a bool, got {fortran!r:.40}")
-    if not isinstance(shape, tuple) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-    ):
-        raise WireFormatError(f"{name}: .npy shape must be a tuple of non-negative ints, got {shape!r:.60}")
-    if len(shape) > _NPY_MAX_DIMS:
-        raise WireFormatError(f"{name}: .npy shape has {len(shape)} dims, more than NumPy's {_NPY_MAX_DIMS}")
-    return np.dtype(descr), fortran, shape
 
 
 def _b64decode_into(data: Any, out: np.ndarray, what: str) -> None:

@@ -16,10 +16,11 @@ layout page of the documentation:
 Argument rules of the batch's geometry (`seq_len`, `dtype`, `layers`,
 `sample_ids`, padding side, prompt widths and lengths, the output-size bound)
 live in `torch_r3.geometry`, the samples' side of `R3Collator` in
-`torch_r3._samples`, the two writers in `torch_r3._writers`. What remains
-here is the kernel: the options and the checks that
-must all pass before the first byte is written, the allocation, and the
-hand-over to the writers.
+`torch_r3._samples`, the per-sample checks of the routes, token counts and
+`out=` (all passed before the first byte is written) in
+`torch_r3._route_inputs`, the two writers in `torch_r3._writers`. What remains
+here is the kernel: the options, the allocation, and the hand-over to the
+writers.
 
 How it stays fast: the output is allocated uninitialised (or recycled, see
 `torch_r3.BufferPool`) and every byte is written exactly once, row by row, by
@@ -45,6 +46,7 @@ from torch_r3._buffers import BufferPool
 from torch_r3._checks import check_bool, check_choice, check_int, check_positive
 from torch_r3._deprecation import renamed_argument
 from torch_r3._filler import FillerWriter, check_filler, padding_rows
+from torch_r3._route_inputs import check_aliasing, check_batch, check_out, output_dtype
 from torch_r3._samples import SeqField, batch_samples, check_pad_number, collate_extra, prompt_lengths_of
 from torch_r3._writers import packed_writer, padded_writer
 from torch_r3.geometry import (
@@ -73,7 +75,6 @@ from torch_r3.keys import (
     ROUTES,
     SAMPLE_ROUTES,
 )
-from torch_r3.routes import CANONICAL_DTYPES, canonical_dtype_for, compact_routes, widest
 
 __all__ = ["R3Collator", "collate_routes", "padding_rows"]
 
@@ -149,128 +150,6 @@ class _Options:
         object.__setattr__(self, "pin_memory", _memory.check_pin_memory(self.pin_memory))
 
 
-_COMPACT_ADVICE = (
-    "compact it with torch_r3.compact_routes where the routes are made or loaded (on the sender, or in a "
-    "datasets set_transform), or pass compact=True to compact at collation"
-)
-
-
-def _as_route_array(sample: Any, i: int, compact: bool = False, num_experts: int | None = None) -> np.ndarray | None:
-    """The sample's routes as a canonical array; `None` for an empty sample to reshape once `[L, K]` is known."""
-    if isinstance(sample, torch.Tensor):
-        if sample.device.type != "cpu":
-            raise TypeError(
-                f"routes[{i}]: expected a host array, got a tensor on {sample.device}; "
-                f"move it with .cpu() (or compact it with torch_r3.compact_routes)"
-            )
-        sample = sample.detach().numpy()
-    if compact and isinstance(sample, (list, tuple)):
-        try:
-            sample = np.asarray(sample) if len(sample) else np.zeros(0, np.uint8)
-        except (ValueError, OverflowError) as e:  # ragged nesting
-            raise ValueError(f"routes[{i}]: expected nested lists [rows][layers][topk] of ints: {e}") from None
-    if not isinstance(sample, np.ndarray):
-        raise TypeError(
-            f"routes[{i}]: expected a NumPy array [rows, layers, topk] of uint8/int16/int32, "
-            f"got {type(sample).__name__}; {_COMPACT_ADVICE}"
-        )
-    if compact:
-        if sample.size == 0 and sample.ndim != 3:  # an empty list or a datasets object array
-            return None
-        if sample.dtype not in CANONICAL_DTYPES:
-            if sample.dtype.kind not in "iu":
-                raise TypeError(f"routes[{i}]: compact=True needs integer expert ids, got dtype {sample.dtype}")
-            return compact_routes(sample, name=f"routes[{i}]", num_experts=num_experts, health=None)
-    if sample.dtype not in CANONICAL_DTYPES:
-        raise ValueError(
-            f"routes[{i}]: expected a canonical dtype (native uint8, int16 or int32), got {sample.dtype.str} "
-            f"({sample.dtype}); {_COMPACT_ADVICE}"
-        )
-    if sample.ndim != 3:
-        raise ValueError(f"routes[{i}]: expected shape [rows, layers, topk], got {sample.ndim}-D shape {sample.shape}")
-    return sample
-
-
-def _as_count(value: Any, i: int) -> int:
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
-        value = value.item()
-    return check_positive(value, f"token_counts[{i}]")  # the rule of `_checks.check_token_counts`
-
-
-def _check_batch(routes: Any, token_counts: Any, opts: _Options | None = None) -> tuple[list[np.ndarray], list[int]]:
-    compact = opts is not None and opts.compact
-    if isinstance(routes, (np.ndarray, torch.Tensor)) or not isinstance(routes, Sequence):
-        raise TypeError(f"routes: expected a sequence of per-trajectory arrays, got {type(routes).__name__}")
-    if len(routes) == 0:
-        raise ValueError("routes: expected at least one sample, got an empty batch")
-    if isinstance(token_counts, torch.Tensor):
-        token_counts = token_counts.tolist()
-    elif isinstance(token_counts, np.ndarray):
-        token_counts = list(token_counts)
-    if not isinstance(token_counts, Sequence):
-        raise TypeError(f"token_counts: expected a sequence of ints, got {type(token_counts).__name__}")
-    if len(token_counts) != len(routes):
-        raise ValueError(f"token_counts: expected {len(routes)} counts (one per sample), got {len(token_counts)}")
-    experts = None if opts is None else opts.num_experts
-    found = [_as_route_array(r, i, compact, experts) for i, r in enumerate(routes)]
-    counts = [_as_count(c, i) for i, c in enumerate(token_counts)]
-    shaped = next((a for a in found if a is not None), None)
-    if shaped is None:  # only compact=True returns None, for an empty sample
-        raise ValueError("routes: every sample is empty, so [layers, topk] is unknown; give one [0, L, K] array")
-    arrays = [np.zeros((0,) + shaped.shape[1:], np.uint8) if a is None else a for a in found]
-    _, num_layers, topk = arrays[0].shape
-    if num_layers == 0 or topk == 0:
-        raise ValueError(f"routes[0]: layers and topk must be > 0, got shape {arrays[0].shape}")
-    for i, (a, n) in enumerate(zip(arrays, counts)):
-        if a.shape[1:] != (num_layers, topk):
-            raise ValueError(f"routes[{i}]: expected [rows, {num_layers}, {topk}] like routes[0], got shape {a.shape}")
-        if a.shape[0] > n:
-            raise ValueError(
-                f"routes[{i}]: {a.shape[0]} route rows for {n} tokens; captured rows must be a prefix "
-                f"of the trajectory's tokens (rows <= tokens)"
-            )
-    return arrays, counts
-
-
-def _output_dtype(arrays: Sequence[np.ndarray], topk: int, opts: _Options) -> np.dtype:
-    # Promotion by dtype alone (the sender compacted, no value is rescanned),
-    # widened where a padding expert id would not fit the inputs' dtype.
-    experts = opts.num_experts  # set whenever padding is balanced (checked by _Options)
-    if opts.filler == "zeros":
-        largest_pad_id = 0
-    else:
-        largest_pad_id = experts - 1 if opts.filler == "balanced" and experts is not None else topk - 1
-    pad_dtype = canonical_dtype_for(largest_pad_id)
-    if opts.dtype is None:
-        return widest({a.dtype for a in arrays} | {pad_dtype})
-    rank = CANONICAL_DTYPES.index
-    for i, a in enumerate(arrays):
-        if rank(a.dtype) > rank(opts.dtype):
-            raise ValueError(
-                f"routes[{i}]: dtype {a.dtype} is wider than dtype={opts.dtype}; routes are widened, never "
-                f"narrowed: pass the global batch's dtype (torch_r3.global_geometry)"
-            )
-    if rank(pad_dtype) > rank(opts.dtype):
-        raise ValueError(
-            f"dtype={opts.dtype} cannot hold the {opts.filler} filler's expert id {largest_pad_id}; "
-            f"use dtype={pad_dtype}"
-        )
-    return opts.dtype
-
-
-def _check_aliasing(result: dict[str, torch.Tensor], arrays: Sequence[np.ndarray], fields: Sequence[SeqField]) -> None:
-    """Refuse an input that lives inside a caller-supplied output (it would be overwritten before it is read)."""
-    for key, t in result.items():
-        view = t.numpy()
-        for i, a in enumerate(arrays):
-            if np.may_share_memory(a, view):
-                raise ValueError(f"routes[{i}] lies in the memory of out[{key!r}]; collate from a copy of it")
-        for f in fields:
-            for i, a in enumerate(f.arrays):
-                if np.may_share_memory(a, view):
-                    raise ValueError(f"sample {i}: {f.key!r} lies in the memory of out[{key!r}]; use a copy of it")
-
-
 def _row_copier(layers: tuple[int, ...] | None) -> Callable[[np.ndarray, np.ndarray], None]:
     """`copy(dst, src)` writing `src`'s selected layers into `dst`, each byte of `dst` once."""
     if layers is None:
@@ -295,31 +174,6 @@ def _row_copier(layers: tuple[int, ...] | None) -> Callable[[np.ndarray, np.ndar
     return copy_each
 
 
-def _check_out(out: Any, want: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
-    if out is None:
-        return {}
-    if isinstance(out, torch.Tensor):
-        out = {ROUTES: out}
-    if not isinstance(out, Mapping):
-        raise TypeError(f"out: expected a tensor (for {ROUTES}) or a dict of tensors, got {type(out).__name__}")
-    for key, t in out.items():
-        if key not in want:
-            raise ValueError(f"out: unexpected key {key!r}; expected some of {sorted(want)}")
-        shape, dtype = want[key]
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"out[{key!r}]: expected a torch.Tensor, got {type(t).__name__}")
-        if tuple(t.shape) != shape or t.dtype != dtype:
-            raise ValueError(
-                f"out[{key!r}]: expected shape {list(shape)} and dtype {dtype}, "
-                f"got shape {list(t.shape)} and dtype {t.dtype}"
-            )
-        if t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError(
-                f"out[{key!r}]: expected a contiguous CPU tensor, got device {t.device}, contiguous={t.is_contiguous()}"
-            )
-    return dict(out)
-
-
 def _collate(
     arrays: Sequence[np.ndarray],
     counts: list[int],
@@ -336,7 +190,7 @@ def _collate(
     ids = list(range(B)) if sample_ids is None else check_sample_ids(sample_ids, B)
     if opts.keep_layers is not None:
         check_layers_in_range(opts.keep_layers, num_layers)
-    dtype = _output_dtype(arrays, topk, opts)
+    dtype = output_dtype(arrays, topk, filler=opts.filler, num_experts=opts.num_experts, dtype=opts.dtype)
     out_layers = num_layers if opts.keep_layers is None else len(opts.keep_layers)
     row_shape, tdtype = (out_layers, topk), _NP_TO_TORCH[dtype]
     if opts.layout == "prompt_response":
@@ -378,8 +232,8 @@ def _collate(
             want[CU_SEQLENS_PADDED] = ((B + 1,), torch.int32)
         want.update({f.key: ((N,), f.dtype) for f in fields})
 
-    result = _check_out(out, want)
-    _check_aliasing(result, arrays, fields)
+    result = check_out(out, want)
+    check_aliasing(result, arrays, fields)
     kind = _memory.memory_kind(opts.pin_memory)
     needed = {k: spec for k, spec in want.items() if k not in result}
     check_output_size(needed, opts.max_output_bytes)
@@ -541,7 +395,7 @@ def collate_routes(
     )
     if buffers is not None and not isinstance(buffers, BufferPool):
         raise TypeError(f"buffers must be None or a torch_r3.BufferPool, got {type(buffers).__name__}")
-    arrays, counts = _check_batch(routes, token_counts, opts)
+    arrays, counts = check_batch(routes, token_counts, compact=opts.compact, num_experts=opts.num_experts)
     return _collate(
         arrays, counts, opts, out=out, buffers=buffers, sample_ids=sample_ids, prompt_lengths=prompt_lengths
     )
@@ -723,7 +577,9 @@ class R3Collator:
             samples, self.routes_key, self.tokens_key, self.pad_token_id, self.pad_keys
         )
         try:
-            arrays, counts = _check_batch(routes, [tokens.shape[0] for tokens in fields[0].arrays], self._options)
+            counts = [tokens.shape[0] for tokens in fields[0].arrays]
+            opts = self._options
+            arrays, counts = check_batch(routes, counts, compact=opts.compact, num_experts=opts.num_experts)
         except (TypeError, ValueError) as e:
             raise type(e)(f"{e} [key {self.routes_key!r}]") from None
         prompts = None

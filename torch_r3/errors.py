@@ -1,15 +1,28 @@
-"""The client's failure type, `RemoteGenerateError`, in a module of its own.
+"""The package's failure types for remote data, in a module of their own.
 
-The transport raises it for every failed request and the client for every
-answer that breaks its server's format; both import it from here, so neither
-owns the other's error. This module imports nothing beyond the standard
-library: `torch_r3.RemoteGenerateError` works without aiohttp installed (an
-`except` clause can name it where the client is optional).
+`WireFormatError` is what every wire decoder raises for malformed data: the
+codec's, the `.npy` reader's, the protocols' and the indexer wire's, all of
+which import it from here (it stays importable from `torch_r3.codec`, as it
+always was). `RemoteGenerateError` is the client's: the transport raises it for
+every failed request and the client for every answer that breaks its server's
+format; both import it from here, so neither owns the other's error.
+
+This module imports nothing beyond the standard library: both names work
+without aiohttp installed (an `except` clause can name them where the client is
+optional).
 """
 
 from __future__ import annotations
 
-__all__ = ["RemoteGenerateError"]
+__all__ = ["RemoteGenerateError", "WireFormatError"]
+
+
+class WireFormatError(ValueError):
+    """Malformed wire data: the one exception every decoder raises for it.
+
+    A `ValueError`, so `except ValueError` keeps working. The message names the
+    field (or sample) and what was expected.
+    """
 
 
 class RemoteGenerateError(RuntimeError):

@@ -12,6 +12,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from tests.samples import router_routes
 from torch_r3 import R3Collator, global_geometry, plan_microbatches
 
 
@@ -31,7 +32,7 @@ def generator_output(seed=0, n=6):
         out["prompt_token_ids"].append(rng.integers(1, 100, p).tolist())
         out["response_ids"].append(rng.integers(1, 100, r).tolist())
         out["loss_masks"].append(rng.integers(0, 2, r).tolist())
-        out["rollout_expert_indices"].append(rng.integers(0, 16, (p + r - 1, 2, 2)).astype(np.uint8))
+        out["rollout_expert_indices"].append(router_routes(rng, p + r - 1, 2, 2, num_experts=16))
     return out
 
 

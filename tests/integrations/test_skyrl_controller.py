@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.integrations.frameworks import SKYRL_VERSION, installed_version, load, requires
+from tests.samples import router_routes
 from torch_r3 import BufferPool
 
 pytestmark = requires("skyrl")
@@ -54,8 +55,7 @@ def rollouts(seed: int, n: int = 7, *, dtypes=(np.uint8,), short: int = 1):
         masks.append(rng.integers(0, 2, r).tolist())
         rows = max(1, p + r - short - int(rng.integers(0, 3)))
         dtype = dtypes[i % len(dtypes)]
-        ids = np.stack([np.stack([rng.permutation(EXPERTS)[:TOPK] for _ in range(LAYERS)]) for _ in range(rows)])
-        routes.append(ids.astype(dtype))
+        routes.append(router_routes(rng, rows, LAYERS, TOPK, num_experts=EXPERTS, dtype=dtype))
     return prompts, responses, rewards, masks, routes
 
 

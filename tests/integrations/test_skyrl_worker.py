@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.integrations.frameworks import load, requires
+from tests.samples import router_routes
 
 pytestmark = [requires("skyrl"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -57,11 +58,7 @@ def skyrl_batch(skyrl, seed=0, n=6, vocab=64):
         rewards.append([0.0] * r)
         masks.append([1] * r)
         rows = p + r - 1 - int(rng.integers(0, 2))  # the last token, sometimes one more, uncaptured
-        routes.append(
-            np.stack([np.stack([rng.permutation(EXPERTS)[:TOPK] for _ in range(LAYERS)]) for _ in range(rows)]).astype(
-                np.uint8
-            )
-        )
+        routes.append(router_routes(rng, rows, LAYERS, TOPK, num_experts=EXPERTS))
     with install():
         out = skyrl["preprocess"].convert_prompts_responses_to_batch_tensors(
             0, prompts, responses, rewards, masks, None, routes

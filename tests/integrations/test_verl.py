@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.integrations.frameworks import VERL_VERSION, installed_version, load, requires
+from tests.samples import router_routes
 
 pytestmark = [requires("verl"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -46,8 +47,7 @@ def samples(seed, n=5, *, fewer=False):
     routes = []
     for p, r in zip(prompts, responses):
         rows = p + r - 1 - (int(rng.integers(0, 3)) if fewer else 0)
-        ids = [[rng.permutation(EXPERTS)[:TOPK] for _ in range(LAYERS)] for _ in range(max(rows, 0))]
-        routes.append(np.asarray(ids, dtype=np.uint8).reshape(max(rows, 0), LAYERS, TOPK))
+        routes.append(router_routes(rng, max(rows, 0), LAYERS, TOPK, num_experts=EXPERTS))
     return prompts, responses, routes
 
 

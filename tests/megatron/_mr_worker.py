@@ -25,10 +25,12 @@ import os
 import re
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from tests.megatron._models import EXPERTS, TOPK, VOCAB, RouteRecorder, make_config
+from tests.samples import route_samples
 
 NUM_SAMPLES = 8
 SEQ = 16  # every sample fits; padded batches are always SEQ long
@@ -81,14 +83,20 @@ def make_samples(seed: int = 0) -> list[dict]:
     Lengths are multiples of 4 so that the packed layout splits evenly over two
     context-parallel ranks (2 * cp chunks per sequence).
     """
-    g = torch.Generator().manual_seed(seed)
-    samples = []
-    for i in range(NUM_SAMPLES):
-        n = 4 * int(torch.randint(2, 5, (1,), generator=g))
-        rows = [torch.randperm(EXPERTS, generator=g)[:TOPK] for _ in range((n - 1) * LAYERS)]
-        routes = torch.stack(rows).reshape(n - 1, LAYERS, TOPK).to(torch.uint8)
-        ids = torch.randint(2, VOCAB, (n,), generator=g)
-        samples.append({"input_ids": ids, "routes": routes.numpy(), "sample_id": i})
+    rng = np.random.default_rng(seed)
+    lengths = [4 * int(k) for k in rng.integers(2, 5, NUM_SAMPLES)]
+    samples = route_samples(
+        rng,
+        lengths,
+        captured="all_but_last",
+        num_layers=LAYERS,
+        topk=TOPK,
+        num_experts=EXPERTS,
+        token_ids=(2, VOCAB),
+    )
+    for i, sample in enumerate(samples):
+        sample["input_ids"] = torch.tensor(sample["input_ids"])
+        sample["sample_id"] = i
     return samples
 
 

@@ -12,11 +12,11 @@ prompt-left/response-right layout must replay exactly too, their padding
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from tests.megatron._models import EXPERTS, TOPK, VOCAB, RouteRecorder, expected_map
+from tests.samples import route_samples
 from torch_r3 import R3Collator
 from torch_r3.megatron import ReplayHook
 from torch_r3.megatron.slicing import RankSlice, slice_for_rank
@@ -27,19 +27,9 @@ CAPTURED = (4, 9, 1)
 
 
 def _samples(seed=0, lengths=LENGTHS, captured=CAPTURED, layers=2):
-    g = torch.Generator().manual_seed(seed)
-    samples = []
-    for n, r in zip(lengths, captured):
-        routes = torch.stack(
-            [torch.stack([torch.randperm(EXPERTS, generator=g)[:TOPK] for _ in range(layers)]) for _ in range(r)]
-        )
-        samples.append(
-            {
-                "input_ids": torch.randint(1, VOCAB, (n,), generator=g).tolist(),
-                "routes": routes.to(torch.uint8).numpy() if r else np.zeros((0, layers, TOPK), np.uint8),
-            }
-        )
-    return samples
+    return route_samples(
+        seed, lengths, captured=captured, num_layers=layers, topk=TOPK, num_experts=EXPERTS, token_ids=(1, VOCAB)
+    )
 
 
 def _aligned_batch(samples, filler="balanced"):

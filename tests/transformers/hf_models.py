@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
+from tests.samples import route_samples
 from torch_r3 import R3Collator
 
 LENGTHS = (6, 4)  # two trajectories: left padding in row 1
@@ -193,17 +193,17 @@ def build(family: str, seed: int = 0, dtype=torch.float32):
 
 def make_batch(hook, *, lengths=LENGTHS, seed=0, layers="all", layout="padded"):
     """A real R3Collator batch: random distinct experts, the last token of each trajectory uncaptured."""
-    g = np.random.default_rng(seed)
     moe = list(hook.layers)
-    columns = hook.num_layers if layers == "all" else len(moe)
-    samples = []
-    for _i, n in enumerate(lengths):
-        routes = np.zeros((n - 1, columns, hook.topk), np.uint8)  # dense layers keep zero rows
-        for c, layer in enumerate(moe):
-            col = layer if layers == "all" else c
-            routes[:, col] = np.argsort(g.random((n - 1, hook.num_experts)), axis=-1)[:, : hook.topk]
-        ids = g.integers(3, 64, n).tolist()
-        samples.append({"input_ids": ids, "routes": routes})
+    samples = route_samples(
+        seed,
+        lengths,
+        captured="all_but_last",
+        num_layers=hook.num_layers if layers == "all" else len(moe),
+        topk=hook.topk,
+        num_experts=hook.num_experts,
+        moe_layers=moe if layers == "all" else None,  # dense layers keep zero rows
+        token_ids=(3, 64),
+    )
     return R3Collator(pad_token_id=0, layout=layout)(samples)
 
 

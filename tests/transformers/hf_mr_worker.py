@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 import sys
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from tests.samples import route_samples
 from tests.transformers.hf_models import build
 
 FAMILY = "qwen3_moe"
@@ -29,15 +29,18 @@ def samples(n=8, seed=5):
     model = build(FAMILY)
     layers, topk, experts = model.config.num_hidden_layers, model.config.num_experts_per_tok, model.config.num_experts
     moe = [0, 2]  # mlp_only_layers=[1] in the tiny config
-    g = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        length = int(g.integers(3, 8))
-        routes = np.zeros((length - 1, layers, topk), np.uint8)
-        for layer in moe:
-            routes[:, layer] = np.argsort(g.random((length - 1, experts)), axis=-1)[:, :topk]
-        out.append({"input_ids": g.integers(3, 64, length).tolist(), "routes": routes})
-    return out
+    return route_samples(
+        seed,
+        n=n,
+        min_tokens=3,
+        max_tokens=7,
+        captured="all_but_last",
+        num_layers=layers,
+        topk=topk,
+        num_experts=experts,
+        moe_layers=moe,
+        token_ids=(3, 64),
+    )
 
 
 def loss_of(model, batch):

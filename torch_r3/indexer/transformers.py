@@ -41,7 +41,7 @@ from torch_r3.indexer.checks import (
 )
 from torch_r3.indexer.collate import SELECTION_MASK, SELECTIONS
 from torch_r3.indexer.encoding import FILL
-from torch_r3.replay.marker import check_free, claim, release
+from torch_r3.replay.lifecycle import HookLifecycle
 from torch_r3.replay.modes import check_uncaptured
 from torch_r3.replay.recording import Recording
 
@@ -113,7 +113,7 @@ def _is_indexer(module: torch.nn.Module) -> bool:
     return any((c.__module__, c.__name__) in INDEXER_CLASSES for c in type(module).__mro__)
 
 
-class IndexerReplayHook:
+class IndexerReplayHook(HookLifecycle):
     """Replays captured indexer selections in the DSA indexers of one `transformers` model.
 
     ```python
@@ -142,10 +142,7 @@ class IndexerReplayHook:
         self.uncaptured = check_uncaptured(uncaptured)
         self._model = model
         self._indexers, self._num_layers = _find_indexers(model)
-        for ix in self._indexers:
-            check_free(ix.module, ix.name)  # all of them first: a refused hook claims nothing
-        for ix in self._indexers:
-            claim(ix.module, ix.name)
+        self._hold((ix.module, ix.name) for ix in self._indexers)  # a refused hook claims nothing
         self._active: _Replay | None = None
         self._recording: _Recorder | None = None
         self._call: dict[int, torch.Tensor] | None = None
@@ -242,29 +239,7 @@ class IndexerReplayHook:
             self._recording = None
         rec.microbatches.append(self._recorded_batch(seen))
 
-    def close(self) -> None:
-        """Remove the hooks; the model is as it was before."""
-        for h in self._handles:
-            h.remove()
-        if self._handles:
-            for ix in self._indexers:
-                release(ix.module)
-        self._handles = []
-        self._active = None
-
-    def __enter__(self) -> IndexerReplayHook:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # ------------------------------------------------------------- internals
-
-    def _check_idle(self) -> None:
-        if not self._handles:
-            raise RuntimeError("IndexerReplayHook is closed")
-        if self._active is not None or self._recording is not None:
-            raise RuntimeError("IndexerReplayHook: replay() and record() blocks do not nest")
 
     def _columns(self, sel: torch.Tensor, L: int) -> list[int]:
         if L == len(self._indexers):

@@ -3,14 +3,14 @@
 It is one class whose per-step state (what each router was given, what
 recompute must pop, what was recorded for R2) is read and reset in one place;
 the pure parts live elsewhere (`slicing`, `batch_checks`, `setup_checks`,
-`routers`).
+`routers`), as do each microbatch's layout on this rank (`microbatch`) and
+what the hook looks up in the model (`model`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -20,13 +20,9 @@ from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from torch_r3._checks import check_indices
 from torch_r3.keys import ROUTER_MASK, ROUTES
-from torch_r3.megatron.batch_checks import (
-    check_aligned_offsets,
-    check_model_input,
-    check_record_microbatch,
-    check_route_values,
-    model_padding_mask,
-)
+from torch_r3.megatron.batch_checks import check_model_input, check_record_microbatch, check_route_values
+from torch_r3.megatron.microbatch import current_rank, prepare_microbatch, rank_share
+from torch_r3.megatron.model import as_chunks, find_hybrid_pattern, find_padding_mask_module, first_device
 from torch_r3.megatron.routers import RouterTarget, expert_bias_mask_is_broken, find_routers
 from torch_r3.megatron.setup_checks import InterleavedPipelineError, check_config, check_pipeline
 from torch_r3.megatron.slicing import (
@@ -35,8 +31,6 @@ from torch_r3.megatron.slicing import (
     hybrid_moe_pattern,
     moe_layer_pattern,
     router_indices,
-    sequence_parallel_positions,
-    slice_for_rank,
     stage_layer_range,
 )
 from torch_r3.replay.checks import check_route_batch
@@ -121,7 +115,7 @@ class ReplayHook:
         packed_balancing: str = "per_document",
         expert_load: bool = False,
     ):
-        chunks = _as_chunks(model)
+        chunks = as_chunks(model)
         if config is None:
             config = getattr(chunks[0], "config", None)
             if config is None:
@@ -139,7 +133,7 @@ class ReplayHook:
         self.config = config
         self.uncaptured = uncaptured
         self._chunk = chunks[0]
-        self._hybrid = _find_hybrid_pattern(self._chunk)
+        self._hybrid = find_hybrid_pattern(self._chunk)
         if self._hybrid is not None:
             # HybridModel: the layer pattern, not moe_layer_freq, says which layers are MoE.
             pp_size = getattr(config, "pipeline_model_parallel_size", 1) or 1
@@ -177,7 +171,7 @@ class ReplayHook:
         if self._route_layers is not None:
             route_layer_map(self.router_layers, len(self._route_layers), self._pattern, route_layers=self._route_layers)
         self._packed_balancing = packed_balancing
-        self._gpt = _find_padding_mask_module(self._chunk)
+        self._gpt = find_padding_mask_module(self._chunk)
         self._pre_process = bool(getattr(self._gpt, "pre_process", True))
         # GPTModel's first stage scatters padding_mask for sequence parallelism; HybridModel
         # hands it to its layers as given, so the hook cuts it to this rank's share itself.
@@ -455,16 +449,7 @@ class ReplayHook:
             raise ValueError(f"data_iterator ran out: the schedule asked for microbatch {which}") from None
 
     def _rank(self) -> RankSlice:
-        sp = bool(getattr(self.config, "sequence_parallel", False))
-        if not parallel_state.model_parallel_is_initialized():
-            return RankSlice(sequence_parallel=sp)
-        return RankSlice(
-            cp_size=parallel_state.get_context_parallel_world_size(),
-            cp_rank=parallel_state.get_context_parallel_rank(),
-            tp_size=parallel_state.get_tensor_model_parallel_world_size(),
-            tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-            sequence_parallel=sp,
-        )
+        return current_rank(self.config)
 
     def _install(self, batch: Mapping[str, Any]) -> None:
         microbatch = self._microbatch
@@ -472,7 +457,7 @@ class ReplayHook:
         live = self.uncaptured == "live"
         # Each tensor goes to the model's device once, as the batch holds it (non-blocking:
         # asynchronous from pinned memory); the checks, layer selection and slicing run there.
-        device = _first_device(self._chunk)  # asked per call: models move after construction
+        device = first_device(self._chunk)  # asked per call: models move after construction
         if self._record:
             (b, t), cu_seqlens = check_record_microbatch(batch)
             shape = (t,) if cu_seqlens is not None else (b, t)
@@ -489,11 +474,7 @@ class ReplayHook:
             mask = mask.to(device, non_blocking=True)
             if index != list(range(routes.shape[-2])):
                 routes = routes[..., index, :]
-        aligned = check_aligned_offsets(batch, cu_seqlens, mask.shape[0]) if cu_seqlens is not None else None
-        offsets = cu_seqlens if aligned is None else aligned  # where each sequence starts in the packed rows
-        pad = model_padding_mask(
-            batch, mask, cu_seqlens, microbatch=microbatch, layer=self.router_layers[0], cu_seqlens_padded=aligned
-        )
+        layout = prepare_microbatch(batch, mask, cu_seqlens, microbatch=microbatch, layer=self.router_layers[0])
         if not self._record:
             layers = [(r.layer, j) for j, r in enumerate(self._routers)]  # (global layer, index into routes)
             check_route_values(
@@ -502,31 +483,23 @@ class ReplayHook:
                 layers,
                 self._num_experts,
                 microbatch=microbatch,
-                cu_seqlens=offsets,
+                cu_seqlens=layout.offsets,
                 uncaptured=mask,
             )
-        rank = self._rank()
-        # Only the first stage's model scatters padding_mask for sequence parallelism;
-        # later stages hand it to the MoE layers as given. Both masks are cut in one pass.
-        routes, masks = slice_for_rank(
+        share = rank_share(
             routes,
-            torch.stack([mask, pad], -1),
-            rank,
-            cu_seqlens=offsets,
+            mask,
+            layout,
+            self._rank(),
             model_scatters_mask=self._model_scatters_mask,
             packed_balancing=self._packed_balancing,
         )
-        router_mask, model_mask = masks[..., 0], masks[..., 1]
+        routes = share.routes
         # Widened to int64 because the router gathers and scatters with these indices; always
         # a copy the hook owns, so a caller refilling its batch cannot change what recompute replays.
         local = None if self._record else routes.to(dtype=torch.int64, copy=True)
-        width = masks.shape[1]
-        if self._model_scatters_mask and rank.splits_sequence:
-            router_mask = router_mask[:, sequence_parallel_positions(width, rank.tp_size, rank.tp_rank)]
-        elif rank.splits_sequence:
-            width *= rank.tp_size  # the mask holds this rank's share; input_ids the whole (CP-local) row
-        self._input_shape = (masks.shape[0], width)
-        uncaptured = router_mask.transpose(0, 1).reshape(-1)
+        self._input_shape = share.input_shape
+        uncaptured = share.uncaptured
         grad = torch.is_grad_enabled()
         for j, r in enumerate(self._routers):
             target = RouterTarget(
@@ -539,10 +512,12 @@ class ReplayHook:
             )
             r.push(target, expect_pop=r.recomputed and grad and r.module.training and not self._forward_only)
         if self._record:
-            self._recorded_shapes.append((routes.shape[0], routes.shape[1], cu_seqlens is not None, pad))
+            self._recorded_shapes.append(
+                (routes.shape[0], routes.shape[1], cu_seqlens is not None, layout.padding_mask)
+            )
         else:
             self._stats.add_microbatch(uncaptured, live=live)
-        self._active_mask = model_mask
+        self._active_mask = share.model_mask
 
     def _check_can_record(self, forward_only: bool) -> None:
         if not forward_only:
@@ -614,60 +589,7 @@ class ReplayHook:
             )
 
 
-def _as_chunks(model: Any) -> list[torch.nn.Module]:
-    """A model or a list of model chunks as a list of modules.
-
-    Raises:
-        ValueError: When the list is empty.
-        TypeError: When an element is not a `torch.nn.Module`.
-    """
-    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-    if not chunks:
-        raise ValueError("model: got an empty list of model chunks")
-    for i, chunk in enumerate(chunks):
-        if not isinstance(chunk, torch.nn.Module):
-            raise TypeError(f"model[{i}]: expected a torch.nn.Module, got {type(chunk).__name__}")
-    return chunks
-
-
-def _find_hybrid_pattern(chunk: torch.nn.Module) -> str | None:
-    # DDP and Float16Module keep the model in .module; HybridModel keeps its pattern.
-    module: Any = chunk
-    for _ in range(8):
-        pattern = getattr(module, "hybrid_layer_pattern", None)
-        if isinstance(pattern, str):
-            return pattern
-        module = getattr(module, "module", None)
-        if not isinstance(module, torch.nn.Module):
-            return None
-    return None
-
-
-def _find_padding_mask_module(chunk: torch.nn.Module) -> torch.nn.Module | None:
-    # DDP and Float16Module keep the model in .module; the innermost module whose
-    # forward takes padding_mask (GPTModel in megatron-core >= 0.16) gets it.
-    module = chunk
-    found = None
-    for _ in range(8):
-        try:
-            if "padding_mask" in inspect.signature(module.forward).parameters:
-                found = module
-        except (TypeError, ValueError):
-            pass
-        inner = getattr(module, "module", None)
-        if not isinstance(inner, torch.nn.Module):
-            break
-        module = inner
-    return found
-
-
 def _check_route_layers(route_layers: Sequence[int] | None, pattern: Sequence[bool]) -> tuple[int, ...] | None:
     if route_layers is None:
         return None
     return check_indices(route_layers, "route_layers", limit=len(pattern), what="layer")
-
-
-def _first_device(chunk: torch.nn.Module) -> torch.device:
-    for p in chunk.parameters():
-        return p.device
-    return torch.device("cpu")

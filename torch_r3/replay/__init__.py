@@ -9,7 +9,8 @@ the `transformers` hook (`torch_r3.transformers`) import it, never each other.
 * `stats`: `ReplayStats`, `TokenCounts`, expert load, `merge_stats` / `reduce_stats` over ranks, and the hooks' accumulator;
 * `recording`: `Recording`, what a hook recorded from the routers' own choice (R2);
 * `modes`: the uncaptured-token modes and the recorded-route dtype;
-* `marker`: one hook per router, by a marker attribute on the instance.
+* `marker`: one hook per router, by a marker attribute on the instance;
+* `lifecycle`: `close()`, the context manager and the one-block-at-a-time rule of the transformers-side hooks.
 """
 
 from __future__ import annotations

@@ -32,9 +32,9 @@ from typing import Any
 import torch
 
 from torch_r3.keys import CU_SEQLENS_PADDED, ROUTER_MASK, ROUTES
-from torch_r3.replay import marker
 from torch_r3.replay.checks import check_input_shape, check_replayed_ids, check_route_batch, check_router_tokens
 from torch_r3.replay.layers import moe_pattern, route_layer_map
+from torch_r3.replay.lifecycle import HookLifecycle
 from torch_r3.replay.modes import check_uncaptured, recorded_route_dtype
 from torch_r3.replay.recording import Recording
 from torch_r3.replay.stats import ReplayStats, StatsCollector
@@ -84,7 +84,7 @@ class _Recorder:
     forwards: int = 0
 
 
-class ReplayHook:
+class ReplayHook(HookLifecycle):
     """Replays captured routes in the MoE routers of one Hugging Face `transformers` model.
 
     ```python
@@ -136,10 +136,7 @@ class ReplayHook:
                     f"{r.name}: top_k={topk}, num_experts={experts} differ from the "
                     f"first router's top_k={self._topk}, num_experts={self._num_experts}"
                 )
-        for r in self._routers:
-            marker.check_free(r.module, r.name)
-        for r in self._routers:
-            marker.claim(r.module, r.name)
+        self._hold((r.module, r.name) for r in self._routers)
         if not isinstance(expert_load, bool):
             raise TypeError(f"expert_load: expected True or False, got {expert_load!r}")
         self._stats = StatsCollector(measure_drops=False, num_experts=self._num_experts if expert_load else None)
@@ -285,36 +282,14 @@ class ReplayHook:
             self._recording = None
         rec.recording.microbatches.append(self._recorded_batch(rec))
 
-    def close(self) -> None:
-        """Remove the hooks from the routers; the model is as it was before the hook.
+    # --------------------------------------------------------------- internals
 
-        The hook is also a context manager: `with ReplayHook(model) as hook:`.
-        """
-        for handle in self._handles:
-            handle.remove()
-        if self._handles:
-            for r in self._routers:
-                marker.release(r.module)
+    def _restore(self) -> None:
+        # Closing also hands each checkpointed layer its own checkpointing function back.
         for layer, original in self._wrapped:
             if getattr(layer.__dict__.get("_gradient_checkpointing_func"), "_torch_r3_hook", None) is self:
                 layer.__dict__["_gradient_checkpointing_func"] = original
         self._wrapped = []
-        self._handles = []
-        self._active = None
-
-    def __enter__(self) -> ReplayHook:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # --------------------------------------------------------------- internals
-
-    def _check_idle(self) -> None:
-        if not self._handles:
-            raise RuntimeError("ReplayHook is closed")
-        if self._active is not None or self._recording is not None:
-            raise RuntimeError("ReplayHook: replay() and record() blocks do not nest")
 
     def _before_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         self._wrap_checkpointing()
