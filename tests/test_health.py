@@ -217,7 +217,7 @@ def test_real_routes_across_requests_pass_shared_prefixes_and_resends_included(r
         assert check.check(real_routes(router_model, tokens), trajectory=f"req {i}", token_ids=tokens) == ()
     # A repeated token in another request, and Zipf-skewed draws, replay nothing either.
     for i in range(20):
-        routes = zipf_routes(rng, 256, alpha=1.4)
+        routes = router_routes(rng, 256, 4, 4, num_experts=64, dtype=np.int64, skew=1.4)
         assert check.check(routes, trajectory=f"zipf {i}", token_ids=rng.integers(0, 9, 256)) == ()
     assert check.stats.replayed_rows == 0 and check.stats.trajectories == 32
 
