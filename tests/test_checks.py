@@ -444,7 +444,7 @@ def test_seconds_follow_the_finite_float_rule_in_the_client_and_its_config(name,
         ),
         (
             lambda: _client(server="tgi"),
-            "server must be one of ['torch_r3', 'sglang', 'vllm', 'vllm-openai', 'megatron', 'skyrl'], got 'tgi'",
+            "server must be one of ['torch_r3', 'sglang', 'vllm', 'vllm-openai', 'sglang-openai', 'megatron', 'skyrl'], got 'tgi'",
         ),
     ],
 )

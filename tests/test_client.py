@@ -324,7 +324,8 @@ def test_model_info_is_only_for_the_torch_r3_server(server_name):
 
 def test_an_unknown_server_is_refused():
     with pytest.raises(
-        ValueError, match=r"server must be one of \['torch_r3', 'sglang', 'vllm', 'vllm-openai', 'megatron', 'skyrl'\]"
+        ValueError,
+        match=r"server must be one of \['torch_r3', 'sglang', 'vllm', 'vllm-openai', 'sglang-openai', 'megatron', 'skyrl'\]",
     ):
         RemoteGenerateClient("http://127.0.0.1:9", server="tgi")
 

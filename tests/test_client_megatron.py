@@ -8,16 +8,14 @@ receives them), next to the routes fed in.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-from aiohttp import web
 
-from tests.http_stub import serve_routes
-from torch_r3 import RemoteGenerateClient, RoutedExpertTrace
+from tests import http_stub
+from torch_r3 import RoutedExpertTrace
 from torch_r3.errors import RemoteGenerateError
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "megatron_inference.json").read_text())
@@ -25,21 +23,7 @@ CASES = {c["name"]: c for c in FIXTURE["cases"]}
 
 
 def ask(answer, call, **client_kwargs):
-    seen = []
-
-    async def handler(request):
-        seen.append(await request.json())
-        return web.json_response(answer)
-
-    async def main():
-        runner, url = await serve_routes([("POST", "/v1/completions", handler)])
-        try:
-            async with RemoteGenerateClient(url, server="megatron", retries=0, **client_kwargs) as client:
-                return await call(client)
-        finally:
-            await runner.cleanup()
-
-    return asyncio.run(main()), seen
+    return http_stub.ask("megatron", "/v1/completions", [answer], call, **client_kwargs)
 
 
 def generate(case, start=0, **client_kwargs):

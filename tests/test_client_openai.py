@@ -16,35 +16,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from aiohttp import web
 
-from tests.http_stub import serve_routes
+from tests import http_stub
 from torch_r3 import RemoteGenerateClient, RoutedExpertTrace
 from torch_r3.errors import RemoteGenerateError
 from torch_r3.health import RouteHealthError
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "vllm_openai.json").read_text())
-FAST = {"retries": 0, "timeout": 10.0}
 
 
 def ask(path: str, answers: list, call, **client_kwargs):
     """Serve `answers` in turn at `path`; run `call(client)`; return its result and the bodies received."""
-    seen = []
-
-    async def handler(request):
-        seen.append(await request.json())
-        return web.json_response(answers[len(seen) - 1])
-
-    async def main():
-        runner, url = await serve_routes([("POST", path, handler)])
-        try:
-            kwargs = {"num_layers": FIXTURE["num_layers"], "topk": FIXTURE["topk"], **client_kwargs, **FAST}
-            async with RemoteGenerateClient(url, server="vllm-openai", **kwargs) as client:
-                return await call(client)
-        finally:
-            await runner.cleanup()
-
-    return asyncio.run(main()), seen
+    kwargs = {"num_layers": FIXTURE["num_layers"], "topk": FIXTURE["topk"], **client_kwargs}
+    return http_stub.ask("vllm-openai", path, answers, call, **kwargs)
 
 
 def test_the_fixture_comes_from_vllm_033():

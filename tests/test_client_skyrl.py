@@ -7,37 +7,21 @@ its server does, next to the routes fed in.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-from aiohttp import web
 
-from tests.http_stub import serve_routes
-from torch_r3 import RemoteGenerateClient, RoutedExpertTrace
+from tests import http_stub
+from torch_r3 import RoutedExpertTrace
 from torch_r3.errors import RemoteGenerateError
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "skyrl_generate.json").read_text())
 
 
 def ask(answer, call, **client_kwargs):
-    seen = []
-
-    async def handler(request):
-        seen.append(await request.json())
-        return web.json_response(answer)
-
-    async def main():
-        runner, url = await serve_routes([("POST", "/skyrl/v1/generate", handler)])
-        try:
-            async with RemoteGenerateClient(url, server="skyrl", retries=0, **client_kwargs) as client:
-                return await call(client)
-        finally:
-            await runner.cleanup()
-
-    return asyncio.run(main()), seen
+    return http_stub.ask("skyrl", "/skyrl/v1/generate", [answer], call, **client_kwargs)
 
 
 @pytest.mark.parametrize("case", FIXTURE["cases"], ids=lambda c: c["name"])

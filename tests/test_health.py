@@ -10,6 +10,7 @@ row of another request (stale padded capture slots).
 
 from __future__ import annotations
 
+import pickle
 import warnings
 
 import numpy as np
@@ -179,6 +180,69 @@ def test_a_replayed_stale_row_from_another_request_is_refused(router_model):
     looped = list(tokens)
     looped[70:100] = [looped[70]] * 30
     assert check.check(routes, trajectory="req 2", token_ids=looped) == ()
+
+
+@pytest.mark.parametrize("offset", [0, 37], ids=["same positions", "other positions"])
+def test_rows_replayed_from_another_request_are_refused_naming_it(router_model, offset):
+    rng = np.random.default_rng(20 + offset)
+    first_tokens = rng.integers(3, 512, 160).tolist()
+    first = real_routes(router_model, first_tokens)
+    tokens = rng.integers(3, 512, 160).tolist()
+    routes = real_routes(router_model, tokens)
+    # Reused capture slots still held the first request's rows: 40 of them, behind other tokens.
+    routes[50 + offset : 90 + offset] = first[50:90]
+    check = RouteHealthCheck(moe_layers=MOE_LAYERS, engine="sglang")
+    assert check.check(first, trajectory="req 1", token_ids=first_tokens) == ()
+    with pytest.raises(
+        RouteHealthError, match=r"rows \d+\.\.\d+ repeat, in every layer and in order, rows that req 1"
+    ) as info:
+        check.check(routes, trajectory="req 2", token_ids=tokens)
+    (finding,) = info.value.findings
+    assert finding.kind == "replayed_rows" and "sglang#36404" in finding.hint
+    # Found where the copy holds a whole remembered block of req 1 (its aligned block of rows 64..79).
+    assert finding.rows == (64 + offset, 79 + offset)
+    assert check.stats.replayed_rows == 1 and check.stats.refused == 1
+
+
+def test_real_routes_across_requests_pass_shared_prefixes_and_resends_included(router_model):
+    rng = np.random.default_rng(30)
+    system = rng.integers(3, 512, 64).tolist()  # one system prompt: a prefix-cached prompt replays its rows
+    check = RouteHealthCheck(moe_layers=MOE_LAYERS)
+    sent = []
+    for i in range(12):
+        tokens = system + rng.integers(3, 512, int(rng.integers(20, 80))).tolist()
+        if i % 4 == 3:
+            tokens = sent[-1]  # a resent (retried) request: its rows again, for the same tokens
+        sent.append(tokens)
+        assert check.check(real_routes(router_model, tokens), trajectory=f"req {i}", token_ids=tokens) == ()
+    # A repeated token in another request, and Zipf-skewed draws, replay nothing either.
+    for i in range(20):
+        routes = router_routes(rng, 256, 4, 4, num_experts=64, dtype=np.int64, skew=1.4)
+        assert check.check(routes, trajectory=f"zipf {i}", token_ids=rng.integers(0, 9, 256)) == ()
+    assert check.stats.replayed_rows == 0 and check.stats.trajectories == 32
+
+
+def test_the_replay_check_is_bounded_counted_and_can_be_turned_off(router_model):
+    rng = np.random.default_rng(40)
+    first_tokens = rng.integers(3, 512, 96).tolist()
+    first = real_routes(router_model, first_tokens)
+    tokens = rng.integers(3, 512, 96).tolist()
+    replayed = real_routes(router_model, tokens)
+    replayed[10:60] = first[10:60]
+    off = RouteHealthCheck(moe_layers=MOE_LAYERS, remember_blocks=0)
+    counted = RouteHealthCheck("count", moe_layers=MOE_LAYERS, remember_blocks=4)
+    for check in (off, counted):
+        check.check(first, trajectory="req 1", token_ids=first_tokens)
+    assert off.check(replayed, trajectory="req 2", token_ids=tokens) == () and len(off.memory) == 0
+    assert [f.kind for f in counted.check(replayed, trajectory="req 2", token_ids=tokens)] == ["replayed_rows"]
+    assert counted.stats.replayed_rows == 1 and counted.stats.accepted_unhealthy == 1
+    assert len(counted.memory) <= 4  # only the last remember_blocks blocks are kept
+    copy = pickle.loads(pickle.dumps(counted))  # a client pickled into a worker: its memory starts empty
+    assert len(copy.memory) == 0 and copy.stats.replayed_rows == 1 and copy.memory.max_blocks == 4
+    counted.forget()
+    assert counted.check(replayed, trajectory="req 2", token_ids=tokens) == ()
+    with pytest.raises(ValueError, match="remember_blocks must be >= 0"):
+        RouteHealthCheck(remember_blocks=-1)
 
 
 def test_a_trace_refuses_a_stale_turn_and_stays_as_it_was(router_model):

@@ -522,7 +522,7 @@ def test_a_sglang_prefill_only_request_returns_p_minus_1_rows_and_no_tokens():
 def test_unknown_protocols_and_misplaced_options_are_refused_at_construction():
     with pytest.raises(
         ValueError,
-        match=r"protocol must be one of \['megatron', 'sglang', 'skyrl', 'torch_r3', 'vllm', 'vllm-openai'\], got 'openai'",
+        match=r"protocol must be one of \['megatron', 'sglang', 'sglang-openai', 'skyrl', 'torch_r3', 'vllm', 'vllm-openai'\], got 'openai'",
     ):
         LoopbackServer(protocol="openai")
     with pytest.raises(ValueError, match="apply to protocol='sglang', not 'vllm'"):

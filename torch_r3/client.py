@@ -32,11 +32,11 @@ from torch_r3._offload import off_loop
 from torch_r3._results import RemoteGenerateResult
 from torch_r3.errors import RemoteGenerateError
 from torch_r3.health import RouteHealthCheck, ZeroRoutesWarning, health_check
-from torch_r3.protocols import PROTOCOLS, SERVERS, GenerateCall, RouteLimits, WeightVersionSpan
+from torch_r3.protocols import CHATS, PROTOCOLS, SERVERS, GenerateCall, RouteLimits, WeightVersionSpan
 from torch_r3.protocols.base import check_cache_salt
+from torch_r3.protocols.chat import check_messages
 from torch_r3.protocols.native import MODEL_INFO_PATH
 from torch_r3.protocols.spans import parse_body, route_text_bytes
-from torch_r3.protocols.vllm_openai import CHAT, check_messages
 from torch_r3.transport import DEFAULT_MAX_RESPONSE_BYTES, HttpTransport, TransportConfig
 
 __all__ = [
@@ -50,6 +50,8 @@ __all__ = [
 
 # Token ids travel as int64 (torch.long).
 _TOKEN_ID_END = 1 << 63
+# The engine behind each server= name, whose settings the health hints name.
+_ENGINES = {"vllm": "vllm", "vllm-openai": "vllm", "skyrl": "vllm", "sglang": "sglang", "sglang-openai": "sglang"}
 
 
 class RemoteGenerateClient:
@@ -68,11 +70,13 @@ class RemoteGenerateClient:
         server: The server's API: `"torch_r3"`, `"sglang"`, `"vllm"` (native
             `/inference/v1/generate`) or `"vllm-openai"` (vLLM's OpenAI-compatible
             `/v1/completions`, and `/v1/chat/completions` through `chat`) or
-            `"megatron"` (Megatron-core's inference server, `/v1/completions`) or
+            `"sglang-openai"` (SGLang's OpenAI-compatible `/v1/completions`, and
+            `/v1/chat/completions` through `chat`; routes need `num_layers`
+            and `topk`) or `"megatron"` (Megatron-core's inference server, `/v1/completions`) or
             `"skyrl"` (SkyRL's `/skyrl/v1/generate`).
         num_layers: Layers per route row the server sends: for SGLang and vLLM
             every hidden layer of the model (`num_hidden_layers`). Required for
-            SGLang routes (its payload has no shape); checked when given.
+            SGLang routes, native or OpenAI (its payload has no shape); checked when given.
         topk: Experts per token (`num_experts_per_tok`). Required for SGLang routes.
         num_experts: Routed experts per layer; when given, every id must be below it.
         indexer_layers: DSA indexer layers per row (SGLang's `num_indexer_layers`:
@@ -160,7 +164,7 @@ class RemoteGenerateClient:
         topk = None if topk is None else check_positive(topk, "topk")
         num_experts = None if num_experts is None else check_positive(num_experts, "num_experts")
         self.moe_layers = _check_moe_layers(moe_layers, num_layers)
-        self.health = health_check(health, engine=self.server if self.server in ("vllm", "sglang") else None)
+        self.health = health_check(health, engine=_ENGINES.get(self.server))
         self.cache_salt = _check_salt(cache_salt)
         flat = {
             "retries": retries,
@@ -278,15 +282,7 @@ class RemoteGenerateClient:
             raise TypeError(f"return_routed_experts must be a bool, got {type(return_routed_experts).__name__}")
         return_routed_experts = bool(return_routed_experts)
         start = _check_start(routed_experts_prompt_start, len(prompt), return_routed_experts)
-        if (
-            return_routed_experts
-            and protocol.needs_route_shape
-            and (self.limits.num_layers is None or self.limits.topk is None)
-        ):
-            raise ValueError(
-                f"server={self.server!r} sends routes without their shape: give the client num_layers= "
-                "(the model's num_hidden_layers) and topk= (num_experts_per_tok)"
-            )
+        self._check_route_shape(return_routed_experts)
         return_indexer_topk = check_bool(return_indexer_topk, "return_indexer_topk")
         if return_indexer_topk:
             if self.server != "sglang":
@@ -343,11 +339,12 @@ class RemoteGenerateClient:
         model: str | None = None,
         cache_salt: str | None = None,
     ) -> RemoteGenerateResult:
-        """One chat turn on vLLM's `/v1/chat/completions` (`server="vllm-openai"`).
+        """One chat turn on `/v1/chat/completions` of vLLM (`server="vllm-openai"`) or SGLang (`"sglang-openai"`).
 
         The server renders `messages` with its chat template, so the rows
         describe the server's tokens: the result's `prompt_token_ids` are that
-        rendering (the client asks for them with `return_token_ids`). Key a
+        rendering (the client asks for them with `return_token_ids`; vLLM
+        answers them at the top level, SGLang in `choices[0]`). Key a
         multi-turn trace by them: `trace.record_result(r,
         prompt_len=len(r.prompt_token_ids), prompt_ids=r.prompt_token_ids)`,
         which also refuses a turn whose template re-rendered tokens the trace
@@ -367,20 +364,23 @@ class RemoteGenerateClient:
             The first choice, with `prompt_token_ids` set.
 
         Raises:
-            ValueError: The client is not for `server="vllm-openai"` (SGLang's
-                chat endpoint does not return the rendered prompt's token ids,
-                so its routes cannot be keyed; use its `/generate` with token
-                ids), or an argument breaks `generate`'s rules.
+            ValueError: The client is for a server without a chat protocol
+                here (the native endpoints take token ids: use `generate`), or
+                an argument breaks `generate`'s rules.
             TypeError: `messages` is not a list of objects with a string `role`.
             RouteHealthError: As `generate`.
             RemoteGenerateError: As `generate`, and for an answer without
-                `prompt_token_ids`.
+                the rendered prompt's token ids (a server too old to return
+                them: its rows cannot be keyed).
         """
-        if self.server != "vllm-openai":
+        chat = CHATS.get(self.server)
+        if chat is None:
             raise ValueError(
-                f"chat() speaks vLLM's /v1/chat/completions (server='vllm-openai'), not server={self.server!r}: "
-                "the rows must be keyed by the tokens the server rendered, and only vLLM's chat answer names them"
+                f"chat() speaks the OpenAI-compatible /v1/chat/completions of server='vllm-openai' or "
+                f"'sglang-openai', not server={self.server!r}: the rows must be keyed by the tokens the server "
+                "rendered, which only those answers name (send token ids with generate() instead)"
             )
+        self._check_route_shape(bool(return_routed_experts))
         body_messages = check_messages(messages)
         params = _sampling_params(sampling_params)
         if not isinstance(return_routed_experts, (bool, np.bool_)):
@@ -397,18 +397,35 @@ class RemoteGenerateClient:
             check_str(model, "model")
         salt = _check_salt(cache_salt) if cache_salt is not None else self.cache_salt
         headers = {"X-Session-ID": check_str(session_id, "session_id")} if session_id is not None else {}
-        body = CHAT.request_body(
+        body = chat.request_body(
             body_messages, params, return_routed_experts=want, start=start, cache_salt=salt, model=model
         )
-        url = self.base_url + CHAT.path
-        raw = await self._transport.request("POST", CHAT.path, body, headers)
+        url = self.base_url + chat.path
+        parse = functools.partial(parse_body, paths=chat.route_text_paths)
+        raw = await self._transport.request("POST", chat.path, body, headers, parse=parse)
         try:
-            prompt, parsed = CHAT.parse_response(raw, return_routed_experts=want, start=start, limits=self.limits)
+            size = route_text_bytes(raw, chat.route_text_paths)
+            prompt, parsed = await off_loop(
+                size,
+                functools.partial(chat.parse_response, return_routed_experts=want, start=start, limits=self.limits),
+                raw,
+            )
         except (TypeError, ValueError, MemoryError, OverflowError) as exc:
             raise RemoteGenerateError(
-                f"POST {url}: response breaks the vllm-openai chat format: {exc}", url=url, status=200
+                f"POST {url}: response breaks the {self.server} chat format: {exc}", url=url, status=200
             ) from exc
-        return self._result(parsed, list(prompt), start, raw, PROTOCOLS["vllm-openai"].without_routes, url, session_id)
+        return self._result(parsed, list(prompt), start, raw, PROTOCOLS[self.server].without_routes, url, session_id)
+
+    def _check_route_shape(self, want_routes: bool) -> None:
+        if (
+            want_routes
+            and PROTOCOLS[self.server].needs_route_shape
+            and None in (self.limits.num_layers, self.limits.topk)
+        ):
+            raise ValueError(
+                f"server={self.server!r} sends routes without their shape: give the client num_layers= "
+                "(the model's num_hidden_layers) and topk= (num_experts_per_tok)"
+            )
 
     def _result(
         self,
@@ -474,6 +491,7 @@ _NOT_FOUND_HINTS = {
     "vllm": "; since vLLM 0.30 /inference/v1/generate exists only when vLLM runs with --enable-scale-out",
     "sglang": " (SGLang's native API, not its OpenAI-compatible /v1)",
     "vllm-openai": " (vLLM's OpenAI-compatible server, `vllm serve`)",
+    "sglang-openai": " (SGLang's OpenAI-compatible /v1 endpoints, `python -m sglang.launch_server`)",
     "megatron": " (Megatron-core's dynamic inference server)",
     "skyrl": " (SkyRL's vLLM server actor)",
 }

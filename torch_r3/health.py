@@ -18,6 +18,14 @@ for the signatures that released engines have produced:
   consecutive positions that hold different tokens: the padded capture slots
   that kept a row from an earlier forward (SGLang, fixed in
   sgl-project/sglang#36404).
+- **replayed rows**: a run of full rows equal, in order, to a run another
+  recent response returned, behind different tokens: capture slots this
+  request reused that still held the earlier request's rows (the same SGLang
+  bug, across requests). A `RouteHealthCheck` remembers fingerprints of the
+  last `remember_blocks` blocks of `min_run` rows it passed (hashes and the
+  tokens behind them; `torch_r3._row_memory`). Identical tokens are never a
+  replay: a prefix-cached prompt legitimately replays the rows its cached
+  blocks were computed with, for the same tokens.
 
 What is decidable: dense layers are all zero by design and are never flagged
 unless the caller names its MoE layers (`moe_layers=`) or no layer captured
@@ -25,8 +33,12 @@ anything. A constant layer and a stale run need many rows and evidence that the
 hidden states vary (`min_rows`, `min_run`, `min_token_changes`): a trajectory
 that repeats one token over and over has identical hidden states, so identical
 routes are healthy there; a 1-token trajectory has one row per layer, and only
-the zero-row signature (with `topk >= 2`) is decidable from it. Stale runs need
-the token ids behind the rows.
+the zero-row signature (with `topk >= 2`) is decidable from it. Stale and
+replayed runs need the token ids behind the rows. A replayed run is one of at
+least `min_run` rows, at least half of them distinct (a constant run is the
+stale-row signature), behind tokens that differ at `min_token_changes`
+positions or more; it is found once it spans an aligned block of the earlier
+response (any run of `2 * min_run - 1` rows does).
 
 `RouteHealthCheck` runs the checks and keeps `RouteHealthStats`; by default a
 finding raises `RouteHealthError`, naming the trajectory, the layer, what was
@@ -45,6 +57,7 @@ from typing import Any
 import numpy as np
 
 from torch_r3._checks import check_at_least, check_choice, check_int, check_positive, check_str
+from torch_r3._row_memory import RowMemory
 
 __all__ = [
     "HEALTH_MODES",
@@ -65,6 +78,8 @@ DEFAULT_MIN_ROWS = 64
 DEFAULT_MIN_RUN = 16
 #: Token changes (position `i` holding another token than `i - 1`) that show the hidden states vary.
 DEFAULT_MIN_TOKEN_CHANGES = 8
+#: Blocks of `min_run` rows a check remembers from the responses it passed (0: no replayed-rows check).
+DEFAULT_REMEMBER_BLOCKS = 8192
 
 # The engine settings each signature points at, by engine (None: any engine).
 _ZERO_HINTS = {
@@ -92,6 +107,11 @@ ZERO_ROUTES_HINT = (
 _CONSTANT_HINT = (
     "a capture slot written once and never updated; run the engine without CUDA graphs "
     "(vLLM --enforce-eager, SGLang --disable-cuda-graph) to confirm, and report it to the engine"
+)
+_REPLAY_HINT = (
+    "capture slots this request reused still held an earlier request's rows (SGLang's padded capture slots, "
+    "before sgl-project/sglang#36404): upgrade SGLang; run without CUDA graphs (SGLang --disable-cuda-graph, "
+    "vLLM --enforce-eager) to confirm"
 )
 _STALE_HINT = (
     "padded capture slots that kept a row from an earlier forward (SGLang before sgl-project/sglang#36404, "
@@ -129,7 +149,7 @@ class RouteHealthFinding:
     """One signature found in one trajectory's routes.
 
     Attributes:
-        kind: `"zero_rows"`, `"constant_layer"` or `"stale_rows"`.
+        kind: `"zero_rows"`, `"constant_layer"`, `"stale_rows"` or `"replayed_rows"`.
         trajectory: The trajectory's name, as the caller gave it.
         layer: The index into the routes' layer axis, or `None` for a finding
             over every layer (zero rows in every layer, a stale full row).
@@ -161,6 +181,7 @@ class RouteHealthStats:
         zero_rows: `zero_rows` findings.
         constant_layers: `constant_layer` findings.
         stale_rows: `stale_rows` findings.
+        replayed_rows: `replayed_rows` findings (runs repeated from another response).
         refused: Checks that raised.
         accepted_unhealthy: Checks with findings that were let through (`"warn"` or `"count"`).
     """
@@ -170,6 +191,7 @@ class RouteHealthStats:
     zero_rows: int = 0
     constant_layers: int = 0
     stale_rows: int = 0
+    replayed_rows: int = 0
     refused: int = 0
     accepted_unhealthy: int = 0
 
@@ -178,15 +200,23 @@ class RouteHealthStats:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-_STAT_FIELD = {"zero_rows": "zero_rows", "constant_layer": "constant_layers", "stale_rows": "stale_rows"}
+_STAT_FIELD = {
+    "zero_rows": "zero_rows",
+    "constant_layer": "constant_layers",
+    "stale_rows": "stale_rows",
+    "replayed_rows": "replayed_rows",
+}
 
 
 class RouteHealthCheck:
     """Checks route arrays for the engines' capture-bug signatures and counts what it finds.
 
     One object may serve many trajectories (its `stats` add up); it holds no
-    routes. Thread-compatible, not thread-safe: give each thread its own, or
-    lock around `check`.
+    routes, only fingerprints of recent ones (`remember_blocks`) for the
+    replayed-rows signature, so share one across the clients of a run to
+    catch replays between them (a pickled copy keeps the stats and starts
+    with an empty memory). Thread-compatible, not thread-safe: give each
+    thread its own, or lock around `check`.
 
     Args:
         on_unhealthy: `"raise"` (the default: a `RouteHealthError`), `"warn"`
@@ -199,7 +229,12 @@ class RouteHealthCheck:
         min_rows: Rows a layer needs before "one row throughout" is a finding.
         min_run: Consecutive identical full rows that make a stale run.
         min_token_changes: Token changes (or, for a constant layer, a varying
-            other layer) that show the hidden states behind the rows differ.
+            other layer) that show the hidden states behind the rows differ;
+            for a replayed run, positions whose tokens differ from the earlier response's.
+        remember_blocks: Blocks of `min_run` rows remembered from the routes
+            this check passed (with token ids), oldest dropped first; `0`
+            turns the replayed-rows check off (the opt-out; `health="count"`
+            keeps it and only counts).
 
     Raises:
         TypeError: An argument of the wrong kind.
@@ -229,6 +264,7 @@ class RouteHealthCheck:
         min_rows: int = DEFAULT_MIN_ROWS,
         min_run: int = DEFAULT_MIN_RUN,
         min_token_changes: int = DEFAULT_MIN_TOKEN_CHANGES,
+        remember_blocks: int = DEFAULT_REMEMBER_BLOCKS,
     ) -> None:
         self.on_unhealthy = check_choice(on_unhealthy, "on_unhealthy", HEALTH_MODES)
         self.moe_layers = _layer_tuple(moe_layers, "moe_layers")
@@ -238,6 +274,8 @@ class RouteHealthCheck:
         self.min_rows = check_positive(min_rows, "min_rows")
         self.min_run = check_at_least(min_run, "min_run", 2)
         self.min_token_changes = check_positive(min_token_changes, "min_token_changes")
+        self.remember_blocks = check_at_least(remember_blocks, "remember_blocks", 0)
+        self.memory = RowMemory(self.min_run, self.remember_blocks, self.min_token_changes)
         self.stats = RouteHealthStats()
 
     def __repr__(self) -> str:
@@ -286,6 +324,10 @@ class RouteHealthCheck:
                 )
         tokens = _tokens(token_ids, routes.shape[0], trajectory)
         findings = self._findings(routes, trajectory, tokens, layers, self.engine if engine is None else engine)
+        if tokens is not None and self.remember_blocks:
+            findings += self._replays(routes, tokens, trajectory)
+            if not findings:
+                self.memory.remember(routes, tokens, trajectory)
         self.stats.trajectories += 1
         self.stats.rows += routes.shape[0]
         for finding in findings:
@@ -368,6 +410,24 @@ class RouteHealthCheck:
         if tokens is not None and rows >= self.min_run:
             out.extend(self._stale_runs(routes, tokens, trajectory))
         return out
+
+    def forget(self) -> None:
+        """Drop the remembered fingerprints (the replayed-rows check starts afresh)."""
+        self.memory.clear()
+
+    def _replays(self, routes: np.ndarray, tokens: np.ndarray, trajectory: str) -> list[RouteHealthFinding]:
+        return [
+            RouteHealthFinding(
+                "replayed_rows",
+                trajectory,
+                None,
+                (r.first, r.last),
+                f"rows {r.first}..{r.last} repeat, in every layer and in order, rows that {r.source} returned, "
+                f"behind tokens that differ at {r.token_changes} positions",
+                _REPLAY_HINT,
+            )
+            for r in self.memory.replays(routes, tokens)
+        ]
 
     def _stale_runs(self, routes: np.ndarray, tokens: np.ndarray, trajectory: str) -> list[RouteHealthFinding]:
         rows = routes.shape[0]

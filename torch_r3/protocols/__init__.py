@@ -7,6 +7,9 @@
 - `torch_r3.protocols.megatron`: Megatron-core's inference server `POST /v1/completions`.
 - `torch_r3.protocols.skyrl`: SkyRL's `POST /skyrl/v1/generate`.
 - `torch_r3.protocols.vllm_openai`: vLLM's OpenAI-compatible `/v1/completions` and `/v1/chat/completions`.
+- `torch_r3.protocols.sglang_openai`: SGLang's OpenAI-compatible `/v1/completions` and `/v1/chat/completions`.
+- `torch_r3.protocols.chat`: the contract of the chat endpoints (`CHATS`), whose
+  answers are keyed by the prompt the server's chat template rendered.
 
 Each module holds its server's endpoint paths (their one home) and a stateless
 `ServerProtocol` object, `PROTOCOL`, that builds request bodies and reads
@@ -18,12 +21,14 @@ here imports aiohttp.
 
 from __future__ import annotations
 
-from torch_r3.protocols import megatron, native, sglang, skyrl, vllm, vllm_openai
+from torch_r3.protocols import megatron, native, sglang, sglang_openai, skyrl, vllm, vllm_openai
 from torch_r3.protocols.base import GenerateCall, ParsedResponse, RouteLimits, ServerProtocol, WeightVersionSpan
+from torch_r3.protocols.chat import ChatProtocol
 
 # The registry (`PROTOCOLS`, `SERVERS`) serves the client, which users reach by
 # `server=` name; the public part is the contract each protocol implements.
 __all__ = [
+    "ChatProtocol",
     "GenerateCall",
     "ParsedResponse",
     "RouteLimits",
@@ -34,7 +39,17 @@ __all__ = [
 #: Protocol by `server=` name.
 PROTOCOLS: dict[str, ServerProtocol] = {
     p.name: p
-    for p in (native.PROTOCOL, sglang.PROTOCOL, vllm.PROTOCOL, vllm_openai.PROTOCOL, megatron.PROTOCOL, skyrl.PROTOCOL)
+    for p in (
+        native.PROTOCOL,
+        sglang.PROTOCOL,
+        vllm.PROTOCOL,
+        vllm_openai.PROTOCOL,
+        sglang_openai.PROTOCOL,
+        megatron.PROTOCOL,
+        skyrl.PROTOCOL,
+    )
 }
+#: Chat-completions protocol by `server=` name (`RemoteGenerateClient.chat`).
+CHATS: dict[str, ChatProtocol] = {c.name: c for c in (vllm_openai.CHAT, sglang_openai.CHAT)}
 #: The `server=` names, in a stable order.
 SERVERS = tuple(PROTOCOLS)

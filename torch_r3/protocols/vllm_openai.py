@@ -23,7 +23,7 @@ does; non-streaming answers only.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -31,6 +31,7 @@ import numpy as np
 from torch_r3.codec import WireFormatError, decode_vllm_routes
 from torch_r3.protocols import base
 from torch_r3.protocols.base import GenerateCall, ParsedResponse, RouteLimits, ServerProtocol
+from torch_r3.protocols.chat import ChatProtocol
 from torch_r3.protocols.switches import missing_routes_hint
 
 # Reached by `RemoteGenerateClient(server="vllm-openai")`.
@@ -87,12 +88,13 @@ class VLLMCompletionsProtocol(ServerProtocol):
         return _parsed(choice, ids, logprobs, call, limits)
 
 
-class VLLMChatProtocol:
+class VLLMChatProtocol(ChatProtocol):
     """vLLM's `/v1/chat/completions` (see the module docstring); used by `RemoteGenerateClient.chat`."""
 
     name = "vllm-openai"
     path = CHAT_PATH
     route_payload_paths = VLLMCompletionsProtocol.route_payload_paths
+    route_text_paths = VLLMCompletionsProtocol.route_text_paths
 
     def request_body(
         self,
@@ -211,25 +213,6 @@ def _parsed(
             )
     spans = base.weight_spans(choice.get("weight_versions"), "choices[0].weight_versions", len(ids))
     return ParsedResponse(ids, logprobs, reason, routes, base.newest_version(None, spans), spans)
-
-
-def check_messages(messages: Any) -> list[dict[str, Any]]:
-    """`messages` as a list of JSON objects with a string `role` (the client's check before sending).
-
-    Raises:
-        TypeError: Not a sequence of mappings, or a `role` that is not a string.
-        ValueError: No messages.
-    """
-    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-        raise TypeError(f"messages must be a list of chat messages (objects), got {type(messages).__name__}")
-    if not messages:
-        raise ValueError("messages is empty")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
-            raise TypeError(f"messages[{i}] must be an object with a string 'role', got {m!r:.60}")
-        out.append(dict(m))
-    return out
 
 
 PROTOCOL = VLLMCompletionsProtocol()

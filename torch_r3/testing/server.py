@@ -81,7 +81,10 @@ def make_app(
     Args:
         model: The `ServedModel` to generate with (behind a prefix cache with
             the protocol's block size), or an `Engine` to use as it is.
-        protocol: `"torch_r3"`, `"sglang"`, `"vllm"`, `"vllm-openai"`, `"megatron"`, `"skyrl"` or a `WireProtocol`.
+        protocol: `"torch_r3"`, `"sglang"`, `"vllm"`, `"vllm-openai"`, `"sglang-openai"`, `"megatron"`,
+            `"skyrl"` or a `WireProtocol`. The two OpenAI-compatible ones also serve
+            `POST /v1/chat/completions`, rendering the messages into the model's
+            token ids with a chat template of their own (`vocab_size` models only).
         faults: Faults to inject (none when `None`).
         stats: Counters to update (a private one when `None`).
 
@@ -100,15 +103,21 @@ def make_app(
         return web.json_response(wire.error(status, message), status=status)
 
     async def generate(request: web.Request) -> web.StreamResponse:
+        return await counted(request, wire.parse, wire.render)
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        return await counted(request, wire.parse_chat, wire.render_chat)
+
+    async def counted(request: web.Request, parse: Any, render: Any) -> web.StreamResponse:
         stats.requests += 1
         stats.in_flight += 1
         stats.max_in_flight = max(stats.max_in_flight, stats.in_flight)
         try:
-            return await _generate(request)
+            return await _generate(request, parse, render)
         finally:
             stats.in_flight -= 1
 
-    async def _generate(request: web.Request) -> web.StreamResponse:
+    async def _generate(request: web.Request, parse: Any, render: Any) -> web.StreamResponse:
         fault = faults.next_fault()
         kind, args = fault if fault else (None, {})
         if kind == "stall":
@@ -122,14 +131,14 @@ def make_app(
         except ValueError as exc:
             return error(400, f"request body is not JSON: {exc}")
         try:
-            parsed = wire.parse(body, served)
+            parsed = parse(body, served)
             samples = parsed.options.get("samples", 1)
             generations = [engine.aborted() if kind == "abort" else engine.generate(parsed) for _ in range(samples)]
         except ModelOutputError as exc:  # a broken ServedModel, not a client error
             return error(500, str(exc))
         except (TypeError, ValueError) as exc:
             return error(400, str(exc))
-        rendered = [wire.render(parsed, g, served, malformed=kind == "malformed") for g in generations]
+        rendered = [render(parsed, g, served, malformed=kind == "malformed") for g in generations]
         # One sample: the server's object; several (SGLang's n > 1): a JSON list of them.
         payload = rendered[0][0] if samples == 1 else [body for body, _ in rendered]
         text = json.dumps(payload).encode()
@@ -163,6 +172,8 @@ def make_app(
 
     app = web.Application()
     app.router.add_post(wire.generate_path, generate)
+    if wire.chat_path:
+        app.router.add_post(wire.chat_path, chat)
     if wire.name == "torch_r3":
         app.router.add_get(MODEL_INFO_PATH, model_info)
     if wire.flush_cache_path:
@@ -212,8 +223,11 @@ class LoopbackServer:
     Args:
         model: The model to serve; a seeded `TinyMoELM` by default.
         protocol: `"torch_r3"` (our own format), `"sglang"`, `"vllm"`,
-            `"vllm-openai"` (vLLM's `/v1/completions`), `"megatron"` or
-            `"skyrl"`; the Test server page of the API reference lists each one's fields.
+            `"vllm-openai"` (vLLM's `/v1/completions` and `/v1/chat/completions`),
+            `"sglang-openai"` (SGLang's), `"megatron"` or `"skyrl"`; the Test
+            server page of the API reference lists each one's fields. The chat
+            endpoints render messages with a chat template of their own, so the
+            server's token ids are not the caller's text.
         faults: Faults to inject; a fresh `Faults` by default (see `faults`).
         host: Address to bind.
         port: Port to bind; `0` picks a free one (see `port`).
@@ -334,7 +348,7 @@ class LoopbackServer:
             ('1', '1')
         """
         if flush_cache is None:
-            flush_cache = self.wire.name == "sglang"
+            flush_cache = self.wire.name in ("sglang", "sglang-openai")
         return self.engine.update_weights(weight_version=weight_version, flush_cache=flush_cache)
 
     def flush_cache(self) -> None:

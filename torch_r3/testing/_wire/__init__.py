@@ -1,7 +1,9 @@
 """The loopback server's protocols, one module each.
 
 `native` (our own, `server="torch_r3"`), `sglang`, `vllm`, `openai` (vLLM's
-`/v1/completions`, `server="vllm-openai"`), `megatron` and `skyrl`.
+`/v1/completions` and `/v1/chat/completions`, `server="vllm-openai"`),
+`sglang_openai` (SGLang's, `server="sglang-openai"`), `megatron` and `skyrl`;
+`chat` is the chat template the two chat endpoints render messages with.
 
 Each module holds a `WireProtocol` subclass that parses its server's request
 body and renders the response body that server sends, field for field.
@@ -18,12 +20,14 @@ from torch_r3.testing._wire.megatron import MegatronWire
 from torch_r3.testing._wire.native import TorchR3Wire
 from torch_r3.testing._wire.openai import VLLMCompletionsWire
 from torch_r3.testing._wire.sglang import SGLangWire
+from torch_r3.testing._wire.sglang_openai import SGLangCompletionsWire
 from torch_r3.testing._wire.skyrl import SkyRLWire
 from torch_r3.testing._wire.vllm import VLLMWire
 
 __all__ = [
     "PROTOCOLS",
     "MegatronWire",
+    "SGLangCompletionsWire",
     "SGLangWire",
     "SkyRLWire",
     "TorchR3Wire",
@@ -34,7 +38,8 @@ __all__ = [
 ]
 
 PROTOCOLS: dict[str, type[WireProtocol]] = {
-    cls.name: cls for cls in (TorchR3Wire, SGLangWire, VLLMWire, VLLMCompletionsWire, MegatronWire, SkyRLWire)
+    cls.name: cls
+    for cls in (TorchR3Wire, SGLangWire, VLLMWire, VLLMCompletionsWire, SGLangCompletionsWire, MegatronWire, SkyRLWire)
 }
 
 

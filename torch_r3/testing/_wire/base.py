@@ -18,6 +18,7 @@ import numpy as np
 from torch_r3._checks import check_bool as check_flag
 from torch_r3.protocols.base import MAX_SALT_CHARS, SALT_FORBIDDEN
 from torch_r3.testing._engine import GenerateRequest, Generation
+from torch_r3.testing._wire.chat import render_messages
 from torch_r3.testing.model import ServedModel
 
 __all__ = [
@@ -28,7 +29,9 @@ __all__ = [
     "check_known",
     "check_object",
     "check_salt",
+    "chat_prompt",
     "check_token_ids",
+    "max_tokens",
     "weight_spans",
 ]
 
@@ -40,6 +43,8 @@ class WireProtocol(abc.ABC):
         name: The protocol's name (`LoopbackServer(protocol=name)`).
         generate_path: The generate endpoint (`POST`).
         flush_cache_path: The endpoint that drops the prefix cache (`POST`), if any.
+        chat_path: The chat-completions endpoint (`POST`), if the protocol has one:
+            then `parse_chat` and `render_chat` serve it.
         default_block_size: Tokens per prefix-cache block of the real server.
 
     Args:
@@ -50,6 +55,7 @@ class WireProtocol(abc.ABC):
     name: ClassVar[str]
     generate_path: ClassVar[str]
     flush_cache_path: ClassVar[str | None] = None
+    chat_path: ClassVar[str | None] = None
     default_block_size: ClassVar[int] = 16
 
     def __init__(self, *, routes_enabled: bool = True) -> None:
@@ -80,6 +86,21 @@ class WireProtocol(abc.ABC):
             `(body, routes)`: the JSON-ready body and the routes in the dtype put
             on the wire (`None` when the body carries none).
         """
+
+    def parse_chat(self, body: Any, model: ServedModel) -> GenerateRequest:
+        """Check a chat request body and render its messages into the prompt (`chat_path` only).
+
+        Raises:
+            TypeError: A field has the wrong type.
+            ValueError: A field is missing or out of range (or the protocol has no chat endpoint).
+        """
+        raise ValueError(f"{self.name} has no chat endpoint")
+
+    def render_chat(
+        self, request: GenerateRequest, generation: Generation, model: ServedModel, *, malformed: bool = False
+    ) -> tuple[dict[str, Any], np.ndarray | None]:
+        """The `200` chat response body and the route array it carries, as `render` (`chat_path` only)."""
+        raise ValueError(f"{self.name} has no chat endpoint")
 
     def error(self, status: int, message: str) -> dict[str, Any]:
         """The JSON body of an error response."""
@@ -147,6 +168,25 @@ def check_salt(value: Any, name: str, *, vllm_rules: bool = False) -> str | None
         if any(c in value for c in SALT_FORBIDDEN):
             raise ValueError(f"{name} must not contain '@', '/', '\\' or NUL")
     return value
+
+
+def chat_prompt(body: Any, model: ServedModel) -> list[int]:
+    """The prompt of a chat request body: its `messages` rendered by the loopback chat template."""
+    check_object(body, "request body")
+    if "messages" not in body:
+        raise ValueError("request body is missing 'messages'")
+    vocab = getattr(model, "vocab_size", None)
+    if isinstance(vocab, bool) or not isinstance(vocab, int):
+        raise ValueError(f"the chat endpoint renders messages into token ids: {type(model).__name__} has no vocab_size")
+    return render_messages(body["messages"], vocab)
+
+
+def max_tokens(body: Mapping[str, Any]) -> dict[str, Any]:
+    """`max_new_tokens` from a chat body's `max_completion_tokens` or (deprecated in OpenAI's API) `max_tokens`."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        if body.get(key) is not None:
+            return {"max_new_tokens": body[key]}
+    return {}
 
 
 def weight_spans(generation: Generation) -> list[dict[str, Any]]:

@@ -1,28 +1,48 @@
-"""vLLM's OpenAI-compatible `POST /v1/completions` with a token-id prompt, as vLLM 0.33 answers it.
+"""vLLM's OpenAI-compatible `POST /v1/completions` (token-id prompt) and `POST /v1/chat/completions`, as vLLM 0.33 answers them.
 
-Request: `prompt` (token ids), top-level `max_tokens`, `temperature`, `seed`,
-`stop_token_ids`, `ignore_eos`, `logprobs`, `n` (1 only), `return_token_ids`,
-`return_weight_versions`, `routed_experts_prompt_start` in `[0, P]`, `cache_salt`
-(vLLM's rules) and `model`; other fields are ignored, as vLLM ignores them.
-Response: `{"id", "object": "text_completion", "model", "choices": [{"index",
-"text", "logprobs": {"token_logprobs", "tokens", ...} | null, "finish_reason",
-"token_ids", "prompt_token_ids", "routed_experts", "weight_versions"}], "usage"}`:
-`routed_experts` is base64 `.npy` as on the native endpoint; the token ids and
-the spans come only when asked for.
+Completions request: `prompt` (token ids), top-level `max_tokens`, `temperature`,
+`seed`, `stop_token_ids`, `ignore_eos`, `logprobs`, `n` (1 only),
+`return_token_ids`, `return_weight_versions`, `routed_experts_prompt_start` in
+`[0, P]`, `cache_salt` (vLLM's rules) and `model`; other fields are ignored, as
+vLLM ignores them. Response: `{"id", "object": "text_completion", "model",
+"choices": [{"index", "text", "logprobs": {"token_logprobs", "tokens", ...} |
+null, "finish_reason", "token_ids", "prompt_token_ids", "routed_experts",
+"weight_versions"}], "usage"}`: `routed_experts` is base64 `.npy` as on the
+native endpoint; the token ids and the spans come only when asked for.
+
+Chat request: `messages` (rendered server-side by the loopback chat template,
+`torch_r3.testing._wire.chat`, so the prompt's token ids are the server's),
+`max_completion_tokens` or `max_tokens`, `logprobs` (a bool) and the same
+other fields. Response: `{"object": "chat.completion", "choices": [{"message":
+{"role": "assistant", "content"}, "logprobs": {"content": [{"token",
+"logprob", "bytes", "top_logprobs"}]} | null, "finish_reason", "token_ids",
+"routed_experts", "weight_versions"}], "prompt_token_ids", "usage"}`, the
+rendered prompt's ids at the top level (with `return_token_ids`), as vLLM sends them.
 """
 
 from __future__ import annotations
 
 import base64
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from torch_r3.protocols.vllm import RESET_PREFIX_CACHE_PATH
-from torch_r3.protocols.vllm_openai import COMPLETIONS_PATH
+from torch_r3.protocols.vllm_openai import CHAT_PATH, COMPLETIONS_PATH
 from torch_r3.testing._engine import GenerateRequest, Generation
-from torch_r3.testing._wire.base import WireProtocol, check_body, check_bool, check_int, check_salt, weight_spans
+from torch_r3.testing._wire.base import (
+    WireProtocol,
+    chat_prompt,
+    check_body,
+    check_bool,
+    check_int,
+    check_salt,
+    max_tokens,
+    weight_spans,
+)
+from torch_r3.testing._wire.chat import tokens_as_text
 from torch_r3.testing._wire.vllm import npy_bytes
 from torch_r3.testing.model import ServedModel
 
@@ -38,20 +58,33 @@ _SAMPLING = {
 
 
 class VLLMCompletionsWire(WireProtocol):
-    """vLLM's `/v1/completions` (see the module docstring)."""
+    """vLLM's `/v1/completions` and `/v1/chat/completions` (see the module docstring)."""
 
     name = "vllm-openai"
     generate_path = COMPLETIONS_PATH
+    chat_path = CHAT_PATH
     flush_cache_path = RESET_PREFIX_CACHE_PATH
 
     def parse(self, body: Any, model: ServedModel) -> GenerateRequest:
         prompt = check_body(body, "prompt", None)
-        check_int(body.get("n", 1), "n", 1, 1)
         logprobs = body.get("logprobs")
         if logprobs is not None:
             check_int(logprobs, "logprobs", 0, 20)
-        start = check_int(body.get("routed_experts_prompt_start", 0), "routed_experts_prompt_start", 0, len(prompt))
         params = {name: body[k] for k, name in _SAMPLING.items() if body.get(k) is not None}
+        return self._request(body, prompt, params, logprobs is not None)
+
+    def parse_chat(self, body: Any, model: ServedModel) -> GenerateRequest:
+        prompt = chat_prompt(body, model)
+        params = {name: body[k] for k, name in _SAMPLING.items() if k != "max_tokens" and body.get(k) is not None}
+        return self._request(
+            body, prompt, {**params, **max_tokens(body)}, check_bool(body.get("logprobs", False), "logprobs")
+        )
+
+    def _request(
+        self, body: Mapping[str, Any], prompt: list[int], params: dict[str, Any], logprobs: bool
+    ) -> GenerateRequest:
+        check_int(body.get("n", 1), "n", 1, 1)
+        start = check_int(body.get("routed_experts_prompt_start", 0), "routed_experts_prompt_start", 0, len(prompt))
         return GenerateRequest(
             prompt=prompt,
             sampling_params=params,
@@ -59,7 +92,7 @@ class VLLMCompletionsWire(WireProtocol):
             start=start,
             salt=check_salt(body.get("cache_salt"), "cache_salt", vllm_rules=True),
             options={
-                "logprobs": logprobs is not None,
+                "logprobs": logprobs,
                 "token_ids": check_bool(body.get("return_token_ids", False), "return_token_ids"),
                 "spans": check_bool(body.get("return_weight_versions", False), "return_weight_versions"),
                 "model": body.get("model") or "loopback",
@@ -70,12 +103,7 @@ class VLLMCompletionsWire(WireProtocol):
         self, request: GenerateRequest, generation: Generation, model: ServedModel, *, malformed: bool = False
     ) -> tuple[dict[str, Any], np.ndarray | None]:
         out = generation.token_ids
-        rows = payload = None
-        if self.routes_enabled and generation.routes is not None:
-            dtype = np.dtype("<u1") if model.num_experts <= 256 else np.dtype("<u2")
-            rows = np.ascontiguousarray(generation.routes[request.start :], dtype=dtype)
-            claim = rows.shape[0] + 1 if malformed else None
-            payload = base64.b64encode(npy_bytes(rows, claim_rows=claim)).decode("ascii")
+        choice, rows = self._choice(request, generation, model, malformed)
         logprobs = None
         if request.options["logprobs"]:
             logprobs = {
@@ -86,23 +114,64 @@ class VLLMCompletionsWire(WireProtocol):
             }
         choice = {
             "index": 0,
-            "text": "",
+            "text": tokens_as_text(out),
             "logprobs": logprobs,
-            "finish_reason": generation.finish_reason,
-            "token_ids": out if request.options["token_ids"] else None,
+            **choice,
             "prompt_token_ids": request.prompt if request.options["token_ids"] else None,
-            "routed_experts": payload,
-            "weight_versions": weight_spans(generation) if request.options["spans"] else None,
         }
-        body = {
+        return {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
             "model": request.options["model"],
             "choices": [choice],
-            "usage": {
-                "prompt_tokens": len(request.prompt),
-                "completion_tokens": len(out),
-                "total_tokens": len(request.prompt) + len(out),
-            },
+            "usage": _usage(request, generation),
+        }, rows
+
+    def render_chat(
+        self, request: GenerateRequest, generation: Generation, model: ServedModel, *, malformed: bool = False
+    ) -> tuple[dict[str, Any], np.ndarray | None]:
+        out = generation.token_ids
+        choice, rows = self._choice(request, generation, model, malformed)
+        logprobs: dict[str, Any] | None = None
+        if request.options["logprobs"]:
+            logprobs = {
+                "content": [
+                    {"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
+                    for t, lp in zip(out, generation.logprobs)
+                ]
+            }
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": tokens_as_text(out)},
+            "logprobs": logprobs,
+            **choice,
         }
-        return body, rows
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "model": request.options["model"],
+            "choices": [choice],
+            "usage": _usage(request, generation),
+            "prompt_token_ids": request.prompt if request.options["token_ids"] else None,
+        }, rows
+
+    def _choice(
+        self, request: GenerateRequest, generation: Generation, model: ServedModel, malformed: bool
+    ) -> tuple[dict[str, Any], np.ndarray | None]:
+        rows = payload = None
+        if self.routes_enabled and generation.routes is not None:
+            dtype = np.dtype("<u1") if model.num_experts <= 256 else np.dtype("<u2")
+            rows = np.ascontiguousarray(generation.routes[request.start :], dtype=dtype)
+            claim = rows.shape[0] + 1 if malformed else None
+            payload = base64.b64encode(npy_bytes(rows, claim_rows=claim)).decode("ascii")
+        return {
+            "finish_reason": generation.finish_reason,
+            "token_ids": generation.token_ids if request.options["token_ids"] else None,
+            "routed_experts": payload,
+            "weight_versions": weight_spans(generation) if request.options["spans"] else None,
+        }, rows
+
+
+def _usage(request: GenerateRequest, generation: Generation) -> dict[str, int]:
+    p, o = len(request.prompt), len(generation.token_ids)
+    return {"prompt_tokens": p, "completion_tokens": o, "total_tokens": p + o}

@@ -1,0 +1,143 @@
+"""What the engine-health check costs per trajectory, next to what decoding the same routes costs.
+
+Routes are drawn like a real router's (top-k without replacement from a Zipf-skewed expert popularity,
+a different ranking per layer), at model shapes of released MoE models, over one trajectory of `--tokens`
+positions. Median seconds over interleaved rounds (the machine may be shared: say so with the figures):
+
+* `decode sglang`: SGLang's base64 int32 `routed_experts` -> the canonical array (`decode_sglang_routes`);
+* `decode vllm`: vLLM's base64 `.npy` (uint8 / uint16) -> the canonical array (`decode_vllm_routes`);
+* `health`: `RouteHealthCheck.check` without token ids (zero rows, constant layers), `remember_blocks=0`;
+* `+ tokens`: with the token ids (adds the stale-run check), still `remember_blocks=0`;
+* `+ replay`: with token ids and the replayed-rows memory, filled to its default bound by earlier
+  trajectories first (the steady state of a long run: every check looks up and then remembers).
+
+    PYTHONPATH=. python benchmarks/health_bench.py                    # 8k tokens, three model shapes
+    PYTHONPATH=. python benchmarks/health_bench.py --tokens 32768 --rounds 3 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from torch_r3.codec import decode_sglang_routes, decode_vllm_routes
+from torch_r3.health import DEFAULT_REMEMBER_BLOCKS, RouteHealthCheck
+
+# (name, hidden layers, experts, top-k): every hidden layer is sent (dense ones zero).
+SHAPES = [
+    ("Qwen3-30B-A3B", 48, 128, 8),
+    ("DeepSeek-V3", 61, 256, 8),
+    ("Qwen3-235B-A22B", 94, 128, 8),
+]
+
+
+def router_like(rng: np.random.Generator, rows: int, layers: int, experts: int, topk: int) -> np.ndarray:
+    """Zipf-skewed top-k (alpha 1.2) per layer, ids distinct per row."""
+    out = np.empty((rows, layers, topk), np.uint8 if experts <= 256 else np.int16)
+    weights = np.log(1.0 / np.arange(1, experts + 1) ** 1.2)
+    for layer in range(layers):
+        keys = weights[rng.permutation(experts)] + rng.gumbel(size=(rows, experts))
+        top = np.argpartition(-keys, topk - 1, axis=1)[:, :topk]
+        order = np.argsort(-np.take_along_axis(keys, top, axis=1), axis=1)
+        out[:, layer] = np.take_along_axis(top, order, axis=1)
+    return out
+
+
+def npy_b64(array: np.ndarray) -> str:
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def median_time(fn: Callable[[], object], rounds: int) -> float:
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def replay_round(check: RouteHealthCheck, trajectory: tuple[np.ndarray, np.ndarray]) -> object:
+    routes, ids = trajectory
+    return check.check(routes, trajectory="t", token_ids=ids)
+
+
+def run_shape(name: str, layers: int, experts: int, topk: int, tokens: int, rounds: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    routes = router_like(rng, tokens, layers, experts, topk)
+    ids = rng.integers(0, 150_000, tokens)
+    sglang_text = base64.b64encode(routes.astype("<i4").tobytes()).decode("ascii")
+    vllm_text = npy_b64(routes.astype(np.uint8) if experts <= 256 else routes.astype("<u2"))
+
+    plain = RouteHealthCheck("count", remember_blocks=0)
+    with_tokens = RouteHealthCheck("count", remember_blocks=0)
+    full = RouteHealthCheck("count")
+    # Fill the memory to its bound with earlier trajectories (other routes, other tokens; uniform ids
+    # are enough here: only their fingerprints are kept).
+    for start in range(0, 16 * DEFAULT_REMEMBER_BLOCKS, 16384):
+        filler = rng.integers(0, experts, (16384, layers, topk), dtype=routes.dtype)
+        full.check(filler, trajectory=f"earlier {start}", token_ids=rng.integers(0, 150_000, 16384))
+    assert len(full.memory) == DEFAULT_REMEMBER_BLOCKS, len(full.memory)
+
+    shuffles = [rng.permutation(tokens) for _ in range(rounds + 1)]
+    fresh = iter([(np.ascontiguousarray(routes[p]), ids[p]) for p in shuffles])
+    cases: dict[str, Callable[[], object]] = {
+        "decode sglang": lambda: decode_sglang_routes(
+            sglang_text, num_layers=layers, topk=topk, num_experts=experts, max_bytes=1 << 34
+        ),
+        "decode vllm": lambda: decode_vllm_routes(vllm_text, num_experts=experts, max_bytes=1 << 34),
+        "health": lambda: plain.check(routes, trajectory="t"),
+        "+ tokens": lambda: with_tokens.check(routes, trajectory="t", token_ids=ids),
+        # Each round looks up against a full memory and then remembers this trajectory's blocks: a fresh
+        # trajectory each time (rows shuffled, so no run repeats an earlier one), as a run sends them.
+        "+ replay": lambda: replay_round(full, next(fresh)),
+    }
+    for fn in cases.values():  # warm up
+        fn()
+    results = {k: [] for k in cases}
+    for _ in range(rounds):  # interleaved, so a busy spell hits every case alike
+        for key, fn in cases.items():
+            results[key].append(median_time(fn, 1))
+    seconds = {k: statistics.median(v) for k, v in results.items()}
+    assert full.stats.replayed_rows == 0 and full.stats.refused == 0  # healthy routes: nothing refused
+    return {
+        "model": name,
+        "layers": layers,
+        "experts": experts,
+        "topk": topk,
+        "tokens": tokens,
+        "seconds": seconds,
+        "us_per_token": {k: v / tokens * 1e6 for k, v in seconds.items()},
+        "memory_blocks": len(full.memory),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    rows = [run_shape(*shape, args.tokens, args.rounds, seed=i) for i, shape in enumerate(SHAPES)]
+    keys = list(rows[0]["seconds"])
+    print(f"{args.tokens} tokens per trajectory, median of {args.rounds} interleaved rounds (ms; us/token)")
+    print(f"{'model':<18}" + "".join(f"{k:>22}" for k in keys) + f"{'full/decode sglang':>20}")
+    for r in rows:
+        cells = "".join(f"{r['seconds'][k] * 1e3:>12.1f}{r['us_per_token'][k]:>8.2f}us" for k in keys)
+        ratio = r["seconds"]["+ replay"] / r["seconds"]["decode sglang"]
+        print(f"{r['model']:<18}{cells}{ratio:>20.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
