@@ -354,7 +354,8 @@ def _extras_line(trainer: str) -> str:
 def _demo_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from torch_r3._extras import MissingExtraError, require
 
-    trainer = getattr(args, "trainer", "megatron")
+    # `--dsa` trains a transformers DeepSeek-V3.2 model whatever `--trainer` says.
+    trainer = "transformers" if getattr(args, "dsa", False) else getattr(args, "trainer", "megatron")
     needs = _DEMO_NEEDS[trainer]
     try:
         demo = _demo_module()

@@ -13,8 +13,9 @@ pads or invents rows: the tail the engine never evaluated (the last sampled
 token, a synthetic EOS) is left to the collator, which pads it and marks it in
 `router_padding_mask`.
 
-The module is past 500 lines because `RoutedExpertTrace`'s per-turn
-checks (rows, versions and their spans, token ids, engine health) live with it.
+The module is past 600 lines because `RoutedExpertTrace`'s per-turn
+checks (rows, versions and their spans, token ids, engine health) live with it;
+the indexer selections' are in `torch_r3.indexer.turns`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from torch_r3._checks import (
     check_str,
 )
 from torch_r3.health import RouteHealthCheck, health_check
+from torch_r3.indexer.encoding import IndexerSelections
+from torch_r3.indexer.turns import SelectionTurns
 from torch_r3.routes import CANONICAL_DTYPES, as_host_array, check_expert_ids, compact_routes, is_canonical, widest
 
 # `TokenMetadataTrace` is the row store `RoutedExpertTrace` is built on, not offered to users.
@@ -215,6 +218,13 @@ class RoutedExpertTrace:
         moe_layers: Indices into the layer axis of the MoE layers, for the
             health check (a zero row there is a finding).
         name: What to call the trajectory in messages (e.g. its sample id).
+        resent_selections: For DSA models' indexer selections
+            (`record(indexer_topk=)`): SGLang has no start field for them and
+            resends every row each turn, so each turn's rows overlap the
+            earlier turns'. `"check"` (the default) refuses a turn whose
+            resent rows select other positions than before (`ValueError`
+            naming the layer and row); `"latest"` keeps the latest turn's rows
+            and counts the rows that changed in `selections_changed`.
 
     Raises:
         TypeError: a count is not an `int`.
@@ -242,6 +252,7 @@ class RoutedExpertTrace:
         health: str | RouteHealthCheck = "raise",
         moe_layers: Sequence[int] | None = None,
         name: str = "trajectory",
+        resent_selections: str = "check",
     ) -> None:
         if (num_layers is None) != (topk is None):
             raise ValueError("RoutedExpertTrace: give both num_layers and topk, or neither")
@@ -260,6 +271,8 @@ class RoutedExpertTrace:
         self.name = check_str(name, "name")
         # Token ids of the positions from 0 on, as far as the caller told us.
         self._known_ids: tuple[int, ...] = ()
+        # DSA indexer selections: SGLang resends every row each turn; the latest covers the others.
+        self._selections = SelectionTurns(resent=resent_selections, name=self.name)
 
     @property
     def prompt_start(self) -> int:
@@ -270,6 +283,22 @@ class RoutedExpertTrace:
     def turns(self) -> int:
         """Turns recorded so far."""
         return len(self._versions)
+
+    @property
+    def indexer_topk(self) -> IndexerSelections | None:
+        """The trajectory's DSA indexer selections so far, rows `0 .. prompt_start - 1` (`None` without them).
+
+        The compact `torch_r3.indexer.IndexerSelections` of the latest turn
+        (SGLang resends every row each turn, checked against the earlier
+        turns' as `resent_selections` says); collate them with
+        `torch_r3.indexer.collate_selections` beside the routes.
+        """
+        return self._selections.selections
+
+    @property
+    def selections_changed(self) -> int:
+        """Resent indexer rows that differed from an earlier turn's (`resent_selections="latest"` keeps the latest)."""
+        return self._selections.changed
 
     @property
     def weight_versions(self) -> tuple[str | int | None, ...]:
@@ -294,6 +323,7 @@ class RoutedExpertTrace:
         weight_versions: Sequence[Any] | None = None,
         prompt_ids: Sequence[int] | None = None,
         response_ids: Sequence[int] | None = None,
+        indexer_topk: IndexerSelections | None = None,
     ) -> None:
         """Append one turn's routes, checking that exactly the expected rows arrived.
 
@@ -322,6 +352,12 @@ class RoutedExpertTrace:
                 `response_ids` gave for them (a re-rendered history is refused).
             response_ids: This turn's generated token ids (`generated_len` of
                 them), remembered with `prompt_ids` for the next turn's check.
+            indexer_topk: A DSA model's indexer selections of this turn
+                (`RemoteGenerateResult.indexer_topk`): every evaluated position
+                from 0, `prompt_len + generated_len - 1` rows. Give them on
+                every turn or on none; the rows resent from earlier turns are
+                checked as `resent_selections` says; `indexer_topk` then holds
+                the trajectory's.
 
         Raises:
             TypeError: a length is not an `int`, `weight_version` is not a
@@ -332,7 +368,10 @@ class RoutedExpertTrace:
                 shape differs from earlier turns, an expert id is negative or
                 `>= num_experts`, or `weight_version` differs from an earlier
                 turn's (unless `allow_mixed_versions`), or `prompt_ids`
-                changes a token whose route is already held.
+                changes a token whose route is already held, or the indexer
+                selections have the wrong rows or shape, are given on some
+                turns only, or (`resent_selections="check"`) resend a row
+                with other positions.
             RouteHealthError: The turn's rows carry an engine capture-bug
                 signature (with `health="raise"`; a `ValueError`).
         """
@@ -344,6 +383,7 @@ class RoutedExpertTrace:
             weight_versions,
             prompt_ids,
             response_ids,
+            indexer_topk,
             scan_ids=True,
             check_health=True,
         )
@@ -352,8 +392,8 @@ class RoutedExpertTrace:
         """Append the turn a `RemoteGenerateResult` answered, without scanning its ids again.
 
         Shorthand for `record` with the result's routes, generated token count,
-        `weight_version` and `weight_versions` (and, with `prompt_ids`, its
-        `response_ids`). The client's decoder already range-checked the ids
+        `weight_version` and `weight_versions`, its `indexer_topk` (and, with
+        `prompt_ids`, its `response_ids`). The client's decoder already range-checked the ids
         (never negative, below the client's `num_experts` when it had one):
         the trace trusts that check, and scans only when it knows a tighter
         bound than the client did (its own `num_experts` below the client's,
@@ -375,6 +415,7 @@ class RoutedExpertTrace:
             version, spans, checked = result.weight_version, result.weight_versions, result.num_experts
             healthy = bool(getattr(result, "health_checked", False))
             row_spans = tuple(getattr(result, "route_versions", ()))
+            selections = getattr(result, "indexer_topk", None)
         except AttributeError:
             raise TypeError(
                 f"turn {self.turns}: expected a RemoteGenerateResult, got {type(result).__name__}"
@@ -389,6 +430,7 @@ class RoutedExpertTrace:
             spans,
             prompt_ids,
             ids if prompt_ids is not None else None,
+            selections,
             scan_ids=not bound_known,
             check_health=not healthy,
         )
@@ -402,6 +444,7 @@ class RoutedExpertTrace:
         weight_versions: Any,
         prompt_ids: Any,
         response_ids: Any,
+        selections: Any,
         *,
         scan_ids: bool,
         check_health: bool,
@@ -446,11 +489,21 @@ class RoutedExpertTrace:
             self.health.check(
                 array, trajectory=f"{self.name} {turn}", token_ids=ids, moe_layers=self._moe_layers, stacklevel=4
             )
+        if selections is not None or self._selections.turns:
+            if selections is None or self._selections.turns != self.turns:
+                raise ValueError(
+                    f"{turn}: indexer selections came with {self._selections.turns} of the {self.turns} earlier "
+                    f"turns and {'not ' if selections is None else ''}with this one: request "
+                    "return_indexer_topk on every turn of a trajectory, or on none"
+                )
+            changed = self._selections.check(selections, rows=prompt_len + generated_len - 1, turn=turn)
         if is_canonical(array.dtype):
             # Own the rows: the caller may refill its buffer for the next turn
             # (a non-canonical array is compacted into a fresh one by append).
             array = np.array(array, order="C", copy=True)
         self._rows.append(array, label=label)  # the row count is checked above
+        if selections is not None:
+            self._selections.keep(selections, changed)
         self._versions.append(weight_version)
         if known is not None:
             self._known_ids = known

@@ -494,6 +494,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         default="megatron",
         help="the training side: a Megatron GPTModel (default) or a Hugging Face transformers Qwen3-MoE model",
     )
+    parser.add_argument(
+        "--dsa",
+        action="store_true",
+        help="the sparse-attention variant: a transformers DeepSeek-V3.2 model, replaying routes only vs routes "
+        "and DSA indexer selections (uses the transformers trainer; --trajectories and --turns apply)",
+    )
     return parser
 
 
@@ -507,6 +513,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             print(f"error: --{name} must be >= 1", file=sys.stderr)
             return 2
+    if getattr(args, "dsa", False):
+        return _run_dsa_from_args(args)
     cfg = DemoConfig(seed=args.seed, trajectories=args.trajectories, turns=args.turns)
     try:
         results = run(
@@ -523,6 +531,26 @@ def run_from_args(args: argparse.Namespace) -> int:
     print(format_report(results, cfg))
     if getattr(args, "run_log", None):
         write_run_log(args.run_log, results, trainer=getattr(args, "trainer", "megatron"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+def _run_dsa_from_args(args: argparse.Namespace) -> int:
+    """`--dsa`: the sparse-attention variant (`torch_r3.demo.dsa`), its own report and JSON."""
+    # Like the trainers' sides (`run`), the variant is a module built on this one, found by name.
+    dsa = importlib.import_module("torch_r3.demo.dsa")
+    if args.server_url or getattr(args, "run_log", None):
+        print("error: --dsa runs its own loopback server and writes no run log", file=sys.stderr)
+        return 2
+    cfg = dsa.DSAConfig(seed=args.seed, trajectories=args.trajectories, turns=args.turns)
+    try:
+        results = dsa.run_dsa(cfg, quiet=args.quiet)
+    except DemoError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(dsa.format_dsa_report(results))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -48,6 +48,8 @@ SELECTION_MASK = "indexer_padding_mask"
 
 SELECTION_DTYPES = (np.dtype(np.int16), np.dtype(np.int32))
 _TORCH = {np.dtype(np.int16): torch.int16, np.dtype(np.int32): torch.int32}
+# Query rows per task: a long trajectory is decoded by several threads, each from its own row.
+_PIECE_ROWS = 4096
 
 
 def selection_dtype(positions: int) -> np.dtype:
@@ -192,19 +194,22 @@ def collate_selections(
     if layout == "packed":
         views[CU_SEQLENS][:] = cu
 
-    # One task per sample and source layer: it decodes once into the first output layer that
-    # uses the source and copies that into the others (shared layers are decoded once).
-    tasks: list[tuple[int, list[int]]] = []
+    # One task per sample, source layer and piece of rows: it decodes once into the first output
+    # layer that uses the source and copies that into the others (shared layers are decoded once);
+    # a long trajectory's rows are cut into pieces that threads share.
+    tasks: list[tuple[int, list[int], int, int]] = []
     for i, s in enumerate(sels):
         groups: dict[int, list[int]] = {}
         for k, layer in enumerate(keep):
             groups.setdefault(s.layer_source[layer], []).append(k)
-        tasks.extend((i, ks) for ks in groups.values())
-    first_task = {i: t for t, (i, _) in reversed(list(enumerate(tasks)))}
+        cuts = list(range(0, s.rows, _PIECE_ROWS)) + [s.rows]
+        pieces = list(zip(cuts[:-1], cuts[1:])) or [(0, 0)]
+        tasks.extend((i, ks, lo, hi) for ks in groups.values() for lo, hi in pieces)
+    first_task = {i: t for t, (i, *_rest) in reversed(list(enumerate(tasks)))}
 
     def write_tasks(lo: int, hi: int) -> None:
         for t in range(lo, hi):
-            i, ks = tasks[t]
+            i, ks, r_lo, r_hi = tasks[t]
             s, r, n = starts[i], sels[i].rows, counts[i]
             rows = sel_out[i] if layout == "padded" else sel_out
             base = 0 if layout == "padded" else s
@@ -225,12 +230,12 @@ def collate_selections(
                     m[:r] = False
                     m[r:] = True
             lo_row = s if layout == "padded" else base
-            dst = rows[lo_row : lo_row + r]
-            sels[i].write_layer(keep[ks[0]], dst[:, ks[0]], offset=s)
+            dst = rows[lo_row + r_lo : lo_row + r_hi]
+            sels[i].write_layer(keep[ks[0]], dst[:, ks[0]], offset=s, rows=(r_lo, r_hi))
             for k in ks[1:]:
                 dst[:, k] = dst[:, ks[0]]
 
-    costs = [sels[i].rows * len(ks) + 1 for i, ks in tasks]
+    costs = [(r_hi - r_lo) * len(ks) + 1 for _i, ks, r_lo, r_hi in tasks]
     workers_ = _pool.default_workers() if workers is None else _pool.check_workers(workers)
     _pool.run(costs, write_tasks, workers_, sel_out.nbytes)
     return result

@@ -143,6 +143,104 @@ def _encode_rows(sorted_rows: np.ndarray, first: int, exc_dtype: np.dtype, into:
         into.bitmaps.append(packed[np.arange(packed.shape[1])[None, :] < widths[:, None]])
 
 
+# Work per decoding step: bits unpacked (bitmap rows) or gaps summed (delta rows), sized so that a
+# step's temporaries stay in a core's cache.
+_BLOCK_BITS = 1 << 20
+_BLOCK_GAPS = 1 << 18
+
+
+def _bitmap_bytes(lo: int, hi: int) -> np.ndarray:
+    """Bytes of the bitmaps of rows `lo .. hi - 1`, cumulative from 0 (`hi - lo + 1` entries)."""
+    out = np.zeros(hi - lo + 1, dtype=np.int64)
+    np.cumsum((np.arange(lo, hi, dtype=np.int64) + 8) // 8, out=out[1:])
+    return out
+
+
+class _StreamIndex:
+    """Cumulative stream offsets of one layer code per stored row: where a decode may start mid-way."""
+
+    def __init__(self, code: _LayerCode, topk: int) -> None:
+        mode = code.is_bitmap
+        n = mode.size
+        self.bitmap_rows = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(mode, out=self.bitmap_rows[1:])
+        widths = np.where(mode, (np.arange(topk, topk + n, dtype=np.int64) + 8) // 8, 0)
+        self.bitmap_bytes = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(widths, out=self.bitmap_bytes[1:])
+        delta_rows = n - int(self.bitmap_rows[-1])
+        escapes = np.zeros(delta_rows, dtype=np.int64)
+        step = _rows_per_chunk(topk)
+        for lo in range(0, delta_rows, step):
+            hi = min(delta_rows, lo + step)
+            gaps = code.gaps[lo * topk : hi * topk].reshape(hi - lo, topk)
+            escapes[lo:hi] = np.count_nonzero(gaps == ESCAPE, axis=1)
+        self.escapes = np.zeros(delta_rows + 1, dtype=np.int64)
+        np.cumsum(escapes, out=self.escapes[1:])
+        self.topk = topk
+
+    def at(self, stored: int) -> tuple[int, int, int]:
+        """`(gap byte, exception, bitmap byte)` offsets of stored row `stored`."""
+        bitmaps = int(self.bitmap_rows[stored])
+        deltas = stored - bitmaps
+        return deltas * self.topk, int(self.escapes[deltas]), int(self.bitmap_bytes[stored])
+
+
+def _decode_stored(
+    code: _LayerCode, topk: int, lo: int, hi: int, out: np.ndarray, offset: int, cursors: tuple[int, int, int]
+) -> None:
+    """Decode stored rows `lo .. hi - 1` (all `>= topk`) into `out` `[hi - lo, topk]`, shifted by `offset`.
+
+    Runs of rows in one mode are decoded in blocks, each written straight into
+    its rows of `out`: a bitmap block is one `unpackbits` and one
+    `flatnonzero` (the set bits, in order, are the rows' positions back to
+    back); a delta block is one cumulative sum over all its gap rows (the
+    escaped gaps added back afterwards, row by row, as corrections).
+    """
+    K = topk
+    g_at, e_at, b_at = cursors
+    mode = code.is_bitmap[lo - K : hi - K]
+    edges = [0, *(np.flatnonzero(mode[1:] != mode[:-1]) + 1).tolist(), hi - lo]
+    # `p[i] = sum(gaps[:i + 1]) + i`, shifted: `i + offset <= p[i] + offset` fits wherever `p` does.
+    ramp = (np.arange(K, dtype=np.int64) + offset).astype(out.dtype)
+    for a, b in zip(edges[:-1], edges[1:]):
+        if mode[a]:
+            first = lo + a
+            block = max(1, _BLOCK_BITS // (lo + b + 8))  # rows per step: the widest row bounds its bits
+            for r0 in range(first, lo + b, block):
+                r1 = min(lo + b, r0 + block)
+                starts = _bitmap_bytes(r0, r1)
+                nbytes = int(starts[-1])
+                bits = np.unpackbits(code.bitmaps[b_at : b_at + nbytes], bitorder="little").view(np.bool_)
+                b_at += nbytes
+                found = np.flatnonzero(bits)
+                if found.size != (r1 - r0) * K:
+                    raise ValueError(f"indexer selections: corrupt bitmap code in rows {r0}..{r1 - 1}")
+                starts *= 8
+                starts -= offset
+                np.subtract(found.reshape(r1 - r0, K), starts[:-1, None], out=out[r0 - lo : r1 - lo], casting="unsafe")
+            continue
+        block = max(1, _BLOCK_GAPS // K)
+        for r0 in range(lo + a, lo + b, block):
+            r1 = min(lo + b, r0 + block)
+            n = (r1 - r0) * K
+            gaps = code.gaps[g_at : g_at + n].reshape(r1 - r0, K)
+            g_at += n
+            dst = out[r0 - lo : r1 - lo]
+            np.cumsum(gaps, axis=1, dtype=dst.dtype, out=dst)
+            np.add(dst, ramp, out=dst, casting="unsafe")
+            escaped = np.flatnonzero(gaps.reshape(-1) == ESCAPE)
+            if escaped.size:  # each escaped gap counted 255: add the rest from there to its row's end
+                extra = code.exceptions[e_at : e_at + escaped.size].astype(np.int64) - ESCAPE
+                e_at += escaped.size
+                row, col = np.divmod(escaped, K)
+                rows, which = np.unique(row, return_inverse=True)
+                fix = np.zeros((rows.size, K), dtype=np.int64)
+                fix[which, col] = extra
+                np.cumsum(fix, axis=1, out=fix)
+                fix += dst[rows]
+                dst[rows] = fix
+
+
 class SelectionEncoder:
     """Encode one trajectory's dense selections chunk by chunk, checking every row.
 
@@ -293,6 +391,8 @@ class IndexerSelections:
         self.index_topk = index_topk
         self.layer_source = layer_source
         self._codes = codes
+        # Per layer code: where each stored row starts in its streams (built when first needed, not pickled).
+        self._index: dict[int, _StreamIndex] = {}
 
     @classmethod
     def from_dense(cls, array: Any, *, name: str = "indexer_topk") -> IndexerSelections:
@@ -347,53 +447,91 @@ class IndexerSelections:
     def __reduce__(self) -> tuple[Any, ...]:
         return (IndexerSelections, (self.rows, self.index_topk, self.layer_source, self._codes))
 
-    def write_layer(self, layer: int, out: np.ndarray, offset: int = 0) -> None:
+    def write_layer(self, layer: int, out: np.ndarray, offset: int = 0, rows: tuple[int, int] | None = None) -> None:
         """Write layer `layer`'s `[rows, index_topk]` positions, plus `offset`, into `out`.
 
         Unused slots get `FILL` (`-1`), unshifted; each row's positions come
         out sorted. `out` may be any signed integer view (a slice of a batch
-        tensor); each of its elements is written once.
+        tensor) that holds every shifted position; each of its elements is
+        written once. `rows=(lo, hi)` writes only query rows `lo .. hi - 1`
+        (then `out` is `[hi - lo, index_topk]`), so that threads can share one
+        long trajectory.
         """
         code = self._codes[self.layer_source[layer]]
-        K, rows = self.index_topk, self.rows
-        if out.shape != (rows, K):
-            raise ValueError(f"out: expected shape [{rows}, {K}], got {list(out.shape)}")
-        short = min(rows, K)
+        K = self.index_topk
+        lo, hi = (0, self.rows) if rows is None else rows
+        if not 0 <= lo <= hi <= self.rows:
+            raise ValueError(f"rows: expected 0 <= lo <= hi <= {self.rows}, got {(lo, hi)}")
+        if out.shape != (hi - lo, K):
+            raise ValueError(f"out: expected shape [{hi - lo}, {K}], got {list(out.shape)}")
+        short = max(0, min(hi, K) - lo)
         if short:
-            tmpl = _short_rows(K)[:short]
+            tmpl = _short_rows(K)[lo : lo + short]
             np.add(tmpl, offset, out=out[:short], casting="unsafe")
             out[:short][tmpl < 0] = FILL
+        first = max(lo, K)
+        if first < hi:
+            _decode_stored(code, K, first, hi, out[first - lo :], offset, self._cursors(code, first))
+
+    def _cursors(self, code: _LayerCode, row: int) -> tuple[int, int, int]:
+        """Where stored row `row` starts in the gap, exception and bitmap streams of `code`."""
+        if row == self.index_topk:
+            return 0, 0, 0
+        index = self._index.get(id(code))
+        if index is None:  # built once per layer code, the first time a decode starts mid-way
+            index = self._index[id(code)] = _StreamIndex(code, self.index_topk)
+        return index.at(row - self.index_topk)
+
+    def differing_rows(self, other: IndexerSelections, rows: int) -> np.ndarray:
+        """The rows among `0 .. rows - 1` where `other` selects another set in any layer (sorted `int64`).
+
+        Both must have the same layers and `index_topk` and at least `rows`
+        rows. Equal rows usually have equal codes, which are compared as
+        bytes; only a layer whose codes differ is decoded, piece by piece (the
+        same set can be coded two ways when the row counts put the exception
+        lists in different dtypes).
+
+        Examples:
+            >>> import numpy as np
+            >>> a = IndexerSelections.from_dense(np.array([[[0, -1]], [[0, 1]], [[2, 0]]]))
+            >>> b = IndexerSelections.from_dense(np.array([[[0, -1]], [[0, 1]], [[2, 1]], [[3, 0]]]))
+            >>> a.differing_rows(b, 2).tolist(), a.differing_rows(b, 3).tolist()
+            ([], [2])
+        """
+        if (other.num_layers, other.index_topk) != (self.num_layers, self.index_topk):
+            raise ValueError(
+                f"selections of [layers={other.num_layers}, index_topk={other.index_topk}], expected "
+                f"[{self.num_layers}, {self.index_topk}]"
+            )
+        if not 0 <= rows <= min(self.rows, other.rows):
+            raise ValueError(f"rows: expected 0 <= rows <= {min(self.rows, other.rows)}, got {rows}")
+        K = self.index_topk
+        differs = np.zeros(max(0, rows - K), dtype=np.bool_)  # short rows are exactly 0 .. j on arrival
         step = _rows_per_chunk(K)
-        # Cursors into the three streams, advanced chunk by chunk.
-        g_at = e_at = b_at = 0
-        for lo in range(K, rows, step):
-            hi = min(rows, lo + step)
-            mode = code.is_bitmap[lo - K : hi - K]
-            tmp = np.empty((hi - lo, K), dtype=np.int32)
-            delta = ~mode
-            nd = int(np.count_nonzero(delta))
-            if nd:
-                g = code.gaps[g_at : g_at + nd * K].astype(np.int32).reshape(nd, K)
-                g_at += nd * K
-                esc = np.flatnonzero(g.reshape(-1) == ESCAPE)
-                if esc.size:
-                    g.reshape(-1)[esc] = code.exceptions[e_at : e_at + esc.size]
-                    e_at += esc.size
-                g += 1
-                np.cumsum(g, axis=1, out=g)
-                g -= 1
-                tmp[delta] = g
-            nb = hi - lo - nd
-            if nb:
-                j = np.arange(lo, hi, dtype=np.int64)[mode]
-                widths = (j + 8) // 8
-                nbytes = int(widths.sum())
-                bits = np.unpackbits(code.bitmaps[b_at : b_at + nbytes], bitorder="little")
-                b_at += nbytes
-                starts = np.zeros(nb, dtype=np.int64)
-                np.cumsum(widths[:-1] * 8, out=starts[1:])
-                tmp[mode] = np.flatnonzero(bits).reshape(nb, K) - starts[:, None]
-            np.add(tmp, offset, out=out[lo:hi], casting="unsafe")
+        for layer in range(self.num_layers):
+            mine, theirs = self._codes[self.layer_source[layer]], other._codes[other.layer_source[layer]]
+            if rows <= K or self._same_code(mine, other, theirs, rows):
+                continue
+            a = np.empty((min(step, rows - K), K), dtype=np.int32)
+            b = np.empty_like(a)
+            for lo in range(K, rows, step):
+                hi = min(rows, lo + step)
+                self.write_layer(layer, a[: hi - lo], rows=(lo, hi))
+                other.write_layer(layer, b[: hi - lo], rows=(lo, hi))
+                differs[lo - K : hi - K] |= (a[: hi - lo] != b[: hi - lo]).any(axis=1)
+        return np.flatnonzero(differs) + K
+
+    def _same_code(self, mine: _LayerCode, other: IndexerSelections, theirs: _LayerCode, rows: int) -> bool:
+        stored = rows - self.index_topk
+        if not np.array_equal(mine.is_bitmap[:stored], theirs.is_bitmap[:stored]):
+            return False
+        g, e, b = self._cursors(mine, rows)
+        return (
+            (g, e, b) == other._cursors(theirs, rows)
+            and np.array_equal(mine.gaps[:g], theirs.gaps[:g])
+            and np.array_equal(mine.exceptions[:e], theirs.exceptions[:e])
+            and np.array_equal(mine.bitmaps[:b], theirs.bitmaps[:b])
+        )
 
     def to_dense(self, dtype: Any = np.int32, layers: Sequence[int] | None = None) -> np.ndarray:
         """The dense `[rows, layers, index_topk]` array, rows sorted, `-1` in unused slots."""
