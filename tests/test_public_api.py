@@ -30,6 +30,7 @@ from __future__ import annotations
 import ast
 import functools
 import importlib
+import importlib.util
 import re
 from pathlib import Path
 from types import ModuleType
@@ -292,8 +293,10 @@ def test_what_the_docs_import_from_torch_r3_is_public():
             module = importlib.import_module(module_name)
         except ImportError:
             continue
-        if isinstance(getattr(module, name, None), ModuleType):
-            continue  # `torch_r3.testing` used as a module
+        if isinstance(getattr(module, name, None), ModuleType) or (
+            hasattr(module, "__path__") and importlib.util.find_spec(f"{module_name}.{name}")
+        ):
+            continue  # `torch_r3.testing` used as a module (`from torch_r3 import bench` imports the subpackage)
         if name not in getattr(module, "__all__", ()):
             broken.append(f"{where}: {module_name}.{name}")
     assert not broken, f"the docs use names that are not public: {broken}"
