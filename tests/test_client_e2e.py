@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import importlib.util
 import threading
 from pathlib import Path
@@ -48,9 +49,19 @@ def params(protocol: str, n: int) -> dict:
     return {"max_new_tokens" if protocol in ("sglang", "torch_r3") else "max_tokens": n}
 
 
-def reference(prompt, n, ref=REFERENCE):
-    out = ref.generate(prompt, {"max_new_tokens": n})
-    return out.token_ids, out.logprobs, compact_routes(out.routes)
+def reference(prompt, n):
+    """What the loopback model generates for `prompt`: one independent model's greedy run, worked out
+    once per (prompt, n) for every protocol's tests (the model is deterministic; callers only read)."""
+    ids, logprobs, routes = _reference(tuple(prompt), n)
+    return list(ids), list(logprobs), routes
+
+
+@functools.cache
+def _reference(prompt: tuple[int, ...], n: int):
+    out = REFERENCE.generate(list(prompt), {"max_new_tokens": n})
+    routes = compact_routes(out.routes)
+    routes.setflags(write=False)
+    return tuple(out.token_ids), tuple(out.logprobs), routes
 
 
 def generate(server, prompt, n, client_kwargs=None, **kwargs):
