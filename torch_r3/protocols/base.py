@@ -422,6 +422,57 @@ def logprob(value: Any, where: str, *, null_is_nan: bool = False) -> float:
     return float(value)
 
 
+def completion_logprobs(choice: Mapping[str, Any], generated: int) -> tuple[float, ...] | None:
+    """An OpenAI completions choice's `logprobs.token_logprobs`, one per generated token (`None` without a block).
+
+    `null` is read as NaN: both engines that send this shape (vLLM, SGLang) write a
+    `-inf` or NaN log-prob as `null`.
+
+    Raises:
+        WireFormatError: The block breaks the format or holds another number of entries.
+    """
+    block = get_field(choice, "logprobs", "choices[0]", dict, required=False)
+    if block is None:
+        return None
+    values = get_field(block, "token_logprobs", "choices[0].logprobs", list)
+    if len(values) != generated:
+        raise WireFormatError(f"choices[0].logprobs.token_logprobs has {len(values)} entries for {generated} tokens")
+    return tuple(logprob(v, f"choices[0].logprobs.token_logprobs[{i}]", null_is_nan=True) for i, v in enumerate(values))
+
+
+def chat_logprobs(choice: Mapping[str, Any], generated: int, *, null_is_nan: bool) -> tuple[float, ...] | None:
+    """An OpenAI chat choice's `logprobs.content[i].logprob`, one per generated token.
+
+    `None` when the choice has no log-prob block or its `content` is `null`.
+
+    Args:
+        choice: The answer's first choice.
+        generated: How many tokens it generated.
+        null_is_nan: Read a `null` log-prob as NaN (SGLang writes `-inf` and NaN
+            so); otherwise each entry's `logprob` must be a number.
+
+    Raises:
+        WireFormatError: The block breaks the format or holds another number of entries.
+    """
+    block = get_field(choice, "logprobs", "choices[0]", dict, required=False)
+    if block is None or block.get("content") is None:
+        return None
+    content = get_field(block, "content", "choices[0].logprobs", list)
+    if len(content) != generated:
+        raise WireFormatError(f"choices[0].logprobs.content has {len(content)} entries for {generated} tokens")
+    values = []
+    for i, entry in enumerate(content):
+        where = f"choices[0].logprobs.content[{i}]"
+        if not null_is_nan:
+            value = get_field(entry, "logprob", where, (int, float))
+        elif isinstance(entry, Mapping) and "logprob" in entry:
+            value = entry["logprob"]
+        else:
+            raise WireFormatError(f"{where}: expected an object with a logprob, got {entry!r:.60}")
+        values.append(logprob(value, f"{where}.logprob", null_is_nan=null_is_nan))
+    return tuple(values)
+
+
 def finish_reason(value: Any, where: str) -> str | None:
     """A finish reason normalised to a lower-case string (`None` stays `None`).
 

@@ -87,18 +87,7 @@ class SGLangCompletionsProtocol(ServerProtocol):
         sent_back = base.get_field(choice, "prompt_token_ids", "choices[0]", list, required=False)
         if sent_back is not None and list(base.token_ids(sent_back, "choices[0].prompt_token_ids")) != call.prompt:
             raise WireFormatError("choices[0].prompt_token_ids is not the prompt that was sent")
-        logprobs = None
-        block = base.get_field(choice, "logprobs", "choices[0]", dict, required=False)
-        if block is not None:
-            values = base.get_field(block, "token_logprobs", "choices[0].logprobs", list)
-            if len(values) != len(ids):
-                raise WireFormatError(
-                    f"choices[0].logprobs.token_logprobs has {len(values)} entries for {len(ids)} tokens"
-                )
-            logprobs = tuple(
-                base.logprob(v, f"choices[0].logprobs.token_logprobs[{i}]", null_is_nan=True)
-                for i, v in enumerate(values)
-            )
+        logprobs = base.completion_logprobs(choice, len(ids))
         return _parsed(raw, choice, ids, logprobs, call, limits)
 
 
@@ -144,28 +133,9 @@ class SGLangChatProtocol(ChatProtocol):
                 f"routed_experts_start_len {start} is past the {len(prompt)}-token prompt the server rendered"
             )
         ids = _ids(choice, "response_token_ids")
-        logprobs = None
-        block = base.get_field(choice, "logprobs", "choices[0]", dict, required=False)
-        if block is not None and block.get("content") is not None:
-            content = base.get_field(block, "content", "choices[0].logprobs", list)
-            if len(content) != len(ids):
-                raise WireFormatError(f"choices[0].logprobs.content has {len(content)} entries for {len(ids)} tokens")
-            logprobs = tuple(
-                base.logprob(
-                    _entry_logprob(entry, f"choices[0].logprobs.content[{i}]"),
-                    f"choices[0].logprobs.content[{i}].logprob",
-                    null_is_nan=True,
-                )
-                for i, entry in enumerate(content)
-            )
+        logprobs = base.chat_logprobs(choice, len(ids), null_is_nan=True)
         call = GenerateCall(list(prompt), {}, return_routed_experts, start)
         return prompt, _parsed(raw, choice, ids, logprobs, call, limits)
-
-
-def _entry_logprob(entry: Any, where: str) -> Any:
-    if not isinstance(entry, Mapping) or "logprob" not in entry:
-        raise WireFormatError(f"{where}: expected an object with a logprob, got {entry!r:.60}")
-    return entry["logprob"]
 
 
 def _body(params: Mapping[str, Any], want_routes: bool, start: int, model: str | None) -> dict[str, Any]:

@@ -73,18 +73,7 @@ class VLLMCompletionsProtocol(ServerProtocol):
         sent_back = base.get_field(choice, "prompt_token_ids", "choices[0]", list, required=False)
         if sent_back is not None and list(base.token_ids(sent_back, "choices[0].prompt_token_ids")) != call.prompt:
             raise WireFormatError("choices[0].prompt_token_ids is not the prompt that was sent")
-        logprobs = None
-        block = base.get_field(choice, "logprobs", "choices[0]", dict, required=False)
-        if block is not None:
-            values = base.get_field(block, "token_logprobs", "choices[0].logprobs", list)
-            if len(values) != len(ids):
-                raise WireFormatError(
-                    f"choices[0].logprobs.token_logprobs has {len(values)} entries for {len(ids)} tokens"
-                )
-            logprobs = tuple(
-                base.logprob(v, f"choices[0].logprobs.token_logprobs[{i}]", null_is_nan=True)
-                for i, v in enumerate(values)
-            )
+        logprobs = base.completion_logprobs(choice, len(ids))
         return _parsed(choice, ids, logprobs, call, limits)
 
 
@@ -139,19 +128,7 @@ class VLLMChatProtocol(ChatProtocol):
             )
         choice = base.first_choice(raw)
         ids = _generated_ids(choice)
-        logprobs = None
-        block = base.get_field(choice, "logprobs", "choices[0]", dict, required=False)
-        if block is not None and block.get("content") is not None:
-            content = base.get_field(block, "content", "choices[0].logprobs", list)
-            if len(content) != len(ids):
-                raise WireFormatError(f"choices[0].logprobs.content has {len(content)} entries for {len(ids)} tokens")
-            logprobs = tuple(
-                base.logprob(
-                    base.get_field(entry, "logprob", f"choices[0].logprobs.content[{i}]", (int, float)),
-                    f"choices[0].logprobs.content[{i}].logprob",
-                )
-                for i, entry in enumerate(content)
-            )
+        logprobs = base.chat_logprobs(choice, len(ids), null_is_nan=False)
         call = GenerateCall(list(prompt), {}, return_routed_experts, start)
         return prompt, _parsed(choice, ids, logprobs, call, limits)
 
