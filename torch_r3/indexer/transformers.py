@@ -41,6 +41,7 @@ from torch_r3.indexer.checks import (
 )
 from torch_r3.indexer.collate import SELECTION_MASK, SELECTIONS
 from torch_r3.indexer.encoding import FILL
+from torch_r3.indexer.stats import IndexerStats
 from torch_r3.replay.lifecycle import HookLifecycle
 from torch_r3.replay.modes import check_uncaptured
 from torch_r3.replay.recording import Recording
@@ -54,30 +55,6 @@ INDEXER_CLASSES = (
 """The indexer classes the hook replays (module, class name), checked against `transformers` 5.24."""
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?=\.|$)")
-
-
-@dataclass(frozen=True)
-class IndexerStats:
-    """What one `replay()` block saw, per hooked indexer layer.
-
-    Attributes:
-        overlap: Layer -> mean share of each replayed selection that the
-            model's own indexer also chose (1.0: the trainer agrees with the
-            engine everywhere; miles uses >= 0.8 as its health gate).
-        captured_rows: Query rows replayed from the batch, per forward.
-        live_rows: Query rows left to the model's own indexer, per forward.
-        forwards: Forward passes counted (recompute is not counted again).
-    """
-
-    overlap: dict[int, float]
-    captured_rows: int
-    live_rows: int
-    forwards: int
-
-    @property
-    def mean_overlap(self) -> float:
-        """The mean of `overlap` over the layers (1.0 when there were none)."""
-        return sum(self.overlap.values()) / len(self.overlap) if self.overlap else 1.0
 
 
 @dataclass
