@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,51 +50,31 @@ from megatron.core import parallel_state
 
 from torch_r3.indexer.checks import check_selection_batch, check_selection_values, overlap
 from torch_r3.indexer.collate import SELECTIONS
-from torch_r3.indexer.encoding import FILL
-from torch_r3.indexer.transformers import IndexerStats
+from torch_r3.indexer.stats import IndexerStats
 from torch_r3.keys import CU_SEQLENS
+from torch_r3.megatron.dsa import (
+    DSA_MODULE,
+    TOPK_FUNCTION,
+    check_dsa_config,
+    context_parallel_rank,
+    dsa_module,
+    query_rows,
+    selections_for_rank,
+    topk_sharing,
+)
 from torch_r3.megatron.setup_checks import check_pipeline
-from torch_r3.megatron.slicing import context_parallel_positions, sequence_parallel_positions, stage_layer_range
+from torch_r3.megatron.slicing import stage_layer_range
 from torch_r3.replay import marker
 from torch_r3.replay.modes import check_uncaptured
 
-__all__ = ["DSA_MODULE", "TOPK_FUNCTION", "IndexerReplayHook", "dsa_module", "selections_for_rank"]
-
-DSA_MODULE = "megatron.core.transformer.experimental_attention_variant.dsa"
-"""The megatron-core module that holds `DSAttention` and the top-k the hook replays (0.19)."""
-
-TOPK_FUNCTION = "fused_qk_topk_naive"
-"""The module-level function of `DSA_MODULE` through which every unfused DSA top-k is computed."""
-
-_BIG = torch.iinfo(torch.int64).max
-
-
-def dsa_module() -> Any:
-    """Megatron's DSA module, after checking it has what replay needs.
-
-    Raises:
-        ImportError: This megatron-core has no DSA (0.16 has none) or a DSA
-            module without `DSAttention` and `fused_qk_topk_naive`.
-    """
-    try:
-        from megatron.core import __version__ as version
-    except ImportError:  # pragma: no cover - every release has it
-        version = "?"
-    try:
-        module = importlib.import_module(DSA_MODULE)
-    except ImportError as err:
-        raise ImportError(
-            f"megatron-core {version} has no DeepSeek Sparse Attention ({DSA_MODULE} is missing); "
-            "torch_r3.megatron.IndexerReplayHook needs megatron-core 0.19 (checked against 0.19.2)"
-        ) from err
-    missing = [name for name in ("DSAttention", TOPK_FUNCTION, "is_dsa_skip_topk_layer") if not hasattr(module, name)]
-    if missing:
-        raise ImportError(
-            f"megatron-core {version}: its DSA ({DSA_MODULE}) predates the structure IndexerReplayHook replays "
-            f"(it has no {', '.join(missing)}; 0.16's DSAttention takes its top-k from "
-            "DSAIndexer.forward_with_scores); the hook needs megatron-core 0.19 (checked against 0.19.2)"
-        )
-    return module
+# DSA_MODULE, TOPK_FUNCTION, dsa_module and selections_for_rank are defined in torch_r3.megatron.dsa
+__all__ = [
+    "DSA_MODULE",
+    "TOPK_FUNCTION",
+    "IndexerReplayHook",
+    "dsa_module",
+    "selections_for_rank",
+]
 
 
 @dataclass
@@ -189,11 +168,11 @@ class IndexerReplayHook:
                 raise TypeError("config: the model has no .config; pass its TransformerConfig as config=")
         self.uncaptured = check_uncaptured(uncaptured)
         check_pipeline(config, len(chunks))
-        _check_dsa_config(config, self._dsa)
+        check_dsa_config(config, self._dsa)
         self.config = config
         self._chunk = chunks[0]
         self._num_layers = int(config.num_layers)
-        offset, freq = _share(config)
+        offset, freq = topk_sharing(config)
         self._computing = tuple(
             g for g in range(self._num_layers) if freq == 1 or not self._dsa.is_dsa_skip_topk_layer(g + 1, offset, freq)
         )
@@ -432,7 +411,7 @@ class IndexerReplayHook:
         sel = sel.to(device, non_blocking=True)[:, :, columns]
         mask = mask.to(device, non_blocking=True)
         check_selection_values(sel, mask, self.indexer_layers, prefix=prefix)
-        wide, mask, _ = selections_for_rank(sel, mask, *_cp(), uncaptured=self.uncaptured)
+        wide, mask, _ = selections_for_rank(sel, mask, *context_parallel_rank(), uncaptured=self.uncaptured)
         recompute = torch.is_grad_enabled() and not self._forward_only and self._chunk.training
         self._captured += int((~mask).sum())
         self._live += int(mask.sum()) if self.uncaptured == "live" else 0
@@ -491,7 +470,7 @@ class IndexerReplayHook:
             return chosen.to(own.dtype)
         replayed = mb.columns[j]
         B, S, Kp = own.shape
-        rows = _query_rows(replayed.shape[1], S, mb.index, entry.layer)
+        rows = query_rows(replayed.shape[1], S, mb.index, entry.layer)
         replayed, uncaptured = replayed[:, rows, :Kp], mb.uncaptured[:, rows]
         if replayed.shape[0] != B:
             raise ValueError(
@@ -532,97 +511,6 @@ class IndexerReplayHook:
         for e in self._layers:
             e.queue.clear()
             e.consults = e.pushes = e.pops = 0
-
-
-def selections_for_rank(
-    sel: torch.Tensor, mask: torch.Tensor, cp_size: int = 1, cp_rank: int = 0, *, uncaptured: str = "live"
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A padded microbatch's checked selections as one context-parallel rank's `DSAttention` uses them.
-
-    Rows are cut to the rank's two sequence chunks (`context_parallel_positions`);
-    the values are kept, since the positions name keys of the whole sequence,
-    which Megatron's allgather DSA gathers on every rank. Each row is sorted,
-    `-1` after; with `uncaptured="replay"` an uncaptured row selects its own
-    position only.
-
-    Args:
-        sel: `[B, T, L, K]` selections in batch positions, checked.
-        mask: `[B, T]`, `True` where a row has no captured selection.
-        cp_size: Context-parallel world size.
-        cp_rank: This rank's context-parallel rank.
-        uncaptured: `"live"` or `"replay"` (see `IndexerReplayHook`).
-
-    Returns:
-        `(selections [B, T / cp_size, L, K] int64, mask [B, T / cp_size], positions [T / cp_size])`:
-        the batch position of each kept row in `positions`.
-
-    Examples:
-        >>> sel = torch.tensor([[[[0, -1]], [[1, 0]], [[2, 1]], [[1, 3]]]])  # B=1, T=4, L=1, K=2
-        >>> mask = torch.zeros(1, 4, dtype=torch.bool)
-        >>> local, _, positions = selections_for_rank(sel, mask, cp_size=2, cp_rank=1)
-        >>> positions.tolist(), local[0, :, 0].tolist()
-        ([1, 2], [[0, 1], [1, 2]])
-    """
-    check_uncaptured(uncaptured)
-    B, T = mask.shape
-    positions = context_parallel_positions(T, cp_size, cp_rank).to(sel.device)
-    if cp_size > 1:
-        sel, mask = sel[:, positions], mask[:, positions]
-    wide = sel.to(torch.int64)
-    wide = torch.where(wide == FILL, _BIG, wide).sort(dim=-1).values
-    wide = torch.where(wide == _BIG, FILL, wide)
-    if uncaptured == "replay":
-        itself = torch.full_like(wide, FILL)
-        itself[..., 0] = positions.view(1, -1, 1)
-        wide = torch.where(mask.view(B, -1, 1, 1), itself, wide)
-    return wide, mask, positions
-
-
-def _share(config: Any) -> tuple[int, int]:
-    return int(getattr(config, "dsa_indexer_skip_topk_offset", 0) or 0), int(
-        getattr(config, "dsa_indexer_topk_freq", 1) or 1
-    )
-
-
-def _check_dsa_config(config: Any, dsa: Any) -> None:
-    if getattr(config, "experimental_attention_variant", None) != "dsa":
-        raise ValueError(
-            f"config.experimental_attention_variant={getattr(config, 'experimental_attention_variant', None)!r}: "
-            "the model has no DeepSeek Sparse Attention; build it with experimental_attention_variant='dsa'"
-        )
-    kernels = importlib.import_module(DSA_MODULE.rsplit(".", 1)[0] + ".dsa_kernels")
-    if kernels.use_fused_dsa_kernels(config):
-        raise ValueError(
-            f"config.dsa_kernel_backend={config.dsa_kernel_backend!r} with attention_backend="
-            f"{config.attention_backend!s}: the fused DSA kernels compute the indexer top-k inside CUDA code, "
-            "where no replayed selection can be given to them; set dsa_kernel_backend='none' (or "
-            "attention_backend='unfused')"
-        )
-    impl = getattr(config, "cuda_graph_impl", "none") or "none"
-    if impl != "none":
-        raise ValueError(
-            f"config.cuda_graph_impl={impl!r}: a CUDA graph replays the top-k of its capture run and never "
-            "consults the selections installed per microbatch; set cuda_graph_impl='none'"
-        )
-
-
-def _query_rows(local: int, seen: int, microbatch: int, layer: int) -> slice:
-    """The rows of this rank's selections a layer's top-k covers: all, or this TP rank's sequence-parallel share."""
-    if seen == local:
-        return slice(None)
-    tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
-    if tp > 1 and seen * tp == local:
-        return sequence_parallel_positions(local, tp, parallel_state.get_tensor_model_parallel_rank())
-    raise ValueError(
-        f"microbatch {microbatch}, layer {layer}: the layer's top-k covers {seen} query rows but the batch holds "
-        f"{local} on this rank (a sequence length other than the batch's?)"
-    )
-
-
-def _cp() -> tuple[int, int]:
-    if not parallel_state.model_parallel_is_initialized():
-        return 1, 0
-    return parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
 
 
 def _stage(chunk: torch.nn.Module, config: Any) -> range:
