@@ -98,6 +98,13 @@ def test_checking_a_clean_batch_takes_one_piece_of_memory_whatever_the_batch(mon
     assert peak <= 40 * SLOTS, f"{peak / 2**20:.1f} MiB for a {sel.nbytes >> 20} MiB batch"
 
 
+def test_a_large_batch_is_checked_in_a_bounded_number_of_pieces_each_a_small_share_of_it(monkeypatch):
+    monkeypatch.setattr(checks, "CHECK_SLOTS", 1024, raising=False)  # far below a 64th of the batch
+    sel, mask = clean_batch(4, 512, 2, 512)  # 2 Mi slots, 4 MiB: 64 pieces of 32 Ki slots
+    peak = peak_bytes(sel, mask)
+    assert 20 * 2**15 <= peak <= 40 * 2**15, f"{peak / 2**20:.2f} MiB"  # about 34 bytes a slot of one piece
+
+
 def test_the_error_path_is_bounded_by_one_piece_too(monkeypatch):
     monkeypatch.setattr(checks, "CHECK_SLOTS", SLOTS, raising=False)
     sel, mask = clean_batch(4, 512, 2, 512)

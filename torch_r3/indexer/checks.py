@@ -30,6 +30,7 @@ from torch_r3.indexer.encoding import FILL
 from torch_r3.keys import CU_SEQLENS
 
 __all__ = [
+    "CHECK_PIECES",
     "CHECK_SLOTS",
     "canonical_rows",
     "check_selection_batch",
@@ -81,10 +82,12 @@ def first_positions(mask: torch.Tensor) -> torch.Tensor:
 def check_selection_values(sel: torch.Tensor, mask: torch.Tensor, layers: Sequence[int], prefix: str = "") -> None:
     """Refuse the first captured row whose selection is not valid (see the module docstring).
 
-    The rows are checked in pieces of at most `CHECK_SLOTS` slots (whole rows),
-    so the check's own memory is bounded by one piece's temporaries (about 40
-    bytes a slot: 40 MiB), not by the batch; each piece's verdict stays on the
-    device and there is one host sync for a clean batch, as before.
+    The rows are checked in pieces (whole rows) of `CHECK_SLOTS` slots, or of
+    a `CHECK_PIECES`-th of the batch where that is more (so that a large batch
+    on a GPU costs a bounded number of kernel launches): the check's own memory
+    is one piece's temporaries, about 34 bytes a slot (34 MiB, or about a
+    quarter of an `int16` batch's bytes), not 17 times the batch as at once.
+    Each piece's verdict stays on the device: one host sync for a clean batch.
 
     Args:
         sel: `[B, T, L, K]` selections in batch positions, `-1` in unused slots.
@@ -99,7 +102,8 @@ def check_selection_values(sel: torch.Tensor, mask: torch.Tensor, layers: Sequen
     if B * T == 0:
         return
     first = first_positions(mask)
-    pieces = _pieces(B, T, max(1, CHECK_SLOTS // max(1, L * K)))
+    slots = max(CHECK_SLOTS, B * T * L * K // CHECK_PIECES)
+    pieces = _pieces(B, T, max(1, slots // max(1, L * K)))
     verdicts = torch.stack([_faults(sel, mask, first, piece)[-1].any() for piece in pieces])
     if not bool(verdicts.any()):
         return
@@ -119,7 +123,10 @@ def check_selection_values(sel: torch.Tensor, mask: torch.Tensor, layers: Sequen
 
 
 CHECK_SLOTS = 1 << 20
-"""Selection slots (`B * T * L * K` elements) `check_selection_values` checks in one piece."""
+"""Selection slots (`B * T * L * K` elements) `check_selection_values` checks in one piece, at least."""
+
+CHECK_PIECES = 64
+"""At most about this many pieces per batch (a larger batch gets larger pieces)."""
 
 
 def _pieces(B: int, T: int, rows: int) -> list[tuple[int, int, int, int]]:
