@@ -1,9 +1,16 @@
 """Open a page in headless Chromium and collect its console errors over the DevTools protocol.
 
-Chromium comes from the system's packages (`apt-get install -y chromium`; `make test` installs it
-when missing). `console_errors(path)` starts it with a fresh profile, opens the page, waits for the
-load event, and returns every console error, uncaught exception and failed load (`Log.entryAdded`
-at level "error") as text.
+The browser is one already on the machine: Chromium or Chrome on PATH (`BROWSERS`). Nothing here
+or in `make test` installs one; without it the browser tests skip and say why (`MISSING`). CI's
+own machine installs Debian's `chromium` package before the tests (`.ci/run`). playwright's PyPI
+package is no way round it: it holds no browser, and `playwright install chromium` downloads one
+from its own host, not the package index (on a machine that reaches only the registries, refused).
+`console_errors(path)` starts it with a fresh profile, opens the page, waits for the load event,
+and returns every console error, uncaught exception and failed load (`Log.entryAdded` at level
+"error") as text.
+
+`python -m tests.browser` says which browser the tests will use (exit 0) or why they will skip
+(exit 1), with the standard library only: `make test` and `.ci/run` ask it.
 """
 
 from __future__ import annotations
@@ -28,9 +35,17 @@ FLAGS = (
 )
 
 
+#: The executables tried, in order: Debian's and Ubuntu's Chromium, Google's Chrome.
+BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
+MISSING = (
+    f"no headless browser on PATH (tried {', '.join(BROWSERS)}): the browser tests skip; "
+    "install Chromium to run them (Debian: the chromium package)"
+)
+
+
 def chromium() -> str | None:
-    """The Chromium executable on PATH, or None."""
-    return next((p for name in ("chromium", "chromium-browser") if (p := shutil.which(name))), None)
+    """The first of `BROWSERS` on PATH, or None."""
+    return next((p for name in BROWSERS if (p := shutil.which(name))), None)
 
 
 async def _collect(ws_url: str, url: str, timeout: float) -> list[str]:
@@ -89,7 +104,7 @@ def console_errors(path: Path, *, timeout: float = 60.0) -> list[str]:
     """Console errors, exceptions and failed loads of the page at `path` in headless Chromium."""
     exe = chromium()
     if exe is None:
-        raise RuntimeError("chromium is not installed (apt-get install -y chromium)")
+        raise RuntimeError(MISSING)
     with tempfile.TemporaryDirectory() as profile:
         proc = subprocess.Popen(
             [exe, *FLAGS, f"--user-data-dir={profile}", "--remote-debugging-port=0", "about:blank"],
@@ -117,3 +132,11 @@ def console_errors(path: Path, *, timeout: float = 60.0) -> list[str]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+if __name__ == "__main__":
+    import sys
+
+    found = chromium()
+    print(f"headless-browser tests: {found}" if found else f"headless-browser tests: {MISSING}")
+    sys.exit(0 if found else 1)

@@ -608,3 +608,22 @@ def test_routes_decode_from_a_raw_server_too():
 
     _, result = generate_against(handler, return_routed_experts=True)
     np.testing.assert_array_equal(result.routed_experts, routes)
+
+
+@pytest.mark.parametrize("where", ["routes", "elsewhere"])
+def test_a_body_with_a_raw_control_character_in_a_string_is_not_json(where):
+    # json.loads refuses a raw tab inside a string; so must the client, wherever the string sits.
+    text = json.dumps(ok_body(routes=encode_routes(np.zeros((4, 1, 2), dtype=np.int64)), data="x"))
+    if where == "routes":
+        text = text.replace('"data": "', '"data": "\t', 1)
+    else:
+        text = text.replace('"data": "x"', '"data": "x\ty"')
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text)
+
+    async def handler(request):
+        await request.read()
+        return web.Response(text=text, content_type="application/json")
+
+    with pytest.raises(RemoteGenerateError, match="not valid JSON.*Invalid control character"):
+        generate_against(handler, return_routed_experts=True)

@@ -242,3 +242,29 @@ def test_the_comparison_says_of_torch_r3_what_the_readme_says():
     missing = text[text.index("## What `torch_r3` does not do") :]
     for claim in ("does not do R2", "Megatron-core only", "no FSDP", "no Hugging Face"):
         assert claim not in missing, f"the Comparison page says {claim!r}; the README says otherwise"
+
+
+def _first_column(page: Path, header: str) -> list[str]:
+    """The first-column names (`"name"`) of the table under the header row that starts with `header`."""
+    lines = page.read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = []
+    for line in lines[at + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append(line.split("|")[1].strip().strip("`").strip('"'))
+    return rows
+
+
+@pytest.mark.parametrize(
+    ("page", "header"),
+    [
+        ("docs/guides/inference-server.md", "| `server=` |"),
+        ("docs/api/testing.md", "| `protocol` | endpoint |"),
+        ("docs/api/testing.md", "| `protocol` | salt field |"),
+    ],
+)
+def test_every_server_table_lists_every_protocol_the_client_and_loopback_take(page, header):
+    from torch_r3.protocols import PROTOCOLS
+
+    assert sorted(_first_column(ROOT / page, header)) == sorted(PROTOCOLS)

@@ -106,6 +106,30 @@ def test_int32_when_a_position_does_not_fit_int16():
     assert collate_selections([sel], [3], dtype="int32")[SELECTIONS].dtype == torch.int32
 
 
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_a_batch_over_the_output_bound_is_refused_naming_its_size(monkeypatch, layout):
+    # As collate_routes: TORCH_R3_MAX_OUTPUT_BYTES (else the physical memory) bounds the output bytes.
+    monkeypatch.setenv("TORCH_R3_MAX_OUTPUT_BYTES", str(1 << 20))
+    sel = IndexerSelections.from_dense(random_capture(np.random.default_rng(0), 3, 4, 512))
+    counts = [4096] * 4  # 3 captured rows each, the rest uncaptured: 64 MiB of int16 selections
+    rows = 4 * 4096
+    total = rows * 4 * 512 * 2 + rows + (rows * 8 if layout == "padded" else 5 * 4)
+    with pytest.raises(ValueError, match=rf"would allocate {total} bytes .* more than the bound of 1048576 bytes"):
+        collate_selections([sel] * 4, counts, layout=layout)
+    monkeypatch.setenv("TORCH_R3_MAX_OUTPUT_BYTES", str(total))
+    assert collate_selections([sel] * 4, counts, layout=layout)[SELECTIONS].nbytes == rows * 4 * 512 * 2
+
+
+def test_a_batch_no_memory_holds_is_refused_before_anything_is_allocated():
+    # 2**31 - 1 positions of 8 layers x 4096 int32: 256 TiB, past the physical memory of any host
+    # (and past its address space: an allocation attempt would fail as a MemoryError instead)
+    sel = IndexerSelections.from_dense(random_capture(np.random.default_rng(0), 1, 8, 4096))
+    with pytest.raises(
+        ValueError, match=r"would allocate \d+ bytes \(\d+\.\d GiB: rollout_indexer_topk \[1, 2147483647, 8, 4096\]"
+    ):
+        collate_selections([sel], [2**31 - 1])
+
+
 @pytest.mark.parametrize(
     "call, error, message",
     [

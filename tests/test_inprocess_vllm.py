@@ -16,6 +16,7 @@ import io
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -116,6 +117,76 @@ def test_a_delta_streams_last_output_alone_is_refused_by_its_row_count():
     case = next(c for c in CASES if c["kind"] == "DELTA" and c["n"] == 1)
     with pytest.raises(ValueError, match=r"routed_experts has 8 rows; .* need 5; a DELTA stream.*VLLMOutputCollector"):
         vllm_results(stream(case)[-1], **kwargs(case))
+
+
+@pytest.mark.parametrize("spans", [True, False])
+def test_a_delta_streams_last_output_alone_is_refused_when_its_rows_look_like_every_row_from_0(spans):
+    # Start 3 with 4 tokens generated and 1 in the last output: its 5 rows (positions 3..7) are as
+    # many as 5 prompt + 1 token from position 0 need, the shape of a vLLM that ignored the start.
+    case = next(c for c in CASES if c["name"] == "delta-n1-uint8-s3")
+    last = stream(case)[-1]
+    (completion,) = last.outputs
+    assert (len(case["prompt"]), len(completion.token_ids), completion.routed_experts.shape[0]) == (5, 1, 5)
+    if not spans:
+        completion.weight_versions = None
+    with pytest.raises(
+        ValueError, match=r"a DELTA stream's last output holds only its last tokens.*VLLMOutputCollector"
+    ):
+        vllm_results(last, **kwargs(case))
+    with pytest.raises(ValueError, match=r"a DELTA stream's last output.*VLLMOutputCollector"):
+        vllm_results(last, **{**kwargs(case), "return_routed_experts": spans is False})
+
+
+def old_vllm_output(monkeypatch, version: str, output: SimpleNamespace) -> object:
+    """`output` as an object of a class from a `vllm` package of `version` (the rule reads the version only)."""
+    package = types.ModuleType("vllm")
+    package.__version__ = version
+    monkeypatch.setitem(sys.modules, "vllm", package)
+    cls = type("RequestOutput", (SimpleNamespace,), {"__module__": "vllm.outputs"})
+    return cls(**vars(output))
+
+
+@pytest.mark.parametrize(("version", "accepted"), [("0.29.1", True), ("0.11.0rc2", True), ("0.30.0+cpu", False)])
+def test_every_row_from_0_is_taken_for_an_ignored_start_only_from_a_vllm_before_030(monkeypatch, version, accepted):
+    case = next(c for c in CASES if c["name"] == "final_only-n1-uint8-s3")
+    (output,) = stream(case)
+    (completion,) = output.outputs
+    every_row = np.concatenate([np.zeros((case["start"], 3, 2), np.uint8) + 9, completion.routed_experts])
+    completion.routed_experts, completion.weight_versions = every_row, None  # weight_versions came with 0.32
+    old = old_vllm_output(monkeypatch, version, output)
+    if accepted:
+        (result,) = vllm_results(old, **kwargs(case))
+        np.testing.assert_array_equal(result.routed_experts.astype(np.int64), np.array(case["expected"][0]["routes"]))
+    else:
+        with pytest.raises(
+            ValueError,
+            match=r"has 8 rows; positions 3 \.\. 7 .* need 5; a DELTA.*; 8 rows are every position from 0, as a vLLM before 0.30 sends .* vLLM 0\.30\.0\+cpu",
+        ):
+            vllm_results(old, **kwargs(case))
+
+
+@pytest.mark.parametrize("kind", ["FINAL_ONLY", "DELTA"])
+def test_two_completions_with_the_same_index_are_refused(kind):
+    case = next(c for c in CASES if c["kind"] == kind and c["n"] == 1)
+    outputs = stream(case)
+    first = outputs[0].outputs[0]
+    outputs[0].outputs.append(SimpleNamespace(**{**vars(first), "token_ids": [7]}))  # a second sample 0
+    with pytest.raises(ValueError, match=r"request 'req-[^']+': outputs\[0\] and outputs\[1\] both have index 0"):
+        if kind == "FINAL_ONLY":
+            vllm_results(outputs[0], **kwargs(case))
+        else:
+            VLLMOutputCollector(delta=True).add(outputs[0])
+
+
+@pytest.mark.parametrize("index", [-1, True, 1.0, "0", None])
+def test_a_completion_index_that_is_not_a_non_negative_int_is_refused(index):
+    case = next(c for c in CASES if c["kind"] == "FINAL_ONLY" and c["n"] == 1)
+    (output,) = stream(case)
+    output.outputs[0].index = index
+    with pytest.raises(
+        TypeError if not isinstance(index, int) or isinstance(index, bool) else ValueError, match="index"
+    ):
+        vllm_results(output, **kwargs(case))
 
 
 def test_a_mid_request_weight_update_reaches_the_trace_which_refuses_the_turn():

@@ -107,6 +107,34 @@ def test_a_hostile_or_odd_body_parses_as_json_loads_parses_it(body):
     same_as_json_loads(body, SGLANG)
 
 
+CONTROL = [b"\t", b"\n", b"\r", b"\x00", b"\x1f", b"\x7f"]  # \x7f is no control character to JSON
+
+
+@pytest.mark.parametrize("char", CONTROL)
+@pytest.mark.parametrize(
+    ("template", "paths"),
+    [
+        (b'{"meta_info": {"routed_experts": "AA#AA"}}', SGLANG),  # the route text at its path
+        (b'{"routed_experts": "AA#AA", "meta_info": {"routed_experts": "BBBB"}}', SGLANG),  # the key elsewhere
+        (b'{"meta_info": {"routed_experts": "#"}}', SGLANG),  # the character alone
+        (b'{"choices": [{"routed_experts": "AAAA"}, {"routed_experts": "BB#"}]}', CHOICES),
+        (b'{"choices": [{"routed_experts": {"data": "#AAAA", "shape": [1], "dtype": "uint8"}}]}', ENVELOPE),
+        (b'{"data": "x#y", "choices": [{"routed_experts": {"data": "AAAA"}}]}', ENVELOPE),
+    ],
+)
+def test_a_raw_control_character_in_a_string_is_refused_as_json_loads_refuses_it(template, paths, char):
+    body = template.replace(b"#", char)
+    try:
+        expected = json.loads(body)
+    except json.JSONDecodeError as exc:
+        with pytest.raises(json.JSONDecodeError) as info:
+            parse_body(bytearray(body), paths)
+        assert (str(info.value), info.value.pos) == (str(exc), exc.pos)  # the same message, the same place
+    else:
+        assert char == b"\x7f"  # the one byte here JSON takes raw
+        assert with_text(parse_body(bytearray(body), paths)) == expected
+
+
 @pytest.mark.parametrize("text", ["AA\xffAA".encode("latin-1"), "AAé=".encode()])
 def test_non_ascii_route_text_is_left_to_the_decoder_which_refuses_it(text):
     # The view's bytes are not checked to be UTF-8 (that would be a pass over all of them):
@@ -157,3 +185,16 @@ json_values = st.recursive(
 def test_any_json_body_parses_as_json_loads_parses_it(tree, paths, cut):
     body = json.dumps(tree, ensure_ascii=False).encode()
     same_as_json_loads(body[: len(body) - cut] if cut else body, paths)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tree=json_values,
+    paths=st.sampled_from([SGLANG, CHOICES, ENVELOPE]),
+    at=st.integers(0),
+    char=st.sampled_from(CONTROL),
+)
+def test_any_json_body_with_a_raw_control_character_parses_as_json_loads_parses_it(tree, paths, at, char):
+    body = json.dumps(tree, ensure_ascii=False).encode()
+    at %= len(body) + 1
+    same_as_json_loads(body[:at] + char + body[at:], paths)

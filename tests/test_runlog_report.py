@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser import chromium, console_errors
+from tests.browser import MISSING, chromium, console_errors
 from torch_r3.cli import main
 from torch_r3.replay.stats import ReplayStats, StepCounts, TokenCounts
 from torch_r3.report import render_report
@@ -130,9 +130,7 @@ def test_report_command_writes_the_page_next_to_the_log(tmp_path, capsys):
     assert "no such file" in capsys.readouterr().err
 
 
-needs_chromium = pytest.mark.skipif(
-    chromium() is None, reason="chromium is not installed: apt-get install -y chromium (make test installs it)"
-)
+needs_chromium = pytest.mark.skipif(chromium() is None, reason=MISSING)
 
 
 @needs_chromium

@@ -8,7 +8,10 @@ generated token), `finish_reason`, `weight_versions` (spans over the generated
 tokens, vLLM 0.32+) and `routed_experts`: a NumPy array `[rows, layers, topk]`
 over every hidden layer, set on the completion's final output only.
 `SamplingParams(routed_experts_prompt_start=s)` trims the rows to positions
-`s .. P + O - 2`, as on the HTTP servers.
+`s .. P + O - 2`, as on the HTTP servers. A vLLM before 0.30 has no such field
+and sends every row from 0; those rows are sliced to the start only when the
+output's class comes from a `vllm` whose `__version__` is below 0.30, since the
+last output of a `DELTA` stream can have as many rows.
 
 `vllm_results` turns one finished `RequestOutput` into one `RemoteGenerateResult`
 per sample, in index order, with the routes compacted, range-checked, counted
@@ -24,6 +27,8 @@ The objects are read by their attributes only: this module never imports vLLM
 
 from __future__ import annotations
 
+import re
+import sys
 from collections.abc import AsyncIterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +41,10 @@ from torch_r3.protocols.switches import missing_routes_hint
 from torch_r3.routes import as_host_array, compact_routes
 
 __all__ = ["VLLMOutputCollector", "collect_vllm_stream", "vllm_results"]
+
+_DELTA_HINT = (
+    "a DELTA stream's last output holds only its last tokens: merge the stream with VLLMOutputCollector(delta=True)"
+)
 
 
 @dataclass
@@ -85,7 +94,9 @@ def vllm_results(
         TypeError: `output` is not a `RequestOutput`-like object.
         ValueError: A sample is unfinished, its routes are missing (the message
             names vLLM's switches), have the wrong shape or row count, or hold
-            an id out of range; a log-prob is missing or not a log-probability.
+            an id out of range; a log-prob is missing or not a log-probability;
+            two completions share an `index`; the output is a `DELTA` stream's
+            piece (its routes or weight-version spans cover more tokens than it holds).
         RouteHealthError: The routes carry an engine capture-bug signature.
     """
     reader = _Reader(
@@ -253,8 +264,8 @@ class _Reader:
         logprobs = None if sample.logprobs is None else _logprobs(sample.logprobs, ids, who)
         routes = None
         if self.want_routes:
-            routes = self._routes(sample.routed_experts, prompt, ids, reason, who)
-        spans = base.weight_spans(_span_dicts(sample.weight_versions, who), f"{who}: weight_versions", len(ids))
+            routes = self._routes(sample.routed_experts, prompt, ids, reason, who, raw)
+        spans = _weight_spans(sample.weight_versions, who, len(ids))
         checked = routes is not None
         if routes is not None:
             tokens = (prompt + list(ids))[self.start : self.start + routes.shape[0]]
@@ -272,7 +283,9 @@ class _Reader:
             prompt_token_ids=tuple(prompt),
         )
 
-    def _routes(self, array: Any, prompt: list[int], ids: tuple[int, ...], reason: str | None, who: str) -> Any:
+    def _routes(
+        self, array: Any, prompt: list[int], ids: tuple[int, ...], reason: str | None, who: str, raw: Any
+    ) -> Any:
         if array is None:
             if not ids and reason == "abort":
                 return None  # aborted before any forward pass: nothing to replay
@@ -290,16 +303,18 @@ class _Reader:
         if routes.shape[0] == want:
             return routes
         full = base.expected_rows(len(prompt), len(ids), 0)
-        if self.start and routes.shape[0] == full:
+        if self.start and routes.shape[0] == full and _ignores_prompt_start(raw):
             # A vLLM without routed_experts_prompt_start (before 0.30) sends every row: keep the asked-for ones.
+            # Only then: a DELTA stream's last output with start = generated - last tokens has as many rows.
             return routes[self.start :].copy()
         raise ValueError(
             f"{who}: routed_experts has {routes.shape[0]} rows; positions {self.start} .. {len(prompt) + len(ids) - 2} "
             f"({len(prompt)} prompt + {len(ids)} generated tokens, routed_experts_prompt_start={self.start}) need {want}"
+            + (f"; {_DELTA_HINT}" if routes.shape[0] > want else "")
             + (
-                "; a DELTA stream's last output holds only its last tokens: merge the stream with "
-                "VLLMOutputCollector(delta=True)"
-                if routes.shape[0] > want
+                f"; {full} rows are every position from 0, as a vLLM before 0.30 sends (it ignores the start), "
+                f"but this output comes from {_engine_version(raw)}"
+                if self.start and routes.shape[0] == full
                 else ""
             )
         )
@@ -309,14 +324,57 @@ def _completions(output: Any, request_id: Any) -> list[Any]:
     completions = output.outputs
     if not isinstance(completions, Sequence):
         raise TypeError(f"request {request_id!r}: outputs must be a list of CompletionOutput")
-    for c in completions:
+    seen: dict[int, int] = {}
+    for at, c in enumerate(completions):
         for name in ("index", "token_ids", "logprobs", "finish_reason", "routed_experts"):
             if not hasattr(c, name):
                 raise TypeError(
                     f"request {request_id!r}: expected vllm CompletionOutputs (index, token_ids, logprobs, "
                     f"finish_reason, routed_experts), got {type(c).__name__} without {name}"
                 )
+        index = c.index
+        if not isinstance(index, int) or isinstance(index, bool):
+            raise TypeError(f"request {request_id!r}: outputs[{at}].index must be an int, got {type(index).__name__}")
+        if index < 0:
+            raise ValueError(f"request {request_id!r}: outputs[{at}].index must be >= 0, got {index}")
+        if index in seen:
+            raise ValueError(
+                f"request {request_id!r}: outputs[{seen[index]}] and outputs[{at}] both have index {index} "
+                "(one completion per sample in an output)"
+            )
+        seen[index] = at
     return list(completions)
+
+
+def _vllm_version(output: Any) -> str | None:
+    """The `__version__` of the vLLM that defined `output`'s class (imported, since the object exists), or `None`."""
+    package = sys.modules.get(type(output).__module__.partition(".")[0])
+    if package is None or package.__name__ != "vllm":
+        return None
+    version = getattr(package, "__version__", None)
+    return version if isinstance(version, str) else None
+
+
+def _engine_version(output: Any) -> str:
+    version = _vllm_version(output)
+    return f"vLLM {version}" if version else f"a {type(output).__name__} that is not vLLM's (its version is unknown)"
+
+
+def _ignores_prompt_start(output: Any) -> bool:
+    """Whether `output` comes from a vLLM before 0.30, which has no `routed_experts_prompt_start`."""
+    match = re.match(r"(\d+)\.(\d+)", _vllm_version(output) or "")
+    return match is not None and (int(match[1]), int(match[2])) < (0, 30)
+
+
+def _weight_spans(spans: Any, who: str, generated: int) -> tuple[base.WeightVersionSpan, ...]:
+    """The sample's `weight_versions`, checked; spans past its tokens name the DELTA stream they come from."""
+    dicts = _span_dicts(spans, who)
+    ends = [d["end"] for d in dicts or () if isinstance(d["end"], int)]
+    if ends and max(ends) > generated:
+        raise ValueError(
+            f"{who}: weight_versions cover {max(ends)} generated tokens, the output holds {generated}; {_DELTA_HINT}"
+        )
+    return base.weight_spans(dicts, f"{who}: weight_versions", generated)
 
 
 def _logprobs(positions: list[Any], ids: tuple[int, ...], who: str) -> tuple[float, ...]:

@@ -29,7 +29,14 @@ from torch_r3.indexer.collate import SELECTION_MASK, SELECTIONS
 from torch_r3.indexer.encoding import FILL
 from torch_r3.keys import CU_SEQLENS
 
-__all__ = ["canonical_rows", "check_selection_batch", "check_selection_values", "first_positions"]
+__all__ = [
+    "CHECK_PIECES",
+    "CHECK_SLOTS",
+    "canonical_rows",
+    "check_selection_batch",
+    "check_selection_values",
+    "first_positions",
+]
 
 SELECTION_TENSOR_DTYPES = (torch.int16, torch.int32, torch.int64)
 
@@ -75,6 +82,13 @@ def first_positions(mask: torch.Tensor) -> torch.Tensor:
 def check_selection_values(sel: torch.Tensor, mask: torch.Tensor, layers: Sequence[int], prefix: str = "") -> None:
     """Refuse the first captured row whose selection is not valid (see the module docstring).
 
+    The rows are checked in pieces (whole rows) of `CHECK_SLOTS` slots, or of
+    a `CHECK_PIECES`-th of the batch where that is more (so that a large batch
+    on a GPU costs a bounded number of kernel launches): the check's own memory
+    is one piece's temporaries, about 34 bytes a slot (34 MiB, or about a
+    quarter of an `int16` batch's bytes), not 17 times the batch as at once.
+    Each piece's verdict stays on the device: one host sync for a clean batch.
+
     Args:
         sel: `[B, T, L, K]` selections in batch positions, `-1` in unused slots.
         mask: `[B, T]`, `True` where a row has no captured selection (not checked).
@@ -87,32 +101,62 @@ def check_selection_values(sel: torch.Tensor, mask: torch.Tensor, layers: Sequen
     B, T, L, K = sel.shape
     if B * T == 0:
         return
-    v = sel.to(torch.int64)
-    first = first_positions(mask).view(B, 1, 1, 1)
-    t = torch.arange(T, device=sel.device).view(1, T, 1, 1)
-    valid = v != FILL
-    in_range = (v >= first) & (v <= t)
-    count = valid.sum(-1)
-    want = torch.minimum(t[..., 0] - first[..., 0] + 1, torch.tensor(K, device=sel.device))
-    key = torch.where(valid, v, torch.iinfo(torch.int64).max)
-    srt = key.sort(dim=-1).values
-    dup = ((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] != torch.iinfo(torch.int64).max)).any(-1)
-    bad_slot = valid & ~in_range
-    bad = bad_slot.any(-1) | dup | (count != want) | (v < FILL).any(-1)
-    bad &= ~mask.view(B, T, 1)
-    if not bool(bad.any()):
+    first = first_positions(mask)
+    slots = max(CHECK_SLOTS, B * T * L * K // CHECK_PIECES)
+    pieces = _pieces(B, T, max(1, slots // max(1, L * K)))
+    verdicts = torch.stack([_faults(sel, mask, first, piece)[-1].any() for piece in pieces])
+    if not bool(verdicts.any()):
         return
+    b0, _b1, t0, _t1 = piece = pieces[int(verdicts.to(torch.uint8).argmax())]  # the first piece with a bad row
+    v, f_, _t, count, want, dup, bad_slot, bad = _faults(sel, mask, first, piece)
     b, pos, col = (int(x) for x in bad.nonzero()[0])
-    row, f, n = v[b, pos, col], int(first[b, 0, 0, 0]), int(count[b, pos, col])
-    where = f"{prefix}layer {layers[col]}, batch row {b}, position {pos}"
+    row, f, n = v[b, pos, col], int(f_[b, 0, 0, 0]), int(count[b, pos, col])
+    where = f"{prefix}layer {layers[col]}, batch row {b0 + b}, position {t0 + pos}"
     if bool((row < FILL).any()) or bool(bad_slot[b, pos, col].any()):
         p = int(row[(row < FILL) | bad_slot[b, pos, col]][0])
-        what = f"selects position {p}, outside [{f}, {pos}] (the sample's first token .. the query: causal)"
+        what = f"selects position {p}, outside [{f}, {t0 + pos}] (the sample's first token .. the query: causal)"
     elif bool(dup[b, pos, col]):
         what = "selects a position twice"
     else:
         what = f"selects {n} positions, expected {int(want[b, pos, col])} (index_topk={K} or all it sees)"
     raise ValueError(f"{where}: {what}")
+
+
+CHECK_SLOTS = 1 << 20
+"""Selection slots (`B * T * L * K` elements) `check_selection_values` checks in one piece, at least."""
+
+CHECK_PIECES = 64
+"""At most about this many pieces per batch (a larger batch gets larger pieces)."""
+
+
+def _pieces(B: int, T: int, rows: int) -> list[tuple[int, int, int, int]]:
+    """`(b0, b1, t0, t1)` pieces of at most `rows` rows of `[B, T]`, in row-major order (so the first bad is first)."""
+    if T <= rows:
+        step = rows // T
+        return [(b, min(b + step, B), 0, T) for b in range(0, B, step)]
+    return [(b, b + 1, t, min(t + rows, T)) for b in range(B) for t in range(0, T, rows)]
+
+
+def _faults(
+    sel: torch.Tensor, mask: torch.Tensor, first: torch.Tensor, piece: tuple[int, int, int, int]
+) -> tuple[torch.Tensor, ...]:
+    """One piece's values, first positions, query positions, counts, wanted counts, duplicates, bad slots, bad rows."""
+    b0, b1, t0, t1 = piece
+    K = sel.shape[-1]
+    v = sel[b0:b1, t0:t1].to(torch.int64)
+    f = first[b0:b1].view(-1, 1, 1, 1)
+    t = torch.arange(t0, t1, device=sel.device).view(1, -1, 1, 1)
+    valid = v != FILL
+    bad_slot = valid & ~((v >= f) & (v <= t))
+    count = valid.sum(-1)
+    want = torch.minimum(t[..., 0] - f[..., 0] + 1, torch.tensor(K, device=sel.device))
+    big = torch.iinfo(torch.int64).max
+    srt = torch.where(valid, v, big).sort(dim=-1).values
+    dup = ((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] != big)).any(-1)
+    del srt
+    bad = bad_slot.any(-1) | dup | (count != want) | (v < FILL).any(-1)
+    bad &= ~mask[b0:b1, t0:t1].view(b1 - b0, t1 - t0, 1)
+    return v, f, t, count, want, dup, bad_slot, bad
 
 
 def canonical_rows(own: torch.Tensor, first: torch.Tensor, topk: int) -> torch.Tensor:

@@ -35,6 +35,7 @@ import torch
 
 from torch_r3 import _memory, _pool
 from torch_r3._checks import check_choice, check_dtype, check_int, check_positive
+from torch_r3.geometry import check_output_size
 from torch_r3.indexer.encoding import FILL, IndexerSelections
 from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS
 
@@ -136,7 +137,10 @@ def collate_selections(
     Raises:
         TypeError: a sample is not `IndexerSelections`, an argument has the wrong type.
         ValueError: samples disagree on layers or `index_topk`, rows exceed
-            tokens, a setting is out of range or `dtype` cannot hold a position.
+            tokens, a setting is out of range or `dtype` cannot hold a position;
+            the outputs would take more bytes than the bound `collate_routes`
+            uses (the physical memory, or `TORCH_R3_MAX_OUTPUT_BYTES`),
+            refused before anything is allocated.
 
     Examples:
         >>> import numpy as np
@@ -188,6 +192,7 @@ def collate_selections(
         ATTENTION_MASK: torch.long,
         CU_SEQLENS: torch.int32,
     }
+    check_output_size({k: (shape, torch_dtypes[k]) for k, shape in shapes.items()}, None)
     result = {k: _memory.empty(shape, torch_dtypes[k], kind) for k, shape in shapes.items()}
     views = {k: v.numpy() for k, v in result.items()}
     sel_out, mask_out = views[SELECTIONS], views[SELECTION_MASK]

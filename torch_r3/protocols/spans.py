@@ -16,7 +16,9 @@ listing its paths; nothing here changes.
 
 Why the result is the body's own JSON: each candidate is the string that
 follows `"<last key of a path>":`, up to the next quote, with no backslash in
-it (a string with escapes is left to `json.loads`). It is replaced by a
+it and no raw control character (a string with escapes is left to
+`json.loads`, and so is one with a byte below 0x20, which `json.loads`
+refuses with its own message and position). It is replaced by a
 placeholder string holding a random token and a bare `@`, and the rest is
 parsed. A candidate that was not a string value (say the key sat inside
 another string) makes that text invalid JSON, since the `@` lands outside a
@@ -33,7 +35,8 @@ them); base64 is ASCII, and the decoder refuses any other byte.
 Memory: the views are not copies; the rest, with placeholders, is one copy
 of the non-route bytes, and its parsed objects.
 
-This module needs the standard library only; it never imports aiohttp or NumPy.
+This module needs the standard library and NumPy (for the control-character
+check: one vectorised minimum per route string); it never imports aiohttp.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ import re
 import secrets
 from collections.abc import Iterator
 from typing import Any
+
+import numpy as np
 
 # The body parser and its spec serve the transport and the protocols.
 __all__ = ["parse_body", "route_text_bytes"]
@@ -67,8 +72,19 @@ def _candidates(body: bytearray | bytes, keys: list[str]) -> Iterator[tuple[int,
         if end < 0:
             return  # unterminated: json.loads names the error
         at = end + 1
-        if body.find(b"\\", first, end) < 0:
+        if body.find(b"\\", first, end) < 0 and not _has_control_character(body, first, end):
             yield first, end
+
+
+def _has_control_character(body: bytearray | bytes, first: int, end: int) -> bool:
+    """Whether `body[first:end]` holds a byte below 0x20, which JSON refuses raw inside a string.
+
+    One vectorised minimum over a view (about as fast as the memchr for a
+    backslash); a regex or `bytes.translate` would be 50-200 times slower.
+    """
+    if end == first:
+        return False
+    return int(np.frombuffer(body, dtype=np.uint8, count=end - first, offset=first).min()) < 0x20
 
 
 def parse_body(body: bytearray | bytes, paths: tuple[tuple[str, ...], ...]) -> Any:
