@@ -444,7 +444,12 @@ class RemoteGenerateClient:
             tokens = (prompt + list(parsed.response_ids))[start : start + routes.shape[0]]
             who = f"POST {url} ({len(prompt)}-token prompt" + (f", session {session_id}" if session_id else "") + ")"
             self.health.check(
-                routes, trajectory=who, token_ids=tokens, moe_layers=self.moe_layers or None, stacklevel=4
+                routes,
+                trajectory=who,
+                token_ids=tokens,
+                moe_layers=self.moe_layers or None,
+                num_experts=self.limits.num_experts,
+                stacklevel=4,
             )
         return RemoteGenerateResult(
             **vars(parsed),

@@ -49,6 +49,8 @@ is counted either way. NumPy only.
 
 from __future__ import annotations
 
+import math
+import threading
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -57,7 +59,8 @@ from typing import Any
 import numpy as np
 
 from torch_r3._checks import check_at_least, check_choice, check_int, check_positive, check_str
-from torch_r3._row_memory import RowMemory
+from torch_r3._route_scan import RouteScan
+from torch_r3._row_memory import RowMemory, window_hashes
 
 __all__ = [
     "HEALTH_MODES",
@@ -182,6 +185,10 @@ class RouteHealthStats:
         constant_layers: `constant_layer` findings.
         stale_rows: `stale_rows` findings.
         replayed_rows: `replayed_rows` findings (runs repeated from another response).
+        uninformative: Checks that skipped the row-identity checks (constant
+            layer, stale rows, replayed rows, top-1's all-zero layer) because
+            a layer's row can only be one or two sets of experts (`topk ==
+            num_experts`, or top-1 of 2 experts): identical rows say nothing there.
         refused: Checks that raised.
         accepted_unhealthy: Checks with findings that were let through (`"warn"` or `"count"`).
     """
@@ -192,6 +199,7 @@ class RouteHealthStats:
     constant_layers: int = 0
     stale_rows: int = 0
     replayed_rows: int = 0
+    uninformative: int = 0
     refused: int = 0
     accepted_unhealthy: int = 0
 
@@ -226,6 +234,10 @@ class RouteHealthCheck:
             a zero row there is a finding. Without them only rows that are zero
             in every layer are (dense layers are zero by design).
         engine: `"vllm"`, `"sglang"` or `None`: which engine's settings the hints name.
+        num_experts: Routed experts per layer, when known. With `topk ==
+            num_experts` (every row is the same set) or top-1 of 2 experts,
+            the row-identity checks are skipped and counted in
+            `stats.uninformative`; only zero rows with `topk >= 2` are decided.
         min_rows: Rows a layer needs before "one row throughout" is a finding.
         min_run: Consecutive identical full rows that make a stale run.
         min_token_changes: Token changes (or, for a constant layer, a varying
@@ -261,6 +273,7 @@ class RouteHealthCheck:
         *,
         moe_layers: Sequence[int] | None = None,
         engine: str | None = None,
+        num_experts: int | None = None,
         min_rows: int = DEFAULT_MIN_ROWS,
         min_run: int = DEFAULT_MIN_RUN,
         min_token_changes: int = DEFAULT_MIN_TOKEN_CHANGES,
@@ -271,6 +284,7 @@ class RouteHealthCheck:
         if engine is not None:
             engine = check_str(engine, "engine")
         self.engine = engine
+        self.num_experts = _experts(num_experts)
         self.min_rows = check_positive(min_rows, "min_rows")
         self.min_run = check_at_least(min_run, "min_run", 2)
         self.min_token_changes = check_positive(min_token_changes, "min_token_changes")
@@ -289,6 +303,7 @@ class RouteHealthCheck:
         token_ids: Sequence[int] | np.ndarray | None = None,
         moe_layers: Sequence[int] | None = None,
         engine: str | None = None,
+        num_experts: int | None = None,
         stacklevel: int = 2,
     ) -> tuple[RouteHealthFinding, ...]:
         """Check one trajectory's (or one turn's) routes `[rows, layers, topk]`.
@@ -301,6 +316,7 @@ class RouteHealthCheck:
                 the hidden states vary.
             moe_layers: Overrides the check's `moe_layers` for this call.
             engine: Overrides the check's `engine` for this call.
+            num_experts: Overrides the check's `num_experts` for this call.
             stacklevel: For the warning, as `warnings.warn`'s.
 
         Returns:
@@ -323,13 +339,19 @@ class RouteHealthCheck:
                     f"{trajectory}: moe_layers holds {layer}, but the routes have {routes.shape[1]} layers"
                 )
         tokens = _tokens(token_ids, routes.shape[0], trajectory)
-        findings = self._findings(routes, trajectory, tokens, layers, self.engine if engine is None else engine)
-        if tokens is not None and self.remember_blocks:
-            findings += self._replays(routes, tokens, trajectory)
+        experts = self.num_experts if num_experts is None else _experts(num_experts)
+        few = experts is not None and math.comb(experts, routes.shape[2]) in (1, 2)
+        scan = RouteScan(routes)
+        findings = self._findings(scan, trajectory, tokens, layers, self.engine if engine is None else engine, few)
+        windows = None
+        if tokens is not None and self.remember_blocks and not few:
+            windows = window_hashes(scan.row_hashes(), self.min_run)
+            findings += self._replays(windows, scan.routes, tokens, trajectory)
             if not findings:
-                self.memory.remember(routes, tokens, trajectory)
+                self.memory.remember(windows, scan.zero_rows(), tokens, trajectory)
         self.stats.trajectories += 1
         self.stats.rows += routes.shape[0]
+        self.stats.uninformative += int(few)
         for finding in findings:
             field = _STAT_FIELD[finding.kind]
             setattr(self.stats, field, getattr(self.stats, field) + 1)
@@ -353,50 +375,53 @@ class RouteHealthCheck:
 
     def _findings(
         self,
-        routes: np.ndarray,
+        scan: RouteScan,
         trajectory: str,
         tokens: np.ndarray | None,
         moe_layers: tuple[int, ...],
         engine: str | None,
+        few: bool,
     ) -> list[RouteHealthFinding]:
-        rows, num_layers, topk = routes.shape
+        rows, num_layers, topk = scan.rows, scan.layers, scan.topk
         if rows == 0:
             return []
         out: list[RouteHealthFinding] = []
-        # Per layer: is each row zero, and is it the layer's first row (one pass each over the values).
-        zero: np.ndarray = np.asarray(~routes.any(axis=2))  # [rows, layers]
-        same_as_first: np.ndarray = np.asarray((routes == routes[:1]).all(axis=2).all(axis=0))  # [layers]
-        layer_constant = same_as_first & ~zero[0]  # constant non-zero layers
+        same_as_first = scan.same_as_first()  # [layers]: every row equals the first
+        first_zero = ~scan.layer_words[0].any(axis=1)  # [layers]: the first row is zero there
+        layer_constant = same_as_first & ~first_zero  # constant non-zero layers
         varies = ~same_as_first  # layers whose rows change
         token_changes = int(np.count_nonzero(tokens[1:] != tokens[:-1])) if tokens is not None else 0
         zero_hint = _ZERO_HINTS.get(engine, _ZERO_HINTS[None])
 
-        def zero_finding(layer: int | None, mask: np.ndarray) -> None:
-            idx = np.flatnonzero(mask)
-            if idx.size == 0:
+        def zero_finding(layer: int | None, mask: np.ndarray | None) -> None:
+            idx = np.flatnonzero(mask) if mask is not None else ()
+            if len(idx) == 0:
                 return
             if topk == 1 and (
-                idx.size < max(rows, self.min_rows) or not _varies_apart(varies, layer, token_changes, self)
+                few or len(idx) < max(rows, self.min_rows) or not _varies_apart(varies, layer, token_changes, self)
             ):
                 return  # one expert per token: expert 0 is a real choice; only a long, all-zero layer decides
             first, last = int(idx[0]), int(idx[-1])
             span = (
                 f"rows {first}..{last} of {rows} are"
-                if idx.size == last - first + 1
-                else f"{idx.size} of {rows} rows are"
+                if len(idx) == last - first + 1
+                else f"{len(idx)} of {rows} rows are"
             )
             out.append(RouteHealthFinding("zero_rows", trajectory, layer, (first, last), f"{span} all zero", zero_hint))
 
         if moe_layers:
+            possible = scan.zero_candidate_layers()
             for layer in moe_layers:
-                zero_finding(layer, zero[:, layer])
+                zero_finding(layer, scan.layer_zero_rows(layer) if possible[layer] else None)
         else:
-            zero_finding(None, np.asarray(zero.all(axis=1)))
+            zero_finding(None, scan.zero_rows())
+        if few:
+            return out  # every row is one of at most two sets: identical rows say nothing (see the module)
         if rows >= self.min_rows:
             for index in np.flatnonzero(layer_constant):
                 layer = int(index)
                 if token_changes >= self.min_token_changes or bool(np.delete(varies, layer).any()):
-                    row = routes[0, layer].tolist()
+                    row = scan.routes[0, layer].tolist()
                     out.append(
                         RouteHealthFinding(
                             "constant_layer",
@@ -408,14 +433,16 @@ class RouteHealthCheck:
                         )
                     )
         if tokens is not None and rows >= self.min_run:
-            out.extend(self._stale_runs(routes, tokens, trajectory))
+            out.extend(self._stale_runs(scan, tokens, trajectory))
         return out
 
     def forget(self) -> None:
         """Drop the remembered fingerprints (the replayed-rows check starts afresh)."""
         self.memory.clear()
 
-    def _replays(self, routes: np.ndarray, tokens: np.ndarray, trajectory: str) -> list[RouteHealthFinding]:
+    def _replays(
+        self, windows: np.ndarray | None, routes: np.ndarray, tokens: np.ndarray, trajectory: str
+    ) -> list[RouteHealthFinding]:
         return [
             RouteHealthFinding(
                 "replayed_rows",
@@ -426,23 +453,22 @@ class RouteHealthCheck:
                 f"behind tokens that differ at {r.token_changes} positions",
                 _REPLAY_HINT,
             )
-            for r in self.memory.replays(routes, tokens)
+            for r in self.memory.replays(windows, routes, tokens)
         ]
 
-    def _stale_runs(self, routes: np.ndarray, tokens: np.ndarray, trajectory: str) -> list[RouteHealthFinding]:
-        rows = routes.shape[0]
-        flat = np.ascontiguousarray(routes).reshape(rows, -1)
-        repeat = (flat[1:] == flat[:-1]).all(axis=1)  # row i+1 equals row i
+    def _stale_runs(self, scan: RouteScan, tokens: np.ndarray, trajectory: str) -> list[RouteHealthFinding]:
+        repeat = scan.repeats()  # row i+1 equals row i
         if not repeat.any():
             return []
         changes = tokens[1:] != tokens[:-1]
+        zero = scan.zero_rows()
         out = []
         # Runs of True in `repeat`: edges of the padded mask.
         edges = np.flatnonzero(np.diff(np.concatenate(([False], repeat, [False])).astype(np.int8)))
         for a, b in zip(edges[::2], edges[1::2]):
             length = int(b - a) + 1  # rows a .. b are identical
             moved = int(np.count_nonzero(changes[a:b]))
-            if length >= self.min_run and moved >= self.min_token_changes and flat[a].any():
+            if length >= self.min_run and moved >= self.min_token_changes and not zero[a]:
                 out.append(
                     RouteHealthFinding(
                         "stale_rows",
@@ -464,8 +490,9 @@ def check_route_health(
     moe_layers: Sequence[int] | None = None,
     engine: str | None = None,
     on_unhealthy: str = "raise",
+    num_experts: int | None = None,
 ) -> tuple[RouteHealthFinding, ...]:
-    """`RouteHealthCheck(on_unhealthy, moe_layers=, engine=).check(routes, ...)` in one call.
+    """`RouteHealthCheck(on_unhealthy, moe_layers=, engine=, num_experts=).check(routes, ...)` in one call.
 
     Examples:
         >>> import numpy as np
@@ -474,7 +501,7 @@ def check_route_health(
         >>> check_route_health(routes, on_unhealthy="count")[0].seen
         'all 64 rows are [3, 5] although the hidden states vary'
     """
-    check = RouteHealthCheck(on_unhealthy, moe_layers=moe_layers, engine=engine)
+    check = RouteHealthCheck(on_unhealthy, moe_layers=moe_layers, engine=engine, num_experts=num_experts)
     return check.check(routes, trajectory=trajectory, token_ids=token_ids, stacklevel=3)
 
 
@@ -517,4 +544,9 @@ def _tokens(token_ids: Any, rows: int, trajectory: str) -> np.ndarray | None:
         raise TypeError(f"{trajectory}: token_ids must be a 1-D sequence of ints")
     if tokens.shape[0] != rows:
         raise ValueError(f"{trajectory}: token_ids has {tokens.shape[0]} entries for {rows} route rows")
-    return tokens
+    # One dtype for the memory's token store; a uint64 id keeps its bits (only equality is asked of them).
+    return tokens.view(np.int64) if tokens.dtype == np.uint64 else tokens.astype(np.int64, copy=False)
+
+
+def _experts(num_experts: Any) -> int | None:
+    return None if num_experts is None else check_positive(num_experts, "num_experts")
