@@ -168,5 +168,12 @@ class ReferenceHealth:
             for a, b in zip(edges[::2].tolist(), edges[1::2].tolist()):
                 moved = int(np.count_nonzero(moved_at[a:b]))
                 if b - a + 1 >= self.min_run and moved >= self.min_token_changes and flat[a].any():
-                    out.append(("stale_rows", None, (a, b), f"rows {a}..{b} repeat one row verbatim over {moved} token changes"))
+                    out.append(
+                        (
+                            "stale_rows",
+                            None,
+                            (a, b),
+                            f"rows {a}..{b} repeat one row verbatim over {moved} token changes",
+                        )
+                    )
         return out

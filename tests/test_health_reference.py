@@ -15,7 +15,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-
 from tests.reference_health import ReferenceHealth
 from tests.samples import router_routes
 from torch_r3.health import RouteHealthCheck

@@ -50,7 +50,6 @@ is counted either way. NumPy only.
 from __future__ import annotations
 
 import math
-import threading
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -382,7 +381,7 @@ class RouteHealthCheck:
         engine: str | None,
         few: bool,
     ) -> list[RouteHealthFinding]:
-        rows, num_layers, topk = scan.rows, scan.layers, scan.topk
+        rows, topk = scan.rows, scan.topk
         if rows == 0:
             return []
         out: list[RouteHealthFinding] = []
