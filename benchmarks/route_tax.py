@@ -119,7 +119,7 @@ def one_step(args: argparse.Namespace, base: np.ndarray, rng: np.random.Generato
         spent["decode"] += t
         rows = parsed.routed_experts
         tokens = (prompt + list(parsed.response_ids))[: rows.shape[0]]
-        t, _ = cpu(health.check, rows, trajectory=f"t{i}", token_ids=tokens, num_experts=args.experts)
+        t, _ = cpu(health.check, rows, trajectory=f"t{i}", token_ids=tokens)
         spent["health"] += t
         result = RemoteGenerateResult(**vars(parsed), num_experts=args.experts, raw=None, health_checked=True)
         t, final = cpu(traced, result, f"t{i}", prompt, args)

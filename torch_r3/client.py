@@ -326,7 +326,7 @@ class RemoteGenerateClient:
             raise RemoteGenerateError(
                 f"POST {url}: response breaks the {self.server} format: {exc}", url=url, status=200
             ) from exc
-        return self._result(parsed, prompt, start, raw, protocol.without_routes, url, session_id)
+        return await self._result(parsed, prompt, start, raw, protocol.without_routes, url, session_id)
 
     async def chat(
         self,
@@ -414,7 +414,9 @@ class RemoteGenerateClient:
             raise RemoteGenerateError(
                 f"POST {url}: response breaks the {self.server} chat format: {exc}", url=url, status=200
             ) from exc
-        return self._result(parsed, list(prompt), start, raw, PROTOCOLS[self.server].without_routes, url, session_id)
+        return await self._result(
+            parsed, list(prompt), start, raw, PROTOCOLS[self.server].without_routes, url, session_id
+        )
 
     def _check_route_shape(self, want_routes: bool) -> None:
         if (
@@ -427,7 +429,7 @@ class RemoteGenerateClient:
                 "(the model's num_hidden_layers) and topk= (num_experts_per_tok)"
             )
 
-    def _result(
+    async def _result(
         self,
         parsed: Any,
         prompt: list[int],
@@ -443,14 +445,13 @@ class RemoteGenerateClient:
             # Row i is position start + i: the prompt, then the generated tokens.
             tokens = (prompt + list(parsed.response_ids))[start : start + routes.shape[0]]
             who = f"POST {url} ({len(prompt)}-token prompt" + (f", session {session_id}" if session_id else "") + ")"
-            self.health.check(
-                routes,
-                trajectory=who,
-                token_ids=tokens,
-                moe_layers=self.moe_layers or None,
-                num_experts=self.limits.num_experts,
-                stacklevel=4,
-            )
+            moe, experts = self.moe_layers or None, self.limits.num_experts
+            check = functools.partial(self.health.check, routes, trajectory=who, token_ids=tokens, stacklevel=4)
+            # "warn" on the caller's thread (the warning points at it); else large routes on the decode pool.
+            if self.health.on_unhealthy == "warn":
+                check(moe_layers=moe, num_experts=experts)
+            else:
+                await off_loop(routes.nbytes, functools.partial(check, moe_layers=moe, num_experts=experts))
         return RemoteGenerateResult(
             **vars(parsed),
             num_experts=self.limits.num_experts,

@@ -38,7 +38,18 @@ replayed runs need the token ids behind the rows. A replayed run is one of at
 least `min_run` rows, at least half of them distinct (a constant run is the
 stale-row signature), behind tokens that differ at `min_token_changes`
 positions or more; it is found once it spans an aligned block of the earlier
-response (any run of `2 * min_run - 1` rows does).
+response (any run of `2 * min_run - 1` rows does). When a layer's row can be
+only one or two sets of experts (`topk == num_experts`: every row is the same
+set; top-1 of 2 experts: a row is one bit, and a router leaning to one expert
+sends it every token), identical rows say nothing: given `num_experts`, the
+row-identity checks (constant layer, stale and replayed rows, top-1's
+all-zero layer) are skipped and the check is counted in
+`RouteHealthStats.uninformative`; zero rows with `topk >= 2` still decide.
+
+The passes read each row's ids as packed machine words (`torch_r3._route_scan`):
+one compare per row and layer, row hashes that only pick candidates (every
+answer is confirmed on the ids), no full-width temporaries. They cost about
+a tenth of decoding the same routes (`benchmarks/health_bench.py`).
 
 `RouteHealthCheck` runs the checks and keeps `RouteHealthStats`; by default a
 finding raises `RouteHealthError`, naming the trajectory, the layer, what was
@@ -50,6 +61,7 @@ is counted either way. NumPy only.
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -58,6 +70,7 @@ from typing import Any
 import numpy as np
 
 from torch_r3._checks import check_at_least, check_choice, check_int, check_positive, check_str
+from torch_r3._health_hints import CONSTANT_HINT, REPLAY_HINT, STALE_HINT, ZERO_HINTS
 from torch_r3._route_scan import RouteScan
 from torch_r3._row_memory import RowMemory, window_hashes
 
@@ -82,43 +95,6 @@ DEFAULT_MIN_RUN = 16
 DEFAULT_MIN_TOKEN_CHANGES = 8
 #: Blocks of `min_run` rows a check remembers from the responses it passed (0: no replayed-rows check).
 DEFAULT_REMEMBER_BLOCKS = 8192
-
-# The engine settings each signature points at, by engine (None: any engine).
-_ZERO_HINTS = {
-    "vllm": (
-        "vLLM's fused FlashInfer (monolithic) MoE kernels route inside the kernel and bypass route capture: "
-        "start vLLM with --moe-backend triton (or a release whose monolithic kernel fills routing_replay_out); "
-        "vLLM-Ascend 0.26 has the same symptom; pipeline parallelism (refused by vLLM 0.33 with routes) "
-        "leaves other stages' layers zero"
-    ),
-    "sglang": (
-        "SGLang with prefill/decode disaggregation sent all-zero prompt rows before sgl-project/sglang#23885: "
-        "upgrade; with pipeline parallelism a stage that captured nothing leaves its layers zero"
-    ),
-    None: (
-        "the engine did not capture this layer: vLLM's FlashInfer monolithic MoE kernels (use --moe-backend triton), "
-        "SGLang prefill/decode disaggregation before sgl-project/sglang#23885, or a pipeline stage that captured "
-        "nothing; if the layer is dense, leave it out of moe_layers"
-    ),
-}
-#: The causes of all-zero routes, for messages outside this module (the hooks' repeated-id error).
-ZERO_ROUTES_HINT = (
-    "vLLM's FlashInfer monolithic MoE kernels skip capture (start vLLM with --moe-backend triton), SGLang "
-    "prefill/decode disaggregation before sgl-project/sglang#23885, or a pipeline stage that captured nothing"
-)
-_CONSTANT_HINT = (
-    "a capture slot written once and never updated; run the engine without CUDA graphs "
-    "(vLLM --enforce-eager, SGLang --disable-cuda-graph) to confirm, and report it to the engine"
-)
-_REPLAY_HINT = (
-    "capture slots this request reused still held an earlier request's rows (SGLang's padded capture slots, "
-    "before sgl-project/sglang#36404): upgrade SGLang; run without CUDA graphs (SGLang --disable-cuda-graph, "
-    "vLLM --enforce-eager) to confirm"
-)
-_STALE_HINT = (
-    "padded capture slots that kept a row from an earlier forward (SGLang before sgl-project/sglang#36404, "
-    "at chunked-prefill boundaries): upgrade SGLang; with vLLM, run with --enforce-eager to confirm"
-)
 
 
 class RouteHealthError(ValueError):
@@ -222,8 +198,10 @@ class RouteHealthCheck:
     routes, only fingerprints of recent ones (`remember_blocks`) for the
     replayed-rows signature, so share one across the clients of a run to
     catch replays between them (a pickled copy keeps the stats and starts
-    with an empty memory). Thread-compatible, not thread-safe: give each
-    thread its own, or lock around `check`.
+    with an empty memory). Thread-safe: the passes over the routes run
+    unlocked (NumPy releases the GIL in most of them), the memory and the
+    counters under a lock, so the client checks large payloads on its decode
+    pool.
 
     Args:
         on_unhealthy: `"raise"` (the default: a `RouteHealthError`), `"warn"`
@@ -290,6 +268,14 @@ class RouteHealthCheck:
         self.remember_blocks = check_at_least(remember_blocks, "remember_blocks", 0)
         self.memory = RowMemory(self.min_run, self.remember_blocks, self.min_token_changes)
         self.stats = RouteHealthStats()
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"RouteHealthCheck({self.on_unhealthy!r}, moe_layers={self.moe_layers or None}, engine={self.engine!r})"
@@ -342,31 +328,35 @@ class RouteHealthCheck:
         few = experts is not None and math.comb(experts, routes.shape[2]) in (1, 2)
         scan = RouteScan(routes)
         findings = self._findings(scan, trajectory, tokens, layers, self.engine if engine is None else engine, few)
-        windows = None
-        if tokens is not None and self.remember_blocks and not few:
-            windows = window_hashes(scan.row_hashes(), self.min_run)
-            findings += self._replays(windows, scan.routes, tokens, trajectory)
-            if not findings:
-                self.memory.remember(windows, scan.zero_rows(), tokens, trajectory)
-        self.stats.trajectories += 1
-        self.stats.rows += routes.shape[0]
-        self.stats.uninformative += int(few)
-        for finding in findings:
-            field = _STAT_FIELD[finding.kind]
-            setattr(self.stats, field, getattr(self.stats, field) + 1)
+        replay = tokens is not None and self.remember_blocks and not few
+        windows = window_hashes(scan.row_hashes(), self.min_run) if replay else None
+        with self._lock:  # the memory and the counters; the passes above read nothing shared
+            if replay:
+                findings += self._replays(windows, scan.routes, tokens, trajectory)
+                if not findings:
+                    self.memory.remember(windows, scan.zero_rows(), tokens, trajectory)
+            self.stats.trajectories += 1
+            self.stats.rows += routes.shape[0]
+            self.stats.uninformative += int(few)
+            for finding in findings:
+                field = _STAT_FIELD[finding.kind]
+                setattr(self.stats, field, getattr(self.stats, field) + 1)
+            if findings:
+                if self.on_unhealthy == "raise":
+                    self.stats.refused += 1
+                else:
+                    self.stats.accepted_unhealthy += 1
         if not findings:
             return ()
         text = "; ".join(f.message() for f in findings[:3]) + (
             f"; and {len(findings) - 3} more" if len(findings) > 3 else ""
         )
         if self.on_unhealthy == "raise":
-            self.stats.refused += 1
             raise RouteHealthError(
                 f"{text}. These routes would replay choices the policy never made; "
                 "to accept them knowingly, pass health='warn' or health='count'",
                 findings,
             )
-        self.stats.accepted_unhealthy += 1
         if self.on_unhealthy == "warn":
             category = ZeroRoutesWarning if findings[0].kind == "zero_rows" else RouteHealthWarning
             warnings.warn(text, category, stacklevel=stacklevel + 1)
@@ -390,7 +380,7 @@ class RouteHealthCheck:
         layer_constant = same_as_first & ~first_zero  # constant non-zero layers
         varies = ~same_as_first  # layers whose rows change
         token_changes = int(np.count_nonzero(tokens[1:] != tokens[:-1])) if tokens is not None else 0
-        zero_hint = _ZERO_HINTS.get(engine, _ZERO_HINTS[None])
+        zero_hint = ZERO_HINTS.get(engine, ZERO_HINTS[None])
 
         def zero_finding(layer: int | None, mask: np.ndarray | None) -> None:
             idx = np.flatnonzero(mask) if mask is not None else ()
@@ -428,7 +418,7 @@ class RouteHealthCheck:
                             layer,
                             (0, rows - 1),
                             f"all {rows} rows are {row} although the hidden states vary",
-                            _CONSTANT_HINT,
+                            CONSTANT_HINT,
                         )
                     )
         if tokens is not None and rows >= self.min_run:
@@ -450,7 +440,7 @@ class RouteHealthCheck:
                 (r.first, r.last),
                 f"rows {r.first}..{r.last} repeat, in every layer and in order, rows that {r.source} returned, "
                 f"behind tokens that differ at {r.token_changes} positions",
-                _REPLAY_HINT,
+                REPLAY_HINT,
             )
             for r in self.memory.replays(windows, routes, tokens)
         ]
@@ -475,7 +465,7 @@ class RouteHealthCheck:
                         None,
                         (int(a), int(b)),
                         f"rows {int(a)}..{int(b)} repeat one row verbatim over {moved} token changes",
-                        _STALE_HINT,
+                        STALE_HINT,
                     )
                 )
         return out
