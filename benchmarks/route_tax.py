@@ -124,6 +124,7 @@ def one_step(args: argparse.Namespace, base: np.ndarray, rng: np.random.Generato
         result = RemoteGenerateResult(**vars(parsed), num_experts=args.experts, raw=None, health_checked=True)
         t, final = cpu(traced, result, f"t{i}", prompt, args)
         spent["trace"] += t
+        assert final.dtype == np.uint8 and np.array_equal(final, routes), i  # the body's routes, untouched
         finalized.append({"input_ids": np.asarray(ids), "routes": final})
     assert health.stats.refused == 0 and health.stats.trajectories == args.trajectories
     t, samples = cpu(collate, finalized, args)
@@ -147,7 +148,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     base = router_like(rng, args.tokens - 1, args.layers, args.experts, args.topk)
     tokens = args.trajectories * args.tokens
-    rounds = []
+    rounds: list[dict[str, Any]] = []
     for r in range(args.rounds):
         load = os.getloadavg()[0]
         spent = one_step(args, base, rng)

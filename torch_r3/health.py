@@ -331,7 +331,7 @@ class RouteHealthCheck:
         replay = tokens is not None and self.remember_blocks and not few
         windows = window_hashes(scan.row_hashes(), self.min_run) if replay else None
         with self._lock:  # the memory and the counters; the passes above read nothing shared
-            if replay:
+            if replay and tokens is not None:
                 findings += self._replays(windows, scan.routes, tokens, trajectory)
                 if not findings:
                     self.memory.remember(windows, scan.zero_rows(), tokens, trajectory)
@@ -383,7 +383,7 @@ class RouteHealthCheck:
         zero_hint = ZERO_HINTS.get(engine, ZERO_HINTS[None])
 
         def zero_finding(layer: int | None, mask: np.ndarray | None) -> None:
-            idx = np.flatnonzero(mask) if mask is not None else ()
+            idx = np.flatnonzero(mask) if mask is not None else np.empty(0, np.intp)
             if len(idx) == 0:
                 return
             if topk == 1 and (
