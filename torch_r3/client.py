@@ -445,13 +445,10 @@ class RemoteGenerateClient:
             # Row i is position start + i: the prompt, then the generated tokens.
             tokens = (prompt + list(parsed.response_ids))[start : start + routes.shape[0]]
             who = f"POST {url} ({len(prompt)}-token prompt" + (f", session {session_id}" if session_id else "") + ")"
-            moe, experts = self.moe_layers or None, self.limits.num_experts
-            check = functools.partial(self.health.check, routes, trajectory=who, token_ids=tokens, stacklevel=4)
-            # "warn" on the caller's thread (the warning points at it); else large routes on the decode pool.
-            if self.health.on_unhealthy == "warn":
-                check(moe_layers=moe, num_experts=experts)
-            else:
-                await off_loop(routes.nbytes, functools.partial(check, moe_layers=moe, num_experts=experts))
+            check = functools.partial(self.health.check, routes, trajectory=who, token_ids=tokens, stacklevel=5)
+            check = functools.partial(check, moe_layers=self.moe_layers or None, num_experts=self.limits.num_experts)
+            # "warn": inline (stacklevel counts off_loop), the warning pointing at the caller; else large on the pool.
+            await off_loop(0 if self.health.on_unhealthy == "warn" else routes.nbytes, check)
         return RemoteGenerateResult(
             **vars(parsed),
             num_experts=self.limits.num_experts,
