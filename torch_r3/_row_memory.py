@@ -102,8 +102,8 @@ class RowMemory:
             return []
         candidates = np.flatnonzero(self._counts[self._slots(windows)])
         out: list[Replay] = []
-        for i in candidates.tolist():
-            hit = self._blocks.get(int(windows[i]))
+        for i, key in zip(candidates.tolist(), windows[candidates].tolist()):
+            hit = self._blocks.get(key)
             if hit is None:
                 continue
             row, source = hit
@@ -136,35 +136,42 @@ class RowMemory:
         if len(set(keys)) != len(keys):  # a key seen twice in one response: its last block, in its last place
             last = sorted({k: i for i, k in enumerate(keys)}.values())
             keys, blocks = [keys[i] for i in last], blocks[last]
-        removed: list[int] = []
-        rows: list[int | None] = []
-        for key in keys:  # a key remembered before moves to the newest end and keeps its row of the store
-            old = self._blocks.pop(key, None)
-            rows.append(None if old is None else old[0])
-            if old is not None:
-                removed.append(key)
+        d, free = self._blocks, self._free
+        removed = [k for k in keys if k in d]  # remembered before: moves to the newest end, keeps its store row
+        rows: list[int | None] = [None] * len(keys)
+        if removed:
+            kept = {k: d.pop(k)[0] for k in removed}
+            rows = [kept.get(k) for k in keys]
         if len(keys) > self.max_blocks:  # the oldest of this response's own blocks drop out too
             cut = len(keys) - self.max_blocks
-            self._free.extend(r for r in rows[:cut] if r is not None)
+            free.extend(r for r in rows[:cut] if r is not None)
             keys, rows, blocks = keys[cut:], rows[cut:], blocks[cut:]
-        while len(self._blocks) + len(keys) > self.max_blocks:
-            key, (row, _) = self._blocks.popitem(last=False)
-            removed.append(key)
-            self._free.append(row)
-        store = self._store(sum(r is None for r in rows))
-        final = [r if r is not None else self._free.pop() for r in rows]
+        overflow = len(d) + len(keys) - self.max_blocks
+        if overflow > 0:
+            evicted = [d.popitem(last=False) for _ in range(overflow)]
+            removed.extend(k for k, _ in evicted)
+            free.extend(v[0] for _, v in evicted)
+        needed = rows.count(None)
+        store = self._store(needed)
+        new_rows = free[len(free) - needed :]
+        del free[len(free) - needed :]
+        if needed == len(rows):
+            final: list[int] = new_rows
+        else:
+            fresh = iter(new_rows)
+            final = [r if r is not None else next(fresh) for r in rows]
         store[final] = blocks
-        for key, row in zip(keys, final):
-            self._blocks[key] = (row, source)
+        d.update(zip(keys, [(r, source) for r in final]))
         counts = self._counts
         if counts is None:
             counts = self._counts = np.zeros(1 << self._bits, np.uint32)
+        one = np.uint32(1)  # of the table's dtype: NumPy's fast path for `ufunc.at`
         if removed:
-            np.subtract.at(counts, self._slots(np.array(removed, np.uint64)), 1)
-        np.add.at(counts, self._slots(np.array(keys, np.uint64)), 1)
+            np.subtract.at(counts, self._slots(np.array(removed, np.uint64)), one)
+        np.add.at(counts, self._slots(np.array(keys, np.uint64)), one)
 
     def _slots(self, keys: np.ndarray) -> np.ndarray:
-        return keys >> np.uint64(64 - self._bits)
+        return (keys >> np.uint64(64 - self._bits)).astype(np.intp)
 
     def _store(self, needed: int) -> np.ndarray:
         """The token store, with at least `needed` free rows (grown by doubling, never past `max_blocks`)."""
