@@ -1,18 +1,23 @@
-"""What the engine-health check costs per trajectory, next to what decoding the same routes costs.
+"""What the engine-health checks cost per token, next to what decoding the same routes costs, in the same run.
 
 Routes are drawn like a real router's (top-k without replacement from a Zipf-skewed expert popularity,
 a different ranking per layer), at model shapes of released MoE models, over one trajectory of `--tokens`
-positions. Median seconds over interleaved rounds (the machine may be shared: say so with the figures):
+positions, plus one `--long-tokens` trajectory (32k) at the widest shape. Every case is timed once per
+round, the cases interleaved, so that a busy spell on a shared machine hits all of them alike. The
+figures are this thread's CPU time (`time.thread_time`: every case runs on the calling thread, the
+decode included), which a loaded machine inflates far less than the wall clock (recorded too, in
+`--json`); the medians and the per-round ratios are printed (say how loaded the machine was):
 
 * `decode sglang`: SGLang's base64 int32 `routed_experts` -> the canonical array (`decode_sglang_routes`);
 * `decode vllm`: vLLM's base64 `.npy` (uint8 / uint16) -> the canonical array (`decode_vllm_routes`);
 * `health`: `RouteHealthCheck.check` without token ids (zero rows, constant layers), `remember_blocks=0`;
 * `+ tokens`: with the token ids (adds the stale-run check), still `remember_blocks=0`;
-* `+ replay`: with token ids and the replayed-rows memory, filled to its default bound by earlier
-  trajectories first (the steady state of a long run: every check looks up and then remembers).
+* `default`: what the client runs by default: token ids and the replayed-rows memory, filled to its
+  default bound by earlier trajectories first (the steady state of a long run: every check looks up
+  and then remembers).
 
-    PYTHONPATH=. python benchmarks/health_bench.py                    # 8k tokens, three model shapes
-    PYTHONPATH=. python benchmarks/health_bench.py --tokens 32768 --rounds 3 --json out.json
+    PYTHONPATH=. python benchmarks/health_bench.py                  # 8k tokens x 3 shapes, 32k x 1, 7 rounds
+    PYTHONPATH=. python benchmarks/health_bench.py --rounds 9 --json out.json
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import argparse
 import base64
 import io
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -57,21 +63,13 @@ def npy_b64(array: np.ndarray) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def median_time(fn: Callable[[], object], rounds: int) -> float:
-    times = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def replay_round(check: RouteHealthCheck, trajectory: tuple[np.ndarray, np.ndarray]) -> object:
     routes, ids = trajectory
     return check.check(routes, trajectory="t", token_ids=ids)
 
 
-def run_shape(name: str, layers: int, experts: int, topk: int, tokens: int, rounds: int, seed: int) -> dict:
+def prepare(name: str, layers: int, experts: int, topk: int, tokens: int, rounds: int, seed: int) -> dict:
+    """One shape's payloads and checks, and a timed callable per case (each round takes a fresh trajectory)."""
     rng = np.random.default_rng(seed)
     routes = router_like(rng, tokens, layers, experts, topk)
     ids = rng.integers(0, 150_000, tokens)
@@ -88,6 +86,8 @@ def run_shape(name: str, layers: int, experts: int, topk: int, tokens: int, roun
         full.check(filler, trajectory=f"earlier {start}", token_ids=rng.integers(0, 150_000, 16384))
     assert len(full.memory) == DEFAULT_REMEMBER_BLOCKS, len(full.memory)
 
+    # Each round looks up against a full memory and then remembers this trajectory's blocks: a fresh
+    # trajectory each time (rows shuffled, so no run repeats an earlier one), as a run sends them.
     shuffles = [rng.permutation(tokens) for _ in range(rounds + 1)]
     fresh = iter([(np.ascontiguousarray(routes[p]), ids[p]) for p in shuffles])
     cases: dict[str, Callable[[], object]] = {
@@ -97,44 +97,75 @@ def run_shape(name: str, layers: int, experts: int, topk: int, tokens: int, roun
         "decode vllm": lambda: decode_vllm_routes(vllm_text, num_experts=experts, max_bytes=1 << 34),
         "health": lambda: plain.check(routes, trajectory="t"),
         "+ tokens": lambda: with_tokens.check(routes, trajectory="t", token_ids=ids),
-        # Each round looks up against a full memory and then remembers this trajectory's blocks: a fresh
-        # trajectory each time (rows shuffled, so no run repeats an earlier one), as a run sends them.
-        "+ replay": lambda: replay_round(full, next(fresh)),
+        "default": lambda: replay_round(full, next(fresh)),
     }
     for fn in cases.values():  # warm up
         fn()
-    results = {k: [] for k in cases}
-    for _ in range(rounds):  # interleaved, so a busy spell hits every case alike
-        for key, fn in cases.items():
-            results[key].append(median_time(fn, 1))
-    seconds = {k: statistics.median(v) for k, v in results.items()}
-    assert full.stats.replayed_rows == 0 and full.stats.refused == 0  # healthy routes: nothing refused
-    return {
-        "model": name,
-        "layers": layers,
-        "experts": experts,
-        "topk": topk,
-        "tokens": tokens,
-        "seconds": seconds,
-        "us_per_token": {k: v / tokens * 1e6 for k, v in seconds.items()},
-        "memory_blocks": len(full.memory),
-    }
+    meta = {"model": name, "layers": layers, "experts": experts, "topk": topk, "tokens": tokens}
+    return {"meta": meta, "cases": cases, "checks": (plain, with_tokens, full)}
+
+
+def run(shapes: list[tuple[str, int, int, int, int]], rounds: int) -> list[dict]:
+    """Every shape's cases, interleaved across shapes and cases, `rounds` times."""
+    prepared = [prepare(*shape, rounds, seed=i) for i, shape in enumerate(shapes)]
+    per_round: list[dict[str, list[float]]] = [{k: [] for k in p["cases"]} for p in prepared]
+    wall: list[dict[str, list[float]]] = [{k: [] for k in p["cases"]} for p in prepared]
+    loads = []
+    for _ in range(rounds):
+        loads.append(os.getloadavg()[0])
+        for p, times, walls in zip(prepared, per_round, wall):
+            for key, fn in p["cases"].items():
+                t, c = time.perf_counter(), time.thread_time()
+                fn()
+                times[key].append(time.thread_time() - c)
+                walls[key].append(time.perf_counter() - t)
+    out = []
+    for p, times, walls in zip(prepared, per_round, wall):
+        full = p["checks"][2]
+        assert full.stats.replayed_rows == 0 and full.stats.refused == 0  # healthy routes: nothing refused
+        tokens = p["meta"]["tokens"]
+        seconds = {k: statistics.median(v) for k, v in times.items()}
+        out.append(
+            {
+                **p["meta"],
+                "seconds": seconds,
+                "us_per_token": {k: v / tokens * 1e6 for k, v in seconds.items()},
+                "rounds": times,
+                "wall_rounds": walls,
+                "load_per_round": loads,
+                # Per round, the default checks over the SGLang decode of the same round.
+                "ratio_rounds": [d / s for d, s in zip(times["default"], times["decode sglang"])],
+                "memory_blocks": len(full.memory),
+            }
+        )
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--long-tokens", type=int, default=32768, help="the long trajectory, at the widest shape")
+    ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    rows = [run_shape(*shape, args.tokens, args.rounds, seed=i) for i, shape in enumerate(SHAPES)]
+    shapes = [(*shape, args.tokens) for shape in SHAPES]
+    if args.long_tokens:
+        shapes.append((*SHAPES[-1], args.long_tokens))
+    rows = run([(n, la, e, k, t) for n, la, e, k, t in shapes], args.rounds)
     keys = list(rows[0]["seconds"])
-    print(f"{args.tokens} tokens per trajectory, median of {args.rounds} interleaved rounds (ms; us/token)")
-    print(f"{'model':<18}" + "".join(f"{k:>22}" for k in keys) + f"{'full/decode sglang':>20}")
+    loads = rows[0]["load_per_round"]
+    print(
+        f"CPU time, median of {args.rounds} interleaved rounds: ms per trajectory, us per token "
+        f"(load average {min(loads):.1f}..{max(loads):.1f} on {os.cpu_count()} CPUs)"
+    )
+    print(f"{'model':<18}{'tokens':>7}" + "".join(f"{k:>22}" for k in keys) + f"{'default/sglang':>16}")
     for r in rows:
-        cells = "".join(f"{r['seconds'][k] * 1e3:>12.1f}{r['us_per_token'][k]:>8.2f}us" for k in keys)
-        ratio = r["seconds"]["+ replay"] / r["seconds"]["decode sglang"]
-        print(f"{r['model']:<18}{cells}{ratio:>20.2f}")
+        cells = "".join(f"{r['seconds'][k] * 1e3:>12.2f}{r['us_per_token'][k]:>8.3f}us" for k in keys)
+        ratio = r["seconds"]["default"] / r["seconds"]["decode sglang"]
+        print(f"{r['model']:<18}{r['tokens']:>7}{cells}{ratio:>16.2f}")
+    print("per round, default checks / SGLang decode of the same round:")
+    for r in rows:
+        print(f"{r['model']:<18}{r['tokens']:>7}  " + " ".join(f"{x:.2f}" for x in r["ratio_rounds"]))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
 

@@ -3,6 +3,8 @@
 A real aiohttp server on 127.0.0.1 answers SGLang `/generate` and vLLM bodies;
 the client reads their route text in place and decodes it on a `torch_r3-decode`
 thread while its loop keeps running callbacks. Small payloads stay on the loop.
+Large routes are health-checked there too, but for `health="warn"` (its warning
+points at the caller).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from aiohttp import web
 from tests.http_stub import serve_routes
 from torch_r3 import _offload
 from torch_r3.client import RemoteGenerateClient
+from torch_r3.health import RouteHealthCheck, RouteHealthError, RouteHealthWarning
 from torch_r3.protocols import PROTOCOLS
 
 LAYERS, TOPK = 4, 2
@@ -140,3 +143,55 @@ def test_responses_in_flight_decode_on_as_many_pool_threads_as_cpus():
     assert len(set(threads)) == 2 and all(t.startswith("torch_r3-decode") for t in threads)
     for result, (_, routes) in zip(results, bodies):
         np.testing.assert_array_equal(result.routed_experts, routes)
+
+
+@pytest.mark.parametrize("mode", ["raise", "warn"])
+def test_large_routes_are_health_checked_on_the_pool_and_warn_mode_on_the_loop(monkeypatch, mode):
+    threads: list[str] = []
+    original = RouteHealthCheck.check
+
+    def check(self, *args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(RouteHealthCheck, "check", check)
+    rows = _offload.OFFLOAD_BYTES // (LAYERS * TOPK) + 100  # uint8 routes past the threshold
+    body, routes = vllm_body(rows, generated=11)
+    broken = routes.copy()
+    broken[:40] = 0  # rows zero in every layer: refused (or warned about) wherever the check runs
+    buf = io.BytesIO()
+    np.save(buf, broken, allow_pickle=False)
+    bad = {"choices": [{**body["choices"][0], "routed_experts": base64.b64encode(buf.getvalue()).decode()}]}
+
+    async def main():
+        loop_thread = threading.current_thread().name
+        path = PROTOCOLS["vllm"].generate_path
+        handler_body = iter([body, bad])
+
+        async def handler(request):
+            await request.read()
+            return web.json_response(next(handler_body))
+
+        runner, url = await serve_routes([("POST", path, handler)])
+        try:
+            async with RemoteGenerateClient(
+                url, server="vllm", num_layers=LAYERS, topk=TOPK, retries=0, health=mode
+            ) as client:
+                good = await client.generate(list(range(rows - 10)), {"max_tokens": 11}, return_routed_experts=True)
+                if mode == "raise":
+                    with pytest.raises(RouteHealthError, match="rows 0..39 of"):
+                        await client.generate(list(range(rows - 10)), {"max_tokens": 11}, return_routed_experts=True)
+                else:
+                    with pytest.warns(RouteHealthWarning, match="rows 0..39 of"):
+                        await client.generate(list(range(rows - 10)), {"max_tokens": 11}, return_routed_experts=True)
+                return good, loop_thread, client.health.stats
+        finally:
+            await runner.cleanup()
+
+    good, loop_thread, stats = asyncio.run(main())
+    np.testing.assert_array_equal(good.routed_experts, routes)
+    assert good.health_checked and stats.trajectories == 2 and stats.zero_rows == 1
+    if mode == "raise":
+        assert len(threads) == 2 and all(t.startswith("torch_r3-decode") for t in threads)
+    else:
+        assert threads == [loop_thread, loop_thread]

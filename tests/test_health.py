@@ -278,3 +278,92 @@ def test_bad_arguments_are_refused_up_front():
         RouteHealthCheck().check(np.ones((3, 2), np.uint8), trajectory="t")
     with pytest.raises(TypeError, match="health must be one of"):
         compact_routes(np.ones((1, 1, 1), np.int64), health=True)
+
+
+def test_with_topk_equal_to_num_experts_identical_rows_say_nothing_and_are_counted():
+    # Every row of a top-4-of-4 model is the one set {0, 1, 2, 3}: a layer "stuck" on it, or a run of
+    # it, is what a healthy router returns, so the row-identity checks are skipped and counted.
+    rng = np.random.default_rng(11)
+    routes = np.tile(np.arange(4, dtype=np.uint8), (100, 3, 1))  # [100, 3, 4]
+    tokens = rng.integers(0, 1000, 100)
+    trace = RoutedExpertTrace(num_layers=3, topk=4, num_experts=4, name="s")
+    trace.record(prompt_len=40, generated_len=61, routes=routes, prompt_ids=tokens[:40].tolist(),
+                 response_ids=tokens[40:].tolist() + [7])  # fmt: skip  # main: refused (constant_layer, stale_rows)
+    assert trace.health.stats.uninformative == 1
+    assert compact_routes(routes, num_experts=4).shape == routes.shape
+    check = RouteHealthCheck(num_experts=4)
+    assert check.check(routes, trajectory="t", token_ids=tokens) == ()
+    assert check.check(routes, trajectory="t again", token_ids=rng.integers(0, 1000, 100)) == ()
+    assert (check.stats.uninformative, check.stats.refused, len(check.memory)) == (2, 0, 0)
+    # Zero rows stay decidable there (with topk >= 2 a zero row repeats expert 0).
+    zero = routes.copy()
+    zero[:5] = 0
+    with pytest.raises(RouteHealthError, match="rows 0..4 of 100 are all zero"):
+        check.check(zero, trajectory="t", token_ids=tokens)
+    # Without num_experts the check cannot know: one row throughout is refused, as documented.
+    with pytest.raises(RouteHealthError, match="constant_layer"):
+        check_route_health(routes, token_ids=tokens)
+
+
+def test_two_experts_top1_skewed_router_is_undecidable_with_num_experts():
+    # A top-1 router over 2 experts that prefers one of them: a layer sending every token to expert 1
+    # (or to expert 0) and long runs of one full row are what it does; a row carries one bit.
+    rng = np.random.default_rng(12)
+    routes = (rng.random((200, 3, 1)) < 0.5).astype(np.uint8)
+    routes[:, 1] = 1  # every token of layer 1 to expert 1
+    routes[:, 2] = 0  # every token of layer 2 to expert 0
+    routes[50:90, 0] = 0  # and a run of one full row in the other
+    tokens = rng.integers(0, 1000, 200)
+    trace = RoutedExpertTrace(num_layers=3, topk=1, num_experts=2, moe_layers=[0, 1, 2], name="s")
+    trace.record(prompt_len=100, generated_len=101, routes=routes, prompt_ids=tokens[:100].tolist(),
+                 response_ids=tokens[100:].tolist() + [7])  # fmt: skip  # main: refused
+    assert trace.health.stats.uninformative == 1
+    with pytest.raises(RouteHealthError) as info:
+        check_route_health(routes, token_ids=tokens, moe_layers=[0, 1, 2])  # without num_experts: refused
+    assert {f.kind for f in info.value.findings} == {"zero_rows", "constant_layer", "stale_rows"}
+    check = RouteHealthCheck(moe_layers=[0, 1, 2], num_experts=2)
+    assert check.check(routes, trajectory="t", token_ids=tokens) == ()
+    assert check.stats.uninformative == 1
+    # Three experts top-1 decide again (a layer of one expert over 200 tokens is a finding).
+    assert [f.kind for f in check_route_health(routes, token_ids=tokens, num_experts=3, on_unhealthy="count")] == [
+        "constant_layer",
+        "stale_rows",
+    ]
+
+
+@pytest.mark.parametrize("shift", [0, 5])
+def test_every_signature_is_caught_at_its_documented_threshold_and_not_below(router_model, shift):
+    rng = np.random.default_rng(60 + shift)
+    tokens = rng.integers(3, 512, 200 + shift).tolist()
+    routes = real_routes(router_model, tokens)
+    check = RouteHealthCheck("count", moe_layers=MOE_LAYERS)
+    # A constant layer: 64 rows decide, 63 do not.
+    for rows, found in [(64, 1), (63, 0)]:
+        stuck = routes[:rows].copy()
+        stuck[:, 2] = [1, 2, 3, 4]
+        assert len(check.check(stuck, trajectory="c", token_ids=tokens[:rows])) == found
+    # A stale run: 16 rows over 8 token changes decide; 15 rows, or 7 changes, do not.
+    for length, changes, found in [(16, 8, 1), (15, 8, 0), (16, 7, 0)]:
+        stale = routes.copy()
+        stale[100 + shift : 100 + shift + length] = stale[10]
+        ids = list(tokens)
+        run = ids[100 + shift : 100 + shift + length]
+        ids[100 + shift : 100 + shift + length] = [run[min(i, changes)] for i in range(length)]
+        got = RouteHealthCheck("count", moe_layers=MOE_LAYERS).check(stale, trajectory="s", token_ids=ids)
+        assert [f.kind for f in got] == ["stale_rows"] * found, (length, changes)
+    # Replayed rows: a run of 31 rows holds an aligned 16-row block of the earlier response; 8 tokens must differ.
+    first_tokens = rng.integers(3, 512, 200).tolist()
+    first = real_routes(router_model, first_tokens)
+    for length, differ, found in [(31, 8, 1), (15, 16, 0), (31, 7, 0)]:
+        memory = RouteHealthCheck("count", moe_layers=MOE_LAYERS)
+        assert memory.check(first, trajectory="req 1", token_ids=first_tokens) == ()
+        copy = routes[:200].copy()
+        a = 40 + shift
+        copy[a : a + length] = first[a : a + length]
+        ids = list(tokens[:200])
+        ids[a : a + length] = first_tokens[a : a + length]
+        for j in range(length):  # differ at `differ` positions of every aligned block inside the run
+            if (a + j) % 16 < differ:
+                ids[a + j] = first_tokens[a + j] + 1
+        got = memory.check(copy, trajectory="req 2", token_ids=ids)
+        assert [f.kind for f in got] == ["replayed_rows"] * found, (length, differ)

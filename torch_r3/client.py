@@ -326,7 +326,7 @@ class RemoteGenerateClient:
             raise RemoteGenerateError(
                 f"POST {url}: response breaks the {self.server} format: {exc}", url=url, status=200
             ) from exc
-        return self._result(parsed, prompt, start, raw, protocol.without_routes, url, session_id)
+        return await self._result(parsed, prompt, start, raw, protocol.without_routes, url, session_id)
 
     async def chat(
         self,
@@ -414,7 +414,9 @@ class RemoteGenerateClient:
             raise RemoteGenerateError(
                 f"POST {url}: response breaks the {self.server} chat format: {exc}", url=url, status=200
             ) from exc
-        return self._result(parsed, list(prompt), start, raw, PROTOCOLS[self.server].without_routes, url, session_id)
+        return await self._result(
+            parsed, list(prompt), start, raw, PROTOCOLS[self.server].without_routes, url, session_id
+        )
 
     def _check_route_shape(self, want_routes: bool) -> None:
         if (
@@ -427,7 +429,7 @@ class RemoteGenerateClient:
                 "(the model's num_hidden_layers) and topk= (num_experts_per_tok)"
             )
 
-    def _result(
+    async def _result(
         self,
         parsed: Any,
         prompt: list[int],
@@ -443,9 +445,10 @@ class RemoteGenerateClient:
             # Row i is position start + i: the prompt, then the generated tokens.
             tokens = (prompt + list(parsed.response_ids))[start : start + routes.shape[0]]
             who = f"POST {url} ({len(prompt)}-token prompt" + (f", session {session_id}" if session_id else "") + ")"
-            self.health.check(
-                routes, trajectory=who, token_ids=tokens, moe_layers=self.moe_layers or None, stacklevel=4
-            )
+            check = functools.partial(self.health.check, routes, trajectory=who, token_ids=tokens, stacklevel=5)
+            check = functools.partial(check, moe_layers=self.moe_layers or None, num_experts=self.limits.num_experts)
+            # "warn": inline (stacklevel counts off_loop), the warning pointing at the caller; else large on the pool.
+            await off_loop(0 if self.health.on_unhealthy == "warn" else routes.nbytes, check)
         return RemoteGenerateResult(
             **vars(parsed),
             num_experts=self.limits.num_experts,

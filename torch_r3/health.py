@@ -38,7 +38,18 @@ replayed runs need the token ids behind the rows. A replayed run is one of at
 least `min_run` rows, at least half of them distinct (a constant run is the
 stale-row signature), behind tokens that differ at `min_token_changes`
 positions or more; it is found once it spans an aligned block of the earlier
-response (any run of `2 * min_run - 1` rows does).
+response (any run of `2 * min_run - 1` rows does). When a layer's row can be
+only one or two sets of experts (`topk == num_experts`: every row is the same
+set; top-1 of 2 experts: a row is one bit, and a router leaning to one expert
+sends it every token), identical rows say nothing: given `num_experts`, the
+row-identity checks (constant layer, stale and replayed rows, top-1's
+all-zero layer) are skipped and the check is counted in
+`RouteHealthStats.uninformative`; zero rows with `topk >= 2` still decide.
+
+The passes read each row's ids as packed machine words (`torch_r3._route_scan`):
+one compare per row and layer, row hashes that only pick candidates (every
+answer is confirmed on the ids), no full-width temporaries. They cost about
+a tenth of decoding the same routes (`benchmarks/health_bench.py`).
 
 `RouteHealthCheck` runs the checks and keeps `RouteHealthStats`; by default a
 finding raises `RouteHealthError`, naming the trajectory, the layer, what was
@@ -49,6 +60,8 @@ is counted either way. NumPy only.
 
 from __future__ import annotations
 
+import math
+import threading
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -57,7 +70,9 @@ from typing import Any
 import numpy as np
 
 from torch_r3._checks import check_at_least, check_choice, check_int, check_positive, check_str
-from torch_r3._row_memory import RowMemory
+from torch_r3._health_hints import CONSTANT_HINT, REPLAY_HINT, STALE_HINT, ZERO_HINTS
+from torch_r3._route_scan import RouteScan
+from torch_r3._row_memory import RowMemory, window_hashes
 
 __all__ = [
     "HEALTH_MODES",
@@ -80,43 +95,6 @@ DEFAULT_MIN_RUN = 16
 DEFAULT_MIN_TOKEN_CHANGES = 8
 #: Blocks of `min_run` rows a check remembers from the responses it passed (0: no replayed-rows check).
 DEFAULT_REMEMBER_BLOCKS = 8192
-
-# The engine settings each signature points at, by engine (None: any engine).
-_ZERO_HINTS = {
-    "vllm": (
-        "vLLM's fused FlashInfer (monolithic) MoE kernels route inside the kernel and bypass route capture: "
-        "start vLLM with --moe-backend triton (or a release whose monolithic kernel fills routing_replay_out); "
-        "vLLM-Ascend 0.26 has the same symptom; pipeline parallelism (refused by vLLM 0.33 with routes) "
-        "leaves other stages' layers zero"
-    ),
-    "sglang": (
-        "SGLang with prefill/decode disaggregation sent all-zero prompt rows before sgl-project/sglang#23885: "
-        "upgrade; with pipeline parallelism a stage that captured nothing leaves its layers zero"
-    ),
-    None: (
-        "the engine did not capture this layer: vLLM's FlashInfer monolithic MoE kernels (use --moe-backend triton), "
-        "SGLang prefill/decode disaggregation before sgl-project/sglang#23885, or a pipeline stage that captured "
-        "nothing; if the layer is dense, leave it out of moe_layers"
-    ),
-}
-#: The causes of all-zero routes, for messages outside this module (the hooks' repeated-id error).
-ZERO_ROUTES_HINT = (
-    "vLLM's FlashInfer monolithic MoE kernels skip capture (start vLLM with --moe-backend triton), SGLang "
-    "prefill/decode disaggregation before sgl-project/sglang#23885, or a pipeline stage that captured nothing"
-)
-_CONSTANT_HINT = (
-    "a capture slot written once and never updated; run the engine without CUDA graphs "
-    "(vLLM --enforce-eager, SGLang --disable-cuda-graph) to confirm, and report it to the engine"
-)
-_REPLAY_HINT = (
-    "capture slots this request reused still held an earlier request's rows (SGLang's padded capture slots, "
-    "before sgl-project/sglang#36404): upgrade SGLang; run without CUDA graphs (SGLang --disable-cuda-graph, "
-    "vLLM --enforce-eager) to confirm"
-)
-_STALE_HINT = (
-    "padded capture slots that kept a row from an earlier forward (SGLang before sgl-project/sglang#36404, "
-    "at chunked-prefill boundaries): upgrade SGLang; with vLLM, run with --enforce-eager to confirm"
-)
 
 
 class RouteHealthError(ValueError):
@@ -182,6 +160,10 @@ class RouteHealthStats:
         constant_layers: `constant_layer` findings.
         stale_rows: `stale_rows` findings.
         replayed_rows: `replayed_rows` findings (runs repeated from another response).
+        uninformative: Checks that skipped the row-identity checks (constant
+            layer, stale rows, replayed rows, top-1's all-zero layer) because
+            a layer's row can only be one or two sets of experts (`topk ==
+            num_experts`, or top-1 of 2 experts): identical rows say nothing there.
         refused: Checks that raised.
         accepted_unhealthy: Checks with findings that were let through (`"warn"` or `"count"`).
     """
@@ -192,6 +174,7 @@ class RouteHealthStats:
     constant_layers: int = 0
     stale_rows: int = 0
     replayed_rows: int = 0
+    uninformative: int = 0
     refused: int = 0
     accepted_unhealthy: int = 0
 
@@ -215,8 +198,10 @@ class RouteHealthCheck:
     routes, only fingerprints of recent ones (`remember_blocks`) for the
     replayed-rows signature, so share one across the clients of a run to
     catch replays between them (a pickled copy keeps the stats and starts
-    with an empty memory). Thread-compatible, not thread-safe: give each
-    thread its own, or lock around `check`.
+    with an empty memory). Thread-safe: the passes over the routes run
+    unlocked (NumPy releases the GIL in most of them), the memory and the
+    counters under a lock, so the client checks large payloads on its decode
+    pool.
 
     Args:
         on_unhealthy: `"raise"` (the default: a `RouteHealthError`), `"warn"`
@@ -226,6 +211,10 @@ class RouteHealthCheck:
             a zero row there is a finding. Without them only rows that are zero
             in every layer are (dense layers are zero by design).
         engine: `"vllm"`, `"sglang"` or `None`: which engine's settings the hints name.
+        num_experts: Routed experts per layer, when known. With `topk ==
+            num_experts` (every row is the same set) or top-1 of 2 experts,
+            the row-identity checks are skipped and counted in
+            `stats.uninformative`; only zero rows with `topk >= 2` are decided.
         min_rows: Rows a layer needs before "one row throughout" is a finding.
         min_run: Consecutive identical full rows that make a stale run.
         min_token_changes: Token changes (or, for a constant layer, a varying
@@ -261,6 +250,7 @@ class RouteHealthCheck:
         *,
         moe_layers: Sequence[int] | None = None,
         engine: str | None = None,
+        num_experts: int | None = None,
         min_rows: int = DEFAULT_MIN_ROWS,
         min_run: int = DEFAULT_MIN_RUN,
         min_token_changes: int = DEFAULT_MIN_TOKEN_CHANGES,
@@ -271,12 +261,21 @@ class RouteHealthCheck:
         if engine is not None:
             engine = check_str(engine, "engine")
         self.engine = engine
+        self.num_experts = _experts(num_experts)
         self.min_rows = check_positive(min_rows, "min_rows")
         self.min_run = check_at_least(min_run, "min_run", 2)
         self.min_token_changes = check_positive(min_token_changes, "min_token_changes")
         self.remember_blocks = check_at_least(remember_blocks, "remember_blocks", 0)
         self.memory = RowMemory(self.min_run, self.remember_blocks, self.min_token_changes)
         self.stats = RouteHealthStats()
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"RouteHealthCheck({self.on_unhealthy!r}, moe_layers={self.moe_layers or None}, engine={self.engine!r})"
@@ -289,6 +288,7 @@ class RouteHealthCheck:
         token_ids: Sequence[int] | np.ndarray | None = None,
         moe_layers: Sequence[int] | None = None,
         engine: str | None = None,
+        num_experts: int | None = None,
         stacklevel: int = 2,
     ) -> tuple[RouteHealthFinding, ...]:
         """Check one trajectory's (or one turn's) routes `[rows, layers, topk]`.
@@ -301,6 +301,7 @@ class RouteHealthCheck:
                 the hidden states vary.
             moe_layers: Overrides the check's `moe_layers` for this call.
             engine: Overrides the check's `engine` for this call.
+            num_experts: Overrides the check's `num_experts` for this call.
             stacklevel: For the warning, as `warnings.warn`'s.
 
         Returns:
@@ -323,29 +324,39 @@ class RouteHealthCheck:
                     f"{trajectory}: moe_layers holds {layer}, but the routes have {routes.shape[1]} layers"
                 )
         tokens = _tokens(token_ids, routes.shape[0], trajectory)
-        findings = self._findings(routes, trajectory, tokens, layers, self.engine if engine is None else engine)
-        if tokens is not None and self.remember_blocks:
-            findings += self._replays(routes, tokens, trajectory)
-            if not findings:
-                self.memory.remember(routes, tokens, trajectory)
-        self.stats.trajectories += 1
-        self.stats.rows += routes.shape[0]
-        for finding in findings:
-            field = _STAT_FIELD[finding.kind]
-            setattr(self.stats, field, getattr(self.stats, field) + 1)
+        experts = self.num_experts if num_experts is None else _experts(num_experts)
+        few = experts is not None and math.comb(experts, routes.shape[2]) in (1, 2)
+        scan = RouteScan(routes)
+        findings = self._findings(scan, trajectory, tokens, layers, self.engine if engine is None else engine, few)
+        replay = tokens is not None and self.remember_blocks and not few
+        windows = window_hashes(scan.row_hashes(), self.min_run) if replay else None
+        with self._lock:  # the memory and the counters; the passes above read nothing shared
+            if replay and tokens is not None:
+                findings += self._replays(windows, scan.routes, tokens, trajectory)
+                if not findings:
+                    self.memory.remember(windows, scan.zero_rows(), tokens, trajectory)
+            self.stats.trajectories += 1
+            self.stats.rows += routes.shape[0]
+            self.stats.uninformative += int(few)
+            for finding in findings:
+                field = _STAT_FIELD[finding.kind]
+                setattr(self.stats, field, getattr(self.stats, field) + 1)
+            if findings:
+                if self.on_unhealthy == "raise":
+                    self.stats.refused += 1
+                else:
+                    self.stats.accepted_unhealthy += 1
         if not findings:
             return ()
         text = "; ".join(f.message() for f in findings[:3]) + (
             f"; and {len(findings) - 3} more" if len(findings) > 3 else ""
         )
         if self.on_unhealthy == "raise":
-            self.stats.refused += 1
             raise RouteHealthError(
                 f"{text}. These routes would replay choices the policy never made; "
                 "to accept them knowingly, pass health='warn' or health='count'",
                 findings,
             )
-        self.stats.accepted_unhealthy += 1
         if self.on_unhealthy == "warn":
             category = ZeroRoutesWarning if findings[0].kind == "zero_rows" else RouteHealthWarning
             warnings.warn(text, category, stacklevel=stacklevel + 1)
@@ -353,50 +364,53 @@ class RouteHealthCheck:
 
     def _findings(
         self,
-        routes: np.ndarray,
+        scan: RouteScan,
         trajectory: str,
         tokens: np.ndarray | None,
         moe_layers: tuple[int, ...],
         engine: str | None,
+        few: bool,
     ) -> list[RouteHealthFinding]:
-        rows, num_layers, topk = routes.shape
+        rows, topk = scan.rows, scan.topk
         if rows == 0:
             return []
         out: list[RouteHealthFinding] = []
-        # Per layer: is each row zero, and is it the layer's first row (one pass each over the values).
-        zero: np.ndarray = np.asarray(~routes.any(axis=2))  # [rows, layers]
-        same_as_first: np.ndarray = np.asarray((routes == routes[:1]).all(axis=2).all(axis=0))  # [layers]
-        layer_constant = same_as_first & ~zero[0]  # constant non-zero layers
+        same_as_first = scan.same_as_first()  # [layers]: every row equals the first
+        first_zero = ~scan.layer_words[0].any(axis=1)  # [layers]: the first row is zero there
+        layer_constant = same_as_first & ~first_zero  # constant non-zero layers
         varies = ~same_as_first  # layers whose rows change
         token_changes = int(np.count_nonzero(tokens[1:] != tokens[:-1])) if tokens is not None else 0
-        zero_hint = _ZERO_HINTS.get(engine, _ZERO_HINTS[None])
+        zero_hint = ZERO_HINTS.get(engine, ZERO_HINTS[None])
 
-        def zero_finding(layer: int | None, mask: np.ndarray) -> None:
-            idx = np.flatnonzero(mask)
-            if idx.size == 0:
+        def zero_finding(layer: int | None, mask: np.ndarray | None) -> None:
+            idx = np.flatnonzero(mask) if mask is not None else np.empty(0, np.intp)
+            if len(idx) == 0:
                 return
             if topk == 1 and (
-                idx.size < max(rows, self.min_rows) or not _varies_apart(varies, layer, token_changes, self)
+                few or len(idx) < max(rows, self.min_rows) or not _varies_apart(varies, layer, token_changes, self)
             ):
                 return  # one expert per token: expert 0 is a real choice; only a long, all-zero layer decides
             first, last = int(idx[0]), int(idx[-1])
             span = (
                 f"rows {first}..{last} of {rows} are"
-                if idx.size == last - first + 1
-                else f"{idx.size} of {rows} rows are"
+                if len(idx) == last - first + 1
+                else f"{len(idx)} of {rows} rows are"
             )
             out.append(RouteHealthFinding("zero_rows", trajectory, layer, (first, last), f"{span} all zero", zero_hint))
 
         if moe_layers:
+            possible = scan.zero_candidate_layers()
             for layer in moe_layers:
-                zero_finding(layer, zero[:, layer])
+                zero_finding(layer, scan.layer_zero_rows(layer) if possible[layer] else None)
         else:
-            zero_finding(None, np.asarray(zero.all(axis=1)))
+            zero_finding(None, scan.zero_rows())
+        if few:
+            return out  # every row is one of at most two sets: identical rows say nothing (see the module)
         if rows >= self.min_rows:
             for index in np.flatnonzero(layer_constant):
                 layer = int(index)
                 if token_changes >= self.min_token_changes or bool(np.delete(varies, layer).any()):
-                    row = routes[0, layer].tolist()
+                    row = scan.routes[0, layer].tolist()
                     out.append(
                         RouteHealthFinding(
                             "constant_layer",
@@ -404,18 +418,20 @@ class RouteHealthCheck:
                             layer,
                             (0, rows - 1),
                             f"all {rows} rows are {row} although the hidden states vary",
-                            _CONSTANT_HINT,
+                            CONSTANT_HINT,
                         )
                     )
         if tokens is not None and rows >= self.min_run:
-            out.extend(self._stale_runs(routes, tokens, trajectory))
+            out.extend(self._stale_runs(scan, tokens, trajectory))
         return out
 
     def forget(self) -> None:
         """Drop the remembered fingerprints (the replayed-rows check starts afresh)."""
         self.memory.clear()
 
-    def _replays(self, routes: np.ndarray, tokens: np.ndarray, trajectory: str) -> list[RouteHealthFinding]:
+    def _replays(
+        self, windows: np.ndarray | None, routes: np.ndarray, tokens: np.ndarray, trajectory: str
+    ) -> list[RouteHealthFinding]:
         return [
             RouteHealthFinding(
                 "replayed_rows",
@@ -424,25 +440,24 @@ class RouteHealthCheck:
                 (r.first, r.last),
                 f"rows {r.first}..{r.last} repeat, in every layer and in order, rows that {r.source} returned, "
                 f"behind tokens that differ at {r.token_changes} positions",
-                _REPLAY_HINT,
+                REPLAY_HINT,
             )
-            for r in self.memory.replays(routes, tokens)
+            for r in self.memory.replays(windows, routes, tokens)
         ]
 
-    def _stale_runs(self, routes: np.ndarray, tokens: np.ndarray, trajectory: str) -> list[RouteHealthFinding]:
-        rows = routes.shape[0]
-        flat = np.ascontiguousarray(routes).reshape(rows, -1)
-        repeat = (flat[1:] == flat[:-1]).all(axis=1)  # row i+1 equals row i
+    def _stale_runs(self, scan: RouteScan, tokens: np.ndarray, trajectory: str) -> list[RouteHealthFinding]:
+        repeat = scan.repeats()  # row i+1 equals row i
         if not repeat.any():
             return []
         changes = tokens[1:] != tokens[:-1]
+        zero = scan.zero_rows()
         out = []
         # Runs of True in `repeat`: edges of the padded mask.
         edges = np.flatnonzero(np.diff(np.concatenate(([False], repeat, [False])).astype(np.int8)))
         for a, b in zip(edges[::2], edges[1::2]):
             length = int(b - a) + 1  # rows a .. b are identical
             moved = int(np.count_nonzero(changes[a:b]))
-            if length >= self.min_run and moved >= self.min_token_changes and flat[a].any():
+            if length >= self.min_run and moved >= self.min_token_changes and not zero[a]:
                 out.append(
                     RouteHealthFinding(
                         "stale_rows",
@@ -450,7 +465,7 @@ class RouteHealthCheck:
                         None,
                         (int(a), int(b)),
                         f"rows {int(a)}..{int(b)} repeat one row verbatim over {moved} token changes",
-                        _STALE_HINT,
+                        STALE_HINT,
                     )
                 )
         return out
@@ -464,8 +479,9 @@ def check_route_health(
     moe_layers: Sequence[int] | None = None,
     engine: str | None = None,
     on_unhealthy: str = "raise",
+    num_experts: int | None = None,
 ) -> tuple[RouteHealthFinding, ...]:
-    """`RouteHealthCheck(on_unhealthy, moe_layers=, engine=).check(routes, ...)` in one call.
+    """`RouteHealthCheck(on_unhealthy, moe_layers=, engine=, num_experts=).check(routes, ...)` in one call.
 
     Examples:
         >>> import numpy as np
@@ -474,7 +490,7 @@ def check_route_health(
         >>> check_route_health(routes, on_unhealthy="count")[0].seen
         'all 64 rows are [3, 5] although the hidden states vary'
     """
-    check = RouteHealthCheck(on_unhealthy, moe_layers=moe_layers, engine=engine)
+    check = RouteHealthCheck(on_unhealthy, moe_layers=moe_layers, engine=engine, num_experts=num_experts)
     return check.check(routes, trajectory=trajectory, token_ids=token_ids, stacklevel=3)
 
 
@@ -517,4 +533,9 @@ def _tokens(token_ids: Any, rows: int, trajectory: str) -> np.ndarray | None:
         raise TypeError(f"{trajectory}: token_ids must be a 1-D sequence of ints")
     if tokens.shape[0] != rows:
         raise ValueError(f"{trajectory}: token_ids has {tokens.shape[0]} entries for {rows} route rows")
-    return tokens
+    # One dtype for the memory's token store; a uint64 id keeps its bits (only equality is asked of them).
+    return tokens.view(np.int64) if tokens.dtype == np.uint64 else tokens.astype(np.int64, copy=False)
+
+
+def _experts(num_experts: Any) -> int | None:
+    return None if num_experts is None else check_positive(num_experts, "num_experts")

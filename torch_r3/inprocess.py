@@ -269,7 +269,14 @@ class _Reader:
         checked = routes is not None
         if routes is not None:
             tokens = (prompt + list(ids))[self.start : self.start + routes.shape[0]]
-            self.health.check(routes, trajectory=who, token_ids=tokens, moe_layers=self.moe_layers, stacklevel=4)
+            self.health.check(
+                routes,
+                trajectory=who,
+                token_ids=tokens,
+                moe_layers=self.moe_layers,
+                num_experts=self.num_experts,
+                stacklevel=4,
+            )
         return RemoteGenerateResult(
             ids,
             logprobs,

@@ -373,7 +373,12 @@ class RoutedExpertTrace:
             end = prompt_len + generated_len - 1  # rows cover positions start .. end - 1
             ids = known[start:end] if known is not None and len(known) >= end else None
             self.health.check(
-                array, trajectory=f"{self.name} {turn}", token_ids=ids, moe_layers=self._moe_layers, stacklevel=4
+                array,
+                trajectory=f"{self.name} {turn}",
+                token_ids=ids,
+                moe_layers=self._moe_layers,
+                num_experts=self._num_experts,
+                stacklevel=4,
             )
         if selections is not None or self._selections.turns:
             if selections is None or self._selections.turns != self.turns:
