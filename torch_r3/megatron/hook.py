@@ -178,6 +178,7 @@ class ReplayHook:
         self._model_scatters_mask = self._pre_process and self._hybrid is None
         self._input_shape: tuple[int, int] | None = None
         self._active_mask: torch.Tensor | None = None
+        self._open: Mapping[str, Any] | None = None  # the microbatch begin_microbatch installed
         self._microbatch = 0
         self._num_microbatches: int | None = None
         self._in_step = False
@@ -374,7 +375,7 @@ class ReplayHook:
                     "data_iterator: expected one iterator, got a list (interleaved schedules are not supported)"
                 )
             batch = self._next_microbatch(data_iterator)
-            self._install(batch)
+            self.begin_microbatch(batch)
             try:
                 return forward_step_func(iter((batch,)), model, *args, **kwargs)
             except StopIteration as err:  # would silently end a caller's for loop
@@ -384,12 +385,33 @@ class ReplayHook:
                     "microbatch whose routes are installed"
                 ) from err
             finally:
-                self._active_mask = None
-                for r in self._routers:
-                    r.replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
-                    r.current = None
+                self.end_microbatch()
 
         return replaying_forward_step
+
+    def begin_microbatch(self, batch: Mapping[str, Any]) -> None:
+        """Install one microbatch's routes, for a trainer whose forward step cannot be wrapped.
+
+        What `wrap_forward_step` does around your forward step, in two calls: this
+        one (checks, installs with `REPLAY_FORWARD`, arms the model's `padding_mask`)
+        before the model runs, `end_microbatch` after. Inside `step()` only; a
+        microbatch still open is ended first.
+        """
+        if not self._in_step:
+            raise RuntimeError("ReplayHook.begin_microbatch() outside ReplayHook.step()")
+        self.end_microbatch()
+        self._install(batch)
+        self._open = batch
+
+    def end_microbatch(self) -> None:
+        """The open microbatch's forward is done: recompute pops its routes (`REPLAY_BACKWARD`). Idempotent."""
+        if self._open is None:
+            return
+        self._open = None
+        self._active_mask = None
+        for r in self._routers:
+            r.replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+            r.current = None
 
     def __enter__(self) -> ReplayHook:
         return self
@@ -563,6 +585,7 @@ class ReplayHook:
 
     def _clear(self) -> None:
         self._active_mask = None
+        self._open = None
         self._microbatch = 0
         self._recorded_shapes = []
         self._stats.reset()
