@@ -232,6 +232,7 @@ def test_install_on_a_skyrl_without_the_collation_function_refuses_and_swaps_not
         integration.install()
     assert preprocess.make_router_padding_mask is mask
     assert not hasattr(preprocess, "_collate_rollout_expert_indices")
+    monkeypatch.undo()
     integration.install().uninstall()  # nothing was left installed: a later install() is not refused
 
 

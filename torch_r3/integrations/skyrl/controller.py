@@ -104,32 +104,57 @@ def make_router_padding_mask(attention_mask: torch.Tensor, captured_route_length
     Args:
         attention_mask: `[B, T]`, 1 on real tokens, left-padded (each row
             zeros then ones), integer or bool.
-        captured_route_lengths: captured route rows per trajectory, `0 <= c_i <= n_i`.
+        captured_route_lengths: captured route rows per trajectory, `0 <= c_i <= n_i`:
+            Python or NumPy integers, 0-d integer tensors, or one 1-D integer
+            tensor or array.
 
     Returns:
         A bool `[B, T]` tensor on the mask's device, equal to SkyRL 0.4.0's.
 
     Raises:
-        TypeError: `attention_mask` is not an integer or bool tensor.
+        TypeError: `attention_mask` is not an integer or bool tensor, or a
+            length is not an integer (naming the trajectory).
         ValueError: a wrong shape, a row that is not left-padded, or a length
             out of range (naming the trajectory).
     """
     lengths = left_padded_lengths(attention_mask)
     b, t = attention_mask.shape
+    if isinstance(captured_route_lengths, (torch.Tensor, np.ndarray)) and captured_route_lengths.ndim != 1:
+        raise TypeError(
+            f"captured_route_lengths: expected one length per trajectory, got an array of shape "
+            f"{list(captured_route_lengths.shape)}"
+        )
     if len(captured_route_lengths) != b:
         raise ValueError(
             f"captured_route_lengths: expected {b} lengths (one per trajectory), got {len(captured_route_lengths)}"
         )
-    for i, c in enumerate(captured_route_lengths):
-        if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or not 0 <= int(c) <= int(lengths[i]):
-            raise ValueError(
-                f"captured_route_lengths[{i}]: expected an int in [0, {int(lengths[i])}] (the trajectory's "
-                f"tokens), got {c!r}"
-            )
+    counts = [route_length(c, f"captured_route_lengths[{i}]", int(lengths[i])) for i, c in enumerate(captured_route_lengths)]
     positions = torch.arange(t, device=attention_mask.device)
-    captured = torch.as_tensor([int(c) for c in captured_route_lengths], dtype=torch.long, device=positions.device)
+    captured = torch.as_tensor(counts, dtype=torch.long, device=positions.device)
     start = t - lengths
     return ~((positions >= start.unsqueeze(1)) & (positions < (start + captured).unsqueeze(1)))
+
+
+def route_length(value: object, what: str, limit: int) -> int:
+    """One trajectory's route-row count as an `int` in `[0, limit]`: a Python, NumPy or 0-d tensor integer.
+
+    Raises:
+        TypeError: not an integer (a float, a bool, a tensor of another shape), naming `what`.
+        ValueError: an integer out of `[0, limit]` (the trajectory's tokens), naming `what`.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.ndim != 0:
+            raise TypeError(f"{what}: expected an integer, got a tensor of shape {list(value.shape)}")
+        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise TypeError(f"{what}: expected an integer, got a {value.dtype} tensor")
+        number = int(value.item())
+    elif isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{what}: expected an integer, got {value!r}")
+    else:
+        number = int(value)
+    if not 0 <= number <= limit:
+        raise ValueError(f"{what}: {number} is out of range [0, {limit}] (the trajectory's tokens)")
+    return number
 
 
 def left_padded_lengths(attention_mask: torch.Tensor) -> torch.Tensor:
