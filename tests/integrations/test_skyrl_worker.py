@@ -298,5 +298,8 @@ def test_packed_routes_shorter_than_their_segments_are_refused_naming_the_trajec
     ends = routes.cu_seqlens.tolist()
     routes.values = routes.values[: ends[-1] - short]
     first_cut = next(i for i in range(3) if ends[i + 1] > ends[-1] - short)
-    with pytest.raises(ValueError, match=rf"rollout_expert_indices: trajectory {first_cut}'s segment \[{ends[first_cut]}, {ends[first_cut + 1]}\) ends past the {ends[-1] - short} value rows"):
+    with pytest.raises(
+        ValueError,
+        match=rf"rollout_expert_indices: trajectory {first_cut}'s segment \[{ends[first_cut]}, {ends[first_cut + 1]}\) ends past the {ends[-1] - short} value rows",
+    ):
         microbatch(batch)

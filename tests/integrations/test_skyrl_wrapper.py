@@ -47,9 +47,7 @@ def skyrl():
     preprocess, training_batch = load(
         "skyrl", "skyrl.train.dataset.preprocess", "skyrl.backends.skyrl_train.training_batch"
     )
-    return dict(
-        wrapper=wrapper, replay_utils=replay_utils, config=config, preprocess=preprocess, batch=training_batch
-    )
+    return dict(wrapper=wrapper, replay_utils=replay_utils, config=config, preprocess=preprocess, batch=training_batch)
 
 
 def tiny_model(monkeypatch):
@@ -131,7 +129,9 @@ def wrapper_for(skyrl, model):
 def old_log_probs(wrapper, batch, actions, per):
     wrapper.eval()
     with torch.no_grad():
-        return wrapper.forward(micro_dicts(batch, actions, per), seq_len=batch["sequences"].shape[1], micro_batch_size=per)
+        return wrapper.forward(
+            micro_dicts(batch, actions, per), seq_len=batch["sequences"].shape[1], micro_batch_size=per
+        )
 
 
 def training_step(wrapper, model, batch, actions, per):
@@ -157,7 +157,9 @@ def captured_maps(batch, per):
     for chunk in batch.chunk(per):
         b = microbatch(chunk)
         captured = (~b["router_padding_mask"]).transpose(0, 1).reshape(-1)
-        out.append(({layer: expected_map(b["rollout_expert_indices"][:, :, layer]) for layer in range(LAYERS)}, captured))
+        out.append(
+            ({layer: expected_map(b["rollout_expert_indices"][:, :, layer]) for layer in range(LAYERS)}, captured)
+        )
     return out
 
 
@@ -177,7 +179,9 @@ def test_the_wrapper_runs_unchanged_and_replays_bit_identically_where_skyrl_is_r
         ours_lp, ours_grads = training_step(wrapper, model, batch, actions, 1)
     assert torch.equal(ours, theirs)
     assert ours_lp == theirs_lp
-    assert theirs_grads.keys() == ours_grads.keys() and all(torch.equal(ours_grads[k], v) for k, v in theirs_grads.items())
+    assert theirs_grads.keys() == ours_grads.keys() and all(
+        torch.equal(ours_grads[k], v) for k, v in theirs_grads.items()
+    )
 
 
 def test_a_training_step_through_the_wrapper_replays_every_captured_route_and_routes_the_rest_live(

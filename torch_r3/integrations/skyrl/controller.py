@@ -128,7 +128,9 @@ def make_router_padding_mask(attention_mask: torch.Tensor, captured_route_length
         raise ValueError(
             f"captured_route_lengths: expected {b} lengths (one per trajectory), got {len(captured_route_lengths)}"
         )
-    counts = [route_length(c, f"captured_route_lengths[{i}]", int(lengths[i])) for i, c in enumerate(captured_route_lengths)]
+    counts = [
+        route_length(c, f"captured_route_lengths[{i}]", int(lengths[i])) for i, c in enumerate(captured_route_lengths)
+    ]
     positions = torch.arange(t, device=attention_mask.device)
     captured = torch.as_tensor(counts, dtype=torch.long, device=positions.device)
     start = t - lengths

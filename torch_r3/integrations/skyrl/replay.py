@@ -205,8 +205,12 @@ class SkyRLWorkerReplay:
         else:
             multiple = int(layout.aligned_sequence_length)  # the longest, rounded up: one multiple of itself
         batch = microbatch(
-            {"sequences": torch.zeros_like(attention, dtype=torch.long), ATTENTION_MASK: attention,
-             ROUTES: routes, ROUTER_MASK: router_mask},
+            {
+                "sequences": torch.zeros_like(attention, dtype=torch.long),
+                ATTENTION_MASK: attention,
+                ROUTES: routes,
+                ROUTER_MASK: router_mask,
+            },
             packed=packed,
             pad_to_multiple_of=multiple,
         )
