@@ -272,3 +272,59 @@ def test_uninstall_restores_skyrls_replay_everywhere_and_frees_the_routers(skyrl
     with ReplayHook(model):  # the installed hook released the routers
         pass
     assert old_log_probs(wrapper, batch, actions, 1).shape == (4, actions)  # SkyRL's own replay again
+
+
+@pytest.mark.parametrize("align", [1, 4])
+def test_the_installed_set_up_replays_skyrls_packed_layout_exactly(skyrl, cpu_megatron, monkeypatch, align):
+    """SkyRL's default layout (`remove_microbatch_padding=True`), which the wrapper cannot run on a CPU:
+    the installed functions are called as its forward-step closure calls them, with SkyRL's own
+    `build_token_metadata_layout` (each sequence aligned to `align`), and the model runs the packed
+    micro-batch as one `[1, N]` row (no THD attention here). Every captured route lands on its token."""
+    import torch_r3.integrations.skyrl as r3_skyrl
+    from torch_r3.integrations.skyrl import microbatch
+
+    (metadata,) = load("skyrl", "skyrl.backends.skyrl_train.distributed.megatron.token_metadata")
+    monkeypatch.setattr(metadata, "get_packed_seq_align_size", lambda *a, **k: align)
+    model = tiny_model(monkeypatch)
+    batch, _ = mini_batch(skyrl, seed=7)
+    chunks = batch.chunk(2)
+    replay_utils, wrapper_module = skyrl["replay_utils"], skyrl["wrapper"]
+    recorder = RouteRecorder(model)
+    with r3_skyrl.install(worker=True) as handle:
+
+        def schedule(**kwargs):
+            for chunk in chunks:
+                attention = chunk["attention_mask"].bool()
+                layout = metadata.build_token_metadata_layout(
+                    attention, attention.device, packed=True, fp8_enabled=False
+                )
+                kwargs_for_model = wrapper_module.setup_per_microbatch_replay_forward(
+                    chunk["rollout_expert_indices"],
+                    chunk["router_padding_mask"],
+                    attention,
+                    model=model,
+                    model_config=model.config,
+                    metadata_layout=layout,
+                    remove_microbatch_padding=True,
+                )
+                assert kwargs_for_model == {}
+                n = int(layout.cu_seqlens_padded[-1])
+                ids = torch.ones(1, n, dtype=torch.long)
+                with torch.no_grad():
+                    model(ids, torch.arange(n)[None], None)
+                wrapper_module.setup_per_microbatch_replay_backward()
+
+        # The installed schedule lookup around this schedule instead of Megatron's (which would run SkyRL's closure).
+        with replay_utils.router_replay_schedule(True):
+            handle.worker.get_forward_backward_func(lambda: schedule)()(
+                model=[model], num_microbatches=2, forward_only=True
+            )
+        stats = handle.last_stats
+    recorder.close()
+    assert stats.microbatches == 2
+    for i, chunk in enumerate(chunks):
+        ours = microbatch(chunk, packed=True, pad_to_multiple_of=align)
+        routes, mask = ours["rollout_expert_indices"][None], ours["router_padding_mask"][None]
+        captured = (~mask).transpose(0, 1).reshape(-1)
+        for layer, calls in recorder.calls.items():
+            assert torch.equal(calls[i][1][captured], expected_map(routes[:, :, layer])[captured])
