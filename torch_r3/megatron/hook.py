@@ -56,6 +56,10 @@ class ReplayHook:
             forward_step_func=hook.wrap_forward_step(forward_step), ...)
     ```
 
+    A trainer whose forward step cannot be wrapped (it is a closure of the
+    trainer's) calls `begin_microbatch(batch)` before its model call and
+    `end_microbatch()` after it, inside `step()`.
+
     Every pipeline stage's `data_iterator` must yield the microbatch dicts (with
     `rollout_expert_indices` and `router_padding_mask`, and `cu_seqlens` for
     the packed layout), even on stages whose forward step reads no tokens: the
