@@ -20,14 +20,17 @@ STAMP_NEXT := $(VENV_NEXT)/.installed
 # pinned. transformers 5.10.4 is inside both trainers' ranges (verl's Megatron utilities import
 # it at module level); the tests register bare parent packages to skip the heavy package
 # __init__s (Ray, hydra, datasets). packaging 25.0: tensordict 0.10.0 (verl's bound) needs
-# pyvers < 0.2, which needs packaging < 26. About 1.2 GB (torch is 1 GB of it), 1.5 minutes once.
+# pyvers < 0.2, which needs packaging < 26. ray, pandas, requests: SkyRL's Megatron model wrapper
+# imports them at module level (ppo_utils declares a Ray actor; skyrl_gym's tools import pandas
+# and requests); tests/integrations/test_skyrl_wrapper.py runs that wrapper. About 1.6 GB (torch
+# is 1 GB of it, Ray 0.25), 2 minutes once.
 SKYRL := 0.4.0
 VERL := 0.9.1
 VENV_FW := .venv-frameworks
 STAMP_FW := $(VENV_FW)/.installed
 FW_DEPS := numpy==2.4.6 packaging==25.0 jaxtyping==0.3.11 tensordict==0.10.0 loguru==0.7.3 \
 	pybase64==1.5.1 orjson==3.13.0 cloudpathlib==0.26.0 omegaconf==2.4.0 pydantic==2.14.4 \
-	transformers==5.10.4 'pytest>=8' 'pytest-timeout>=2.3' 'setuptools>=77'
+	transformers==5.10.4 ray==2.60.0 pandas==3.1.1 requests==2.34.2 'pytest>=8' 'pytest-timeout>=2.3' 'setuptools>=77'
 
 .PHONY: setup frameworks bench test docs dist clean browser
 

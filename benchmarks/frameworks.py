@@ -10,6 +10,9 @@ Run it where the trainers are installed (`make frameworks` builds `.venv-framewo
 * SkyRL, padded (its Megatron worker, `remove_microbatch_padding=False`): its
   `align_packed_token_metadata` + `align_token_metadata` of one micro-batch
   against `torch_r3.integrations.skyrl.microbatch`.
+* SkyRL, its Megatron worker step set-up (`skyrl_worker_step`): SkyRL's
+  replay alignment and installation for every micro-batch of one step against
+  `install(worker=True)`'s, per step and per token, at SkyRL's defaults.
 * verl (its agent loop, then its driver): a zero-filled int16 `[1, P + R, L, K]`
   per sample (the agent loop's three tensor operations: zeros, one slice copy,
   `torch.cat` of the batch), then verl's own `left_right_2_no_padding`, against
@@ -149,6 +152,154 @@ def skyrl(args) -> None:
     )
 
 
+# --------------------------------------------------------------------------------------------
+# SkyRL's Megatron worker step set-up (replay alignment + installation), per step and per token
+
+
+def _skyrl_worker_model(layers: int, experts: int, topk: int):
+    """A GPTModel with `layers` MoE routers (tiny widths: the set-up cost is the routes', not the model's)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=layers,
+        hidden_size=16,
+        ffn_hidden_size=16,
+        num_attention_heads=2,
+        num_moe_experts=experts,
+        moe_router_topk=topk,
+        moe_token_dispatcher_type="allgather",
+        moe_enable_routing_replay=True,
+        use_cpu_initialization=True,
+        add_bias_linear=False,
+        pipeline_dtype=torch.float32,
+    )
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=64, max_sequence_length=8192)
+
+
+def skyrl_worker_step(args) -> None:
+    """SkyRL's per-micro-batch replay set-up against `install(worker=True)`'s, over one step.
+
+    One step: `--step-batch` trajectories at SkyRL's defaults (`micro_train_batch_size_per_gpu=1`,
+    `remove_microbatch_padding=True`: packed, each sequence aligned as `build_token_metadata_layout`
+    says), 40 layers x top-8 of 128 experts. Timed: what SkyRL's forward-step closure does for replay
+    before the model call and after it (`build_token_metadata_layout`,
+    `setup_per_microbatch_replay_forward`, `setup_per_microbatch_replay_backward`, inside
+    `router_replay_schedule`), against the same calls installed (`SkyRLWorkerReplay`: collation
+    into the hook's batch, `ReplayHook.begin_microbatch`'s checks and installation, the step's drain
+    check and statistics). No model forward runs. Equality first: SkyRL's aligned routes of each
+    micro-batch against the hook's.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from torch_r3.integrations.skyrl import SkyRLWorkerReplay, microbatch
+    from torch_r3.megatron._cpu import megatron_on_cpu
+
+    preprocess, metadata, replay, training_batch = load(
+        "skyrl",
+        "skyrl.train.dataset.preprocess",
+        "skyrl.backends.skyrl_train.distributed.megatron.token_metadata",
+        "skyrl.backends.skyrl_train.utils.replay_utils",
+        "skyrl.backends.skyrl_train.training_batch",
+    )
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+    prompts, responses = rl_lengths(args.step_batch, 1024, 4096, seed=4)
+    rng = np.random.default_rng(5)
+    stride = np.arange(K, dtype=np.int64) * (EXPERTS // K)  # K distinct experts per route, as a router picks
+    routes = [
+        ((rng.integers(0, EXPERTS, (p + r - 1, L, 1)) + stride) % EXPERTS).astype(np.uint8)
+        for p, r in zip(prompts, responses)
+    ]
+    total = np.asarray(prompts) + np.asarray(responses)
+    seqs = preprocess.convert_prompts_responses_to_batch_tensors(
+        0,
+        [[1] * p for p in prompts],
+        [[1] * r for r in responses],
+        [[0.0] * r for r in responses],
+        [[1] * r for r in responses],
+        None,
+        routes,
+    )
+    batch = training_batch.TrainingInputBatch(
+        {
+            "sequences": seqs[0],
+            "attention_mask": seqs[1],
+            "rollout_expert_indices": seqs[6],
+            "router_padding_mask": preprocess.make_router_padding_mask(seqs[1], [len(r) for r in routes]),
+        }
+    )
+    micro = [
+        (c["rollout_expert_indices"], c["router_padding_mask"], c["attention_mask"].bool()) for c in batch.chunk(1)
+    ]
+    with megatron_on_cpu():
+        model = _skyrl_worker_model(L, EXPERTS, K)
+        RouterReplay.global_router_replay_instances = [
+            m.router_replay for m in model.modules() if isinstance(m, TopKRouter)
+        ]
+        side = SkyRLWorkerReplay()
+
+        def layout_of(attention):
+            return metadata.build_token_metadata_layout(attention, attention.device, packed=True, fp8_enabled=False)
+
+        def skyrl_step():
+            with replay.router_replay_schedule(True):
+                for r, m, a in micro:
+                    replay.setup_per_microbatch_replay_forward(
+                        r, m, a, model, model.config, layout_of(a), remove_microbatch_padding=True
+                    )
+                    replay.setup_per_microbatch_replay_backward()
+
+        def setups(**kwargs):
+            for r, m, a in micro:
+                side.setup_per_microbatch_replay_forward(
+                    r, m, a, model, model.config, layout_of(a), remove_microbatch_padding=True
+                )
+                side.setup_per_microbatch_replay_backward()
+
+        def torch_r3_step():
+            with side.router_replay_schedule(True):
+                side.get_forward_backward_func(lambda: setups)()(
+                    model=[model], num_microbatches=len(micro), forward_only=False
+                )
+
+        # Equality first: SkyRL's installed rows (its packed alignment) are the hook's batch, per micro-batch.
+        for r, m, a in micro[:4]:
+            layout = layout_of(a)
+            theirs = metadata.align_packed_token_metadata(r, layout, replay.replay_padding_row(K, dtype=r.dtype))[0]
+            multiple = int(np.gcd.reduce(layout.padded_sequence_lengths))
+            ours = microbatch(
+                {"sequences": a.long(), "attention_mask": a, "rollout_expert_indices": r, "router_padding_mask": m},
+                packed=True,
+                pad_to_multiple_of=multiple,
+            )["rollout_expert_indices"]
+            assert torch.equal(theirs, ours)
+        skyrl_step()
+        torch_r3_step()
+        medians = timed(
+            {f"SkyRL {args.skyrl}: its replay set-up": skyrl_step, "torch_r3: install(worker=True)": torch_r3_step},
+            args.rounds,
+        )
+        side.close()
+    tokens = int(total.sum())
+    nbytes = sum(r.values.nbytes for r, _, _ in micro)
+    print(
+        f"\nSkyRL worker step set-up: {len(micro)} micro-batches of 1 (packed, SkyRL's defaults), {tokens} tokens, "
+        f"{L} layers x top-{K} of {EXPERTS} experts ({nbytes / 1e6:.0f} MB of routes in)"
+    )
+    first = next(iter(medians))
+    print(f"{'':<52} {'per step ms':>12} {'per token ns':>13} {'vs SkyRL':>9}")
+    for name, t in medians.items():
+        print(f"{name:<52} {t * 1e3:>12.1f} {t / tokens * 1e9:>13.1f} {medians[first] / t:>8.2f}x")
+
+
 def verl(args) -> None:
     (padding,) = load("verl", "verl.workers.utils.padding")
     from tensordict import TensorDict
@@ -225,6 +376,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=192)
     ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument(
+        "--step-batch", type=int, default=16, help="trajectories in the SkyRL worker step (micro-batches of 1)"
+    )
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument(
         "--torch-threads",
@@ -247,6 +401,8 @@ def main() -> None:
             continue
         setattr(args, name, version(name))
         run(args)
+        if name == "skyrl" and installed("megatron"):
+            skyrl_worker_step(args)
 
 
 if __name__ == "__main__":

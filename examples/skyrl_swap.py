@@ -1,11 +1,14 @@
-"""torch_r3 inside SkyRL 0.4.0: the controller's route collation swapped in, the worker's micro-batch built.
+"""torch_r3 inside SkyRL 0.4.0: one `install()` for both sides, the controller's batch unchanged to the byte.
 
-Run where SkyRL is installed (`pip install skyrl==0.4.0` on Python 3.12; in this
-repository `make test` runs it in `.venv-frameworks`). It calls SkyRL's own
-`convert_prompts_responses_to_batch_tensors`, the function
+Run where SkyRL and its Megatron worker are installed (the guide's recipe; in
+this repository `make test` runs it in `.venv-frameworks`). It lists the SkyRL
+functions `install()` replaced (the controller's collation, the Megatron
+worker's replay set-up: in a process where SkyRL's Megatron model wrapper does
+not import, only the first two, and `handle.worker_skipped` says why), calls
+SkyRL's own `convert_prompts_responses_to_batch_tensors`, the function
 `RayPPOTrainer.convert_to_training_input` calls, before and after `install()`,
 and shows the two batches are the same bytes; then it builds one Megatron
-micro-batch for `torch_r3.megatron.ReplayHook` from SkyRL's batch form.
+micro-batch, as the installed worker set-up does, from SkyRL's batch form.
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ def training_input() -> TrainingInputBatch:
 
 
 before = training_input()  # SkyRL's own serial collation
-with r3_skyrl.install(buffers=BufferPool()):  # the swap: one call at trainer start-up, before the first step
+with r3_skyrl.install(buffers=BufferPool()) as handle:  # the swap: one call per process, before the first step
+    for name in handle.names:
+        print("replaced", name.removeprefix("skyrl."))
     after = training_input()  # the same SkyRL function, now collating with torch_r3
     packed = after["rollout_expert_indices"]
     print(type(packed).__name__, tuple(packed.values.shape), packed.values.dtype, packed.cu_seqlens.tolist())
@@ -61,12 +66,19 @@ with r3_skyrl.install(buffers=BufferPool()):  # the swap: one call at trainer st
         ),
     )
 
-# On the Megatron worker: each micro-batch of the mini-batch, in SkyRL's right-padded model layout,
-# as the batches a torch_r3.megatron.ReplayHook step replays (`hook.forward_backward(data_iterator=...)`).
+# What the installed worker set-up collates per micro-batch, in SkyRL's right-padded model layout:
+# the batches a torch_r3.megatron.ReplayHook replays (for a trainer of your own: its data_iterator).
 microbatches = list(r3_skyrl.microbatches(after.chunk(2), pad_to_multiple_of=1))
 first = microbatches[0]
 print(tuple(first["rollout_expert_indices"].shape), first["attention_mask"].tolist())
 print(first["router_padding_mask"].int().tolist())
+# replaced train.dataset.preprocess._collate_rollout_expert_indices
+# replaced train.dataset.preprocess.make_router_padding_mask
+# replaced backends.skyrl_train.utils.replay_utils.setup_per_microbatch_replay_forward
+# replaced backends.skyrl_train.utils.replay_utils.setup_per_microbatch_replay_backward
+# replaced backends.skyrl_train.utils.replay_utils.router_replay_schedule
+# replaced backends.skyrl_train.utils.replay_utils.patch_topk_router_layer_number
+# replaced backends.skyrl_train.workers.megatron.megatron_model_wrapper.get_forward_backward_func
 # PackedTensor (30, 4, 2) torch.uint8 [0, 9, 16, 23, 30]
 # bit-identical: True
 # (2, 9, 4, 2) [[1, 1, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 0, 0]]

@@ -93,3 +93,67 @@ def load(framework: str, *modules: str) -> list[types.ModuleType]:
     for name in _BARE[framework]:
         _bare(name, root)
     return [importlib.import_module(m) for m in modules]
+
+
+WORKER_DEPENDENCIES = ("ray", "pandas", "requests")
+"""What SkyRL 0.4.0's Megatron model wrapper imports at module level beyond the light set above
+(`ppo_utils` imports Ray and declares a Ray actor; `skyrl.train.config` imports `skyrl_gym`, whose
+tools import pandas and requests). `make frameworks` installs them."""
+
+MISSING_BRIDGE_NAMES = ("enable_expert_parallel_grad_sync_in_finalize", "finalize_model_grads_with_expert_adapter_sync")
+"""What `megatron_model_wrapper.py` imports from `megatron.bridge.peft.utils`: no released megatron-bridge
+(0.6.2 is the newest) defines them; SkyRL 0.4.0 runs against Megatron-Bridge's unreleased main."""
+
+
+def _bridge_stand_in() -> None:
+    """`megatron.bridge.peft.utils` with the two grad-sync names only, for a model without LoRA adapters.
+
+    Neither is on the replay path: the wrapper's constructor calls the first on its model chunks (it
+    removes per-micro-batch hooks of shared-expert LoRA adapters; a model without adapters has none,
+    and the stand-in refuses one that has), the second runs only in `run_pending_grad_sync`, at
+    `optim_step`, which the tests do not call (it raises if called).
+    """
+    if "megatron.bridge.peft.utils" in sys.modules:
+        return
+
+    def enable(model_chunks):
+        for chunk in model_chunks:
+            names = [n for n, _ in chunk.named_modules() if "adapter" in n.lower()]
+            if names:
+                raise NotImplementedError(f"stand-in for megatron-bridge: the model has LoRA adapters {names[:3]}")
+
+    def finalize(*args, **kwargs):
+        raise NotImplementedError("stand-in for megatron-bridge: the grad sync at optim_step is not run here")
+
+    for name in ("megatron.bridge", "megatron.bridge.peft"):
+        package = types.ModuleType(name)
+        package.__path__ = []
+        sys.modules[name] = package
+    utils = types.ModuleType("megatron.bridge.peft.utils")
+    utils.enable_expert_parallel_grad_sync_in_finalize = enable
+    utils.finalize_model_grads_with_expert_adapter_sync = finalize
+    sys.modules["megatron.bridge.peft.utils"] = utils
+
+
+def requires_skyrl_worker() -> pytest.MarkDecorator:
+    """Skip unless SkyRL and what its Megatron model wrapper imports are installed."""
+    missing = [m for m in ("skyrl", "megatron", *WORKER_DEPENDENCIES) if not installed(m)]
+    return pytest.mark.skipif(
+        bool(missing), reason=f"not installed here: {missing}; `make frameworks` builds .venv-frameworks with them"
+    )
+
+
+def load_skyrl_worker(*modules: str) -> list[types.ModuleType]:
+    """`load("skyrl", ...)` for SkyRL's Megatron worker modules.
+
+    The wheel ships `skyrl_gym` in its `skyrl-gym/` folder (a pip user gets it as the `skyrl-gym`
+    distribution, SkyRL's `skyrl-train` extra): that folder goes on the path. `megatron.bridge.peft.utils`
+    is `_bridge_stand_in`'s.
+    """
+    spec = importlib.util.find_spec("skyrl")
+    assert spec is not None and spec.submodule_search_locations
+    gym = Path(list(spec.submodule_search_locations)[0]).parent / "skyrl-gym"
+    if gym.is_dir() and str(gym) not in sys.path:
+        sys.path.append(str(gym))
+    _bridge_stand_in()
+    return load("skyrl", *modules)

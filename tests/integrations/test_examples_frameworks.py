@@ -3,8 +3,9 @@
 `examples/skyrl_swap.py` imports SkyRL the way a SkyRL user's trainer does
 (`from skyrl.train.dataset import preprocess`). SkyRL 0.4.0's package
 `__init__`s need Python 3.12 and `datasets`, so here (3.11, `--no-deps`) the
-script runs after `frameworks.load` has registered the bare parent packages;
-the script itself is unchanged. Its stated output (the comment lines at its end)
+script runs after `frameworks.load_skyrl_worker` has registered the bare parent
+packages and loaded SkyRL's Megatron model wrapper (so that `install()` swaps
+both sides, as in a worker process); the script itself is unchanged. Its stated output (the comment lines at its end)
 must be what it prints.
 """
 
@@ -15,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.integrations.frameworks import requires
+from tests.integrations.frameworks import requires, requires_skyrl_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -30,11 +31,13 @@ def stated_output(path: Path) -> list[str]:
 
 
 @requires("skyrl")
+@requires_skyrl_worker()
 def test_skyrl_swap_example_prints_what_it_states():
     script = ROOT / "examples" / "skyrl_swap.py"
     runner = (
         "import runpy, sys; sys.path.insert(0, sys.argv[1]); import frameworks; "
         "frameworks.load('skyrl', 'skyrl.train.dataset.preprocess'); "
+        "frameworks.load_skyrl_worker('skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper'); "
         "runpy.run_path(sys.argv[2], run_name='__main__')"
     )
     done = subprocess.run(

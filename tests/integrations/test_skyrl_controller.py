@@ -200,3 +200,66 @@ def test_a_trajectory_without_captured_rows_is_collated_where_skyrl_refuses_it(s
     packed = integration.collate_rollout_expert_indices(routes, np.array([3, 2]))
     assert packed.cu_seqlens.tolist() == [0, 3, 5]
     assert torch.equal(packed.segment(0), torch.arange(TOPK, dtype=torch.uint8).expand(3, LAYERS, TOPK))
+
+
+def test_a_module_that_imports_the_mask_after_install_gets_skyrls_back_at_uninstall(skyrl, tmp_path, monkeypatch):
+    """Defect: `skyrl.train.trainer` imported after `install()` bound torch_r3's function and kept it.
+    A real module file, imported while installed, binds the name as the trainer does."""
+    preprocess, _, _, integration = skyrl
+    original = preprocess.make_router_padding_mask
+    (tmp_path / "late_trainer_r3.py").write_text(
+        "from skyrl.train.dataset.preprocess import make_router_padding_mask\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(__import__("sys").modules, "late_trainer_r3", raising=False)
+    handle = integration.install()
+    try:
+        import late_trainer_r3
+
+        assert late_trainer_r3.make_router_padding_mask is integration.make_router_padding_mask
+    finally:
+        handle.uninstall()
+    assert late_trainer_r3.make_router_padding_mask is original
+    assert integration.make_router_padding_mask is not original  # torch_r3's own name stays torch_r3's
+
+
+def test_install_on_a_skyrl_without_the_collation_function_refuses_and_swaps_nothing(skyrl, monkeypatch):
+    """Defect: another SkyRL release without `_collate_rollout_expert_indices` got "installed", nothing swapped."""
+    preprocess, _, _, integration = skyrl
+    mask = preprocess.make_router_padding_mask
+    monkeypatch.delattr(preprocess, "_collate_rollout_expert_indices")
+    with pytest.raises(RuntimeError, match=r"skyrl.train.dataset.preprocess has no _collate_rollout_expert_indices"):
+        integration.install()
+    assert preprocess.make_router_padding_mask is mask
+    assert not hasattr(preprocess, "_collate_rollout_expert_indices")
+    monkeypatch.undo()
+    integration.install().uninstall()  # nothing was left installed: a later install() is not refused
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [[torch.tensor(2), torch.tensor(3)], torch.tensor([2, 3]), [np.int64(2), np.uint8(3)], np.array([2, 3])],
+    ids=["0-d tensors", "1-d tensor", "numpy scalars", "numpy array"],
+)
+def test_in_range_lengths_as_tensors_or_numpy_integers_are_accepted(skyrl, lengths):
+    """Defect: in-range lengths given as tensors were refused with a message saying they were out of range."""
+    preprocess, _, _, integration = skyrl
+    attention = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    expected = preprocess.make_router_padding_mask(attention, [2, 3])
+    assert torch.equal(integration.make_router_padding_mask(attention, lengths), expected)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "message"),
+    [
+        ([torch.tensor(2.0), 3], r"captured_route_lengths\[0\]: expected an integer, got a torch.float32 tensor"),
+        ([torch.tensor([2, 1]), 3], r"captured_route_lengths\[0\]: expected an integer, got a tensor of shape \[2\]"),
+        ([2, 5], r"captured_route_lengths\[1\]: 5 is out of range \[0, 4\]"),
+        ([True, 3], r"captured_route_lengths\[0\]: expected an integer, got True"),
+    ],
+)
+def test_lengths_that_are_not_in_range_integers_are_refused_saying_what_they_are(skyrl, lengths, message):
+    _, _, _, integration = skyrl
+    attention = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    with pytest.raises((TypeError, ValueError), match=message):
+        integration.make_router_padding_mask(attention, lengths)

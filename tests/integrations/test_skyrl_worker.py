@@ -284,3 +284,22 @@ def test_skyrls_right_padded_replay_of_two_sequences_puts_routes_on_the_wrong_to
         assert torch.equal(calls[0][1], sequence_first)
         assert torch.equal(skyrl_maps[layer], batch_first)
         assert not torch.equal(skyrl_maps[layer], sequence_first)
+
+
+@pytest.mark.parametrize("short", [1, 4])
+def test_packed_routes_shorter_than_their_segments_are_refused_naming_the_trajectory(skyrl, short):
+    """Defect: a `PackedTensor` whose values end before `cu_seqlens[-1]` was accepted, and the missing
+    captured rows of its last trajectories routed live without a word. SkyRL's `PackedTensor` checks
+    this at construction; the object here is one whose values were replaced afterwards."""
+    from torch_r3.integrations.skyrl import microbatch
+
+    batch = skyrl_batch(skyrl, seed=4, n=3)
+    routes = batch["rollout_expert_indices"]
+    ends = routes.cu_seqlens.tolist()
+    routes.values = routes.values[: ends[-1] - short]
+    first_cut = next(i for i in range(3) if ends[i + 1] > ends[-1] - short)
+    with pytest.raises(
+        ValueError,
+        match=rf"rollout_expert_indices: trajectory {first_cut}'s segment \[{ends[first_cut]}, {ends[first_cut + 1]}\) ends past the {ends[-1] - short} value rows",
+    ):
+        microbatch(batch)

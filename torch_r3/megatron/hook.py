@@ -19,11 +19,16 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from torch_r3._checks import check_indices
-from torch_r3.keys import ROUTER_MASK, ROUTES
 from torch_r3.megatron.batch_checks import check_model_input, check_record_microbatch, check_route_values
 from torch_r3.megatron.microbatch import current_rank, prepare_microbatch, rank_share
 from torch_r3.megatron.model import as_chunks, find_hybrid_pattern, find_padding_mask_module, first_device
-from torch_r3.megatron.routers import RouterTarget, expert_bias_mask_is_broken, find_routers
+from torch_r3.megatron.routers import (
+    RouterTarget,
+    check_fifos_drained,
+    collect_recorded,
+    expert_bias_mask_is_broken,
+    find_routers,
+)
 from torch_r3.megatron.setup_checks import InterleavedPipelineError, check_config, check_pipeline
 from torch_r3.megatron.slicing import (
     PACKED_BALANCING,
@@ -35,7 +40,7 @@ from torch_r3.megatron.slicing import (
 )
 from torch_r3.replay.checks import check_route_batch
 from torch_r3.replay.layers import route_layer_map
-from torch_r3.replay.modes import check_uncaptured, recorded_route_dtype
+from torch_r3.replay.modes import check_uncaptured
 from torch_r3.replay.recording import Recording
 from torch_r3.replay.stats import ReplayStats, StatsCollector
 
@@ -55,6 +60,10 @@ class ReplayHook:
         losses = forward_backward_func(
             forward_step_func=hook.wrap_forward_step(forward_step), ...)
     ```
+
+    A trainer whose forward step cannot be wrapped (it is a closure of the
+    trainer's) calls `begin_microbatch(batch)` before its model call and
+    `end_microbatch()` after it, inside `step()`.
 
     Every pipeline stage's `data_iterator` must yield the microbatch dicts (with
     `rollout_expert_indices` and `router_padding_mask`, and `cu_seqlens` for
@@ -167,7 +176,11 @@ class ReplayHook:
                     f"model: decoder layer {r.layer - stage.start} of this stage holds a router, but "
                     f"the stage has layers {stage.start}..{stage.stop - 1} only"
                 )
-        self._route_layers = _check_route_layers(route_layers, self._pattern)
+        self._route_layers = (
+            None
+            if route_layers is None
+            else check_indices(route_layers, "route_layers", limit=len(self._pattern), what="layer")
+        )
         if self._route_layers is not None:
             route_layer_map(self.router_layers, len(self._route_layers), self._pattern, route_layers=self._route_layers)
         self._packed_balancing = packed_balancing
@@ -178,6 +191,7 @@ class ReplayHook:
         self._model_scatters_mask = self._pre_process and self._hybrid is None
         self._input_shape: tuple[int, int] | None = None
         self._active_mask: torch.Tensor | None = None
+        self._open: Mapping[str, Any] | None = None  # the microbatch begin_microbatch installed
         self._microbatch = 0
         self._num_microbatches: int | None = None
         self._in_step = False
@@ -323,7 +337,9 @@ class ReplayHook:
             self._check_drained()
             self._last_stats = self._stats.finish(self.router_layers)
             if record:
-                self._last_recording = Recording(self._collect_recorded())
+                self._last_recording = Recording(
+                    collect_recorded(self._routers, self._recorded_shapes, self._num_experts)
+                )
         finally:
             self._clear()
             self._in_step = False
@@ -374,7 +390,7 @@ class ReplayHook:
                     "data_iterator: expected one iterator, got a list (interleaved schedules are not supported)"
                 )
             batch = self._next_microbatch(data_iterator)
-            self._install(batch)
+            self.begin_microbatch(batch)
             try:
                 return forward_step_func(iter((batch,)), model, *args, **kwargs)
             except StopIteration as err:  # would silently end a caller's for loop
@@ -384,12 +400,33 @@ class ReplayHook:
                     "microbatch whose routes are installed"
                 ) from err
             finally:
-                self._active_mask = None
-                for r in self._routers:
-                    r.replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
-                    r.current = None
+                self.end_microbatch()
 
         return replaying_forward_step
+
+    def begin_microbatch(self, batch: Mapping[str, Any]) -> None:
+        """Install one microbatch's routes, for a trainer whose forward step cannot be wrapped.
+
+        What `wrap_forward_step` does around your forward step, in two calls: this
+        one (checks, installs with `REPLAY_FORWARD`, arms the model's `padding_mask`)
+        before the model runs, `end_microbatch` after. Inside `step()` only; a
+        microbatch still open is ended first.
+        """
+        if not self._in_step:
+            raise RuntimeError("ReplayHook.begin_microbatch() outside ReplayHook.step()")
+        self.end_microbatch()
+        self._install(batch)
+        self._open = batch
+
+    def end_microbatch(self) -> None:
+        """The open microbatch's forward is done: recompute pops its routes (`REPLAY_BACKWARD`). Idempotent."""
+        if self._open is None:
+            return
+        self._open = None
+        self._active_mask = None
+        for r in self._routers:
+            r.replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+            r.current = None
 
     def __enter__(self) -> ReplayHook:
         return self
@@ -533,16 +570,6 @@ class ReplayHook:
                 "so no rank holds the whole microbatch's routes to hand back"
             )
 
-    def _collect_recorded(self) -> list[dict[str, torch.Tensor]]:
-        # Each router kept its own choice per microbatch as [S*B, K], sequence-first.
-        dtype = recorded_route_dtype(self._num_experts)
-        out = []
-        for i, (b, t, packed, pad) in enumerate(self._recorded_shapes):
-            per_layer = [r.recorded[i].reshape(t, b, -1).transpose(0, 1) for r in self._routers]
-            routes = torch.stack(per_layer, 2).to(dtype)  # [B, T, L, K]
-            out.append({ROUTES: routes[0] if packed else routes, ROUTER_MASK: pad.clone()})
-        return out
-
     def _before_model_forward(
         self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
@@ -563,6 +590,7 @@ class ReplayHook:
 
     def _clear(self) -> None:
         self._active_mask = None
+        self._open = None
         self._microbatch = 0
         self._recorded_shapes = []
         self._stats.reset()
@@ -573,23 +601,4 @@ class ReplayHook:
             router.router_replay.clear_router_replay_action()
 
     def _check_drained(self) -> None:
-        wrong = []
-        for r in self._routers:
-            left = len(r.replay.replay_backward_list)
-            expected = r.pushes - r.expected_pops
-            if left != expected:
-                wrong.append(
-                    f"layer {r.layer}: {left} routes left in the backward FIFO after "
-                    f"{r.pushes} forwards, expected {expected}"
-                )
-        if wrong:
-            raise RuntimeError(
-                "router replay FIFOs out of step after forward_backward (recompute replayed "
-                "the wrong microbatch's routes or skipped some): " + "; ".join(wrong)
-            )
-
-
-def _check_route_layers(route_layers: Sequence[int] | None, pattern: Sequence[bool]) -> tuple[int, ...] | None:
-    if route_layers is None:
-        return None
-    return check_indices(route_layers, "route_layers", limit=len(pattern), what="layer")
+        check_fifos_drained(self._routers)

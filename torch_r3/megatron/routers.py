@@ -40,8 +40,10 @@ from typing import Any
 import torch
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
+from torch_r3.keys import ROUTER_MASK, ROUTES
 from torch_r3.megatron.batch_checks import check_router_rows
 from torch_r3.replay import marker
+from torch_r3.replay.modes import recorded_route_dtype
 from torch_r3.replay.stats import StatsCollector
 
 # Internals of the hook, shared with `hook.py` under plain names: nothing here is public.
@@ -253,6 +255,39 @@ class ReplayedRouter:
                 if padding_mask is not None:
                     routing_map = routing_map & ~padding_mask.reshape(-1, 1)
                 self.module.local_tokens_per_expert += routing_map.sum(dim=0)
+
+
+def collect_recorded(
+    routers: list[ReplayedRouter], shapes: list[tuple[int, int, bool, torch.Tensor]], num_experts: int
+) -> list[dict[str, torch.Tensor]]:
+    """A recording step's routes in the batch layout, one dict per microbatch (`shapes`: `(B, T, packed, padding)`).
+
+    Each router kept its own choice per microbatch as `[S*B, K]`, sequence-first.
+    """
+    dtype = recorded_route_dtype(num_experts)
+    out = []
+    for i, (b, t, packed, pad) in enumerate(shapes):
+        per_layer = [r.recorded[i].reshape(t, b, -1).transpose(0, 1) for r in routers]
+        routes = torch.stack(per_layer, 2).to(dtype)  # [B, T, L, K]
+        out.append({ROUTES: routes[0] if packed else routes, ROUTER_MASK: pad.clone()})
+    return out
+
+
+def check_fifos_drained(routers: list[ReplayedRouter]) -> None:
+    """After a step: each router's backward FIFO holds exactly what recompute did not pop, or `RuntimeError`."""
+    wrong = []
+    for r in routers:
+        left = len(r.replay.replay_backward_list)
+        expected = r.pushes - r.expected_pops
+        if left != expected:
+            wrong.append(
+                f"layer {r.layer}: {left} routes left in the backward FIFO after {r.pushes} forwards, expected {expected}"
+            )
+    if wrong:
+        raise RuntimeError(
+            "router replay FIFOs out of step after forward_backward (recompute replayed "
+            "the wrong microbatch's routes or skipped some): " + "; ".join(wrong)
+        )
 
 
 @functools.cache

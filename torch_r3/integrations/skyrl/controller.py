@@ -8,9 +8,9 @@ thread, into a fresh buffer. `collate_rollout_expert_indices` here takes the
 same arguments and returns SkyRL's own `PackedTensor`, bit- and dtype-identical
 (the uncaptured tail of each trajectory holds experts `0..K-1`, `cu_seqlens` is
 `int32`), written once by `torch_r3`'s thread pool, optionally into a
-`torch_r3.BufferPool`'s recycled memory. `install()` swaps it in: SkyRL looks the
-function up in its module at call time, so replacing the module attribute is
-the whole swap.
+`torch_r3.BufferPool`'s recycled memory. `torch_r3.integrations.skyrl.install()`
+swaps it in: SkyRL looks the function up in its module at call time, so
+replacing the module attribute is the whole swap.
 
 `make_router_padding_mask` is SkyRL's function of that name with one more
 check: the `attention_mask` must be left-padded, as SkyRL's layout is (SkyRL's
@@ -20,9 +20,7 @@ own computes a wrong mask from a right-padded one, silently).
 from __future__ import annotations
 
 import importlib
-import sys
-from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -32,7 +30,7 @@ from torch_r3._buffers import BufferPool
 from torch_r3.collate import collate_routes
 from torch_r3.keys import CU_SEQLENS, ROUTES
 
-__all__ = ["Installed", "collate_rollout_expert_indices", "install", "make_router_padding_mask"]
+__all__ = ["COLLATE", "MASK", "PREPROCESS", "collate_rollout_expert_indices", "make_router_padding_mask"]
 
 PREPROCESS = "skyrl.train.dataset.preprocess"
 """The SkyRL module whose functions `install` replaces."""
@@ -40,9 +38,11 @@ PREPROCESS = "skyrl.train.dataset.preprocess"
 PACKED_TENSOR = "skyrl.backends.skyrl_train.utils.packed_tensor"
 """The SkyRL module that defines `PackedTensor`."""
 
-_COLLATE = "_collate_rollout_expert_indices"  # SkyRL's name for its collation, looked up at call time
-_MASK = "make_router_padding_mask"
-_MARKER = "_torch_r3_installed"  # set on the module while installed: a second install is refused
+COLLATE = "_collate_rollout_expert_indices"
+"""SkyRL's name for its collation in `PREPROCESS`, looked up at call time."""
+
+MASK = "make_router_padding_mask"
+"""SkyRL's router mask function in `PREPROCESS`; `skyrl.train.trainer` imports it by name."""
 
 
 def _packed_tensor_class() -> Any:
@@ -104,32 +104,59 @@ def make_router_padding_mask(attention_mask: torch.Tensor, captured_route_length
     Args:
         attention_mask: `[B, T]`, 1 on real tokens, left-padded (each row
             zeros then ones), integer or bool.
-        captured_route_lengths: captured route rows per trajectory, `0 <= c_i <= n_i`.
+        captured_route_lengths: captured route rows per trajectory, `0 <= c_i <= n_i`:
+            Python or NumPy integers, 0-d integer tensors, or one 1-D integer
+            tensor or array.
 
     Returns:
         A bool `[B, T]` tensor on the mask's device, equal to SkyRL 0.4.0's.
 
     Raises:
-        TypeError: `attention_mask` is not an integer or bool tensor.
+        TypeError: `attention_mask` is not an integer or bool tensor, or a
+            length is not an integer (naming the trajectory).
         ValueError: a wrong shape, a row that is not left-padded, or a length
             out of range (naming the trajectory).
     """
     lengths = left_padded_lengths(attention_mask)
     b, t = attention_mask.shape
+    if isinstance(captured_route_lengths, (torch.Tensor, np.ndarray)) and captured_route_lengths.ndim != 1:
+        raise TypeError(
+            f"captured_route_lengths: expected one length per trajectory, got an array of shape "
+            f"{list(captured_route_lengths.shape)}"
+        )
     if len(captured_route_lengths) != b:
         raise ValueError(
             f"captured_route_lengths: expected {b} lengths (one per trajectory), got {len(captured_route_lengths)}"
         )
-    for i, c in enumerate(captured_route_lengths):
-        if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or not 0 <= int(c) <= int(lengths[i]):
-            raise ValueError(
-                f"captured_route_lengths[{i}]: expected an int in [0, {int(lengths[i])}] (the trajectory's "
-                f"tokens), got {c!r}"
-            )
+    counts = [
+        route_length(c, f"captured_route_lengths[{i}]", int(lengths[i])) for i, c in enumerate(captured_route_lengths)
+    ]
     positions = torch.arange(t, device=attention_mask.device)
-    captured = torch.as_tensor([int(c) for c in captured_route_lengths], dtype=torch.long, device=positions.device)
+    captured = torch.as_tensor(counts, dtype=torch.long, device=positions.device)
     start = t - lengths
     return ~((positions >= start.unsqueeze(1)) & (positions < (start + captured).unsqueeze(1)))
+
+
+def route_length(value: object, what: str, limit: int) -> int:
+    """One trajectory's route-row count as an `int` in `[0, limit]`: a Python, NumPy or 0-d tensor integer.
+
+    Raises:
+        TypeError: not an integer (a float, a bool, a tensor of another shape), naming `what`.
+        ValueError: an integer out of `[0, limit]` (the trajectory's tokens), naming `what`.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.ndim != 0:
+            raise TypeError(f"{what}: expected an integer, got a tensor of shape {list(value.shape)}")
+        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise TypeError(f"{what}: expected an integer, got a {value.dtype} tensor")
+        number = int(value.item())
+    elif isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{what}: expected an integer, got {value!r}")
+    else:
+        number = int(value)
+    if not 0 <= number <= limit:
+        raise ValueError(f"{what}: {number} is out of range [0, {limit}] (the trajectory's tokens)")
+    return number
 
 
 def left_padded_lengths(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -156,83 +183,3 @@ def left_padded_lengths(attention_mask: torch.Tensor) -> torch.Tensor:
             f"{attention_mask[i].tolist()}; SkyRL's batch layout left-pads every trajectory"
         )
     return lengths
-
-
-@contextmanager
-def _swapped(module: Any, replacements: dict[str, Any]) -> Iterator[None]:
-    missing = object()
-    originals = {name: getattr(module, name, missing) for name in replacements}
-    for name, value in replacements.items():
-        setattr(module, name, value)
-    try:
-        yield
-    finally:
-        for name, value in originals.items():
-            if value is missing:
-                delattr(module, name)
-            else:
-                setattr(module, name, value)
-
-
-class Installed:
-    """The swap `install()` made: `uninstall()` (or leaving the `with` block) puts SkyRL's functions back."""
-
-    def __init__(self, module: Any, names: Sequence[str], stack: ExitStack) -> None:
-        self.module = module
-        self.names = tuple(names)
-        self._stack: ExitStack | None = stack
-
-    def __repr__(self) -> str:
-        state = "installed" if self._stack is not None else "uninstalled"
-        return f"Installed({self.module.__name__}: {', '.join(self.names)}; {state})"
-
-    def uninstall(self) -> None:
-        """Restore SkyRL's own functions; a second call does nothing."""
-        if self._stack is not None:
-            stack, self._stack = self._stack, None
-            stack.close()
-
-    def __enter__(self) -> Installed:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.uninstall()
-
-
-def install(*, buffers: BufferPool | None = None, workers: int | None = None) -> Installed:
-    """Swap `torch_r3`'s collation into SkyRL's controller: one call, before training starts.
-
-    Replaces `skyrl.train.dataset.preprocess._collate_rollout_expert_indices`
-    (looked up at call time by `convert_prompts_responses_to_batch_tensors`)
-    and `make_router_padding_mask` in that module. `skyrl.train.trainer`
-    imports `make_router_padding_mask` by name; where that module is already
-    imported, its name is replaced too.
-
-    Args:
-        buffers: a `torch_r3.BufferPool` every step's packed routes come from
-            (recycled once SkyRL drops the step's batch); by default fresh memory.
-        workers: copy threads (default: the CPUs this process may use).
-
-    Returns:
-        An `Installed` handle: `uninstall()` restores SkyRL's functions (it is
-        also a context manager).
-
-    Raises:
-        RuntimeError: when torch_r3 is already installed there.
-        ModuleNotFoundError: when SkyRL is not installed.
-    """
-    module = importlib.import_module(PREPROCESS)
-    if getattr(module, _MARKER, False):
-        raise RuntimeError(f"torch_r3 is already installed in {PREPROCESS}; uninstall() the first handle")
-
-    def collate(rollout_expert_indices: Sequence[np.ndarray], total_real: np.ndarray) -> Any:
-        return collate_rollout_expert_indices(rollout_expert_indices, total_real, buffers=buffers, workers=workers)
-
-    collate.__doc__ = collate_rollout_expert_indices.__doc__
-    replacements = {_COLLATE: collate, _MASK: make_router_padding_mask, _MARKER: True}
-    stack = ExitStack()
-    stack.enter_context(_swapped(module, replacements))
-    trainer = sys.modules.get("skyrl.train.trainer")
-    if trainer is not None and hasattr(trainer, _MASK):
-        stack.enter_context(_swapped(trainer, {_MASK: make_router_padding_mask}))
-    return Installed(module, [_COLLATE, _MASK], stack)

@@ -68,6 +68,25 @@ def _captured_rows(mask_row: torch.Tensor, i: int) -> int:
     return captured
 
 
+def _check_packed(values: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+    """SkyRL's `PackedTensor` invariant, checked again: an object changed after construction can break it."""
+    if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype.is_floating_point:
+        raise ValueError(f"{ROUTES}: expected 1-D integer cu_seqlens of at least 2 offsets, got {cu_seqlens!r}")
+    if values.ndim != 3:
+        raise ValueError(f"{ROUTES}: expected values [tokens, L, K], got shape {list(values.shape)}")
+    ends = cu_seqlens.tolist()
+    if ends[0] != 0 or any(b < a for a, b in zip(ends, ends[1:])):
+        raise ValueError(f"{ROUTES}: cu_seqlens must start at 0 and never decrease, got {ends}")
+    rows = values.shape[0]
+    for i in range(len(ends) - 1):
+        if ends[i + 1] > rows:
+            raise ValueError(
+                f"{ROUTES}: trajectory {i}'s segment [{ends[i]}, {ends[i + 1]}) ends past the {rows} value rows"
+            )
+    if ends[-1] != rows:
+        raise ValueError(f"{ROUTES}: cu_seqlens end at {ends[-1]}, the values hold {rows} rows")
+
+
 def microbatch(
     batch: Any,
     *,
@@ -102,8 +121,9 @@ def microbatch(
 
     Raises:
         TypeError: a field of the wrong kind.
-        ValueError: a missing field, shapes that do not agree, a mask that is
-            not left-padded, or captured rows that are not a prefix of a
+        ValueError: a missing field, shapes that do not agree, packed values
+            shorter or longer than their `cu_seqlens` say, a mask that is not
+            left-padded, or captured rows that are not a prefix of a
             trajectory's tokens (naming the trajectory).
     """
     sequences = _field(batch, SEQUENCES)
@@ -121,6 +141,7 @@ def microbatch(
     values, cu_seqlens = getattr(routes, "values", None), getattr(routes, "cu_seqlens", None)
     if not isinstance(values, torch.Tensor) or not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"{ROUTES}: expected SkyRL's PackedTensor (values, cu_seqlens), got {type(routes).__name__}")
+    _check_packed(values, cu_seqlens)
     segments = cu_seqlens.diff().tolist()
     if segments != lengths.tolist():
         raise ValueError(
