@@ -37,6 +37,7 @@ import torch
 
 from torch_r3._buffers import BufferPool
 from torch_r3.collate import R3Collator
+from torch_r3.integrations.verl.lengths import lengths
 from torch_r3.keys import INPUT_IDS, SAMPLE_ROUTES
 
 __all__ = ["captured_lengths", "microbatch"]
@@ -84,7 +85,7 @@ def microbatch(
     routed_experts: torch.Tensor,
     input_ids: torch.Tensor,
     *,
-    captured: list[int] | None = None,
+    captured: Any = None,
     pad_to_multiple_of: int | None = None,
     buffers: BufferPool | None = None,
 ) -> dict[str, torch.Tensor]:
@@ -94,7 +95,8 @@ def microbatch(
         routed_experts: verl's nested `routed_experts` `[B, j, L, K]` (from
             `left_right_2_no_padding`, or `nested_routed_experts`).
         input_ids: verl's nested `input_ids` `[B, j]`.
-        captured: each sequence's captured rows; by default `captured_lengths`.
+        captured: each sequence's captured rows (ints, NumPy integers, or a
+            1-D integer array or tensor); by default `captured_lengths`.
         pad_to_multiple_of: `preprocess_thd_engine`'s alignment (TP size,
             times `2 * CP` under context parallelism): each sequence padded to
             a multiple of it, with `cu_seqlens_padded`.
@@ -114,18 +116,16 @@ def microbatch(
     ids = _components(input_ids, "input_ids")
     if len(routes) != len(ids):
         raise ValueError(f"routed_experts has {len(routes)} sequences, input_ids {len(ids)}")
-    rows = captured_lengths(routed_experts) if captured is None else captured
-    if len(rows) != len(ids):
-        raise ValueError(f"captured: expected {len(ids)} lengths (one per sequence), got {len(rows)}")
-    samples = []
-    for i, (r, t, c) in enumerate(zip(routes, ids, rows)):
+    for i, (r, t) in enumerate(zip(routes, ids)):
         if r.shape[0] not in (t.shape[0], t.shape[0] - 1):
             raise ValueError(
                 f"routed_experts[{i}]: {r.shape[0]} rows for {t.shape[0]} tokens; verl's batch has n or n - 1"
             )
-        if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= r.shape[0]:
-            raise ValueError(f"captured[{i}]: expected an int in [0, {r.shape[0]}], got {c!r}")
-        samples.append({INPUT_IDS: t, SAMPLE_ROUTES: r[:c].cpu().numpy()})
+    if captured is None:
+        rows = captured_lengths(routed_experts)
+    else:
+        rows = lengths(captured, "captured", upper=[r.shape[0] for r in routes])
+    samples = [{INPUT_IDS: t, SAMPLE_ROUTES: r[:c].cpu().numpy()} for r, t, c in zip(routes, ids, rows)]
     collator = R3Collator(layout="packed", pad_to_multiple_of=pad_to_multiple_of, filler="arange", pin_memory=False)
     if buffers is not None:
         collator.buffers = buffers
