@@ -221,3 +221,45 @@ def test_one_step_from_verls_batch_replays_exactly(verl, cpu_megatron):
             captured = ~mb["router_padding_mask"]
             want = expected_map(mb["rollout_expert_indices"][None, :, layer])
             assert torch.equal(routing_map[captured], want[captured])
+
+
+def test_lengths_given_as_tensors_or_numpy_integers_are_read_as_ints(verl):
+    """Issue 36 #6: in-range lengths as tensors or NumPy ints were refused, with a message saying out of range."""
+    from torch_r3.integrations.verl import microbatch, nested_routed_experts, padded_routed_experts
+
+    prompts, responses, routes = samples(9, n=3, fewer=True)
+    want = padded_routed_experts(routes, prompts, responses, prompt_width=P, response_width=R)
+    for p, r in (
+        (torch.tensor(prompts), torch.tensor(responses)),
+        (np.asarray(prompts), np.asarray(responses, dtype=np.int32)),
+        ([torch.tensor(v) for v in prompts], [np.int64(v) for v in responses]),
+    ):
+        got = padded_routed_experts(routes, p, r, prompt_width=P, response_width=R)
+        assert torch.equal(got["rollout_expert_indices"], want["rollout_expert_indices"])
+    counts = [p + r for p, r in zip(prompts, responses)]
+    nested, _ = nested_routed_experts(routes, counts)
+    ids = torch.nested.nested_tensor_from_jagged(torch.arange(sum(counts)), offsets=torch.tensor([0, *np.cumsum(counts)]))
+    captured = [len(x) for x in routes]
+    reference = microbatch(nested, ids, captured=captured)
+    for given in (np.asarray(captured), torch.tensor(captured), [np.int64(c) for c in captured]):
+        got = microbatch(nested, ids, captured=given)
+        assert torch.equal(got["router_padding_mask"], reference["router_padding_mask"])
+        assert torch.equal(got["rollout_expert_indices"], reference["rollout_expert_indices"])
+
+
+def test_bad_lengths_are_refused_by_what_is_wrong(verl):
+    from torch_r3.integrations.verl import microbatch, nested_routed_experts, padded_routed_experts
+
+    prompts, responses, routes = samples(10, n=2)
+    with pytest.raises(TypeError, match=r"prompt_lengths\[0\] must be an integer, got a torch.float32 Tensor"):
+        padded_routed_experts(routes, torch.tensor(prompts, dtype=torch.float32), responses, prompt_width=P, response_width=R)
+    with pytest.raises(TypeError, match=r"response_lengths\[1\] must be an integer, got bool"):
+        padded_routed_experts(routes, prompts, [responses[0], True], prompt_width=P, response_width=R)
+    counts = [p + r for p, r in zip(prompts, responses)]
+    nested, _ = nested_routed_experts(routes, counts)
+    ids = torch.nested.nested_tensor_from_jagged(torch.arange(sum(counts)), offsets=torch.tensor([0, *np.cumsum(counts)]))
+    rows = nested.offsets().diff().tolist()
+    with pytest.raises(ValueError, match=rf"captured\[1\] must be <= {rows[1]}, got {rows[1] + 1}"):
+        microbatch(nested, ids, captured=np.array([1, rows[1] + 1]))
+    with pytest.raises(ValueError, match=r"captured\[0\] must be >= 0, got -1"):
+        microbatch(nested, ids, captured=torch.tensor([-1, 0]))
