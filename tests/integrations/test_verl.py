@@ -238,7 +238,9 @@ def test_lengths_given_as_tensors_or_numpy_integers_are_read_as_ints(verl):
         assert torch.equal(got["rollout_expert_indices"], want["rollout_expert_indices"])
     counts = [p + r for p, r in zip(prompts, responses)]
     nested, _ = nested_routed_experts(routes, counts)
-    ids = torch.nested.nested_tensor_from_jagged(torch.arange(sum(counts)), offsets=torch.tensor([0, *np.cumsum(counts)]))
+    ids = torch.nested.nested_tensor_from_jagged(
+        torch.arange(sum(counts)), offsets=torch.tensor([0, *np.cumsum(counts)])
+    )
     captured = [len(x) for x in routes]
     reference = microbatch(nested, ids, captured=captured)
     for given in (np.asarray(captured), torch.tensor(captured), [np.int64(c) for c in captured]):
@@ -252,12 +254,16 @@ def test_bad_lengths_are_refused_by_what_is_wrong(verl):
 
     prompts, responses, routes = samples(10, n=2)
     with pytest.raises(TypeError, match=r"prompt_lengths\[0\] must be an integer, got a torch.float32 Tensor"):
-        padded_routed_experts(routes, torch.tensor(prompts, dtype=torch.float32), responses, prompt_width=P, response_width=R)
+        padded_routed_experts(
+            routes, torch.tensor(prompts, dtype=torch.float32), responses, prompt_width=P, response_width=R
+        )
     with pytest.raises(TypeError, match=r"response_lengths\[1\] must be an integer, got bool"):
         padded_routed_experts(routes, prompts, [responses[0], True], prompt_width=P, response_width=R)
     counts = [p + r for p, r in zip(prompts, responses)]
     nested, _ = nested_routed_experts(routes, counts)
-    ids = torch.nested.nested_tensor_from_jagged(torch.arange(sum(counts)), offsets=torch.tensor([0, *np.cumsum(counts)]))
+    ids = torch.nested.nested_tensor_from_jagged(
+        torch.arange(sum(counts)), offsets=torch.tensor([0, *np.cumsum(counts)])
+    )
     rows = nested.offsets().diff().tolist()
     with pytest.raises(ValueError, match=rf"captured\[1\] must be <= {rows[1]}, got {rows[1] + 1}"):
         microbatch(nested, ids, captured=np.array([1, rows[1] + 1]))

@@ -127,7 +127,9 @@ def test_the_driver_refuses_a_batch_with_both_forms():
     with r3_verl.install(engine=False):
         from tensordict.tensorclass import NonTensorData, NonTensorStack
 
-        td[r3_verl.ROUTES_FIELD] = NonTensorStack.from_list([NonTensorData(np.zeros((1, LAYERS, TOPK))) for _ in range(7)])
+        td[r3_verl.ROUTES_FIELD] = NonTensorStack.from_list(
+            [NonTensorData(np.zeros((1, LAYERS, TOPK))) for _ in range(7)]
+        )
         with pytest.raises(ValueError, match="both routed_experts and r3_routed_experts"):
             padding.left_right_2_no_padding(td)
 

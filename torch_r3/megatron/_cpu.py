@@ -79,10 +79,10 @@ def _per_sequence_attention(original):
 
 def _patch_list():
     from megatron.core.fusions import fused_softmax
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer import utils as transformer_utils
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.moe import moe_utils
 
     patches = []

@@ -197,10 +197,14 @@ def install(
             replay = EngineReplay(uncaptured=uncaptured, expert_load=expert_load)
             swaps.everywhere(patch, "apply_router_replay_patch", _keep_megatron_router(patch.apply_router_replay_patch))
             swaps.owned(impl, "RouterReplayHelper", _HookReplays)
-            swaps.owned(impl, "get_forward_backward_func", replay.get_forward_backward_func(impl.get_forward_backward_func))
+            swaps.owned(
+                impl, "get_forward_backward_func", replay.get_forward_backward_func(impl.get_forward_backward_func)
+            )
             engine_class = impl.MegatronEngine
             swaps.owned(
-                engine_class, "forward_backward_batch", replay.forward_backward_batch(engine_class.forward_backward_batch)
+                engine_class,
+                "forward_backward_batch",
+                replay.forward_backward_batch(engine_class.forward_backward_batch),
             )
     except BaseException:
         swaps.undo()
