@@ -18,15 +18,9 @@ aligned to `pad_to_multiple_of` as `preprocess_thd_engine` aligns it, with
 sequence- and context-parallel slicing and recompute FIFO, with validation at
 use, drift statistics and the skipped-replay tripwire.
 
-What cannot be replaced, and why: the engine calls `set_router_replay_data`
-from inside its own forward step and owns the schedule call, so the swap is a
-subclass of the engine whose `forward_backward_batch` runs
-`hook.forward_backward` (verl's `router_replay.mode` off, the model built with
-`moe_enable_routing_replay=True`); verl's R2 recording under pipeline and
-sequence parallelism (`merge_router_topk_indices`, the hook records R2 without
-SP or CP only), its interleaved (VPP) chunks (the hook refuses interleaved
-schedules) and its context-parallel `contiguous` layout for DSv4 hybrid
-attention (the hook slices CP per document or per sequence, zigzag) stay verl's.
+`torch_r3.integrations.verl.install()` hands the engine a schedule that runs
+each micro-batch through `microbatch` and the hook (`schedule.EngineReplay`);
+what stays verl's, and why, is said there.
 """
 
 from __future__ import annotations
