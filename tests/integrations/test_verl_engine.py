@@ -90,7 +90,7 @@ def build_model():
     return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=64, position_embedding_type="rope")
 
 
-def verl_engine(model):
+def verl_engine(model, mode="R3"):
     """verl's `MegatronEngineWithLMHead` over the tiny model (its `__init__` needs a checkpoint and a GPU)."""
     import transformers
     from verl.workers.config import McoreEngineConfig
@@ -98,7 +98,7 @@ def verl_engine(model):
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
     engine = MegatronEngineWithLMHead.__new__(MegatronEngineWithLMHead)
-    engine.engine_config = McoreEngineConfig(router_replay=RouterReplayConfig(mode="R3"), use_remove_padding=True)
+    engine.engine_config = McoreEngineConfig(router_replay=RouterReplayConfig(mode=mode), use_remove_padding=True)
     engine.model_config = types.SimpleNamespace(
         mtp=types.SimpleNamespace(enable=False, enable_train=False),
         hf_config=transformers.PretrainedConfig(architectures=["Qwen3MoeForCausalLM"]),
@@ -290,3 +290,12 @@ def test_install_after_verls_router_patch_is_refused(megatron_classes_restored):
     with pytest.raises(RuntimeError, match="before the Megatron engine is built"):
         r3_verl.install(agent_loop=False)
     r3_verl.install(agent_loop=True, engine=False).uninstall()  # nothing half-installed is left behind
+
+
+def test_r2_mode_is_refused_under_install(cpu_megatron):
+    import torch_r3.integrations.verl as r3_verl
+
+    with r3_verl.install(agent_loop=False):
+        engine = verl_engine(build_model(), mode="R2")
+        with pytest.raises(NotImplementedError, match="router_replay.mode='R2'.*R2 recording is not replaced"):
+            engine.forward_backward_batch(engine_batch(rollout_routes(1, fewer=False)), loss_function)
