@@ -32,6 +32,15 @@ FW_DEPS := numpy==2.4.6 packaging==25.0 jaxtyping==0.3.11 tensordict==0.10.0 log
 	pybase64==1.5.1 orjson==3.13.0 cloudpathlib==0.26.0 omegaconf==2.4.0 pydantic==2.14.4 \
 	transformers==5.10.4 ray==2.60.0 pandas==3.1.1 requests==2.34.2 'pytest>=8' 'pytest-timeout>=2.3' 'setuptools>=77'
 
+# verl installed as its guide says (docs/guides/verl.md): the released wheel with its declared
+# dependencies (Ray, Peft, hydra, datasets, ...), megatron-core 0.16.1 (the last release for 3.11),
+# and three modules verl 0.9.1 imports without declaring them (its agent loop and rollout server:
+# cachetools, uvicorn, fastapi). verl's engine and agent loop run here (tests/integrations/
+# test_verl_engine.py, test_verl_agent_loop.py, examples/verl_swap.py). About 1.9 GB, 8 minutes once.
+VENV_VERL := .venv-verl
+STAMP_VERL := $(VENV_VERL)/.installed
+VERL_UNDECLARED := cachetools uvicorn fastapi
+
 .PHONY: setup frameworks bench test docs dist clean browser
 
 $(STAMP): pyproject.toml
@@ -60,9 +69,18 @@ $(STAMP_FW): pyproject.toml Makefile
 	$(VENV_FW)/bin/pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP_FW)
 
-frameworks: $(STAMP_FW)
+$(STAMP_VERL): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV_VERL)
+	$(VENV_VERL)/bin/pip install --quiet --upgrade pip
+	$(VENV_VERL)/bin/pip install --quiet torch==2.13.0
+	$(VENV_VERL)/bin/pip install --quiet verl==$(VERL) megatron-core==0.16.1 $(VERL_UNDECLARED)
+	$(VENV_VERL)/bin/pip install --quiet 'pytest>=8' 'pytest-timeout>=2.3'
+	$(VENV_VERL)/bin/pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(STAMP_VERL)
 
-setup: $(STAMP) $(STAMP_NEXT) $(STAMP_FW)
+frameworks: $(STAMP_FW) $(STAMP_VERL)
+
+setup: $(STAMP) $(STAMP_NEXT) $(STAMP_FW) $(STAMP_VERL)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.compare
@@ -77,7 +95,7 @@ LINT_PATHS := torch_r3 tests benchmarks examples docs/img
 browser: $(STAMP)
 	@$(BIN)/python -m tests.browser || true
 
-test: $(STAMP) $(STAMP_NEXT) $(STAMP_FW) browser
+test: $(STAMP) $(STAMP_NEXT) $(STAMP_FW) $(STAMP_VERL) browser
 	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/ruff format --check $(LINT_PATHS)
 	$(BIN)/mypy
@@ -86,6 +104,8 @@ test: $(STAMP) $(STAMP_NEXT) $(STAMP_FW) browser
 	$(VENV_NEXT)/bin/python -m pytest -q tests/megatron
 	# torch_r3.integrations against SkyRL $(SKYRL)'s and verl $(VERL)'s installed code.
 	$(VENV_FW)/bin/python -m pytest -q tests/integrations
+	# verl $(VERL)'s own engine step and agent loop, installed as the verl guide says.
+	$(VENV_VERL)/bin/python -m pytest -q tests/integrations/test_verl_engine.py tests/integrations/test_verl_agent_loop.py tests/integrations/test_examples_frameworks.py
 	# The host-to-GPU check measures only where CUDA exists; elsewhere it says so and exits 0.
 	$(BIN)/python benchmarks/gpu_check.py
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
@@ -98,4 +118,4 @@ dist: $(STAMP)
 	$(BIN)/pip wheel . --no-deps --no-build-isolation -w dist
 
 clean:
-	rm -rf $(VENV) $(VENV_NEXT) $(VENV_FW) site build dist *.egg-info
+	rm -rf $(VENV) $(VENV_NEXT) $(VENV_FW) $(VENV_VERL) site build dist *.egg-info

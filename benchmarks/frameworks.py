@@ -17,6 +17,10 @@ Run it where the trainers are installed (`make frameworks` builds `.venv-framewo
   per sample (the agent loop's three tensor operations: zeros, one slice copy,
   `torch.cat` of the batch), then verl's own `left_right_2_no_padding`, against
   `torch_r3.integrations.verl.nested_routed_experts` from the compact samples.
+* verl's step, agent loop to actor (`verl_agent_loop_step`): from the server's
+  per-sample routes to the actor's nested `routed_experts`, verl's path against
+  `install()`'s (`keep_compact` per sample, `driver_routed_experts`), per step
+  and per token, and the bytes shipped from agent loop to driver.
 
 Every output is checked equal to the framework's before timing counts. After
 one warm-up round the cases run in interleaved rounds (each once per round) and the table gives
@@ -372,6 +376,89 @@ def verl(args) -> None:
     )
 
 
+def verl_agent_loop_step(args) -> None:
+    """verl's agent loop plus driver against the compact path, one training step's routes, per step and per token.
+
+    From what the rollout server returns per sample (`int32` `[rows, L, K]`,
+    `n - 1` rows) to the nested `routed_experts` the actor receives. verl: the
+    agent loop's per-sample cast, zeros and slice copy (`agent_loop.py`
+    783-809), the worker's `torch.cat` (1075), the driver's
+    `left_right_2_no_padding` (verl's own). torch_r3 (`install()`): the agent
+    loop's `keep_compact` per sample (`compact_sample_routes`), the driver's
+    `driver_routed_experts` from the `non_tensor_batch` column. Also the bytes
+    the agent loop ships to the driver in each form.
+    """
+    (padding,) = load("verl", "verl.workers.utils.padding")
+    from tensordict import TensorDict
+
+    from torch_r3.integrations.verl import compact_sample_routes, driver_routed_experts
+
+    P, R = 1024, 2048
+    prompts, responses = rl_lengths(args.batch, P, R, seed=4)
+    rng = np.random.default_rng(5)
+    server = [rng.integers(0, EXPERTS, (p + r - 1, L, K), dtype=np.int32) for p, r in zip(prompts, responses)]
+    b = len(prompts)
+    attention = torch.zeros(b, P + R, dtype=torch.long)
+    response_mask = torch.zeros(b, R, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        attention[i, P - p : P + r] = 1
+        response_mask[i, :r] = 1
+    positions = (attention.cumsum(1) - 1).clamp(min=0)
+    tokens = int(attention.sum())
+
+    def verl_agent_loop():
+        per_sample = []
+        for p, rows in zip(prompts, server):  # agent_loop.py:783-809, per sample
+            experts = torch.from_numpy(rows).to(torch.int16)
+            out = torch.zeros(1, P + R, L, K, dtype=torch.int16)
+            out[:, P - p : P - p + rows.shape[0]] = experts.unsqueeze(0)
+            per_sample.append(out)
+        return torch.cat(per_sample, 0)  # agent_loop.py:1075, the worker's batch
+
+    def verl_step():
+        data = TensorDict(
+            {
+                "input_ids": attention.clone(),
+                "attention_mask": attention,
+                "response_mask": response_mask,
+                "position_ids": positions,
+                "routed_experts": verl_agent_loop(),
+            },
+            batch_size=[b],
+        )
+        return padding.left_right_2_no_padding(data)["routed_experts"]
+
+    def compact_agent_loop():
+        return [compact_sample_routes(rows, num_experts=EXPERTS) for rows in server]
+
+    def compact_step():
+        return driver_routed_experts(compact_agent_loop(), attention)
+
+    theirs, ours = verl_step(), compact_step()
+    assert torch.equal(theirs.values(), ours.values()) and torch.equal(theirs.offsets(), ours.offsets())
+    shipped_verl = b * (P + R) * L * K * 2
+    shipped_ours = sum(a.nbytes for a in compact_agent_loop())
+    del theirs, ours
+    cases = {
+        f"verl {args.verl}: agent loop (cast, zeros, copy, cat) + driver": verl_step,
+        "torch_r3: keep_compact + driver_routed_experts": compact_step,
+        f"verl {args.verl}: agent loop only": verl_agent_loop,
+        "torch_r3: keep_compact only": compact_agent_loop,
+    }
+    medians = timed(cases, args.rounds)
+    print(
+        f"\nverl step, agent loop to actor: {b} samples, P={P} R={R}, {tokens} tokens, {L} layers x top-{K}; "
+        f"shipped agent loop -> driver: verl {shipped_verl / 1e6:.0f} MB (int16, padded), "
+        f"torch_r3 {shipped_ours / 1e6:.0f} MB (uint8, captured rows)"
+    )
+    print(f"{'':<56} {'ms/step':>9} {'ns/token':>9} {'vs verl':>8}")
+    names = list(cases)
+    for name in names:
+        base = medians[names[0]] if name in names[:2] else medians[names[2]]
+        t = medians[name]
+        print(f"{name:<56} {t * 1e3:>9.1f} {t / tokens * 1e9:>9.1f} {base / t:>7.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=192)
@@ -395,7 +482,7 @@ def main() -> None:
         f"torch {torch.__version__}, {torch.get_num_threads()} intra-op thread(s); one warm-up round, then "
         f"{args.rounds} interleaved rounds, medians (on a loaded machine: read the ratios)"
     )
-    for name, run in (("skyrl", skyrl), ("verl", verl)):
+    for name, run in (("skyrl", skyrl), ("verl", verl), ("verl", verl_agent_loop_step)):
         if not installed(name):
             print(f"\n{name}: not installed here, skipped (make frameworks builds .venv-frameworks with it)")
             continue

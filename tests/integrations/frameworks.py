@@ -157,3 +157,18 @@ def load_skyrl_worker(*modules: str) -> list[types.ModuleType]:
         sys.path.append(str(gym))
     _bridge_stand_in()
     return load("skyrl", *modules)
+
+
+# What verl 0.9.1's engine module and agent loop import beyond the modules `load` reaches: its
+# declared dependencies (Ray, Peft, hydra) and three it imports without declaring them.
+_FULL_VERL = ("ray", "peft", "hydra", "codetiming", "cachetools", "uvicorn", "fastapi")
+
+
+def requires_full_verl() -> pytest.MarkDecorator:
+    """Skip unless verl is installed with its dependencies (`make test` builds `.venv-verl` with them)."""
+    missing = [m for m in _FULL_VERL if importlib.util.find_spec(m) is None]
+    return pytest.mark.skipif(
+        not installed("verl") or bool(missing),
+        reason=f"verl's engine and agent loop need verl installed with its dependencies (missing: "
+        f"{', '.join(missing) or 'verl'}); `make test` builds .venv-verl with them",
+    )

@@ -1,4 +1,4 @@
-"""The framework examples run as a reader runs them, in `.venv-frameworks` where SkyRL is installed.
+"""The framework examples run as a reader runs them: SkyRL's in `.venv-frameworks`, verl's in `.venv-verl`.
 
 `examples/skyrl_swap.py` imports SkyRL the way a SkyRL user's trainer does
 (`from skyrl.train.dataset import preprocess`). SkyRL 0.4.0's package
@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.integrations.frameworks import requires, requires_skyrl_worker
+from tests.integrations.frameworks import requires, requires_full_verl, requires_skyrl_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -42,6 +42,22 @@ def test_skyrl_swap_example_prints_what_it_states():
     )
     done = subprocess.run(
         [sys.executable, "-c", runner, str(HERE), str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines() == stated_output(script)
+
+
+@requires_full_verl()
+def test_verl_swap_example_prints_what_it_states():
+    """`examples/verl_swap.py` needs verl installed as its guide says (with its dependencies): run as is."""
+    script = ROOT / "examples" / "verl_swap.py"
+    done = subprocess.run(
+        [sys.executable, str(script)],
         capture_output=True,
         text=True,
         timeout=300,

@@ -11,6 +11,8 @@ checked against a reference written from its description, and through verl's
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -221,3 +223,88 @@ def test_one_step_from_verls_batch_replays_exactly(verl, cpu_megatron):
             captured = ~mb["router_padding_mask"]
             want = expected_map(mb["rollout_expert_indices"][None, :, layer])
             assert torch.equal(routing_map[captured], want[captured])
+
+
+def test_lengths_given_as_tensors_or_numpy_integers_are_read_as_ints(verl):
+    """Issue 36 #6: in-range lengths as tensors or NumPy ints were refused, with a message saying out of range."""
+    from torch_r3.integrations.verl import microbatch, nested_routed_experts, padded_routed_experts
+
+    prompts, responses, routes = samples(9, n=3, fewer=True)
+    want = padded_routed_experts(routes, prompts, responses, prompt_width=P, response_width=R)
+    for p, r in (
+        (torch.tensor(prompts), torch.tensor(responses)),
+        (np.asarray(prompts), np.asarray(responses, dtype=np.int32)),
+        ([torch.tensor(v) for v in prompts], [np.int64(v) for v in responses]),
+    ):
+        got = padded_routed_experts(routes, p, r, prompt_width=P, response_width=R)
+        assert torch.equal(got["rollout_expert_indices"], want["rollout_expert_indices"])
+    counts = [p + r for p, r in zip(prompts, responses)]
+    nested, _ = nested_routed_experts(routes, counts)
+    ids = torch.nested.nested_tensor_from_jagged(
+        torch.arange(sum(counts)), offsets=torch.tensor([0, *np.cumsum(counts)])
+    )
+    captured = [len(x) for x in routes]
+    reference = microbatch(nested, ids, captured=captured)
+    for given in (np.asarray(captured), torch.tensor(captured), [np.int64(c) for c in captured]):
+        got = microbatch(nested, ids, captured=given)
+        assert torch.equal(got["router_padding_mask"], reference["router_padding_mask"])
+        assert torch.equal(got["rollout_expert_indices"], reference["rollout_expert_indices"])
+
+
+def test_bad_lengths_are_refused_by_what_is_wrong(verl):
+    from torch_r3.integrations.verl import microbatch, nested_routed_experts, padded_routed_experts
+
+    prompts, responses, routes = samples(10, n=2)
+    with pytest.raises(TypeError, match=r"prompt_lengths\[0\] must be an integer, got a torch.float32 Tensor"):
+        padded_routed_experts(
+            routes, torch.tensor(prompts, dtype=torch.float32), responses, prompt_width=P, response_width=R
+        )
+    with pytest.raises(TypeError, match=r"response_lengths\[1\] must be an integer, got bool"):
+        padded_routed_experts(routes, prompts, [responses[0], True], prompt_width=P, response_width=R)
+    counts = [p + r for p, r in zip(prompts, responses)]
+    nested, _ = nested_routed_experts(routes, counts)
+    ids = torch.nested.nested_tensor_from_jagged(
+        torch.arange(sum(counts)), offsets=torch.tensor([0, *np.cumsum(counts)])
+    )
+    rows = nested.offsets().diff().tolist()
+    with pytest.raises(ValueError, match=rf"captured\[1\] must be <= {rows[1]}, got {rows[1] + 1}"):
+        microbatch(nested, ids, captured=np.array([1, rows[1] + 1]))
+    with pytest.raises(ValueError, match=r"captured\[0\] must be >= 0, got -1"):
+        microbatch(nested, ids, captured=torch.tensor([-1, 0]))
+
+
+@pytest.mark.parametrize(("tp", "cp"), [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_thd_alignment_is_verls_packing_alignment(verl, world_of_one, monkeypatch, tp, cp):
+    from megatron.core import parallel_state
+
+    from torch_r3.integrations.verl import microbatch, nested_routed_experts, thd_alignment
+
+    padding, _, util = verl
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: tp)
+    monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: cp)
+    monkeypatch.setattr(parallel_state, "get_context_parallel_rank", lambda: 0)
+    prompts, responses, routes = samples(11)
+    batch = padding.left_right_2_no_padding(
+        verl_batch(prompts, responses, reference_padded(prompts, responses, routes))
+    )
+    _, params, _ = util.preprocess_thd_engine(batch["input_ids"], pre_process=True)
+    align = thd_alignment(types.SimpleNamespace(fp8=None))
+    assert align == (None if tp * cp == 1 else tp * cp * (2 if cp > 1 else 1))
+    nested, _ = nested_routed_experts(routes, [p + r for p, r in zip(prompts, responses)])
+    ours = microbatch(nested, batch["input_ids"], pad_to_multiple_of=align)
+    assert torch.equal(ours.get("cu_seqlens_padded", ours["cu_seqlens"]), params.cu_seqlens_q_padded)
+
+
+def test_layouts_the_hook_cannot_slice_are_refused_with_the_reason(world_of_one, monkeypatch):
+    from megatron.core import parallel_state
+
+    from torch_r3.integrations.verl import EngineReplay, thd_alignment
+    from torch_r3.megatron import InterleavedPipelineError
+
+    with pytest.raises(NotImplementedError, match="fp8='e4m3'.*use_fp8_padding"):
+        thd_alignment(types.SimpleNamespace(fp8="e4m3"))
+    monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: 2)
+    with pytest.raises(NotImplementedError, match="contiguously"):
+        thd_alignment(types.SimpleNamespace(fp8=None, experimental_attention_variant="dsv4_hybrid"))
+    with pytest.raises(InterleavedPipelineError, match="2 virtual-pipeline chunks"):
+        EngineReplay().hook_for([torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)])

@@ -13,7 +13,13 @@ Exactly these spots of megatron-core (0.16 to 0.19), nothing else:
   the GPU (attention forks them even with dropout 0): dummy CPU states;
 * `te_general_gemm` left undefined in `moe_utils` without Transformer Engine;
 * 0.18+: `HybridStack` builds its final norm with Transformer Engine's `TENorm`
-  whatever the spec says: Megatron's own `WrappedTorchNorm` instead.
+  whatever the spec says: Megatron's own `WrappedTorchNorm` instead;
+* packed (THD) attention: the local `DotProductAttention` refuses
+  `packed_seq_params` (`assert packed_seq_params is None`, "use
+  TEDotProductAttention": Transformer Engine's kernel, CUDA only); here it runs
+  once per packed sequence (`cu_seqlens_q_padded`), causal within each, so a
+  packed batch attends as Transformer Engine's THD kernel does (context-parallel
+  size 1).
 
 Used by the in-process fixture (`tests/megatron/conftest.py`) and by the
 spawned multi-process workers, which cannot use fixtures.
@@ -50,11 +56,33 @@ def _ignore_rng_state(*args, **kwargs) -> None:
     return None
 
 
+def _per_sequence_attention(original):
+    """`DotProductAttention.forward` that runs a packed (THD) batch one sequence at a time."""
+
+    def forward(self, query, key, value, attention_mask, *args, packed_seq_params=None, **kwargs):
+        if packed_seq_params is None:
+            return original(self, query, key, value, attention_mask, *args, **kwargs)
+        bounds = packed_seq_params.cu_seqlens_q_padded
+        if bounds is None:
+            bounds = packed_seq_params.cu_seqlens_q
+        # THD: [t, heads, head_dim] per tensor; each sequence runs as a batch of one, [s, 1, heads, head_dim].
+        starts, ends = bounds[:-1].tolist(), bounds[1:].tolist()
+        parts = [
+            original(self, query[a:b, None], key[a:b, None], value[a:b, None], None, *args, **kwargs)[:, 0]
+            for a, b in zip(starts, ends)
+        ]
+        return torch.cat(parts)
+
+    forward.__wrapped__ = original  # type: ignore[attr-defined]  # functions take attributes
+    return forward
+
+
 def _patch_list():
     from megatron.core.fusions import fused_softmax
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer import utils as transformer_utils
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.moe import moe_utils
 
     patches = []
@@ -72,6 +100,7 @@ def _patch_list():
         (tp_random, "_get_cuda_rng_state", _cpu_rng_state),
         (tp_random, "_set_cuda_rng_state", _ignore_rng_state),
         (moe_utils, "te_general_gemm", None),
+        (DotProductAttention, "forward", _per_sequence_attention(DotProductAttention.forward)),
     ], schedules
 
 

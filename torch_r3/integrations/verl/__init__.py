@@ -16,24 +16,42 @@
   `align_r3_router_replay_data`, `build_r3_replay_mask` and
   `set_router_replay_data` (`utils/megatron/router_replay_utils.py`).
 
-verl is imported by none of this: its inputs and outputs are plain tensors.
+* One call for both (`install()`): verl's agent loop keeps each sample's
+  routes compact in its `DataProto` and its driver writes the nested tensor
+  from them; verl's Megatron engine step replays through `ReplayHook`
+  (`schedule`). `Installed.uninstall()` puts verl's functions back, wherever
+  they are bound.
+
+verl is imported only by `install()`; the other functions take and return plain tensors.
 """
 
 from __future__ import annotations
 
 from torch_r3.integrations.verl.agent_loop import (
+    ROUTES_FIELD,
     compact_sample_routes,
+    driver_routed_experts,
+    keep_compact,
     nested_routed_experts,
     padded_routed_experts,
     replay_mask,
 )
 from torch_r3.integrations.verl.engine import captured_lengths, microbatch
+from torch_r3.integrations.verl.install import Installed, install
+from torch_r3.integrations.verl.schedule import EngineReplay, thd_alignment
 
 __all__ = [
+    "ROUTES_FIELD",
+    "EngineReplay",
+    "Installed",
     "captured_lengths",
     "compact_sample_routes",
+    "driver_routed_experts",
+    "install",
+    "keep_compact",
     "microbatch",
     "nested_routed_experts",
     "padded_routed_experts",
     "replay_mask",
+    "thd_alignment",
 ]

@@ -16,6 +16,15 @@ Zero rows are verl's convention, and unsafe to replay (expert 0 `K` times:
 Megatron's dropless dispatcher needs `K` distinct experts, which is why verl
 patches its dispatcher); `replay_mask` marks exactly the captured rows, so
 that with `torch_r3.megatron.ReplayHook` the others route live.
+
+How the compact rows travel (what `torch_r3.integrations.verl.install()`
+swaps in): `keep_compact` moves each sample's routes into its
+`AgentLoopOutput.extra_fields[ROUTES_FIELD]`, which verl's agent loop turns
+into a `non_tensor_batch` column of the worker's `DataProto` (one ragged array
+per sample, concatenated across workers with the rest of the batch); on the
+driver, `driver_routed_experts` writes the nested `routed_experts` from that
+column, where `left_right_2_no_padding` would have cut it out of the padded
+tensor.
 """
 
 from __future__ import annotations
@@ -27,14 +36,27 @@ import numpy as np
 import torch
 
 from torch_r3.collate import collate_routes
+from torch_r3.integrations.verl.lengths import lengths
 from torch_r3.keys import CU_SEQLENS, ROUTER_MASK, ROUTES
 from torch_r3.nested import as_nested
 from torch_r3.routes import compact_routes
 
-__all__ = ["VERL_DTYPE", "compact_sample_routes", "nested_routed_experts", "padded_routed_experts", "replay_mask"]
+__all__ = [
+    "ROUTES_FIELD",
+    "VERL_DTYPE",
+    "compact_sample_routes",
+    "driver_routed_experts",
+    "keep_compact",
+    "nested_routed_experts",
+    "padded_routed_experts",
+    "replay_mask",
+]
 
 VERL_DTYPE = torch.int16
 """The dtype of verl's `routed_experts` (`agent_loop.py` casts every sample's routes to it)."""
+
+ROUTES_FIELD = "r3_routed_experts"
+"""The `extra_fields` / `non_tensor_batch` key the compact routes travel under, one array per sample."""
 
 
 def compact_sample_routes(routed_experts: Any, *, num_experts: int | None = None) -> np.ndarray:
@@ -56,10 +78,63 @@ def compact_sample_routes(routed_experts: Any, *, num_experts: int | None = None
     return compact_routes(routed_experts, name="routed_experts", num_experts=num_experts)
 
 
+def keep_compact(output: Any, *, num_experts: int | None = None) -> None:
+    """In verl's agent loop, per sample: keep the routes compact in `output.extra_fields`, not padded.
+
+    Moves `output.routed_experts` (what the rollout server returned,
+    `[rows, L, K]`) to `output.extra_fields[ROUTES_FIELD]` as
+    `compact_sample_routes` makes it, and sets `output.routed_experts` to
+    `None`, so that verl's `_agent_loop_postprocess` builds no padded tensor
+    and its `_postprocess` ships the rows in the `DataProto`'s
+    `non_tensor_batch`. A sample without routes is left as it is.
+
+    Args:
+        output: the sample's `AgentLoopOutput`.
+        num_experts: the model's expert count, to check the ids against.
+
+    Raises:
+        TypeError, ValueError: as `compact_sample_routes`, naming `routed_experts`.
+    """
+    routes = getattr(output, "routed_experts", None)
+    if routes is None:
+        return
+    output.extra_fields[ROUTES_FIELD] = compact_sample_routes(routes, num_experts=num_experts)
+    output.routed_experts = None
+
+
+def driver_routed_experts(routes: Sequence[np.ndarray], attention_mask: torch.Tensor) -> torch.Tensor:
+    """On verl's driver: the nested `routed_experts` `left_right_2_no_padding` makes, from the compact rows.
+
+    Args:
+        routes: the `non_tensor_batch[ROUTES_FIELD]` column, one `[rows_i, L, K]`
+            array per sample, in batch order.
+        attention_mask: verl's `attention_mask` `[B, P + R]` (prompt
+            left-padded, response right-padded); each sample's token count
+            is its row's sum.
+
+    Returns:
+        The jagged nested `int16` `[B, n_i, L, K]` tensor, bit-identical to
+        what `left_right_2_no_padding` cuts out of verl's padded tensor (zeros
+        off the captured rows, `int32` offsets).
+
+    Raises:
+        ValueError: a row count that is not one per sample, or a sample with
+            more captured rows than tokens.
+    """
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.ndim != 2:
+        raise TypeError("attention_mask: expected verl's [B, T] attention_mask tensor")
+    counts = attention_mask.sum(1).tolist()
+    rows = list(routes)
+    if len(rows) != len(counts):
+        raise ValueError(f"{ROUTES_FIELD}: expected one array per sample ({len(counts)}), got {len(rows)}")
+    nested, _ = nested_routed_experts(rows, counts)
+    return nested
+
+
 def padded_routed_experts(
     routes: Sequence[np.ndarray],
-    prompt_lengths: Sequence[int],
-    response_lengths: Sequence[int],
+    prompt_lengths: Any,
+    response_lengths: Any,
     *,
     prompt_width: int,
     response_width: int,
@@ -70,7 +145,8 @@ def padded_routed_experts(
     Args:
         routes: each sample's captured rows `[rows_i, L, K]`, a prefix of its
             prompt-then-response tokens.
-        prompt_lengths: each sample's prompt tokens `p_i <= prompt_width`.
+        prompt_lengths: each sample's prompt tokens `p_i <= prompt_width`
+            (ints, NumPy integers, or a 1-D integer array or tensor).
         response_lengths: each sample's response tokens `<= response_width`.
         prompt_width: verl's `rollout.prompt_length` (`P`).
         response_width: verl's `rollout.response_length` (`R`).
@@ -87,7 +163,7 @@ def padded_routed_experts(
         layout="prompt_response",
         prompt_width=prompt_width,
         response_width=response_width,
-        prompt_lengths=list(prompt_lengths),
+        prompt_lengths=lengths(prompt_lengths, "prompt_lengths"),
         filler="zeros",
         dtype=VERL_DTYPE,
         workers=workers,
@@ -146,16 +222,12 @@ def replay_mask(router_padding_mask: torch.Tensor) -> torch.Tensor:
     return ~router_padding_mask
 
 
-def _totals(prompt_lengths: Sequence[int], response_lengths: Sequence[int]) -> list[int]:
-    if len(prompt_lengths) != len(response_lengths):
+def _totals(prompt_lengths: Any, response_lengths: Any) -> list[int]:
+    prompts = lengths(prompt_lengths, "prompt_lengths")
+    responses = lengths(response_lengths, "response_lengths")
+    if len(prompts) != len(responses):
         raise ValueError(
             f"prompt_lengths and response_lengths: expected one each per sample, got "
-            f"{len(prompt_lengths)} and {len(response_lengths)}"
+            f"{len(prompts)} and {len(responses)}"
         )
-    totals = []
-    for i, (p, r) in enumerate(zip(prompt_lengths, response_lengths)):
-        for name, v in (("prompt_lengths", p), ("response_lengths", r)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-                raise ValueError(f"{name}[{i}]: expected an int >= 0, got {v!r}")
-        totals.append(int(p) + int(r))
-    return totals
+    return [p + r for p, r in zip(prompts, responses)]

@@ -18,15 +18,9 @@ aligned to `pad_to_multiple_of` as `preprocess_thd_engine` aligns it, with
 sequence- and context-parallel slicing and recompute FIFO, with validation at
 use, drift statistics and the skipped-replay tripwire.
 
-What cannot be replaced, and why: the engine calls `set_router_replay_data`
-from inside its own forward step and owns the schedule call, so the swap is a
-subclass of the engine whose `forward_backward_batch` runs
-`hook.forward_backward` (verl's `router_replay.mode` off, the model built with
-`moe_enable_routing_replay=True`); verl's R2 recording under pipeline and
-sequence parallelism (`merge_router_topk_indices`, the hook records R2 without
-SP or CP only), its interleaved (VPP) chunks (the hook refuses interleaved
-schedules) and its context-parallel `contiguous` layout for DSv4 hybrid
-attention (the hook slices CP per document or per sequence, zigzag) stay verl's.
+`torch_r3.integrations.verl.install()` hands the engine a schedule that runs
+each micro-batch through `microbatch` and the hook (`schedule.EngineReplay`);
+what stays verl's, and why, is said there.
 """
 
 from __future__ import annotations
@@ -37,6 +31,7 @@ import torch
 
 from torch_r3._buffers import BufferPool
 from torch_r3.collate import R3Collator
+from torch_r3.integrations.verl.lengths import lengths
 from torch_r3.keys import INPUT_IDS, SAMPLE_ROUTES
 
 __all__ = ["captured_lengths", "microbatch"]
@@ -84,7 +79,7 @@ def microbatch(
     routed_experts: torch.Tensor,
     input_ids: torch.Tensor,
     *,
-    captured: list[int] | None = None,
+    captured: Any = None,
     pad_to_multiple_of: int | None = None,
     buffers: BufferPool | None = None,
 ) -> dict[str, torch.Tensor]:
@@ -94,7 +89,8 @@ def microbatch(
         routed_experts: verl's nested `routed_experts` `[B, j, L, K]` (from
             `left_right_2_no_padding`, or `nested_routed_experts`).
         input_ids: verl's nested `input_ids` `[B, j]`.
-        captured: each sequence's captured rows; by default `captured_lengths`.
+        captured: each sequence's captured rows (ints, NumPy integers, or a
+            1-D integer array or tensor); by default `captured_lengths`.
         pad_to_multiple_of: `preprocess_thd_engine`'s alignment (TP size,
             times `2 * CP` under context parallelism): each sequence padded to
             a multiple of it, with `cu_seqlens_padded`.
@@ -114,18 +110,16 @@ def microbatch(
     ids = _components(input_ids, "input_ids")
     if len(routes) != len(ids):
         raise ValueError(f"routed_experts has {len(routes)} sequences, input_ids {len(ids)}")
-    rows = captured_lengths(routed_experts) if captured is None else captured
-    if len(rows) != len(ids):
-        raise ValueError(f"captured: expected {len(ids)} lengths (one per sequence), got {len(rows)}")
-    samples = []
-    for i, (r, t, c) in enumerate(zip(routes, ids, rows)):
+    for i, (r, t) in enumerate(zip(routes, ids)):
         if r.shape[0] not in (t.shape[0], t.shape[0] - 1):
             raise ValueError(
                 f"routed_experts[{i}]: {r.shape[0]} rows for {t.shape[0]} tokens; verl's batch has n or n - 1"
             )
-        if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= r.shape[0]:
-            raise ValueError(f"captured[{i}]: expected an int in [0, {r.shape[0]}], got {c!r}")
-        samples.append({INPUT_IDS: t, SAMPLE_ROUTES: r[:c].cpu().numpy()})
+    if captured is None:
+        rows = captured_lengths(routed_experts)
+    else:
+        rows = lengths(captured, "captured", upper=[r.shape[0] for r in routes])
+    samples = [{INPUT_IDS: t, SAMPLE_ROUTES: r[:c].cpu().numpy()} for r, t, c in zip(routes, ids, rows)]
     collator = R3Collator(layout="packed", pad_to_multiple_of=pad_to_multiple_of, filler="arange", pin_memory=False)
     if buffers is not None:
         collator.buffers = buffers
