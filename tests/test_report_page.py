@@ -9,7 +9,6 @@ colour limits instead of their pixels.
 from __future__ import annotations
 
 import math
-import re
 
 import pytest
 
