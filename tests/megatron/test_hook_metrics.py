@@ -47,8 +47,19 @@ def test_metric_names_and_values_match_an_independent_reference_on_a_known_batch
             want[f"expert_load/{source}/entropy/layer_{layer}"] = load_entropy(load)
     recorder.close()
     want["route_drift/mean"] = sum(drifts) / len(drifts)
-    want["live_fraction"] = uncaptured_total / (captured_total + uncaptured_total)
-    want.update({"tokens/captured": captured_total, "tokens/live": uncaptured_total, "tokens/filler": 0})
+    # left padding (attention_mask 0) is no real token: counted apart, never live
+    padding_total = sum(int((b["attention_mask"] == 0).sum()) for b in batches)
+    live_total = uncaptured_total - padding_total
+    want["live_fraction"] = live_total / (captured_total + live_total)
+    want.update(
+        {
+            "tokens/captured": captured_total,
+            "tokens/live": live_total,
+            "tokens/filler": 0,
+            "tokens/padding": padding_total,
+        }
+    )
+    assert padding_total > 0 and live_total > 0
     got = stats.as_dict()
     assert set(got) == set(want)
     assert got == pytest.approx(want)

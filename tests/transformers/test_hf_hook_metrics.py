@@ -47,8 +47,10 @@ def test_metric_names_and_values_match_a_hand_count_on_a_known_batch(qwen):
     for layer in hook.layers:
         want[f"route_drift/layer_{layer}"] = differ / n if layer == last else 0.0
     want["route_drift/mean"] = differ / n / len(hook.layers)
-    want["live_fraction"] = int(mask.sum()) / mask.numel()
-    want.update({"tokens/captured": n, "tokens/live": int(mask.sum()), "tokens/filler": 0})
+    padding = batch["attention_mask"] == 0  # left padding: no real token, counted apart
+    live = int((mask & ~padding).sum())
+    want["live_fraction"] = live / int((~padding).sum())
+    want.update({"tokens/captured": n, "tokens/live": live, "tokens/filler": 0, "tokens/padding": int(padding.sum())})
     for layer in hook.layers:
         rollout = _load(routes[..., layer, :], captured, hook.num_experts)
         trainer = _load(own[..., layer, :], captured, hook.num_experts)
@@ -70,6 +72,8 @@ def test_metric_names_and_values_match_a_hand_count_on_a_known_batch(qwen):
 def test_expert_load_must_be_a_bool(qwen):
     with pytest.raises(TypeError, match=r"expert_load: expected True or False, got 1"):
         ReplayHook(qwen, expert_load=1)
+    with ReplayHook(qwen, expert_load=True):  # the refused hook claimed no router
+        pass
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
