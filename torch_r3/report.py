@@ -150,6 +150,7 @@ def _share_axis(ax: Any, values: Sequence[float]) -> None:
 def _run_bars(ax: Any, runs: Sequence[str], values: Sequence[float], **kwargs: Any) -> None:
     bars = ax.bar(range(len(runs)), [_finite(v) for v in values], color=[f"C{i}" for i in range(len(runs))], **kwargs)
     _labelled_bars(ax, bars)
+    ax.margins(y=0.18)  # room for the tallest bar's label under the title
     long = max(len(_label(run)) for run in runs) > 12
     ax.set_xticks(
         range(len(runs)), [_label(run) for run in runs], rotation=20 if long else 0, ha="right" if long else "center"
