@@ -4,6 +4,8 @@ the indexer selections with the routes cuts the log-prob gap further than the ro
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -11,7 +13,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("aiohttp")
 
 from torch_r3.cli import main as cli_main
-from torch_r3.demo.dsa import DSA_RUNS, DSAConfig, run_dsa
+from torch_r3.demo.dsa import DSA_RUNS, DSAConfig, format_dsa_report, run_dsa
+
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guides" / "sparse-attention.md"
 
 
 def test_the_variant_rolls_out_with_selections_and_replay_cuts_the_gap():
@@ -24,6 +28,7 @@ def test_the_variant_rolls_out_with_selections_and_replay_cuts_the_gap():
     gaps = {run: results[run]["logprob_abs_diff"] for run in DSA_RUNS}
     assert gaps["routes_and_selections"] < gaps["without_replay"]
     assert 0 < results["without_replay"]["selection_overlap"] <= 1
+    assert f"index_topk={cfg.index_topk}; selections" in format_dsa_report(results)  # the value, not its code
 
 
 def test_the_cli_flag_prints_the_variant_s_table_and_writes_json(tmp_path, capsys):
@@ -45,3 +50,30 @@ def test_the_cli_flag_prints_the_variant_s_table_and_writes_json(tmp_path, capsy
     assert [line.split("  ")[0].strip() for line in table.splitlines()[1:4]] == list(DSA_RUNS.values())
     assert set(json.loads(out.read_text())) == {*DSA_RUNS, "sizes"}
     assert cli_main(["demo", "--dsa", "--server-url", "http://127.0.0.1:1"]) == 2
+
+
+def test_dsa_refuses_a_run_log_and_its_help_says_so(tmp_path, capsys):
+    from torch_r3.demo import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert (
+        "--run-log PATH append each run's step to a run log (JSON lines; see torch-r3 report); not with --dsa" in text
+    )
+    assert "--server-url URL use this inference server instead of starting the loopback one (not with --dsa" in text
+    assert cli_main(["demo", "--dsa", "--run-log", str(tmp_path / "r.jsonl")]) == 2
+    assert "no --run-log" in capsys.readouterr().err and not (tmp_path / "r.jsonl").exists()
+
+
+_WORDS = {"two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "eight": 8}
+
+
+@pytest.mark.slow
+def test_the_default_dsa_run_is_the_one_the_guide_describes(tmp_path, capsys):
+    words = re.search(r"(\w+) (\d+)-turn rollouts go", " ".join(GUIDE.read_text().split()))
+    assert words, "the guide no longer says how many rollouts the variant runs"
+    out = tmp_path / "dsa.json"
+    assert cli_main(["demo", "--dsa", "--quiet", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert json.loads(out.read_text())["sizes"]["trajectories"] == _WORDS[words[1]] == DSAConfig().trajectories
+    assert DSAConfig().turns == int(words[2])
+    assert f"({_WORDS[words[1]]} trajectories," in table

@@ -75,10 +75,6 @@ def table_span(text: str) -> tuple[int, int]:
     return _fenced_after(text, FIGURES_HEADING)
 
 
-def warning_span(text: str) -> tuple[int, int]:
-    return _fenced_after(text, "no captured route and warns:")
-
-
 def _collapse(s: str) -> str:
     return " ".join(s.split())
 
@@ -124,16 +120,10 @@ CLAIMS: dict[str, Claim] = {
         lambda f: 100 * f["with_replay"]["stats"]["route_drift"][0],
         ("points", PERCENT_POINTS),
     ),
-    "positions routed live": (
-        rf"uncaptured{S}last{S}positions,{S}(\d+){S}here",
+    "real tokens without a captured route": (
+        rf"synthetic{S}EOS,{S}(\d+){S}here",
         lambda f: f"{f['with_replay']['stats']['tokens']['live']}",
         lambda f: f["with_replay"]["stats"]["tokens"]["live"],
-        "exact",
-    ),
-    "uncaptured loss-active tokens in the warning": (
-        rf"UserWarning:{S}(\d+){S}loss-active",
-        lambda f: f"{f['with_replay']['uncaptured_tokens']}",
-        lambda f: f["with_replay"]["uncaptured_tokens"],
         "exact",
     ),
 }
@@ -187,12 +177,14 @@ def test_the_tutorial_table_is_what_the_demo_prints(demo):
 
 
 @pytest.mark.slow
-def test_the_tutorial_warning_is_the_one_the_demo_gives(demo):
-    _stdout, stderr, _figures = demo
-    given = [line[line.index(WARNING_PREFIX) :] for line in stderr.splitlines() if WARNING_PREFIX in line]
-    text = TUTORIAL.read_text()
-    start, end = warning_span(text)
-    assert _collapse(text[start:end]) in [_collapse(w) for w in given], given
+def test_the_default_demo_warns_nothing_and_the_tutorial_quotes_no_warning(demo):
+    # Its loss-active tokens without a route are the synthetic EOS it appends on purpose: the
+    # table counts them; a warning would be for a sampled token without one.
+    stdout, stderr, figures = demo
+    assert WARNING_PREFIX not in stderr, stderr[-2000:]
+    assert WARNING_PREFIX not in TUTORIAL.read_text()
+    n = figures["with_replay"]["uncaptured_tokens"]
+    assert n > 0 and f" {n} loss-active tokens predicted from an uncaptured position" in stdout
 
 
 @pytest.mark.slow
@@ -226,7 +218,8 @@ def test_the_tolerances_still_catch_a_table_that_no_longer_matches_the_demo():
         table.replace("1.164e-03", "1.164e-02"),
         table.replace("6.231e-03", "3.100e-03"),
         table.replace("408 real tokens", "409 real tokens"),
-        table.replace("live 16", "live 17"),
+        table.replace("live 12", "live 13"),
+        table.replace("padding 4", "padding 5"),
         "\n".join(line for line in table.splitlines() if "layer 3 " not in line),
         table.replace("k3 KL", "k2 KL"),
     ):
@@ -261,8 +254,7 @@ def test_regenerate_rewrites_the_table_and_every_quoted_figure():
         "fall of the k3 KL": "100",
         "filler routes' |dlogp| on uncaptured tokens": "0.99",
         "layer-0 drift": "12.34",
-        "positions routed live": "99",
-        "uncaptured loss-active tokens in the warning": "7",
+        "real tokens without a captured route": "99",
     }
 
 

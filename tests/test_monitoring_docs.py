@@ -87,6 +87,7 @@ def expected_scalars(stats: Any) -> dict[str, float]:
     out["r3/tokens/captured"] = stats.tokens.captured
     out["r3/tokens/live"] = stats.tokens.live
     out["r3/tokens/filler"] = stats.tokens.filler
+    out["r3/tokens/padding"] = stats.tokens.padding
     if stats.dropped_fraction is not None:
         out["r3/dropped_fraction"] = stats.dropped_fraction
     for source, loads in (("rollout", stats.rollout_load), ("trainer", stats.trainer_load)):

@@ -159,3 +159,39 @@ def test_a_demo_runs_report_opens_in_headless_chromium_without_console_errors(me
     page = tmp_path / "demo.html"
     assert main(["report", str(log), "-o", str(page)]) == 0
     assert console_errors(page) == []
+
+
+def test_non_finite_values_are_written_and_read_back_as_the_floats_they_were(tmp_path):
+    # A NaN or inf loss is what a diverging run logs: the writer records it, inside the
+    # training loop, instead of raising; the reader gives back the same floats.
+    path = tmp_path / "run.jsonl"
+    with RunLog(path, rank=0) as log:
+        log.write(0, {"loss": float("inf"), "grad": float("-inf"), "kl": float("nan")}, loss=float("nan"), lr=1e-4)
+        log.write(1, {"loss": 2.0}, loss=float("-inf"), run="inf")  # a run named "inf" stays a string
+    lines = [json.loads(x) for x in path.read_text().splitlines()]  # strict JSON: no NaN/Infinity literals
+    assert lines[0]["metrics"] == {"loss": "inf", "grad": "-inf", "kl": None}
+    assert lines[0]["meta"] == {"loss": "nan", "lr": 1e-4} and lines[0]["nonfinite_meta"] == ["loss"]
+    first, second = read_run_log(path)
+    assert first.metrics["loss"] == math.inf and first.metrics["grad"] == -math.inf and math.isnan(first.metrics["kl"])
+    assert math.isnan(first.meta["loss"]) and first.meta["lr"] == 1e-4
+    assert second.meta == {"loss": -math.inf, "run": "inf"}
+
+
+@pytest.mark.parametrize(
+    ("line", "match"),
+    [
+        ('{"step": 0, "rank": 0, "metrics": {"a": "Infinity"}}', r"r.jsonl:1: metric 'a' must be a number or null"),
+        (
+            '{"step": 0, "rank": 0, "metrics": {}, "meta": {"loss": "big"}, "nonfinite_meta": ["loss"]}',
+            r"r.jsonl:1: meta 'loss' is listed in 'nonfinite_meta' but holds 'big'",
+        ),
+        (
+            '{"step": 0, "rank": 0, "metrics": {}, "meta": {}, "nonfinite_meta": ["loss"]}',
+            r"r.jsonl:1: meta 'loss' is listed in 'nonfinite_meta' but holds None",
+        ),
+    ],
+)
+def test_the_reader_refuses_a_non_finite_spelling_it_did_not_write(tmp_path, line, match):
+    (tmp_path / "r.jsonl").write_text(line + "\n")
+    with pytest.raises(ValueError, match=match):
+        read_run_log(tmp_path / "r.jsonl")

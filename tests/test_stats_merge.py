@@ -76,7 +76,7 @@ def test_expert_load_is_off_by_default_and_adds_no_names():
 def _part(differ, captured, tokens, load=None, drift_layers=None):
     layers = drift_layers or sorted(differ)
     drift = {layer: (differ[layer] / captured[layer] if layer in differ else None) for layer in layers}
-    total = sum(tokens)
+    total = sum(tokens[:3])  # real tokens: padding (a fourth count) is not in the share
     return ReplayStats(
         microbatches=2,
         route_drift=drift,
@@ -89,13 +89,13 @@ def _part(differ, captured, tokens, load=None, drift_layers=None):
 
 
 def test_merge_sums_counts_and_recomputes_fractions_from_the_sums():
-    a = _part({0: 1, 1: 4}, {0: 10, 1: 10}, (10, 2, 0), load={0: (5, 5), 1: (10, 0)})
-    b = _part({0: 9}, {0: 30}, (30, 0, 6), load={0: (20, 10)}, drift_layers=[0, 2])  # layer 2 never replayed
+    a = _part({0: 1, 1: 4}, {0: 10, 1: 10}, (10, 2, 0, 3), load={0: (5, 5), 1: (10, 0)})
+    b = _part({0: 9}, {0: 30}, (30, 0, 6, 5), load={0: (20, 10)}, drift_layers=[0, 2])  # layer 2 never replayed
     m = merge_stats([a, b])
     assert m.microbatches == 4
     assert m.route_drift == {0: pytest.approx(10 / 40), 1: pytest.approx(4 / 10), 2: None}
-    assert m.tokens == (40, 2, 6)
-    assert m.live_fraction == pytest.approx(2 / 48)
+    assert m.tokens == (40, 2, 6, 8)
+    assert m.live_fraction == pytest.approx(2 / 48)  # padding summed apart, not in the share
     assert m.rollout_load == {0: (25, 15), 1: (10, 0)}
     assert m.as_dict()["expert_load/rollout/max_over_mean/layer_1"] == 2.0
     assert m.dropped_fraction is None

@@ -10,10 +10,16 @@ with RunLog("run-{rank}.jsonl") as log:  # one file per rank; without {rank} onl
 ```
 
 A line is `{"step": 3, "rank": 0, "time": 1764620000.5, "metrics": {...}, "meta": {...}}`:
-`metrics` is `ReplayStats.as_dict()` (or any flat `{name: number}`), with NaN written as
-`null` (JSON has no NaN); `meta` holds the keyword arguments of `write` (JSON scalars:
-`run="baseline"`, `replay=False`, a loss, a reward). `torch-r3 report` draws the page
-from these lines; `read_run_log` reads them back.
+`metrics` is `ReplayStats.as_dict()` (or any flat `{name: number}`); `meta` holds the
+keyword arguments of `write` (JSON scalars: `run="baseline"`, `replay=False`, a loss, a
+reward). `torch-r3 report` draws the page from these lines; `read_run_log` reads them back.
+
+JSON has no NaN or infinity, and a diverging run logs exactly those, so `write` records
+them instead of raising in the training loop: a metric's NaN is `null`, its infinities the
+strings `"inf"` and `"-inf"` (a metric is otherwise a number, so the string is unambiguous);
+a meta value's NaN or infinity is the string `"nan"`, `"inf"` or `"-inf"`, and the line's
+`"nonfinite_meta"` lists those keys (so `run="inf"` stays a string). `read_run_log` gives
+back the floats.
 
 `read_routing_trace` reads the `router_trace_rank<r>.jsonl` files that Megatron-core
 0.19's router tracer writes under `--moe-routing-trace-path` (one line per step, block
@@ -77,10 +83,19 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _number(value: Any, where: str) -> float | None:
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}  # how a meta value's spelling reads back
+
+
+def _spelling(value: float) -> str:
+    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+
+
+def _number(value: Any, where: str) -> float | str | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{where}: expected a number, got {type(value).__name__} {value!r}")
-    return None if isinstance(value, float) and math.isnan(value) else value
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else _spelling(value)
+    return value
 
 
 class RunLog:
@@ -114,6 +129,9 @@ class RunLog:
             metrics: A `ReplayStats` (its `as_dict()` is written) or a flat `{name: number}`.
             **meta: JSON scalars (str, int, float, bool, None) to keep with the step.
 
+        A NaN or infinite metric or meta value is recorded, not refused (the module's docstring
+        says how it is spelled); `read_run_log` reads it back as that float.
+
         Raises:
             TypeError: When a metric is not a number or a meta value is not a JSON scalar.
             ValueError: When `step` is negative.
@@ -128,15 +146,23 @@ class RunLog:
                 f"metrics: expected a ReplayStats or a mapping of names to numbers, got {type(metrics).__name__}"
             )
         out = {str(k): _number(v, f"metrics[{k!r}]") for k, v in flat.items()}
+        kept: dict[str, Any] = {}
+        nonfinite = []
         for key, value in meta.items():
             if value is not None and not isinstance(value, (str, int, float, bool)):
                 raise TypeError(f"meta {key!r}: expected a str, number, bool or None, got {type(value).__name__}")
+            if isinstance(value, float) and not math.isfinite(value):
+                value = _spelling(value)
+                nonfinite.append(key)
+            kept[key] = value
         if self.path is None:
             return
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a", encoding="utf-8")
-        line = {"step": step, "rank": self.rank, "time": time.time(), "metrics": out, "meta": meta}
+        line: dict[str, Any] = {"step": step, "rank": self.rank, "time": time.time(), "metrics": out, "meta": kept}
+        if nonfinite:
+            line["nonfinite_meta"] = nonfinite
         self._file.write(json.dumps(line, allow_nan=False) + "\n")
         self._file.flush()
 
@@ -184,6 +210,9 @@ def _int_field(value: dict[str, Any], key: str, where: str) -> int:
 def read_run_log(path: str | os.PathLike[str]) -> list[RunRecord]:
     """Every line of a run log that `RunLog` wrote, in file order.
 
+    NaN and infinities come back as the floats `RunLog.write` was given (a metric's `null`,
+    `"inf"` and `"-inf"`; the meta keys listed in `"nonfinite_meta"`).
+
     Raises:
         ValueError: When a line is not JSON, longer than `MAX_LINE_BYTES`, or lacks a field
             (the message names the file, the line and the field).
@@ -204,10 +233,23 @@ def read_run_log(path: str | os.PathLike[str]) -> list[RunRecord]:
         for k, v in metrics.items():
             if v is None:
                 flat[k] = float("nan")
+            elif v in ("inf", "-inf"):
+                flat[k] = _NONFINITE[v]
             elif isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ValueError(f"{where}: metric {k!r} must be a number or null, got {v!r}")
+                raise ValueError(f'{where}: metric {k!r} must be a number or null, "inf" or "-inf", got {v!r}')
             else:
                 flat[k] = v
+        nonfinite = value.get("nonfinite_meta", [])
+        if not isinstance(nonfinite, list):
+            raise ValueError(f"{where}: 'nonfinite_meta' must be a list of meta keys, got {type(nonfinite).__name__}")
+        for key in nonfinite:
+            spelled = meta.get(key) if isinstance(key, str) else None
+            if not isinstance(spelled, str) or spelled not in _NONFINITE:
+                raise ValueError(
+                    f"{where}: meta {key!r} is listed in 'nonfinite_meta' but holds {spelled!r}, "
+                    'not "nan", "inf" or "-inf"'
+                )
+            meta[key] = _NONFINITE[spelled]
         records.append(RunRecord(step, rank, float(stamp), flat, meta))
     return records
 

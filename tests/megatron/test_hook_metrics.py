@@ -47,8 +47,19 @@ def test_metric_names_and_values_match_an_independent_reference_on_a_known_batch
             want[f"expert_load/{source}/entropy/layer_{layer}"] = load_entropy(load)
     recorder.close()
     want["route_drift/mean"] = sum(drifts) / len(drifts)
-    want["live_fraction"] = uncaptured_total / (captured_total + uncaptured_total)
-    want.update({"tokens/captured": captured_total, "tokens/live": uncaptured_total, "tokens/filler": 0})
+    # left padding (attention_mask 0) is no real token: counted apart, never live
+    padding_total = sum(int((b["attention_mask"] == 0).sum()) for b in batches)
+    live_total = uncaptured_total - padding_total
+    want["live_fraction"] = live_total / (captured_total + live_total)
+    want.update(
+        {
+            "tokens/captured": captured_total,
+            "tokens/live": live_total,
+            "tokens/filler": 0,
+            "tokens/padding": padding_total,
+        }
+    )
+    assert padding_total > 0 and live_total > 0
     got = stats.as_dict()
     assert set(got) == set(want)
     assert got == pytest.approx(want)
@@ -64,3 +75,20 @@ def test_expert_load_is_off_by_default(make_model):
     assert hook.last_stats.counts is not None
     with pytest.raises(TypeError, match=r"expert_load: expected True or False"):
         ReplayHook(make_model(), expert_load="yes")
+
+
+@pytest.mark.parametrize("uncaptured", ["live", "replay"])
+def test_live_fraction_is_the_share_of_real_tokens_without_a_route_and_padding_is_counted_apart(make_model, uncaptured):
+    # The controlled case: one uncaptured real token per trajectory (two per microbatch), for
+    # two 10-token trajectories and for a 10-token and a 2-token one; the 8 positions of left
+    # padding in the second are no real token and are counted on their own.
+    from torch_r3.replay.stats import TokenCounts
+
+    model = make_model()
+    hook = ReplayHook(model, uncaptured=uncaptured)
+    for real, padding in (((10, 2), 8), ((10, 10), 0)):
+        batch = make_batch(seq_len=10, real=real, captured=(real[0] - 1, real[1] - 1))
+        run_step(hook, model, [batch])
+        live = 2 if uncaptured == "live" else 0
+        assert hook.last_stats.live_fraction == pytest.approx(live / sum(real)), real
+        assert hook.last_stats.tokens == TokenCounts(sum(real) - 2, live, 2 - live, padding), real

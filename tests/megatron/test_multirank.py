@@ -190,13 +190,17 @@ def _check(results, name: str, *, layers_per_stage) -> None:
             torch.testing.assert_close(grad.float() / scale, want / scale, **tolerance, msg=lambda m: f"{param}: {m}")  # noqa: B023
 
     # hook.last_stats counts this rank's token positions: per pipeline stage, the
-    # ranks together counted every captured position once and routed the rest live.
+    # ranks together counted every captured position once, routed the other real tokens
+    # live, and counted the left padding apart (under sequence parallelism too).
+    real = sum(len(s["input_ids"]) for s in samples)
     for stage in range(len(layers_per_stage)):
         counts = [r["tokens"] for r in ranks if r["ranks"]["pp"] == stage]
         captured_total = sum(c[0] for c in counts)
         live_total = sum(c[1] for c in counts)
+        padding_total = sum(c[3] for c in counts)
         assert captured_total == len(captured)
-        assert live_total == sum(len(_sample_positions(s, scenario.packed)) for s in samples) - len(captured)
+        assert live_total == real - len(captured)
+        assert padding_total == sum(len(_sample_positions(s, scenario.packed)) for s in samples) - real
 
     # Every position of every sample, once per layer, on exactly one rank.
     positions = {(s["sample_id"], t) for s in samples for t in _sample_positions(s, scenario.packed)}

@@ -89,11 +89,12 @@ def test_last_stats_count_drift_and_tokens_like_an_independent_reference(make_mo
         stats.microbatches = 0
 
     captured = sum(int((~b["router_padding_mask"]).sum()) for b in batches)
-    uncaptured_count = sum(int(b["router_padding_mask"].sum()) for b in batches)
+    padding = sum(int((b["attention_mask"] == 0).sum()) for b in batches)  # no real token: counted apart
+    uncaptured_count = sum(int(b["router_padding_mask"].sum()) for b in batches) - padding
     live = uncaptured_count if uncaptured == "live" else 0
     assert stats.microbatches == 3
-    assert stats.tokens == (captured, live, uncaptured_count - live)
-    assert stats.tokens.captured == captured
+    assert stats.tokens == (captured, live, uncaptured_count - live, padding)
+    assert stats.tokens.captured == captured and padding > 0
     assert stats.live_fraction == pytest.approx(live / (captured + uncaptured_count))
     assert stats.dropped_fraction is None
     assert set(stats.route_drift) == {0, 1}

@@ -1,7 +1,7 @@
 """`torch-r3 demo --trainer transformers`, as a user runs it, in a process where Megatron cannot be imported.
 
 A bf16 transformers Qwen3-MoE model behind the loopback server, multi-turn
-rollouts through the client, a DataLoader with R3Collator and two workers, and
+rollouts through the client, a DataLoader with R3Collator (main process, the default), and
 an fp32 training step with ReplayHook (live and filler) and without it.
 """
 

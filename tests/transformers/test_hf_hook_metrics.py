@@ -47,8 +47,10 @@ def test_metric_names_and_values_match_a_hand_count_on_a_known_batch(qwen):
     for layer in hook.layers:
         want[f"route_drift/layer_{layer}"] = differ / n if layer == last else 0.0
     want["route_drift/mean"] = differ / n / len(hook.layers)
-    want["live_fraction"] = int(mask.sum()) / mask.numel()
-    want.update({"tokens/captured": n, "tokens/live": int(mask.sum()), "tokens/filler": 0})
+    padding = batch["attention_mask"] == 0  # left padding: no real token, counted apart
+    live = int((mask & ~padding).sum())
+    want["live_fraction"] = live / int((~padding).sum())
+    want.update({"tokens/captured": n, "tokens/live": live, "tokens/filler": 0, "tokens/padding": int(padding.sum())})
     for layer in hook.layers:
         rollout = _load(routes[..., layer, :], captured, hook.num_experts)
         trainer = _load(own[..., layer, :], captured, hook.num_experts)
@@ -70,3 +72,42 @@ def test_metric_names_and_values_match_a_hand_count_on_a_known_batch(qwen):
 def test_expert_load_must_be_a_bool(qwen):
     with pytest.raises(TypeError, match=r"expert_load: expected True or False, got 1"):
         ReplayHook(qwen, expert_load=1)
+    with ReplayHook(qwen, expert_load=True):  # the refused hook claimed no router
+        pass
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_live_fraction_is_the_share_of_real_tokens_without_a_route_and_padding_is_counted_apart(qwen, layout):
+    # The controlled case: one uncaptured real token (the last sampled one) per trajectory, so
+    # two per batch, for two 10-token trajectories and for a 10-token and a 2-token one. Left
+    # padding (8 positions in the second batch) is no real token: counted on its own.
+    from torch_r3.replay.stats import TokenCounts
+
+    for lengths in ((10, 2), (10, 10)):
+        with ReplayHook(qwen) as hook:
+            batch = make_batch(hook, lengths=lengths, layout=layout)
+            if layout == "packed":
+                bounds = batch["cu_seqlens"].tolist()
+                positions = torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])])[None]
+                args = {"input_ids": batch["input_ids"][None], "position_ids": positions}
+            else:
+                args = inputs(batch)
+            with torch.no_grad(), hook.replay(batch):
+                qwen(**args)
+            stats = hook.last_stats
+        real = sum(lengths)
+        padding = len(lengths) * max(lengths) - real if layout == "padded" else 0
+        assert stats.live_fraction == pytest.approx(2 / real), lengths
+        assert stats.tokens == TokenCounts(captured=real - 2, live=2, filler=0, padding=padding), lengths
+        assert stats.as_dict()["tokens/padding"] == padding
+
+
+def test_with_filler_routes_padding_is_still_no_filler_token(qwen):
+    from torch_r3.replay.stats import TokenCounts
+
+    with ReplayHook(qwen, uncaptured="replay") as hook:
+        batch = make_batch(hook, lengths=(10, 2))
+        with torch.no_grad(), hook.replay(batch):
+            qwen(**inputs(batch))
+        assert hook.last_stats.tokens == TokenCounts(captured=10, live=0, filler=2, padding=8)
+        assert hook.last_stats.live_fraction == 0.0

@@ -65,8 +65,12 @@ def test_last_stats_counts_drift_per_layer_and_tokens_against_an_independent_cou
         assert stats.route_drift[hook.layers[0]] == 0.0
         assert stats.route_drift[last] == pytest.approx(int((differs & ~mask).sum()) / captured)
         assert stats.route_drift[last] > 0
-        assert stats.tokens == (captured, int(mask.sum()), 0)
-        assert stats.live_fraction == pytest.approx(int(mask.sum()) / mask.numel())
+        # The replayed batch holds no attention_mask: its padding is each row's leading uncaptured run,
+        # which here is the collated attention_mask's zeros. Counted apart from the real tokens.
+        padding = int((batch["attention_mask"] == 0).sum())
+        live = int(mask.sum()) - padding
+        assert stats.tokens == (captured, live, 0, padding) and padding > 0
+        assert stats.live_fraction == pytest.approx(live / (mask.numel() - padding))
 
 
 def test_packed_sequences_replay_exactly_and_match_the_unpacked_sequences(qwen):

@@ -3,7 +3,8 @@
 `torch-r3 demo` or `python -m torch_r3.demo [--trainer megatron|transformers]`.
 `torch_r3.demo.common` holds what both trainers share and `run(cfg, trainer=)`;
 `torch_r3.demo.megatron` and `torch_r3.demo.transformers` hold each trainer's
-side (models, served model, measurement). The common part imports neither.
+side (models, served model, measurement). The common part imports neither;
+`torch_r3.demo.options` is the command line.
 """
 
 from __future__ import annotations
@@ -13,13 +14,11 @@ from torch_r3.demo.common import (
     TRAINERS,
     DemoConfig,
     DemoError,
-    build_parser,
     format_report,
-    main,
     quiet_third_party_warnings,
     run,
-    run_from_args,
 )
+from torch_r3.demo.options import build_parser, main, run_from_args
 
 __all__ = [
     "RUNS",

@@ -5,8 +5,9 @@
    captures the routes of every position it evaluates.
 2. Multi-turn rollouts go through `RemoteGenerateClient`; `RoutedExpertTrace`
    asks only for the rows not captured yet (`routed_experts_prompt_start`).
-3. A `DataLoader` with `R3Collator` and two worker processes builds the
-   left-padded batches.
+3. A `DataLoader` with `R3Collator` builds the left-padded batches (in the
+   main process by default, as the README recommends; `--num-workers 2` shows
+   the worker path).
 4. The **same weights in float32** run a training forward/backward through
    Megatron's schedule three times: with `ReplayHook` (tokens without a
    captured route routed live, the default), with `ReplayHook(...,
@@ -22,16 +23,15 @@ Run it with `torch-r3 demo` or `python -m torch_r3.demo [--json PATH]`;
 model on both sides. This module holds what both trainers share (the
 configuration, the inference side's sampling, the rollouts, the collation, the
 measurements and the report) and the one `run(cfg, trainer=)`; each trainer's
-own side is `torch_r3.demo.megatron` or `torch_r3.demo.transformers`.
+own side is `torch_r3.demo.megatron` or `torch_r3.demo.transformers`, and the
+command line (its options, the run log it writes) is `torch_r3.demo.options`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import importlib
-import json
 import sys
 import time
 import warnings
@@ -384,8 +384,14 @@ def collate_and_measure(
     quiet: bool,
 ) -> dict[str, dict[str, Any]]:
     """The trainer side both demos share: collate the rollouts with `R3Collator` in a
-    `DataLoader`, warn about loss-active tokens without a captured route, and run every
-    entry of `RUNS` through the trainer's own `measure(model, microbatches, cfg, uncaptured=)`."""
+    `DataLoader`, count the loss-active tokens predicted from a position without a captured
+    route, and run every entry of `RUNS` through the trainer's own `measure(model, microbatches,
+    cfg, uncaptured=)`.
+
+    Those tokens are the synthetic EOS the rollouts append on purpose (`cfg.synthetic_eos`: no
+    engine sampled them, so no engine ran their predicting position); the table reports them and
+    a progress line says what they are. A *sampled* token there would mean the captured routes
+    do not cover the rollout: that is warned about."""
     from torch.utils.data import DataLoader
 
     per_token = ("loss_mask", "rollout_logprobs", "has_rollout_logprob", "reference_logprobs", "has_reference_logprob")
@@ -403,12 +409,20 @@ def collate_and_measure(
         f"({num_workers} DataLoader workers)",
         quiet,
     )
-    uncaptured = sum(int(loss_active_uncaptured(mb).sum()) for mb in microbatches)
-    if uncaptured:
+    uncaptured = [loss_active_uncaptured(mb) for mb in microbatches]
+    appended = sum(int((u & (mb["has_rollout_logprob"][:, 1:] == 0)).sum()) for u, mb in zip(uncaptured, microbatches))
+    sampled = sum(int(u.sum()) for u in uncaptured) - appended
+    if appended:
+        progress(
+            f"{appended} loss-active token(s) are the synthetic EOS appended after the last turn: nothing ran "
+            f'their predicting position, so it has no route; ReplayHook routes it live (uncaptured="live") '
+            f'or replays a filler route there (uncaptured="replay")',
+            quiet,
+        )
+    if sampled:
         warnings.warn(
-            f"{uncaptured} loss-active token(s) are predicted from positions without a captured route "
-            f"(an uncaptured tail, e.g. a synthetic EOS); ReplayHook routes them with the model's own "
-            f'router (uncaptured="live"), or replays a filler route there with uncaptured="replay"',
+            f"{sampled} sampled, loss-active token(s) are predicted from positions without a captured route: "
+            "the routes the server returned do not cover the rollout",
             stacklevel=3,  # the caller of `run`
         )
     results = {}
@@ -424,7 +438,7 @@ def run(
     trainer: str = "megatron",
     server_url: str | None = None,
     retries: int = 3,
-    num_workers: int = 2,
+    num_workers: int = 0,
     quiet: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Run the whole step with one of `TRAINERS`; returns the figures of each run in `RUNS`, by name."""
@@ -452,106 +466,3 @@ def run(
             results = collate_and_measure(samples, train_model, side.measure, cfg, num_workers=num_workers, quiet=quiet)
         progress(f"done in {time.perf_counter() - t0:.1f} s", quiet)
     return results
-
-
-# The demo's own figures a run log keeps beside R3's metrics (for the report's R3 on/off panel).
-RUN_LOG_FIGURES = ("route_agreement", "logprob_abs_diff", "k3_kl", "uncaptured_logprob_abs_diff")
-
-
-def write_run_log(path: str, results: dict[str, dict[str, Any]], *, trainer: str) -> None:
-    """Append one line per run in `RUNS` (step 0) to the run log at `path`: R3's metrics and the demo's figures."""
-    from torch_r3.runlog import RunLog
-
-    with RunLog(path) as log:
-        for name, (mode, _column) in RUNS.items():
-            figures = results[name]
-            metrics = dict(figures.get("metrics") or {})
-            metrics.update({k: figures[k] for k in RUN_LOG_FIGURES if figures.get(k) is not None})
-            log.write(0, metrics, run=name, replay=mode is not None, trainer=trainer)
-
-
-def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """The demo's command-line options (shared with ``torch-r3 demo``)."""
-    parser = parser or argparse.ArgumentParser(prog="python -m torch_r3.demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
-    parser.add_argument(
-        "--run-log", metavar="PATH", help="append each run's step to a run log (JSON lines; see torch-r3 report)"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="weights, prompts and sampling seed (default 0)")
-    parser.add_argument("--trajectories", type=int, default=8, help="rollouts (default 8)")
-    parser.add_argument("--turns", type=int, default=3, help="turns per rollout (default 3)")
-    parser.add_argument(
-        "--server-url", metavar="URL", help="use this inference server instead of starting the loopback one"
-    )
-    parser.add_argument(
-        "--retries", type=int, default=3, help="HTTP retries per request after the first attempt (default 3)"
-    )
-    parser.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes (default 2)")
-    parser.add_argument("--quiet", action="store_true", help="no progress lines")
-    parser.add_argument(
-        "--trainer",
-        choices=TRAINERS,
-        default="megatron",
-        help="the training side: a Megatron GPTModel (default) or a Hugging Face transformers Qwen3-MoE model",
-    )
-    parser.add_argument(
-        "--dsa",
-        action="store_true",
-        help="the sparse-attention variant: a transformers DeepSeek-V3.2 model, replaying routes only vs routes "
-        "and DSA indexer selections (uses the transformers trainer; --trajectories and --turns apply)",
-    )
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    return run_from_args(build_parser().parse_args(argv))
-
-
-def run_from_args(args: argparse.Namespace) -> int:
-    """Run with parsed options (``torch-r3 demo`` shares the parser); returns the exit code."""
-    for name in ("trajectories", "turns", "retries"):
-        if getattr(args, name) < 1:
-            print(f"error: --{name} must be >= 1", file=sys.stderr)
-            return 2
-    if getattr(args, "dsa", False):
-        return _run_dsa_from_args(args)
-    cfg = DemoConfig(seed=args.seed, trajectories=args.trajectories, turns=args.turns)
-    try:
-        results = run(
-            cfg,
-            trainer=getattr(args, "trainer", "megatron"),
-            server_url=args.server_url,
-            retries=args.retries,
-            num_workers=args.num_workers,
-            quiet=args.quiet,
-        )
-    except DemoError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(format_report(results, cfg))
-    if getattr(args, "run_log", None):
-        write_run_log(args.run_log, results, trainer=getattr(args, "trainer", "megatron"))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    return 0
-
-
-def _run_dsa_from_args(args: argparse.Namespace) -> int:
-    """`--dsa`: the sparse-attention variant (`torch_r3.demo.dsa`), its own report and JSON."""
-    # Like the trainers' sides (`run`), the variant is a module built on this one, found by name.
-    dsa = importlib.import_module("torch_r3.demo.dsa")
-    if args.server_url or getattr(args, "run_log", None):
-        print("error: --dsa runs its own loopback server and writes no run log", file=sys.stderr)
-        return 2
-    cfg = dsa.DSAConfig(seed=args.seed, trajectories=args.trajectories, turns=args.turns)
-    try:
-        results = dsa.run_dsa(cfg, quiet=args.quiet)
-    except DemoError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(dsa.format_dsa_report(results))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    return 0

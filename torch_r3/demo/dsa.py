@@ -286,7 +286,7 @@ def format_dsa_report(results: dict[str, dict[str, Any]]) -> str:
     lines += [
         f"({s['trajectories']} trajectories, {s['tokens']} tokens, {s['loss_tokens']} loss-active sampled tokens, "
         f"|dlogp| against the rollout's bf16 log-probs; indexer agreement: the share of the engine's selected "
-        "positions the trainer's own indexers pick; index_topk={s['index_topk']}; selections "
+        f"positions the trainer's own indexers pick; index_topk={s['index_topk']}; selections "
         f"{s['selection_bytes']} B compact, {s['selection_dense_bytes']} B as SGLang's int32;",
         f" {s['selections_changed']} of {s['selection_rows']} selection rows changed when a later turn resent them: "
         "the latest turn's kept)",

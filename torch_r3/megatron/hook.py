@@ -553,7 +553,7 @@ class ReplayHook:
                 (routes.shape[0], routes.shape[1], cu_seqlens is not None, layout.padding_mask)
             )
         else:
-            self._stats.add_microbatch(uncaptured, live=live)
+            self._stats.add_microbatch(uncaptured, live=live, padding=share.padding)
         self._active_mask = share.model_mask
 
     def _check_can_record(self, forward_only: bool) -> None:

@@ -50,12 +50,15 @@ class RankShare:
             sequence-first (`[S_local * B]`).
         model_mask: The padding mask handed to the model's forward.
         input_shape: The `input_ids` shape the model must be given, `(B, S)`.
+        padding: The router's view of the padding mask (`True` where there is no
+            real token), flattened like `uncaptured`: the stats count it apart.
     """
 
     routes: torch.Tensor
     uncaptured: torch.Tensor
     model_mask: torch.Tensor
     input_shape: tuple[int, int]
+    padding: torch.Tensor
 
 
 def current_rank(config: Any) -> RankSlice:
@@ -132,9 +135,11 @@ def rank_share(
         packed_balancing=packed_balancing,
     )
     router_mask, model_mask = masks[..., 0], masks[..., 1]
+    router_padding = model_mask
     width = masks.shape[1]
     if model_scatters_mask and rank.splits_sequence:
-        router_mask = router_mask[:, sequence_parallel_positions(width, rank.tp_size, rank.tp_rank)]
+        positions = sequence_parallel_positions(width, rank.tp_size, rank.tp_rank)
+        router_mask, router_padding = router_mask[:, positions], router_padding[:, positions]
     elif rank.splits_sequence:
         width *= rank.tp_size  # the mask holds this rank's share; input_ids the whole (CP-local) row
     return RankShare(
@@ -142,4 +147,5 @@ def rank_share(
         uncaptured=router_mask.transpose(0, 1).reshape(-1),
         model_mask=model_mask,
         input_shape=(masks.shape[0], width),
+        padding=router_padding.transpose(0, 1).reshape(-1),
     )

@@ -23,16 +23,28 @@ __all__ = [
 class TokenCounts(NamedTuple):
     """Token positions routed on this rank in one step, summed over its microbatches.
 
+    `captured`, `live` and `filler` count real tokens only; positions that hold no real token
+    (left padding, packed alignment rows) are `padding`, however they were routed, so that
+    the real tokens' shares do not move with how much padding a batch needed.
+
     Attributes:
-        captured: Positions with a captured route (`router_padding_mask` False); they replay it.
-        live: Positions without one that took the router's own top-k (`uncaptured="live"`).
-        filler: Positions without one that replayed the batch's filler route
+        captured: Real tokens with a captured route (`router_padding_mask` False); they replay it.
+        live: Real tokens without one that took the router's own top-k (`uncaptured="live"`).
+        filler: Real tokens without one that replayed the batch's filler route
             (`uncaptured="replay"`).
+        padding: Positions without a real token (`attention_mask` 0, or a packed batch's
+            alignment rows); 0 for stats built with three counts.
     """
 
     captured: int
     live: int
     filler: int
+    padding: int = 0
+
+    @property
+    def real(self) -> int:
+        """The real tokens: `captured + live + filler`."""
+        return self.captured + self.live + self.filler
 
 
 @dataclass(frozen=True)
@@ -67,8 +79,10 @@ class ReplayStats:
             would have drifted from inference without replay. `None` for a layer
             whose replay never ran in the step (nothing was measured, which is
             not the same as no drift).
-        live_fraction: Share of routed tokens that took the router's own top-k.
-        tokens: Captured, live and filler token positions (`TokenCounts`).
+        live_fraction: Share of the real tokens (padding left out) that took the
+            router's own top-k because they had no captured route: `tokens.live /
+            tokens.real`; 0.0 with `uncaptured="replay"`.
+        tokens: Captured, live and filler real tokens, and padding positions (`TokenCounts`).
         dropped_fraction: Share of expert assignments (token, expert) that the
             capacity limit dropped; `None` unless `moe_expert_capacity_factor` is set.
         counts: The integers behind the fractions (`StepCounts`); the hooks fill
@@ -174,10 +188,11 @@ class StatsCollector:
         self._assignments = 0  # replayed assignments those calls made (a count Python knows)
         self._load: dict[int, list[torch.Tensor]] = {}  # per layer, [2, E]: rollout, trainer
 
-    def add_microbatch(self, uncaptured: torch.Tensor, *, live: bool) -> None:
-        """Count one microbatch's tokens from the router-view mask (`True` = uncaptured)."""
-        n = uncaptured.sum()
-        self._tokens.append(torch.stack([uncaptured.numel() - n, n]))
+    def add_microbatch(self, uncaptured: torch.Tensor, *, live: bool, padding: torch.Tensor | None = None) -> None:
+        """Count one microbatch's tokens from the router-view masks (`True` = uncaptured; `True` = no real token)."""
+        real = ~padding if padding is not None else torch.ones_like(uncaptured)
+        # [captured real, uncaptured real, padding]: padding is counted apart, however it is routed
+        self._tokens.append(torch.stack([(~uncaptured & real).sum(), (uncaptured & real).sum(), (~real).sum()]))
         self._live = live
 
     @property
@@ -215,7 +230,7 @@ class StatsCollector:
         rows = []
         for layer in layers:
             rows += [_total(self._differ.get(layer, [])), _total(self._captured.get(layer, []))]
-        rows += [_total([t[0] for t in self._tokens]), _total([t[1] for t in self._tokens])]
+        rows += [_total([t[i] for t in self._tokens]) for i in range(3)]
         rows.append(_total(self._lost))
         device = rows[-1].device if self._lost else rows[-2].device
         loaded = [layer for layer in layers if layer in self._load]
@@ -239,7 +254,7 @@ class StatsCollector:
                 drift[layer] = None
             else:
                 drift[layer] = differ / captured if captured else 0.0
-        captured_tokens, uncaptured, lost = counts[-3:]
+        captured_tokens, uncaptured, padding, lost = counts[-4:]
         assignments = self._assignments
         live = uncaptured if self._live else 0
         total = captured_tokens + uncaptured
@@ -248,7 +263,7 @@ class StatsCollector:
             microbatches=self.microbatches,
             route_drift=drift,
             live_fraction=live / total if total else 0.0,
-            tokens=TokenCounts(captured_tokens, live, uncaptured - live),
+            tokens=TokenCounts(captured_tokens, live, uncaptured - live, padding),
             dropped_fraction=(lost / assignments if assignments else 0.0) if self._measure_drops else None,
             counts=StepCounts(
                 differ={layers[i]: counts[2 * i] for i in measured},
@@ -303,8 +318,8 @@ def merge_stats(parts: Sequence[ReplayStats]) -> ReplayStats:
         layer: (differ[layer] / captured[layer] if captured[layer] else 0.0) if layer in differ else None
         for layer in layers
     }
-    tokens = TokenCounts(*(sum(p.tokens[i] for p in parts) for i in range(3)))
-    total = sum(tokens)
+    tokens = TokenCounts(*(sum(p.tokens[i] for p in parts) for i in range(len(TokenCounts._fields))))
+    total = tokens.real
     dropped = sum(p.counts.dropped for p in parts if p.counts is not None)
     assignments = sum(p.counts.assignments for p in parts if p.counts is not None)
     measure_drops = parts[0].dropped_fraction is not None

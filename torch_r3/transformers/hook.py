@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from torch_r3.keys import CU_SEQLENS_PADDED, ROUTER_MASK, ROUTES
+from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS_PADDED, ROUTER_MASK, ROUTES
 from torch_r3.replay.checks import check_input_shape, check_replayed_ids, check_route_batch, check_router_tokens
 from torch_r3.replay.layers import moe_pattern, route_layer_map
 from torch_r3.replay.lifecycle import HookLifecycle
@@ -71,6 +71,7 @@ class _Replay:
     positions: int
     routes: list[torch.Tensor]  # per router: [B * T, K] int64 on the router's device, batch-major
     uncaptured: torch.Tensor  # [B * T] bool, True = no captured route
+    padding: torch.Tensor  # [B * T] bool, True = no real token (counted apart in the stats)
 
 
 @dataclass
@@ -136,9 +137,9 @@ class ReplayHook(HookLifecycle):
                     f"{r.name}: top_k={topk}, num_experts={experts} differ from the "
                     f"first router's top_k={self._topk}, num_experts={self._num_experts}"
                 )
-        self._hold((r.module, r.name) for r in self._routers)
         if not isinstance(expert_load, bool):
             raise TypeError(f"expert_load: expected True or False, got {expert_load!r}")
+        self._hold((r.module, r.name) for r in self._routers)  # a refused hook claims nothing
         self._stats = StatsCollector(measure_drops=False, num_experts=self._num_experts if expert_load else None)
         self._active: _Replay | None = None
         self._recording: _Recorder | None = None
@@ -220,7 +221,8 @@ class ReplayHook(HookLifecycle):
         # One copy to the device, widened once: the experts index with int64.
         wide = routes.to(device=device, dtype=torch.int64)
         per_router = [wide[:, :, j].reshape(rows * positions, self._topk) for j in range(len(self._routers))]
-        self._active = _Replay(rows, positions, per_router, mask.to(device).reshape(-1))
+        padding = _padding_positions(batch, mask, cu_seqlens)
+        self._active = _Replay(rows, positions, per_router, mask.to(device).reshape(-1), padding.to(device).reshape(-1))
         if not self._in_step:
             self._stats.reset()
         try:
@@ -334,7 +336,7 @@ class ReplayHook(HookLifecycle):
         else:
             experts = replayed
         if index == 0:
-            self._stats.add_microbatch(state.uncaptured, live=self.uncaptured == "live")
+            self._stats.add_microbatch(state.uncaptured, live=self.uncaptured == "live", padding=state.padding)
         self._stats.add_drift(r.layer, own, replayed, ~state.uncaptured)
         if call is not None:
             call.experts[index] = experts
@@ -379,6 +381,35 @@ class ReplayHook(HookLifecycle):
             out[:, :, self._routers[index].layer] = own.reshape(rows, positions, self._topk).to(dtype)
         mask = rec.mask if rec.mask is not None else torch.zeros((rows, positions), dtype=torch.bool)
         return {ROUTES: out.cpu(), ROUTER_MASK: mask.cpu()}
+
+
+def _padding_positions(batch: Mapping[str, Any], mask: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """`[rows, positions]` bool, `True` where the batch holds no real token (for the stats, which count it apart).
+
+    Padded: the batch's `attention_mask == 0`; without one, each row's leading run of
+    uncaptured positions (left padding). Packed: none, except the alignment rows between
+    sequences when the batch carries `cu_seqlens_padded`.
+    """
+    if cu_seqlens is not None:
+        aligned = batch.get(CU_SEQLENS_PADDED)
+        if aligned is None:
+            return torch.zeros_like(mask)
+        pad = torch.ones_like(mask)
+        for start, n in zip(torch.as_tensor(aligned).tolist(), cu_seqlens.diff().tolist()):
+            pad[0, start : start + n] = False
+        return pad
+    attention = batch.get(ATTENTION_MASK)
+    if attention is None:
+        return (~mask).cumsum(1) == 0
+    if not isinstance(attention, torch.Tensor) or attention.dtype.is_floating_point or attention.is_complex():
+        what = attention.dtype if isinstance(attention, torch.Tensor) else type(attention).__name__
+        raise TypeError(f"{ATTENTION_MASK}: expected an integer or bool torch.Tensor, got {what}")
+    if tuple(attention.shape) != tuple(mask.shape):
+        raise ValueError(
+            f"{ATTENTION_MASK}: shape {list(attention.shape)} differs from {ROUTER_MASK}'s {list(mask.shape)}: "
+            "the routes do not cover the tokens"
+        )
+    return attention.to(mask.device) == 0
 
 
 def _note_inputs(rec: _Recorder, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
