@@ -5,7 +5,7 @@ verl, NeMo-RL and TRL's colocated mode run vLLM inside the trainer's processes
 `vllm.RequestOutput` whose `outputs` are `CompletionOutput`s, one per sample
 (`n`), each with `token_ids`, `logprobs` (one `{token_id: Logprob}` per
 generated token), `finish_reason`, `weight_versions` (spans over the generated
-tokens, vLLM 0.32+) and `routed_experts`: a NumPy array `[rows, layers, topk]`
+tokens; vLLM 0.32+, absent before) and `routed_experts`: a NumPy array `[rows, layers, topk]`
 over every hidden layer, set on the completion's final output only.
 `SamplingParams(routed_experts_prompt_start=s)` trims the rows to positions
 `s .. P + O - 2`, as on the HTTP servers.
@@ -99,7 +99,7 @@ def vllm_results(
             None if c.logprobs is None else list(c.logprobs),
             c.finish_reason,
             c.routed_experts,
-            c.weight_versions,
+            _weight_versions(c),
         )
     return reader.results(prompt, request_id, samples, output)
 
@@ -159,7 +159,7 @@ class VLLMOutputCollector:
             sample.finish_reason = c.finish_reason
             if c.routed_experts is not None:
                 sample.routed_experts = c.routed_experts
-            sample.weight_versions = c.weight_versions
+            sample.weight_versions = _weight_versions(c)
         self._last = output
         self.finished = bool(getattr(output, "finished", False))
 
@@ -317,6 +317,11 @@ def _completions(output: Any, request_id: Any) -> list[Any]:
                     f"finish_reason, routed_experts), got {type(c).__name__} without {name}"
                 )
     return list(completions)
+
+
+def _weight_versions(completion: Any) -> Any:
+    """The completion's weight-version spans; `None` before vLLM 0.32, whose `CompletionOutput` has no such field."""
+    return getattr(completion, "weight_versions", None)
 
 
 def _logprobs(positions: list[Any], ids: tuple[int, ...], who: str) -> tuple[float, ...]:
