@@ -55,7 +55,7 @@ def test_llm_n_samples_match_the_reference(llm, reference, agreement):
         results = vllm_results(out, **OLMOE_SHAPE)
         assert len(results) == 3
         for r in results:
-            assert r.logprobs is not None and len(r.logprobs) == len(r.response_ids) == 6
+            assert r.response_logprobs is not None and len(r.response_logprobs) == len(r.response_ids) == 6
             agreement.check(r.routed_experts, p + list(r.response_ids), reference["olmoe"], what=f"n=3, {len(p)}")
         # Every sample carries the same prompt rows (the prompt was run once).
         for r in results[1:]:
@@ -65,7 +65,7 @@ def test_llm_n_samples_match_the_reference(llm, reference, agreement):
 def test_llm_multi_turn_trace_with_prefix_cache_and_prompt_starts(llm, reference, agreement):
     rng = np.random.default_rng(11)
     trace = RoutedExpertTrace(**OLMOE_SHAPE)
-    tokens = rng.integers(0, OLMOE.vocab_size, size=90).tolist()
+    tokens = rng.integers(0, OLMOE.vocab_size, size=140).tolist()  # past one 128-token cache block
     for _turn in range(3):
         start = trace.prompt_start
         (out,) = llm.generate([tokens_prompt(tokens)], sampling(routed_experts_prompt_start=start), use_tqdm=False)
