@@ -21,9 +21,11 @@ import pytest
 
 from torch_r3.health import RouteHealthCheck, RouteHealthError
 
-pytest.importorskip("transformers", reason="the reference forward needs transformers: pip install 'torch_r3[transformers]'")
+pytest.importorskip(
+    "transformers", reason="the reference forward needs transformers: pip install 'torch_r3[transformers]'"
+)
 
-from tests.engines.checkpoints import QWEN3, load, reference_routes, sorted_rows  # noqa: E402
+from tests.engines.checkpoints import QWEN3, load, reference_routes, sorted_rows
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "vllm_served_routes.json").read_text())
 REQUESTS = [

@@ -32,7 +32,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # noqa: ANN001 - pytest's hook
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     if _TALLY.requests:
         terminalreporter.write_line(_TALLY.summary())
 

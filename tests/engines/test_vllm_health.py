@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from torch_r3.health import RouteHealthCheck
 from tests.engines.checkpoints import QWEN3
 from tests.engines.workload import run_workload
+from torch_r3.health import RouteHealthCheck
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -14,9 +14,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from tests.engines.checkpoints import OLMOE, QWEN3_WIDE
 from torch_r3 import RoutedExpertTrace
 from torch_r3.inprocess import collect_vllm_stream, vllm_results
-from tests.engines.checkpoints import OLMOE, QWEN3_WIDE
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -20,9 +20,9 @@ import torch
 
 pytest.importorskip("megatron.core.transformer.moe.router_replay", reason="megatron-core is not installed")
 
-from torch_r3 import RemoteGenerateClient, collate_routes  # noqa: E402
-from torch_r3.keys import ROUTER_MASK, ROUTES  # noqa: E402
-from tests.engines.checkpoints import QWEN3, SPECIALS, load  # noqa: E402
+from tests.engines.checkpoints import QWEN3, SPECIALS, load
+from torch_r3 import RemoteGenerateClient, collate_routes
+from torch_r3.keys import ROUTER_MASK, ROUTES
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -47,8 +47,12 @@ def rollouts(server):
     params = {"max_tokens": 10, "temperature": 1.0, "ignore_eos": True}
 
     async def run():
-        async with RemoteGenerateClient(server.url, server="vllm-openai", num_layers=QWEN3.layers, topk=QWEN3.topk) as c:
-            return await asyncio.gather(*(c.generate(p, params, return_routed_experts=True, model="tiny") for p in prompts))
+        async with RemoteGenerateClient(
+            server.url, server="vllm-openai", num_layers=QWEN3.layers, topk=QWEN3.topk
+        ) as c:
+            return await asyncio.gather(
+                *(c.generate(p, params, return_routed_experts=True, model="tiny") for p in prompts)
+            )
 
     results = asyncio.run(run())
     return [p + list(r.response_ids) for p, r in zip(prompts, results)], [r.routed_experts for r in results]
@@ -114,7 +118,9 @@ def test_megatron_replays_engine_routes_in_the_converted_model(rollouts, checkpo
             model(b["input_ids"], torch.arange(b["input_ids"].shape[1]).unsqueeze(0), None)
     own = routing(recorder, batches)
     for layer in range(QWEN3.layers):
-        assert torch.equal(own[layer], engine_maps(batches, layer)), f"layer {layer}: the converted model routes otherwise"
+        assert torch.equal(own[layer], engine_maps(batches, layer)), (
+            f"layer {layer}: the converted model routes otherwise"
+        )
 
     hook = ReplayHook(model)
     recorder.clear()

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
+from tests.engines.checkpoints import QWEN3, SPECIALS, load
 from torch_r3 import RemoteGenerateClient, collate_routes
 from torch_r3.keys import ROUTER_MASK, ROUTES
 from torch_r3.transformers import ReplayHook
-from tests.engines.checkpoints import QWEN3, SPECIALS, load
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -36,8 +36,12 @@ def rollouts(server):
     params = {"max_tokens": 10, "temperature": 1.0, "ignore_eos": True}
 
     async def run():
-        async with RemoteGenerateClient(server.url, server="vllm-openai", num_layers=QWEN3.layers, topk=QWEN3.topk) as c:
-            return await asyncio.gather(*(c.generate(p, params, return_routed_experts=True, model="tiny") for p in prompts))
+        async with RemoteGenerateClient(
+            server.url, server="vllm-openai", num_layers=QWEN3.layers, topk=QWEN3.topk
+        ) as c:
+            return await asyncio.gather(
+                *(c.generate(p, params, return_routed_experts=True, model="tiny") for p in prompts)
+            )
 
     results = asyncio.run(run())
     return [p + list(r.response_ids) for p, r in zip(prompts, results)], [r.routed_experts for r in results]

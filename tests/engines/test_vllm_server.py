@@ -15,8 +15,8 @@ import urllib.request
 import numpy as np
 import pytest
 
-from torch_r3 import RemoteGenerateClient, RoutedExpertTrace
 from tests.engines.checkpoints import QWEN3, SPECIALS
+from torch_r3 import RemoteGenerateClient, RoutedExpertTrace
 
 pytestmark = pytest.mark.timeout(900)
 

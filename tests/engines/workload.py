@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from torch_r3 import RemoteGenerateClient
 from tests.engines.checkpoints import QWEN3, SPECIALS
+from torch_r3 import RemoteGenerateClient
 
 __all__ = ["Served", "run_workload"]
 
