@@ -29,7 +29,7 @@ STAMP_FW := $(VENV_FW)/.installed
 # experts on a CPU (0.31+ need Model Runner V2, refused on a CPU). It pins torch==2.13.0+cpu, so
 # torch goes first, as above; then pip's torchvision/torchaudio/torchcodec are removed (their builds
 # do not match torch+cpu and `import transformers` fails with them). megatron-core 0.16.1 goes in
-# --no-deps for the Megatron replay of engine routes. About 1.5 GB, 2 minutes once.
+# --no-deps for the Megatron replay of engine routes. About 3.5 GB, 2.5 minutes once.
 VLLM := 0.30.0
 VENV_VLLM := .venv-vllm
 STAMP_VLLM := $(VENV_VLLM)/.installed
