@@ -154,6 +154,8 @@ def write_tokenizer(path: Path, vocab_size: int) -> None:
     import transformers
 
     vocab = {w: i for i, w in enumerate(SPECIALS + WORDS)}
+    if len(vocab) != len(SPECIALS) + len(WORDS):
+        raise ValueError("the tokenizer's words must be distinct")
     if len(vocab) > vocab_size:
         raise ValueError(f"{len(vocab)} words do not fit a {vocab_size}-token vocabulary")
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))

@@ -2,7 +2,8 @@
 
 Importable from any test or benchmark that runs in `.venv-vllm` (`tests.engines.engines`):
 
-- `ENGINE_ENV`: the environment every engine here runs with: a 1 GiB CPU KV cache, and
+- `ENGINE_ENV`: the environment every engine here runs with: a 1 GiB CPU KV cache, vLLM's
+  cache directory inside the virtualenv, no usage statistics, and
   `VLLM_ENABLE_V1_MULTIPROCESSING=0` so that the model runs in the engine-core process itself
   (`distributed_executor_backend="uni"`); with vLLM's default (a worker process beside the engine
   core, each polling the other) a step on a loaded 2-core machine takes many times longer.
@@ -40,6 +41,10 @@ __all__ = ["ENGINE_ARGS", "ENGINE_ENV", "SERVED_MODEL", "VLLMServer", "async_llm
 
 ENGINE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
+    # vLLM's caches inside the environment it is installed in (the checkout's .venv-vllm), no usage reports.
+    "VLLM_CACHE_ROOT": str(Path(sys.prefix) / "vllm-cache"),
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_LOGGING_LEVEL": "WARNING",
     "TOKENIZERS_PARALLELISM": "false",

@@ -90,7 +90,7 @@ def test_engine_routes_replay_with_zero_drift_in_vllms_order(rollouts, checkpoin
     hook = ReplayHook(model)
     choices = RouterChoices(model)  # registered after the hook: sees the replayed choice
     with torch.no_grad(), hook.replay(batch):
-        model(**inputs)
+        replayed_logits = model(**inputs).logits
     used = choices.per_layer(batch[ROUTER_MASK].shape)
     replayed = batch[ROUTES].long()
     keep = captured(batch)
@@ -102,10 +102,13 @@ def test_engine_routes_replay_with_zero_drift_in_vllms_order(rollouts, checkpoin
     assert stats.tokens.captured == int(keep.sum())
     # ... although that order is not the router's own (descending) order on most rows:
     with torch.no_grad():
-        model(**inputs)  # outside replay(): the routers' own top-k
+        own_logits = model(**inputs).logits  # outside replay(): the routers' own top-k
     own = choices.per_layer(batch[ROUTER_MASK].shape)
     assert torch.equal(own[keep].sort(-1).values, replayed[keep].sort(-1).values)
     assert not torch.equal(own[keep], replayed[keep])
+    # The same experts in another order weight them alike: the replayed forward is the model's own.
+    real = inputs["attention_mask"].bool()
+    torch.testing.assert_close(replayed_logits[real], own_logits[real], rtol=1e-5, atol=1e-5)
     choices.close()
     hook.close()
 
