@@ -29,11 +29,12 @@ STAMP_FW := $(VENV_FW)/.installed
 # experts on a CPU (0.31+ need Model Runner V2, refused on a CPU). It pins torch==2.13.0+cpu, so
 # torch goes first, as above; then pip's torchvision/torchaudio/torchcodec are removed (their builds
 # do not match torch+cpu and `import transformers` fails with them). megatron-core 0.16.1 goes in
-# --no-deps for the Megatron replay of engine routes. About 3.5 GB, 2.5 minutes once.
+# --no-deps for the Megatron replay of engine routes; transformers is pinned to the release the
+# transformers hook's families are checked against. About 3.5 GB, 2.5 minutes once.
 VLLM := 0.30.0
 VENV_VLLM := .venv-vllm
 STAMP_VLLM := $(VENV_VLLM)/.installed
-VLLM_DEPS := 'pytest>=8' 'pytest-timeout>=2.3' 'aiohttp>=3.9' 'setuptools>=77'
+VLLM_DEPS := transformers==5.24.0 'pytest>=8' 'pytest-timeout>=2.3' 'aiohttp>=3.9' 'setuptools>=77'
 FW_DEPS := numpy==2.4.6 packaging==25.0 jaxtyping==0.3.11 tensordict==0.10.0 loguru==0.7.3 \
 	pybase64==1.5.1 orjson==3.13.0 cloudpathlib==0.26.0 omegaconf==2.4.0 pydantic==2.14.4 \
 	transformers==5.10.4 'pytest>=8' 'pytest-timeout>=2.3' 'setuptools>=77'
