@@ -13,7 +13,7 @@ from tests.engines.checkpoints import QWEN3
 from tests.engines.workload import run_workload
 from torch_r3.health import RouteHealthCheck
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def test_real_routes_raise_no_health_finding_over_many_requests(server, reference, agreement):

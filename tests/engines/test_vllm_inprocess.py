@@ -18,7 +18,7 @@ from tests.engines.checkpoints import OLMOE, QWEN3_WIDE
 from torch_r3 import RoutedExpertTrace
 from torch_r3.inprocess import collect_vllm_stream, vllm_results
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 OLMOE_SHAPE = {"num_layers": OLMOE.layers, "topk": OLMOE.topk, "num_experts": OLMOE.num_experts}
 WIDE_SHAPE = {"num_layers": QWEN3_WIDE.layers, "topk": QWEN3_WIDE.topk, "num_experts": QWEN3_WIDE.num_experts}

@@ -24,7 +24,7 @@ from tests.engines.checkpoints import QWEN3, SPECIALS, load
 from torch_r3 import RemoteGenerateClient, collate_routes
 from torch_r3.keys import ROUTER_MASK, ROUTES
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 PERTURBED = 1
 

@@ -22,7 +22,7 @@ from torch_r3 import RemoteGenerateClient, collate_routes
 from torch_r3.keys import ROUTER_MASK, ROUTES
 from torch_r3.transformers import ReplayHook
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 PAD = SPECIALS.index("<pad>")
 PERTURBED = 2  # the layer whose router the perturbation test changes

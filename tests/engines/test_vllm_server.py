@@ -18,7 +18,7 @@ import pytest
 from tests.engines.checkpoints import QWEN3, SPECIALS
 from torch_r3 import RemoteGenerateClient, RoutedExpertTrace
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 # No per-request seed: vLLM 0.30 on a CPU crashes a seeded request whose prompt is prefilled in chunks.
 SAMPLING = {"max_tokens": 8, "temperature": 1.0, "ignore_eos": True}
@@ -63,18 +63,23 @@ def test_token_id_completions_batched_match_the_reference(server, reference, agr
 def test_prefix_cache_hits_keep_the_routes_of_the_tokens(server, reference, agreement):
     rng = np.random.default_rng(1)
     shared = prompt(rng, 160)
-    prompts = [shared + prompt(rng, 9), shared + prompt(rng, 30), shared]
+    # (prompt, prompt start): the start of the last one lies inside the cached 128-token block
+    asks = [(shared + prompt(rng, 9), 0), (shared + prompt(rng, 30), 0), (shared, 0), (shared + prompt(rng, 5), 50)]
 
-    async def one(p):
+    async def one(p, start):
         async with client(server.url) as c:
-            return await c.generate(p, SAMPLING, return_routed_experts=True, model="tiny")
+            return await c.generate(
+                p, SAMPLING, return_routed_experts=True, routed_experts_prompt_start=start or None, model="tiny"
+            )
 
-    first = asyncio.run(one(prompts[0]))  # computes the shared prefix
+    first = asyncio.run(one(*asks[0]))  # computes the shared prefix
     before = prefix_cache_hits(server.url)
-    later = [asyncio.run(one(p)) for p in prompts[1:]]
-    assert prefix_cache_hits(server.url) - before >= 2 * 128  # both later prompts reused cached blocks
-    for p, r in zip(prompts, [first, *later]):
-        agreement.check(r.routed_experts, p + list(r.response_ids), reference["qwen3"], what="prefix-cached prompt")
+    later = [asyncio.run(one(*a)) for a in asks[1:]]
+    assert prefix_cache_hits(server.url) - before >= 3 * 128  # every later prompt reused cached blocks
+    for (p, start), r in zip(asks, [first, *later]):
+        agreement.check(
+            r.routed_experts, p + list(r.response_ids), reference["qwen3"], start=start, what="prefix-cached prompt"
+        )
 
 
 def test_incremental_prompt_starts_across_a_multi_turn_trace(server, reference, agreement):
