@@ -135,6 +135,21 @@ def test_outputs_of_a_vllm_without_weight_versions_read_as_unversioned(kind):
         check_results(vllm_results(outputs[-1], **kwargs(case)), case)
 
 
+def test_a_delta_stream_that_lost_its_routes_names_the_merge_that_dropped_them():
+    # Found by tests/engines (AsyncLLM under load): when the consumer falls behind, vLLM merges a
+    # DELTA stream's pending outputs (RequestOutput.add(aggregate=True)), and that merge keeps the
+    # tokens but not routed_experts; the routes were on, so "start it with --enable-return-routed-experts"
+    # would send the user the wrong way.
+    case = next(c for c in CASES if c["kind"] == "DELTA" and c["n"] == 1)
+    outputs = stream(case)
+    outputs[-1].outputs[0].routed_experts = None  # what the merged final output carries
+    collector = VLLMOutputCollector(delta=True)
+    for output in outputs:
+        collector.add(output)
+    with pytest.raises(ValueError, match=r"routed_experts is None .*DELTA.*merg.*CUMULATIVE"):
+        collector.results(**kwargs(case))
+
+
 def test_a_delta_streams_last_output_alone_is_refused_by_its_row_count():
     case = next(c for c in CASES if c["kind"] == "DELTA" and c["n"] == 1)
     with pytest.raises(ValueError, match=r"routed_experts has 8 rows; .* need 5; a DELTA stream.*VLLMOutputCollector"):

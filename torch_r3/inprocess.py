@@ -111,6 +111,10 @@ class VLLMOutputCollector:
     outputs carry only the new tokens (`delta=True`), `CUMULATIVE` ones all
     tokens so far, `FINAL_ONLY` one output; with `n > 1` each output holds the
     samples that advanced. A sample's routes come with its final output only.
+    In `DELTA` mode vLLM merges the outputs the consumer has not taken yet, and
+    (vLLM 0.30 at least) that merge drops `routed_experts`: a consumer that falls
+    behind loses the routes of a sample whose final output was merged (`results`
+    then raises, saying so). Stream in `CUMULATIVE` mode when routes matter.
 
     Args:
         delta: The stream is in `RequestOutputKind.DELTA` mode.
@@ -184,6 +188,7 @@ class VLLMOutputCollector:
         reader = _Reader(
             routed_experts_prompt_start, return_routed_experts, num_layers, topk, num_experts, moe_layers, health
         )
+        reader.delta = self.delta
         return reader.results(self._prompt, self._request_id, self._samples, self._last)
 
 
@@ -217,6 +222,7 @@ class _Reader:
         self.num_experts = None if num_experts is None else check_positive(num_experts, "num_experts")
         self.moe_layers = None if moe_layers is None else tuple(moe_layers)
         self.health = health_check(health, engine="vllm")
+        self.delta = False  # the outputs came from a DELTA stream (set by the collector)
 
     @staticmethod
     def prompt_of(output: Any) -> tuple[list[int], Any]:
@@ -277,7 +283,8 @@ class _Reader:
             if not ids and reason == "abort":
                 return None  # aborted before any forward pass: nothing to replay
             raise ValueError(
-                f"{who}: routed_experts is None although routes were asked for ({missing_routes_hint('vllm')})"
+                f"{who}: routed_experts is None although routes were asked for "
+                + (_DELTA_MERGE_HINT if self.delta else f"({missing_routes_hint('vllm')})")
             )
         host = as_host_array(array, f"{who}: routed_experts")
         if host.ndim != 3:
@@ -303,6 +310,16 @@ class _Reader:
                 else ""
             )
         )
+
+
+# vLLM (0.30 at least) merges a DELTA stream's outputs that the consumer has not taken yet
+# (`RequestOutput.add(aggregate=True)`), and the merge keeps the tokens but not `routed_experts`.
+_DELTA_MERGE_HINT = (
+    "(in a DELTA stream: when the consumer falls behind, vLLM merges the outputs it has not taken yet "
+    "and that merge drops routed_experts, so the routes of a sample whose final output was merged are lost; "
+    "stream with output_kind=RequestOutputKind.CUMULATIVE or FINAL_ONLY, whose outputs replace each other; "
+    f"otherwise: {missing_routes_hint('vllm')})"
+)
 
 
 def _completions(output: Any, request_id: Any) -> list[Any]:

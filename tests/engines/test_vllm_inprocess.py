@@ -2,7 +2,8 @@
 
 Two more checkpoints than the server's: OLMoE (3 layers, 8 experts, top-2) in an `LLM` in this
 process, and a Qwen3-MoE with 320 experts (past 256: vLLM sends `uint16`) in an `AsyncLLM`
-whose engine core runs in a child process. Every route is compared with the router top-k of an
+whose engine core runs in a child process; and vLLM's own merge of DELTA outputs, which drops
+the routes. Every route is compared with the router top-k of an
 independent `transformers` fp32 forward over the same weights and tokens.
 """
 
@@ -81,7 +82,11 @@ def test_llm_multi_turn_trace_with_prefix_cache_and_prompt_starts(llm, reference
 
 
 def test_async_llm_streams_past_256_experts(checkpoints, reference, agreement):
-    """`AsyncLLM` in DELTA and CUMULATIVE mode, `n=2`, a prompt start: the `uint16` path end to end."""
+    """`AsyncLLM` in CUMULATIVE and FINAL_ONLY mode, `n=2`, a prompt start: the `uint16` path end to end.
+
+    Not DELTA: vLLM merges DELTA outputs a busy consumer has not taken yet and drops their routes
+    (`test_vllms_delta_merge_drops_routes_and_the_collector_says_so`).
+    """
     from vllm.sampling_params import RequestOutputKind
 
     from tests.engines.engines import async_llm
@@ -102,24 +107,60 @@ def test_async_llm_streams_past_256_experts(checkpoints, reference, agreement):
                             seen[(i, c.index)] = c.routed_experts.dtype
                     yield out
 
-            delta, cumulative = await asyncio.gather(
-                collect_vllm_stream(stream(0, prompts[0], RequestOutputKind.DELTA, 0), delta=True, **WIDE_SHAPE),
+            cumulative, final = await asyncio.gather(
+                collect_vllm_stream(stream(0, prompts[0], RequestOutputKind.CUMULATIVE, 0), delta=False, **WIDE_SHAPE),
                 collect_vllm_stream(
-                    stream(1, prompts[1], RequestOutputKind.CUMULATIVE, 30),
+                    stream(1, prompts[1], RequestOutputKind.FINAL_ONLY, 30),
                     delta=False,
                     routed_experts_prompt_start=30,
                     **WIDE_SHAPE,
                 ),
             )
-            return delta, cumulative, seen
+            return cumulative, final, seen
 
-    delta, cumulative, seen = asyncio.run(run())
+    cumulative, final, seen = asyncio.run(run())
     assert set(seen.values()) == {np.dtype(np.uint16)}  # what vLLM sends past 256 experts
     widest = 0
-    for results, p, start in ((delta, prompts[0], 0), (cumulative, prompts[1], 30)):
+    for results, p, start in ((cumulative, prompts[0], 0), (final, prompts[1], 30)):
         assert len(results) == 2
         for r in results:
             assert r.routed_experts.dtype == np.int16  # ids past 255 kept, never wrapped
             widest = max(widest, int(r.routed_experts.max()))
             agreement.check(r.routed_experts, p + list(r.response_ids), model, start=start, what=f"{len(p)}, wide")
     assert widest > 255
+
+
+def test_vllms_delta_merge_drops_routes_and_the_collector_says_so():
+    """vLLM's own merge of pending DELTA outputs (what its AsyncLLM does when the consumer falls behind)."""
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    from torch_r3.inprocess import VLLMOutputCollector
+
+    routes = np.arange(5 * 3 * 2, dtype=np.uint8).reshape(5, 3, 2) % 8  # 3 + 3 - 1 rows
+
+    def output(tokens, finished):
+        done = "length" if finished else None
+        c = CompletionOutput(
+            index=0,
+            text="",
+            token_ids=tokens,
+            cumulative_logprob=None,
+            logprobs=None,
+            finish_reason=done,
+            routed_experts=routes if finished else None,
+        )
+        return RequestOutput("r", None, [1, 2, 3], None, [c], finished=finished)
+
+    pending = output([7], finished=False)
+    pending.add(output([8, 9], finished=True), aggregate=True)  # the consumer had not taken `pending` yet
+    assert pending.finished and list(pending.outputs[0].token_ids) == [7, 8, 9]
+    assert pending.outputs[0].routed_experts is None  # the merge kept the tokens, not the routes
+    collector = VLLMOutputCollector(delta=True)
+    collector.add(pending)
+    with pytest.raises(ValueError, match="DELTA stream: .*merges .* drops routed_experts.*CUMULATIVE"):
+        collector.results(**OLMOE_SHAPE)
+    unmerged = VLLMOutputCollector(delta=True)  # the same two outputs, taken one by one
+    unmerged.add(output([7], finished=False))
+    unmerged.add(output([8, 9], finished=True))
+    (r,) = unmerged.results(**OLMOE_SHAPE)
+    np.testing.assert_array_equal(r.routed_experts, routes)
