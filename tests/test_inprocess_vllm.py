@@ -113,6 +113,44 @@ def test_streamed_async_llm_outputs_merge_into_the_same_results(case):
     check_results(asyncio.run(collect_vllm_stream(agen(), delta=case["kind"] == "DELTA", **kwargs(case))), case)
 
 
+def without_weight_versions(output: SimpleNamespace) -> SimpleNamespace:
+    """The same output as vLLM 0.30 and 0.31 build it: their `CompletionOutput` has no `weight_versions` (0.32+)."""
+    for c in output.outputs:
+        del c.weight_versions
+    return output
+
+
+@pytest.mark.parametrize("kind", ["FINAL_ONLY", "DELTA"])
+def test_outputs_of_a_vllm_without_weight_versions_read_as_unversioned(kind):
+    # Found by tests/engines (vLLM 0.30.0's own LLM.generate): the reader asked every completion
+    # for weight_versions and failed with AttributeError on each.
+    case = next(c for c in CASES if c["kind"] == kind and c["n"] == 2 and not c["name"].endswith("-update"))
+    outputs = [without_weight_versions(o) for o in stream(case)]
+    collector = VLLMOutputCollector(delta=kind == "DELTA")
+    for output in outputs:
+        collector.add(output)
+    results = collector.results(**kwargs(case))
+    check_results(results, case)
+    assert all(r.weight_version is None and r.weight_versions == () for r in results)
+    if kind == "FINAL_ONLY":
+        check_results(vllm_results(outputs[-1], **kwargs(case)), case)
+
+
+def test_a_delta_stream_that_lost_its_routes_names_the_merge_that_dropped_them():
+    # Found by tests/engines (AsyncLLM under load): when the consumer falls behind, vLLM merges a
+    # DELTA stream's pending outputs (RequestOutput.add(aggregate=True)), and that merge keeps the
+    # tokens but not routed_experts; the routes were on, so "start it with --enable-return-routed-experts"
+    # would send the user the wrong way.
+    case = next(c for c in CASES if c["kind"] == "DELTA" and c["n"] == 1)
+    outputs = stream(case)
+    outputs[-1].outputs[0].routed_experts = None  # what the merged final output carries
+    collector = VLLMOutputCollector(delta=True)
+    for output in outputs:
+        collector.add(output)
+    with pytest.raises(ValueError, match=r"routed_experts is None .*DELTA.*merg.*CUMULATIVE"):
+        collector.results(**kwargs(case))
+
+
 def test_a_delta_streams_last_output_alone_is_refused_by_its_row_count():
     case = next(c for c in CASES if c["kind"] == "DELTA" and c["n"] == 1)
     with pytest.raises(ValueError, match=r"routed_experts has 8 rows; .* need 5; a DELTA stream.*VLLMOutputCollector"):

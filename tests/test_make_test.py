@@ -16,7 +16,7 @@ import pytest
 from tests.browser import BROWSERS, MISSING
 
 ROOT = Path(__file__).resolve().parent.parent
-VENVS = (".venv/bin/", ".venv-megatron-0.19/bin/", ".venv-frameworks/bin/", ".venv-verl/bin/")
+VENVS = (".venv/bin/", ".venv-megatron-0.19/bin/", ".venv-frameworks/bin/", ".venv-verl/bin/", ".venv-vllm/bin/")
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make on PATH")

@@ -5,7 +5,7 @@ verl, NeMo-RL and TRL's colocated mode run vLLM inside the trainer's processes
 `vllm.RequestOutput` whose `outputs` are `CompletionOutput`s, one per sample
 (`n`), each with `token_ids`, `logprobs` (one `{token_id: Logprob}` per
 generated token), `finish_reason`, `weight_versions` (spans over the generated
-tokens, vLLM 0.32+) and `routed_experts`: a NumPy array `[rows, layers, topk]`
+tokens; vLLM 0.32+, absent before) and `routed_experts`: a NumPy array `[rows, layers, topk]`
 over every hidden layer, set on the completion's final output only.
 `SamplingParams(routed_experts_prompt_start=s)` trims the rows to positions
 `s .. P + O - 2`, as on the HTTP servers. A vLLM before 0.30 has no such field
@@ -110,7 +110,7 @@ def vllm_results(
             None if c.logprobs is None else list(c.logprobs),
             c.finish_reason,
             c.routed_experts,
-            c.weight_versions,
+            _weight_versions(c),
         )
     return reader.results(prompt, request_id, samples, output)
 
@@ -122,6 +122,10 @@ class VLLMOutputCollector:
     outputs carry only the new tokens (`delta=True`), `CUMULATIVE` ones all
     tokens so far, `FINAL_ONLY` one output; with `n > 1` each output holds the
     samples that advanced. A sample's routes come with its final output only.
+    In `DELTA` mode vLLM merges the outputs the consumer has not taken yet, and
+    (vLLM 0.30 at least) that merge drops `routed_experts`: a consumer that falls
+    behind loses the routes of a sample whose final output was merged (`results`
+    then raises, saying so). Stream in `CUMULATIVE` mode when routes matter.
 
     Args:
         delta: The stream is in `RequestOutputKind.DELTA` mode.
@@ -170,7 +174,7 @@ class VLLMOutputCollector:
             sample.finish_reason = c.finish_reason
             if c.routed_experts is not None:
                 sample.routed_experts = c.routed_experts
-            sample.weight_versions = c.weight_versions
+            sample.weight_versions = _weight_versions(c)
         self._last = output
         self.finished = bool(getattr(output, "finished", False))
 
@@ -195,6 +199,7 @@ class VLLMOutputCollector:
         reader = _Reader(
             routed_experts_prompt_start, return_routed_experts, num_layers, topk, num_experts, moe_layers, health
         )
+        reader.delta = self.delta
         return reader.results(self._prompt, self._request_id, self._samples, self._last)
 
 
@@ -228,6 +233,7 @@ class _Reader:
         self.num_experts = None if num_experts is None else check_positive(num_experts, "num_experts")
         self.moe_layers = None if moe_layers is None else tuple(moe_layers)
         self.health = health_check(health, engine="vllm")
+        self.delta = False  # the outputs came from a DELTA stream (set by the collector)
 
     @staticmethod
     def prompt_of(output: Any) -> tuple[list[int], Any]:
@@ -297,7 +303,8 @@ class _Reader:
             if not ids and reason == "abort":
                 return None  # aborted before any forward pass: nothing to replay
             raise ValueError(
-                f"{who}: routed_experts is None although routes were asked for ({missing_routes_hint('vllm')})"
+                f"{who}: routed_experts is None although routes were asked for "
+                + (_DELTA_MERGE_HINT if self.delta else f"({missing_routes_hint('vllm')})")
             )
         host = as_host_array(array, f"{who}: routed_experts")
         if host.ndim != 3:
@@ -325,6 +332,16 @@ class _Reader:
                 else ""
             )
         )
+
+
+# vLLM (0.30 at least) merges a DELTA stream's outputs that the consumer has not taken yet
+# (`RequestOutput.add(aggregate=True)`), and the merge keeps the tokens but not `routed_experts`.
+_DELTA_MERGE_HINT = (
+    "(in a DELTA stream: when the consumer falls behind, vLLM merges the outputs it has not taken yet "
+    "and that merge drops routed_experts, so the routes of a sample whose final output was merged are lost; "
+    "stream with output_kind=RequestOutputKind.CUMULATIVE or FINAL_ONLY, whose outputs replace each other; "
+    f"otherwise: {missing_routes_hint('vllm')})"
+)
 
 
 def _completions(output: Any, request_id: Any) -> list[Any]:
@@ -382,6 +399,11 @@ def _weight_spans(spans: Any, who: str, generated: int) -> tuple[base.WeightVers
             f"{who}: weight_versions cover {max(ends)} generated tokens, the output holds {generated}; {_DELTA_HINT}"
         )
     return base.weight_spans(dicts, f"{who}: weight_versions", generated)
+
+
+def _weight_versions(completion: Any) -> Any:
+    """The completion's weight-version spans; `None` before vLLM 0.32, whose `CompletionOutput` has no such field."""
+    return getattr(completion, "weight_versions", None)
 
 
 def _logprobs(positions: list[Any], ids: tuple[int, ...], who: str) -> tuple[float, ...]:
