@@ -16,7 +16,7 @@ from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
 from skyrl.train.dataset import preprocess
 
 import torch_r3.integrations.skyrl as r3_skyrl
-from torch_r3 import BufferPool
+from torch_r3 import BufferPool, Memory, Padded
 
 rng = np.random.default_rng(0)
 L, K, EXPERTS = 4, 2, 16
@@ -46,7 +46,9 @@ def training_input() -> TrainingInputBatch:
 
 
 before = training_input()  # SkyRL's own serial collation
-with r3_skyrl.install(buffers=BufferPool()):  # the swap: one call at trainer start-up, before the first step
+with r3_skyrl.install(
+    memory=Memory(buffers=BufferPool())
+):  # the swap: one call at trainer start-up, before the first step
     after = training_input()  # the same SkyRL function, now collating with torch_r3
     packed = after["rollout_expert_indices"]
     print(type(packed).__name__, tuple(packed.values.shape), packed.values.dtype, packed.cu_seqlens.tolist())
@@ -63,7 +65,7 @@ with r3_skyrl.install(buffers=BufferPool()):  # the swap: one call at trainer st
 
 # On the Megatron worker: each micro-batch of the mini-batch, in SkyRL's right-padded model layout,
 # as the batches a torch_r3.megatron.ReplayHook step replays (`hook.forward_backward(data_iterator=...)`).
-microbatches = list(r3_skyrl.microbatches(after.chunk(2), pad_to_multiple_of=1))
+microbatches = list(r3_skyrl.microbatches(after.chunk(2), layout=Padded(side="right", pad_to_multiple_of=1)))
 first = microbatches[0]
 print(tuple(first["rollout_expert_indices"].shape), first["attention_mask"].tolist())
 print(first["router_padding_mask"].int().tolist())

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from tests.reference_collate import assert_batch_equal, reference_collate_routes, reference_r3_collator
 from tests.samples import route_samples, router_routes
-from torch_r3 import BufferPool, R3Collator, collate_routes
+from torch_r3 import BufferPool, Memory, R3Collator, collate_routes
 
 PAD_KEYS = {"loss_mask": (0.0, np.float32)}
 
@@ -31,8 +31,8 @@ def make_samples(seed, n_samples=4, max_tokens=12, L=2, K=2, fixed_length=False)
     )
 
 
-def collator(**kwargs):
-    return R3Collator(pad_keys={"loss_mask": 0.0}, workers=1, **kwargs)
+def collator(cache_bytes=None, **kwargs):
+    return R3Collator(pad_keys={"loss_mask": 0.0}, memory=Memory(workers=1, cache_bytes=cache_bytes), **kwargs)
 
 
 def expected(samples, layout="padded"):
@@ -94,7 +94,7 @@ def test_kernel_outputs_from_a_pool_match_the_reference_and_out_still_wins():
         layout = ("padded", "packed")[call % 2]
         mine = torch.empty(len(counts) + 1, dtype=torch.int32)
         out = {"cu_seqlens": mine} if layout == "packed" else None
-        got = collate_routes(routes, counts, layout=layout, buffers=pool, out=out)
+        got = collate_routes(routes, counts, layout=layout, memory=Memory(buffers=pool), out=out)
         assert_batch_equal(got, reference_collate_routes(routes, counts, layout=layout))
         if out:
             assert got["cu_seqlens"] is mine
@@ -201,12 +201,12 @@ def test_bad_cache_bounds_are_refused(value, exc, match):
     with pytest.raises(exc, match=match):
         BufferPool(value)
     with pytest.raises(exc, match=match):
-        R3Collator(cache_bytes=value)
+        R3Collator(memory=Memory(cache_bytes=value))
 
 
 def test_buffers_must_be_a_buffer_pool():
     with pytest.raises(TypeError, match="buffers must be None or a torch_r3.BufferPool"):
-        collate_routes([np.zeros((1, 1, 2), np.uint8)], [2], buffers={})
+        collate_routes([np.zeros((1, 1, 2), np.uint8)], [2], memory=Memory(buffers={}))
 
 
 # The pinned path needs a CUDA device: these run on a GPU machine (`benchmarks/gpu_check.py`
@@ -435,7 +435,7 @@ def test_a_kernel_that_refuses_the_hugepage_advice_gets_small_pages_not_an_error
 def test_cache_bytes_is_the_keyword_and_attribute_as_on_r3collator():
     pool = BufferPool(cache_bytes=3 << 20)
     assert pool.cache_bytes == 3 << 20
-    assert R3Collator(cache_bytes=3 << 20).buffers.cache_bytes == 3 << 20
+    assert R3Collator(memory=Memory(cache_bytes=3 << 20)).buffers.cache_bytes == 3 << 20
     assert pickle.loads(pickle.dumps(pool)).cache_bytes == 3 << 20
     assert "cache_bytes=3145728" in repr(pool)
     assert BufferPool().cache_bytes is None

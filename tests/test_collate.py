@@ -24,7 +24,8 @@ from tests.reference_collate import (
     reference_r3_collator,
 )
 from tests.samples import EXPERTS_IN, route_samples, router_routes
-from torch_r3 import R3Collator, collate_routes, compact_routes
+from tests.spelling import torch_r3_options
+from torch_r3 import Memory, Padded, R3Collator, collate_routes, compact_routes
 
 
 @pytest.fixture
@@ -67,7 +68,7 @@ def test_mixed_batch_promotes_to_widest_dtype_by_dtype_alone():
 def test_pad_to_multiple_of_rounds_T_up(multiple):
     rng = np.random.default_rng(1)
     routes = [router_routes(rng, 3, 2, 2, num_experts=256), router_routes(rng, 6, 2, 2, num_experts=256)]
-    got = collate_routes(routes, [5, 7], pad_to_multiple_of=multiple)
+    got = collate_routes(routes, [5, 7], layout=Padded(pad_to_multiple_of=multiple))
     assert_batch_equal(got, reference_collate_routes(routes, [5, 7], pad_to_multiple_of=multiple))
 
 
@@ -94,7 +95,7 @@ def test_pool_path_matches_reference(layout, force_pool):
     rng = np.random.default_rng(4)
     counts = [int(x) for x in rng.integers(1, 70, size=40)]
     routes = [router_routes(rng, max(n - 1, 0), 4, 8, num_experts=256) for n in counts]
-    got = collate_routes(routes, counts, layout=layout, workers=3)
+    got = collate_routes(routes, counts, layout=layout, memory=Memory(workers=3))
     assert _collate_threads()  # helper threads were started for the call
     assert_batch_equal(got, reference_collate_routes(routes, counts, layout=layout))
 
@@ -126,12 +127,12 @@ def test_pin_memory_never_raises_without_an_accelerator():
     routes = [np.zeros((1, 1, 2), np.uint8)]
     assert not collate_routes(routes, [2])["rollout_expert_indices"].is_pinned()
     if torch.cuda.is_available():
-        assert collate_routes(routes, [2], pin_memory=True)["rollout_expert_indices"].is_pinned()
+        assert collate_routes(routes, [2], memory=Memory(pin_memory=True))["rollout_expert_indices"].is_pinned()
     else:
         with pytest.warns(UserWarning, match="no accelerator"):
-            got = collate_routes(routes, [2], pin_memory=True)
+            got = collate_routes(routes, [2], memory=Memory(pin_memory=True))
         assert not got["rollout_expert_indices"].is_pinned()
-    assert not collate_routes(routes, [2], pin_memory=False)["rollout_expert_indices"].is_pinned()
+    assert not collate_routes(routes, [2], memory=Memory(pin_memory=False))["rollout_expert_indices"].is_pinned()
 
 
 @settings(max_examples=60, deadline=None)
@@ -152,7 +153,9 @@ def test_property_random_batches_match_reference(data):
         seed = data.draw(st.integers(0, 2**16))
         counts.append(n)
         routes.append(router_routes(np.random.default_rng(seed), r, L, K, num_experts=EXPERTS_IN[dtype], dtype=dtype))
-    got = collate_routes(routes, counts, layout=layout, filler=padding, num_experts=E, pad_to_multiple_of=pad_to)
+    got = collate_routes(
+        routes, counts, **torch_r3_options(layout=layout, pad_to_multiple_of=pad_to), filler=padding, num_experts=E
+    )
     assert_batch_equal(
         got,
         reference_collate_routes(
@@ -205,7 +208,7 @@ GOOD = np.zeros((2, 3, 2), np.uint8)
         ([GOOD], [2], {"filler": "bogus"}, ValueError, "filler must be one of"),
         ([GOOD], [2], {"layout": "ragged"}, ValueError, "layout must be one of"),
         ([GOOD], [2], {"pad_to_multiple_of": 0}, ValueError, "pad_to_multiple_of must be >= 1"),
-        ([GOOD], [2], {"layout": "packed", "seq_len": 8}, ValueError, "padded' only"),
+        ([GOOD], [2], {"layout": "packed", "seq_len": 8}, TypeError, "unexpected keyword argument 'seq_len'"),
         ([GOOD], [2], {"workers": 0}, ValueError, "workers must be >= 1"),
         (
             [GOOD],
@@ -221,8 +224,8 @@ GOOD = np.zeros((2, 3, 2), np.uint8)
     ],
 )
 def test_bad_input_is_rejected_with_a_message_naming_the_sample(routes, counts, kwargs, exc, match):
-    with pytest.raises(exc, match=match):
-        collate_routes(routes, counts, **kwargs)
+    with pytest.raises(exc, match=match):  # the layout and memory values are built inside, as a caller builds them
+        collate_routes(routes, counts, **torch_r3_options(**kwargs))
 
 
 # ---------------------------------------------------------------------------
@@ -386,7 +389,7 @@ class RecordingCollator:
 def test_dataloader_batches_equal_direct_calls(num_workers, context, force_pool):
     samples = make_samples(seed=11, n_samples=12, big=True)
     # Use the pool in this process first: a forked worker must not inherit a dead pool.
-    collate_routes([s["routes"] for s in samples], [len(s["input_ids"]) for s in samples], workers=2)
+    collate_routes([s["routes"] for s in samples], [len(s["input_ids"]) for s in samples], memory=Memory(workers=2))
     loader = DataLoader(
         samples,
         batch_size=4,
@@ -408,13 +411,13 @@ def test_dataloader_batches_equal_direct_calls(num_workers, context, force_pool)
 
 def _child_collate(q):
     samples = make_samples(seed=3, n_samples=8, big=True)
-    got = R3Collator(workers=2)([{k: s[k] for k in ("input_ids", "routes")} for s in samples])
+    got = R3Collator(memory=Memory(workers=2))([{k: s[k] for k in ("input_ids", "routes")} for s in samples])
     q.put(got["rollout_expert_indices"].sum().item())
 
 
 def test_pool_survives_fork(force_pool):
     samples = make_samples(seed=3, n_samples=8, big=True)
-    parent = R3Collator(workers=2)([{k: s[k] for k in ("input_ids", "routes")} for s in samples])
+    parent = R3Collator(memory=Memory(workers=2))([{k: s[k] for k in ("input_ids", "routes")} for s in samples])
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     p = ctx.Process(target=_child_collate, args=(q,))
@@ -427,7 +430,7 @@ def test_pool_survives_fork(force_pool):
 
 
 def test_four_threads_share_one_collator(force_pool):
-    collator = R3Collator(pad_keys={"loss_mask": 0.0}, workers=2)
+    collator = R3Collator(pad_keys={"loss_mask": 0.0}, memory=Memory(workers=2))
     inputs = [make_samples(seed=s, n_samples=10, L=16, K=8, big=True) for s in range(4)]
     wants = [reference_collator(s) for s in inputs]
     results, errors = [None] * 4, []
@@ -465,9 +468,9 @@ def test_more_workers_than_the_cap_are_refused(call):
     routes = [np.zeros((1, 1, 2), np.uint8)]
     with pytest.raises(ValueError, match="workers must be <= 64"):
         if call == "collate_routes":
-            collate_routes(routes, [2], workers=1000)
+            collate_routes(routes, [2], memory=Memory(workers=1000))
         else:
-            R3Collator(workers=1000)
+            R3Collator(memory=Memory(workers=1000))
 
 
 def test_distinct_worker_counts_share_one_pool_that_shrinks_when_idle(force_pool, monkeypatch):
@@ -477,7 +480,7 @@ def test_distinct_worker_counts_share_one_pool_that_shrinks_when_idle(force_pool
     routes = [router_routes(rng, n, 2, 2, num_experts=256) for n in counts]
     want = reference_collate_routes(routes, counts)
     for workers in (4, 16, 9, 16, 64):
-        assert_batch_equal(collate_routes(routes, counts, workers=workers), want)
+        assert_batch_equal(collate_routes(routes, counts, memory=Memory(workers=workers)), want)
         # One pool: never more threads than the largest single request needs.
         assert len(_collate_threads()) <= 63
     assert len(_collate_threads()) <= 63
@@ -494,7 +497,7 @@ def test_padding_template_cache_stays_small_after_a_huge_batch():
     counts = [300_000, 1]  # 300k padding rows of 64 bytes: a 19 MB padding region
     tracemalloc.start()
     try:
-        got = collate_routes(routes, counts, workers=1)
+        got = collate_routes(routes, counts, memory=Memory(workers=1))
         assert got["rollout_expert_indices"].shape == (2, 300_000, 8, 8)
         del got
         kept, _ = tracemalloc.get_traced_memory()
@@ -540,7 +543,12 @@ def test_padding_ids_beyond_the_input_dtype_widen_the_output_instead_of_wrapping
 
 def test_numpy_integers_are_accepted_wherever_python_ints_are():
     samples = make_samples(n_samples=4)
-    kwargs = dict(filler="balanced", num_experts=np.int64(8), pad_to_multiple_of=np.int32(4), workers=np.int64(2))
+    kwargs = dict(
+        filler="balanced",
+        num_experts=np.int64(8),
+        layout=Padded(pad_to_multiple_of=np.int32(4)),
+        memory=Memory(workers=np.int64(2)),
+    )
     got = R3Collator(pad_token_id=np.int64(5), pad_keys={"loss_mask": np.float32(0.5)}, **kwargs)(samples)
     want = reference_r3_collator(
         samples,
@@ -590,7 +598,7 @@ def test_extra_keys_that_default_collate_cannot_batch_are_refused_naming_sample_
 )
 def test_bad_collator_settings_are_refused_at_construction(kwargs, exc, match):
     with pytest.raises(exc, match=match):
-        R3Collator(**kwargs)
+        R3Collator(**torch_r3_options(**kwargs))
 
 
 def test_token_ids_beyond_int64_are_refused_instead_of_wrapping_negative():
@@ -744,7 +752,7 @@ def test_an_output_beyond_the_size_bound_is_refused_before_allocating(kwargs, co
     # Item 12: 10**11 tokens or pad_to_multiple_of=2**36 went straight to the allocator.
     routes = [np.zeros((1, 2, 2), np.uint8)]
     with pytest.raises(ValueError, match=match):
-        collate_routes(routes, counts, **kwargs)
+        collate_routes(routes, counts, **torch_r3_options(**kwargs))
 
 
 def test_the_size_bound_is_overridable_by_the_environment(monkeypatch):
@@ -755,7 +763,7 @@ def test_the_size_bound_is_overridable_by_the_environment(monkeypatch):
     monkeypatch.setenv("TORCH_R3_MAX_OUTPUT_BYTES", "1000")
     assert collate_routes(routes, [3])["rollout_expert_indices"].shape == (1, 3, 2, 2)
     with pytest.raises(ValueError, match="would allocate 63 bytes .* more than the bound of 62 bytes"):
-        R3Collator(max_output_bytes=62)([{"input_ids": [1, 2, 3], "routes": routes[0]}])
+        R3Collator(memory=Memory(max_output_bytes=62))([{"input_ids": [1, 2, 3], "routes": routes[0]}])
 
 
 # ---------------------------------------------------------------------------

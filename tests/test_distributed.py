@@ -85,10 +85,12 @@ def _worker(rank: int, port: int, out: str) -> None:
             for g, s in shard.samples.items()
         }
         # Each rank collates its own micro-batches at the global layout, from what it received.
-        from torch_r3 import ShardCollator, global_geometry
+        from torch_r3 import Padded, ShardCollator, global_geometry
 
-        layout = global_geometry(shard.token_counts, shard.route_dtypes, filler="balanced", num_experts=EXPERTS)
-        local = ShardCollator(shard.fetch, shard.microbatches, seq_len=layout.seq_len, dtype=layout.dtype, **COLLATE)
+        geometry = global_geometry(shard.token_counts, shard.route_dtypes, filler="balanced", num_experts=EXPERTS)
+        local = ShardCollator(
+            shard.fetch, shard.microbatches, layout=Padded(seq_len=geometry.seq_len), dtype=geometry.dtype, **COLLATE
+        )
         collated = [{k: [str(v.dtype), v.tolist()] for k, v in batch.items()} for batch in local]
         result = {
             "collated": collated,

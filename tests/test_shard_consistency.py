@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.samples import route_samples
-from torch_r3 import BufferPool, R3Collator, ShardCollator
+from torch_r3 import BufferPool, Memory, R3Collator, ShardCollator
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,9 +58,13 @@ def test_one_kind_of_list_and_arrays_of_mixed_dtypes_still_collate_as_before():
 
 def test_a_shared_pool_with_cache_bytes_is_refused_not_dropped():
     with pytest.raises(ValueError, match=r"^pass buffers= or cache_bytes=, not both"):
-        ShardCollator(lambda idx: [], [[0]], buffers=BufferPool(), cache_bytes=0)
+        ShardCollator(
+            lambda idx: [],
+            [[0]],
+            memory=Memory(cache_bytes=0, buffers=BufferPool()),
+        )
     pool = BufferPool(cache_bytes=0)
-    assert ShardCollator(lambda idx: [], [[0]], buffers=pool).collator.buffers is pool
+    assert ShardCollator(lambda idx: [], [[0]], memory=Memory(buffers=pool)).collator.buffers is pool
 
 
 _ALIVE_AT_EXIT = """

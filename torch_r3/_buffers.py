@@ -158,7 +158,7 @@ class _State:
 class BufferPool:
     """Host buffers for collated batches, reused once no tensor of a batch is alive.
 
-    `R3Collator` owns one; pass one to `collate_routes(..., buffers=pool)` to
+    `R3Collator` owns one; pass one to `collate_routes(..., memory=Memory(buffers=pool))` to
     recycle its outputs in your own loop. Thread-safe, fork-safe and
     picklable (a copy starts empty).
 
@@ -166,7 +166,7 @@ class BufferPool:
         cache_bytes: the most bytes of idle buffers kept for reuse;
             `None` for twice the largest batch served so far, `0` to turn
             recycling off (every request gets fresh memory). The same setting
-            as `R3Collator(cache_bytes=)`.
+            as `R3Collator(memory=Memory(cache_bytes=))`.
         max_cached_bytes: deprecated, the old name of `cache_bytes`
             (a `DeprecationWarning`).
 
@@ -186,7 +186,7 @@ class BufferPool:
 
     def __init__(self, cache_bytes: int | None = None, *, max_cached_bytes: int | None = None) -> None:
         if max_cached_bytes is not None:
-            # The old name of the keyword: `R3Collator(cache_bytes=)` names the same setting.
+            # The old name of the keyword: `Memory(cache_bytes=)` names the same setting.
             warnings.warn(
                 "BufferPool(max_cached_bytes=) is deprecated: use BufferPool(cache_bytes=)",
                 DeprecationWarning,

@@ -4,18 +4,18 @@
 `torch.utils.data.DataLoader`. Both write the layouts described on the route
 layout page of the documentation:
 
-* `padded`: `rollout_expert_indices [B, T, L, K]`, aligned like a left-
-  (or, `padding_side="right"`, right-) padded token batch;
+* `Padded`: `rollout_expert_indices [B, T, L, K]`, aligned like a left-
+  (or, `Padded(side="right")`, right-) padded token batch;
   `router_padding_mask [B, T]` (`True` = no captured route); `attention_mask [B, T]`.
-* `prompt_response`: the same keys, `[B, P + R, ...]`, each prompt
+* `PromptResponse`: the same keys, `[B, P + R, ...]`, each prompt
   left-padded to `P` and each response right-padded to `R`.
-* `packed`: `rollout_expert_indices [sum(n), L, K]`, `router_padding_mask
+* `Packed`: `rollout_expert_indices [sum(n), L, K]`, `router_padding_mask
   [sum(n)]` and `cu_seqlens [B + 1]` for THD training; with
   `pad_to_multiple_of`, each sequence aligned and `cu_seqlens_padded`.
 
-Argument rules of the batch's geometry (`seq_len`, `dtype`, `layers`,
-`sample_ids`, padding side, prompt widths and lengths, the output-size bound)
-live in `torch_r3.geometry`, the samples' side of `R3Collator` in
+The layout and memory values and their rules live in `torch_r3.layout`, the
+argument rules of the batch's geometry (`dtype`, `keep_layers`, `sample_ids`,
+prompt lengths, the output-size bound) in `torch_r3.geometry`, the samples' side of `R3Collator` in
 `torch_r3._samples`, the per-sample checks of the routes, token counts and
 `out=` (all passed before the first byte is written) in
 `torch_r3._route_inputs`, the two writers in `torch_r3._writers`. What remains

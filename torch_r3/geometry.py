@@ -4,8 +4,9 @@ Every rank of a data-parallel job can compute the global batch's `seq_len` and
 route dtype from the trajectories' token counts and route dtypes, without any
 route bytes (`global_geometry`), and pass them to its own collator so that its
 micro-batches are slices of the global batch. The argument rules of the
-collation kernel's geometry (`seq_len=`, `dtype=`, `keep_layers=`, `sample_ids=`
-and the output-size bound) live here, one rule per kind of argument.
+collation kernel's geometry (`dtype=`, `keep_layers=`, `sample_ids=`, prompt
+lengths and the output-size bound) live here (the layout's own, `Padded(seq_len=)`
+and the rest, in `torch_r3.layout`), one rule per kind of argument.
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ def check_output_size(needed: dict[str, tuple[tuple[int, ...], torch.dtype]], bo
         raise ValueError(
             f"the batch would allocate {total} bytes ({total / 2**30:.1f} GiB: {shapes}), more than the bound of "
             f"{limit} bytes; check the token counts, seq_len and pad_to_multiple_of, or raise the bound with "
-            f"max_output_bytes= (or {MAX_OUTPUT_BYTES_ENV})"
+            f"memory=Memory(max_output_bytes=) (or {MAX_OUTPUT_BYTES_ENV})"
         )
 
 

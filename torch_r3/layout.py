@@ -272,18 +272,20 @@ def check_layout(layout: Any, where: str, allowed: tuple[type, ...] = LAYOUT_TYP
     if isinstance(layout, str):
         cls = _NAMES.get(layout)
         if cls is None:
-            if layout == "prompt_response":
+            if layout == "prompt_response" and PromptResponse in allowed:
                 raise ValueError(
                     f"{where}: layout='prompt_response' needs its widths: pass "
                     f"layout=torch_r3.PromptResponse(prompt_width=P, response_width=R)"
                 )
-            raise ValueError(f"{where}: layout must be one of ['padded', 'packed'] or a layout value, got {layout!r}")
+            check_choice(layout, "layout", tuple(_NAMES))  # the enum rule's wording, for a string naming no layout
+            raise AssertionError(layout)  # pragma: no cover - check_choice raised
         layout = cls()
     if not isinstance(layout, allowed):
         names = " or ".join(f"torch_r3.{cls.__name__}" for cls in allowed)
+        strings = " or ".join(repr(name) for name, cls in _NAMES.items() if cls in allowed)
         got = type(layout).__name__ if isinstance(layout, LAYOUT_TYPES) else repr(layout)
         raise (ValueError if isinstance(layout, LAYOUT_TYPES) else TypeError)(
-            f"{where}: layout must be {names} (or 'padded'/'packed'), got {got:.80}"
+            f"{where}: layout must be {names} (or {strings}), got {got:.80}"
         )
     return layout  # type: ignore[return-value]  # one of LAYOUT_TYPES, checked above
 

@@ -17,7 +17,7 @@ import torch
 
 from tests.megatron._models import EXPERTS, TOPK, VOCAB, RouteRecorder, expected_map
 from tests.samples import route_samples
-from torch_r3 import R3Collator
+from torch_r3 import Packed, R3Collator
 from torch_r3.megatron import ReplayHook
 from torch_r3.megatron.slicing import RankSlice, slice_for_rank
 
@@ -33,7 +33,7 @@ def _samples(seed=0, lengths=LENGTHS, captured=CAPTURED, layers=2):
 
 
 def _aligned_batch(samples, filler="balanced"):
-    collator = R3Collator(layout="packed", pad_to_multiple_of=MULTIPLE, filler=filler, num_experts=EXPERTS)
+    collator = R3Collator(layout=Packed(pad_to_multiple_of=MULTIPLE), filler=filler, num_experts=EXPERTS)
     return collator(samples)
 
 
@@ -219,7 +219,9 @@ def test_context_parallel_slicing_follows_the_aligned_bounds(cp_size):
             RankSlice(cp_size=cp_size),
             cu_seqlens=unaligned["cu_seqlens"],
         )
-    batch = R3Collator(layout="packed", pad_to_multiple_of=2 * cp_size)(samples)
+    batch = R3Collator(
+        layout=Packed(pad_to_multiple_of=2 * cp_size),
+    )(samples)
     spans = batch["cu_seqlens_padded"].tolist()
     for rank in range(cp_size):
         local, mask = slice_for_rank(
