@@ -217,6 +217,7 @@ class Trainer:
             memory=Memory(buffers=self.pool),
             dtype=dtype,
             keep_layers=layers,
+            pad_token_id=0,
         )
         out = []
         for batch in shards:

@@ -32,7 +32,8 @@ def make_samples(seed, n_samples=4, max_tokens=12, L=2, K=2, fixed_length=False)
 
 
 def collator(cache_bytes=None, **kwargs):
-    return R3Collator(pad_keys={"loss_mask": 0.0}, memory=Memory(workers=1, cache_bytes=cache_bytes), **kwargs)
+    memory = Memory(workers=1, cache_bytes=cache_bytes)
+    return R3Collator(pad_token_id=0, pad_keys={"loss_mask": 0.0}, memory=memory, **kwargs)
 
 
 def expected(samples, layout="padded"):
@@ -201,7 +202,7 @@ def test_bad_cache_bounds_are_refused(value, exc, match):
     with pytest.raises(exc, match=match):
         BufferPool(value)
     with pytest.raises(exc, match=match):
-        R3Collator(memory=Memory(cache_bytes=value))
+        R3Collator(memory=Memory(cache_bytes=value), pad_token_id=0)
 
 
 def test_buffers_must_be_a_buffer_pool():
@@ -435,7 +436,7 @@ def test_a_kernel_that_refuses_the_hugepage_advice_gets_small_pages_not_an_error
 def test_cache_bytes_is_the_keyword_and_attribute_as_on_r3collator():
     pool = BufferPool(cache_bytes=3 << 20)
     assert pool.cache_bytes == 3 << 20
-    assert R3Collator(memory=Memory(cache_bytes=3 << 20)).buffers.cache_bytes == 3 << 20
+    assert R3Collator(memory=Memory(cache_bytes=3 << 20), pad_token_id=0).buffers.cache_bytes == 3 << 20
     assert pickle.loads(pickle.dumps(pool)).cache_bytes == 3 << 20
     assert "cache_bytes=3145728" in repr(pool)
     assert BufferPool().cache_bytes is None

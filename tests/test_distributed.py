@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 L, K = 6, 4
 PLAN = [[[0, 3], [5]], [[1, 2], [4, 6]]]  # rank 0 keeps 0, 3, 5; rank 1 gets 1, 2, 4, 6
 EXPERTS = 256
-COLLATE = {"pad_keys": {"loss_mask": 0}, "filler": "balanced", "num_experts": EXPERTS}
+COLLATE = {"pad_token_id": 0, "pad_keys": {"loss_mask": 0}, "filler": "balanced", "num_experts": EXPERTS}
 
 
 def _samples() -> list[dict]:

@@ -68,6 +68,7 @@ def test_seq_len_pads_input_ids_and_pad_keys_to_the_same_length():
     got = R3Collator(
         layout=Padded(pad_to_multiple_of=3, seq_len=6),
         pad_keys={"m": -1.0},
+        pad_token_id=0,
     )(samples)
     assert got["input_ids"].tolist() == [[0, 0, 0, 1, 2, 3], [0, 0, 0, 0, 0, 4]]
     assert got["m"].tolist() == [[-1.0] * 3 + [1.0] * 3, [-1.0] * 5 + [2.0]]

@@ -111,7 +111,7 @@ def test_values_are_frozen_and_normalised():
 @pytest.mark.parametrize(
     ("layout", "where", "exc", "match"),
     [
-        ("ragged", R3Collator, ValueError, r"R3Collator: layout must be one of \['padded', 'packed'\]"),
+        ("ragged", R3Collator, ValueError, r"^layout must be one of \['padded', 'packed'\], got 'ragged'"),
         (
             "prompt_response",
             R3Collator,
@@ -127,8 +127,11 @@ def test_values_are_frozen_and_normalised():
     ],
 )
 def test_a_layout_a_collator_cannot_write_is_refused_naming_it(layout, where, exc, match):
+    if where is R3Collator:
+        with pytest.raises(exc, match=match):
+            R3Collator(layout=layout, pad_token_id=0)
+        return
     args = {
-        R3Collator: (),
         collate_selections: ([], []),
         torch_r3.global_geometry: ([3], [np.uint8]),
         engine.microbatch: (None, None),
@@ -143,7 +146,7 @@ def test_the_strings_mean_the_default_values():
         a = collate_routes(routes, [3, 2], layout=name)
         b = collate_routes(routes, [3, 2], layout=value)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert R3Collator(layout="packed").layout == Packed()
+    assert R3Collator(layout="packed", pad_token_id=0).layout == Packed()
 
 
 def test_memory_with_defaults_fills_only_what_is_unset():
@@ -161,3 +164,19 @@ def test_collate_selections_takes_the_memory_bound():
         collate_selections([sel], [4], layout=Padded(seq_len=64), memory=Memory(max_output_bytes=831))
     with pytest.raises(ValueError, match=r"Memory.buffers and Memory.cache_bytes are not supported"):
         collate_selections([sel], [4], memory=Memory(cache_bytes=0))
+
+
+def test_pad_token_id_is_required_as_the_tokenizer_gives_it():
+    # Issue 36: with pad_token_id omitted the collator padded input_ids with 0, a real token of most
+    # vocabularies, without a word. It is required now, as DataCollatorWithPadding takes it from the tokenizer.
+    with pytest.raises(TypeError, match=r"missing 1 required keyword-only argument: 'pad_token_id'"):
+        R3Collator()  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"missing 1 required keyword-only argument: 'pad_token_id'"):
+        ShardCollator(lambda idx: [], [[0]])
+    with pytest.raises(TypeError, match=r"pad_token_id=None: the tokenizer has no pad token"):
+        R3Collator(pad_token_id=None)  # type: ignore[arg-type]
+    samples = [
+        {"input_ids": [5, 6], "routes": np.zeros((1, 1, 2), np.uint8)},
+        {"input_ids": [7], "routes": np.zeros((0, 1, 2), np.uint8)},
+    ]
+    assert R3Collator(pad_token_id=9)(samples)["input_ids"].tolist() == [[5, 6], [9, 7]]

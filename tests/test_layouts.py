@@ -268,6 +268,7 @@ def test_property_any_plan_of_any_new_layout_slices_the_global_batch(data):
     name = data.draw(st.sampled_from(sorted(LAYOUTS)))
     opts = options_for(name, samples, data.draw(st.sampled_from(["arange", "balanced", "zeros"])))
     opts["pad_keys"] = {"loss_mask": 2.0}
+    opts["pad_token_id"] = 0
     full = R3Collator(**torch_r3_options(**opts))(samples)
     layout = opts["layout"]
     geometry = global_geometry(
@@ -324,7 +325,9 @@ def test_global_geometry_and_the_plan_count_aligned_tokens():
 @pytest.mark.parametrize("multiple", [None, 4])
 def test_as_nested_wraps_the_packed_values_in_place(multiple):
     samples = make_samples(np.random.default_rng(5), B=6)
-    batch = R3Collator(layout=Packed(pad_to_multiple_of=multiple), pad_keys={"loss_mask": -1.0})(samples)
+    batch = R3Collator(layout=Packed(pad_to_multiple_of=multiple), pad_keys={"loss_mask": -1.0}, pad_token_id=0)(
+        samples
+    )
     want = reference_r3_collator(
         samples, layout="packed", pad_to_multiple_of=multiple, pad_keys={"loss_mask": (-1.0, np.float32)}
     )
@@ -453,6 +456,7 @@ def test_the_collator_reads_prompt_lengths_from_the_samples_naming_the_bad_one(v
     ]
     collator = R3Collator(
         layout=PromptResponse(prompt_width=4, response_width=4),
+        pad_token_id=0,
     )
     with pytest.raises(exc, match=match):
         collator(samples)
@@ -465,12 +469,14 @@ def test_the_prompt_length_key_is_configurable_and_stays_in_the_batch():
     ]
     batch = R3Collator(
         layout=PromptResponse(prompt_width=2, response_width=2, prompt_length_key="plen"),
+        pad_token_id=0,
     )(samples)
     assert batch["input_ids"].tolist() == [[1, 2, 3, 0], [0, 0, 4, 5]]
     assert batch["plen"].tolist() == [2, 0]
     with pytest.raises(ValueError, match="sample 0: missing key 'prompt_length'"):
         R3Collator(
             layout=PromptResponse(prompt_width=2, response_width=2),
+            pad_token_id=0,
         )(samples)
 
 

@@ -43,24 +43,24 @@ def test_collate_routes_padding_and_layers_are_the_old_names_of_filler_and_keep_
 
 
 def test_collators_take_the_old_names_too():
-    want = R3Collator(filler="balanced", num_experts=5, keep_layers=[1])(SAMPLES)
+    want = R3Collator(filler="balanced", num_experts=5, keep_layers=[1], pad_token_id=0)(SAMPLES)
     with (
         pytest.deprecated_call(match=r"R3Collator\(padding=\)"),
         pytest.deprecated_call(match=r"R3Collator\(layers=\)"),
     ):
-        got = R3Collator(padding="balanced", num_experts=5, layers=[1])(SAMPLES)
+        got = R3Collator(padding="balanced", num_experts=5, layers=[1], pad_token_id=0)(SAMPLES)
     _same(got, want)
-    shard = list(ShardCollator(lambda idx: [SAMPLES[i] for i in idx], [[0, 1]], keep_layers=[1]))
+    shard = list(ShardCollator(lambda idx: [SAMPLES[i] for i in idx], [[0, 1]], keep_layers=[1], pad_token_id=0))
     with pytest.deprecated_call(match=r"ShardCollator\(layers=\)"):
-        old = list(ShardCollator(lambda idx: [SAMPLES[i] for i in idx], [[0, 1]], layers=[1]))
+        old = list(ShardCollator(lambda idx: [SAMPLES[i] for i in idx], [[0, 1]], layers=[1], pad_token_id=0))
     _same(old[0], shard[0])
 
 
 def test_r3collator_takes_a_buffer_pool_like_collate_routes_but_not_with_cache_bytes():
     pool = BufferPool()
-    collator = R3Collator(memory=torch_r3.Memory(buffers=pool))
+    collator = R3Collator(memory=torch_r3.Memory(buffers=pool), pad_token_id=0)
     assert collator.buffers is pool
-    _same(collator(SAMPLES), R3Collator()(SAMPLES))
+    _same(collator(SAMPLES), R3Collator(pad_token_id=0)(SAMPLES))
     with pytest.raises(ValueError, match="pass buffers= or cache_bytes=, not both"):
         torch_r3.Memory(buffers=pool, cache_bytes=0)
     with pytest.raises(TypeError, match="buffers must be None or a torch_r3.BufferPool, got dict"):
@@ -144,15 +144,15 @@ def test_collate_routes_old_layout_and_memory_keywords_warn_and_give_the_same_ba
 
 @pytest.mark.parametrize(("old", "new", "named"), OLD_LAYOUT_KEYWORDS)
 def test_collators_old_layout_and_memory_keywords_warn_and_give_the_same_batch(old, new, named):
-    want = R3Collator(**new)(SAMPLES)
+    want = R3Collator(**new, pad_token_id=0)(SAMPLES)
     with pytest.deprecated_call() as seen:
-        got = R3Collator(**old)(SAMPLES)
+        got = R3Collator(**old, pad_token_id=0)(SAMPLES)
     _warned(seen, "R3Collator", named)
     _same(got, want)
     fetch = lambda idx: [SAMPLES[i] for i in idx]  # noqa: E731
-    want = next(iter(ShardCollator(fetch, [[0, 1]], **new)))
+    want = next(iter(ShardCollator(fetch, [[0, 1]], **new, pad_token_id=0)))
     with pytest.deprecated_call() as seen:
-        got = next(iter(ShardCollator(fetch, [[0, 1]], **old)))
+        got = next(iter(ShardCollator(fetch, [[0, 1]], **old, pad_token_id=0)))
     _warned(seen, "ShardCollator", named)
     _same(got, want)
 
@@ -160,9 +160,11 @@ def test_collators_old_layout_and_memory_keywords_warn_and_give_the_same_batch(o
 def test_the_prompt_response_keywords_became_one_value():
     layout = torch_r3.PromptResponse(prompt_width=2, response_width=3, prompt_length_key="p")
     samples = [{**s, "p": 1} for s in SAMPLES]
-    want = R3Collator(layout=layout)(samples)
+    want = R3Collator(layout=layout, pad_token_id=0)(samples)
     with pytest.deprecated_call() as seen:
-        got = R3Collator(layout="prompt_response", prompt_width=2, response_width=3, prompt_length_key="p")(samples)
+        got = R3Collator(
+            layout="prompt_response", prompt_width=2, response_width=3, prompt_length_key="p", pad_token_id=0
+        )(samples)
     assert sorted(str(w.message).split(";")[0] for w in seen) == [
         "R3Collator(prompt_length_key=) is deprecated",
         "R3Collator(prompt_width=) is deprecated",
@@ -183,25 +185,25 @@ def test_cache_bytes_and_buffers_moved_into_memory():
     with pytest.deprecated_call(
         match=r"R3Collator\(buffers=\) is deprecated; use memory=torch_r3.Memory\(buffers=\.\.\.\)"
     ):
-        collator = R3Collator(buffers=pool)
-    assert collator.buffers is pool and R3Collator(memory=torch_r3.Memory(buffers=pool)).buffers is pool
+        collator = R3Collator(buffers=pool, pad_token_id=0)
+    assert collator.buffers is pool and R3Collator(memory=torch_r3.Memory(buffers=pool), pad_token_id=0).buffers is pool
     with pytest.deprecated_call(match=r"use memory=torch_r3.Memory\(cache_bytes=0\)"):
-        assert R3Collator(cache_bytes=0).buffers.cache_bytes == 0
+        assert R3Collator(cache_bytes=0, pad_token_id=0).buffers.cache_bytes == 0
     want = collate_routes(ROUTES, [3, 2], memory=torch_r3.Memory(buffers=pool))
     with pytest.deprecated_call(match=r"collate_routes\(buffers=\)"):
         _same(collate_routes(ROUTES, [3, 2], buffers=pool), want)
     with pytest.deprecated_call(match=r"ShardCollator\(buffers=\)"):
-        shard = ShardCollator(lambda idx: [SAMPLES[i] for i in idx], [[0, 1]], buffers=pool)
+        shard = ShardCollator(lambda idx: [SAMPLES[i] for i in idx], [[0, 1]], buffers=pool, pad_token_id=0)
     assert shard.collator.buffers is pool
 
 
 def test_an_old_keyword_next_to_the_value_that_holds_it_is_refused():
     with pytest.raises(TypeError, match=r"R3Collator: pass seq_len= inside layout= only"):
-        R3Collator(layout=torch_r3.Padded(), seq_len=4)
+        R3Collator(layout=torch_r3.Padded(), seq_len=4, pad_token_id=0)
     with pytest.raises(TypeError, match=r"collate_routes: pass workers= inside memory= only"):
         collate_routes(ROUTES, [3, 2], memory=torch_r3.Memory(pin_memory=False), workers=1)
     with pytest.raises(ValueError, match=r"R3Collator: seq_len= applies to torch_r3.Padded only, got layout='packed'"):
-        R3Collator(layout="packed", seq_len=4)
+        R3Collator(layout="packed", seq_len=4, pad_token_id=0)
     with pytest.raises(ValueError, match=r"padding_side= applies to torch_r3.Padded only"):
         collate_routes(ROUTES, [3, 2], layout="packed", padding_side="right")
     # collate_routes never took these: still unknown keywords, as Python says it
@@ -210,7 +212,7 @@ def test_an_old_keyword_next_to_the_value_that_holds_it_is_refused():
     with pytest.raises(TypeError, match=r"collate_routes got an unexpected keyword argument 'prompt_length_key'"):
         collate_routes(ROUTES, [3, 2], prompt_length_key="p")
     with pytest.raises(TypeError, match=r"R3Collator got an unexpected keyword argument 'seq_length'"):
-        R3Collator(seq_length=4)
+        R3Collator(seq_length=4, pad_token_id=0)
 
 
 def test_global_geometry_and_collate_selections_take_the_layout_value():

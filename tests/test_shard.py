@@ -142,6 +142,7 @@ def test_a_for_loop_keeps_two_microbatches_of_buffers():
         layout=Padded(seq_len=geometry.seq_len),
         dtype=np.int16,
         pad_keys=["loss_mask"],
+        pad_token_id=0,
     )
     addresses = set()
     for batch in shard:
@@ -163,7 +164,7 @@ def test_prefetch_fetches_the_next_microbatch_while_the_current_one_is_held():
             release.wait(timeout=60)
         return [samples[i] for i in indices]
 
-    shard = ShardCollator(fetch, [[0], [1], [2]], prefetch=True, pad_keys=["loss_mask"])
+    shard = ShardCollator(fetch, [[0], [1], [2]], prefetch=True, pad_keys=["loss_mask"], pad_token_id=0)
     it = iter(shard)
     first = next(it)
     # The caller holds micro-batch 0 and has not asked for more: the fetch of 1 has begun anyway.
@@ -181,7 +182,7 @@ def test_prefetch_raises_the_fetch_s_error_and_leaves_no_thread_behind():
             raise KeyError("trajectory 2 is gone")
         return [samples[i] for i in indices]
 
-    shard = ShardCollator(fetch, [[0], [1], [2]], prefetch=True, pad_keys=["loss_mask"])
+    shard = ShardCollator(fetch, [[0], [1], [2]], prefetch=True, pad_keys=["loss_mask"], pad_token_id=0)
     it = iter(shard)
     next(it)
     next(it)
@@ -197,7 +198,7 @@ def test_a_framework_s_own_index_lists_work_like_a_plan():
     samples = make_global(7, wide=False)
     counts = [len(s["input_ids"]) for s in samples]
     geometry = global_geometry(counts, {np.uint8}, filler="balanced", num_experts=EXPERTS)
-    full = R3Collator(filler="balanced", num_experts=EXPERTS, pad_keys=["loss_mask"])(samples)
+    full = R3Collator(filler="balanced", num_experts=EXPERTS, pad_keys=["loss_mask"], pad_token_id=0)(samples)
     mine = [np.array([5, 2]), torch.tensor([0]), range(3, 5)]  # any order, any sequence type
     shard = ShardCollator(
         lambda idx: [samples[i] for i in idx],
@@ -207,6 +208,7 @@ def test_a_framework_s_own_index_lists_work_like_a_plan():
         filler="balanced",
         num_experts=EXPERTS,
         pad_keys=["loss_mask"],
+        pad_token_id=0,
     )
     for indices, batch in zip([[5, 2], [0], [3, 4]], shard):
         for key in batch:
@@ -226,12 +228,12 @@ def test_a_framework_s_own_index_lists_work_like_a_plan():
 )
 def test_bad_microbatches_are_refused_naming_them(microbatches, exc, match):
     with pytest.raises(exc, match=match):
-        ShardCollator(lambda idx: [], microbatches)
+        ShardCollator(lambda idx: [], microbatches, pad_token_id=0)
 
 
 def test_a_fetch_returning_the_wrong_number_of_samples_is_refused():
     samples = make_global(8, wide=False)
-    shard = ShardCollator(lambda idx: samples[:1], [[0, 1]], pad_keys=["loss_mask"])
+    shard = ShardCollator(lambda idx: samples[:1], [[0, 1]], pad_keys=["loss_mask"], pad_token_id=0)
     with pytest.raises(ValueError, match=r"fetch\(\[0, 1\]\) returned 1 samples for 2 indices"):
         next(iter(shard))
 
@@ -317,6 +319,7 @@ def test_buffers_shared_by_the_shard_collators_of_successive_steps_are_reused():
             layout=Padded(seq_len=geometry.seq_len),
             memory=Memory(buffers=pool),
             pad_keys=["loss_mask"],
+            pad_token_id=0,
         )
         assert shard.collator.buffers is pool
         for _ in shard:
@@ -325,7 +328,7 @@ def test_buffers_shared_by_the_shard_collators_of_successive_steps_are_reused():
             misses = pool.stats()["misses"]
     assert pool.stats()["misses"] == misses  # steps 1 and 2 mapped nothing new
     with pytest.raises(TypeError, match="buffers must be None or a torch_r3.BufferPool"):
-        ShardCollator(lambda idx: [], [[0]], memory=Memory(buffers={}))
+        ShardCollator(lambda idx: [], [[0]], memory=Memory(buffers={}), pad_token_id=0)
 
 
 @settings(max_examples=25, deadline=None)
@@ -343,7 +346,13 @@ def test_property_any_plan_and_stage_slices_the_global_batch(data):
         counts = counts[: len(samples)]
     layers = data.draw(st.permutations(range(L)).flatmap(lambda p: st.integers(1, L).map(lambda k: list(p[:k]))))
     experts = EXPERTS if padding == "balanced" else None
-    opts = {"layout": layout, "filler": padding, "num_experts": experts, "pad_keys": {"loss_mask": 2.0}}
+    opts = {
+        "layout": layout,
+        "filler": padding,
+        "num_experts": experts,
+        "pad_keys": {"loss_mask": 2.0},
+        "pad_token_id": 0,
+    }
     full = R3Collator(**torch_r3_options(**opts))(samples)
     geometry = global_geometry(counts, {s["routes"].dtype for s in samples}, filler=padding, num_experts=experts)
     seq_len = geometry.seq_len if layout == "padded" else None

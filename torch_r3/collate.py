@@ -414,7 +414,11 @@ class R3Collator:
             `collate_routes`; `seq_len` is also the length of `input_ids` and
             the `pad_keys`, and `prompt_length_key` is the samples' key holding
             their prompt token count (an int; the key stays in the batch).
-        pad_token_id: the token id of padding (fits `int64`).
+        pad_token_id: the token id of padding (fits `int64`), required: pass
+            the tokenizer's (`tokenizer.pad_token_id`), as
+            `transformers.DataCollatorWithPadding` takes it from the tokenizer.
+            No id is right for every vocabulary (0 is a real token in most), so
+            none is assumed.
         pad_keys: per-token keys to pad alongside the tokens: `{key: pad value}`,
             or a sequence of keys padded with 0.
         filler: as in `collate_routes`.
@@ -462,7 +466,7 @@ class R3Collator:
         routes_key: str = SAMPLE_ROUTES,
         tokens_key: str = INPUT_IDS,
         layout: Layout | str = "padded",
-        pad_token_id: int = 0,
+        pad_token_id: int,
         pad_keys: Mapping[str, float] | Sequence[str] = (),
         filler: str = "arange",
         num_experts: int | None = None,
@@ -475,6 +479,11 @@ class R3Collator:
         self._options = _options(
             "R3Collator", layout, memory, deprecated, filler, num_experts, dtype, keep_layers, compact
         )
+        if pad_token_id is None:
+            raise TypeError(
+                "pad_token_id=None: the tokenizer has no pad token; set one (tokenizer.pad_token = "
+                "tokenizer.eos_token is common) or pass the id input_ids are padded with"
+            )
         self.pad_token_id = check_int(pad_token_id, "pad_token_id")
         if not -(2**63) <= self.pad_token_id < 2**63:
             raise ValueError(f"pad_token_id must fit int64 (input_ids are torch.long), got {self.pad_token_id}")

@@ -20,7 +20,11 @@ Examples:
     [[[3], [1]], [[0], [2]]]
     >>> geometry = global_geometry(counts, {np.uint8})
     >>> shard = ShardCollator(
-    ...     lambda idx: [store[i] for i in idx], plan[0], layout=Padded(seq_len=geometry.seq_len), dtype=geometry.dtype
+    ...     lambda idx: [store[i] for i in idx],
+    ...     plan[0],
+    ...     layout=Padded(seq_len=geometry.seq_len),
+    ...     dtype=geometry.dtype,
+    ...     pad_token_id=0,
     ... )
     >>> [batch["input_ids"].tolist() for batch in shard]
     [[[7, 8, 9, 10]], [[0, 0, 0, 4]]]

@@ -55,7 +55,7 @@ def test_each_rank_collates_its_microbatches_identical_to_the_global_batch(local
             out["prompt_token_ids"], out["response_ids"], out["loss_masks"], out["rollout_expert_indices"]
         )
     ]
-    whole = R3Collator(layout=Padded(side=side), pad_keys={"loss_mask": 0})(samples)
+    whole = R3Collator(layout=Padded(side=side), pad_keys={"loss_mask": 0}, pad_token_id=0)(samples)
     seen = []
     for rank, microbatches in enumerate(plan):
         mine = {i: refs[i] for mb in microbatches for i in mb}
@@ -66,6 +66,7 @@ def test_each_rank_collates_its_microbatches_identical_to_the_global_batch(local
                 microbatches,
                 layout=Padded(side=side, seq_len=geometry.seq_len),
                 dtype=geometry.dtype,
+                pad_token_id=0,
             ),
         ):
             for key in ("rollout_expert_indices", "router_padding_mask", "attention_mask", "input_ids", "loss_mask"):

@@ -303,6 +303,7 @@ def _row(
         return row
     collate_fn = R3Collator(
         memory=Memory(workers=workers, cache_bytes=0 if collator == "fresh" else None),
+        pad_token_id=0,
     )
     loader = DataLoader(
         dataset,

@@ -420,9 +420,9 @@ def register(strategy: Strategy) -> Strategy:
         ValueError: a strategy of that name is registered already.
 
     Examples:
-        >>> from torch_r3 import collate_routes
+        >>> from torch_r3 import Memory, collate_routes
         >>> def two_threads(ctx):
-        ...     return collate_routes(ctx.batch.routes, ctx.batch.token_counts, workers=2, pin_memory=False)
+        ...     return collate_routes(ctx.batch.routes, ctx.batch.token_counts, memory=Memory(workers=2, pin_memory=False))
         >>> strategy = register(Strategy("two threads", two_threads, "padded", description="the pool, two threads"))
         >>> "two threads" in registered() and "two threads" not in STRATEGIES
         True

@@ -134,5 +134,8 @@ def microbatch(
         if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= r.shape[0]:
             raise ValueError(f"captured[{i}]: expected an int in [0, {r.shape[0]}], got {c!r}")
         samples.append({INPUT_IDS: t, SAMPLE_ROUTES: r[:c].cpu().numpy()})
-    collator = R3Collator(layout=packed, filler="arange", memory=memory.with_defaults(pin_memory=False))
+    # Only an aligned batch pads input_ids: its alignment rows lie outside cu_seqlens, which the model attends
+    # by, so their token id (0 here, as before pad_token_id was required) is never read as a token.
+    memory = memory.with_defaults(pin_memory=False)
+    collator = R3Collator(layout=packed, filler="arange", memory=memory, pad_token_id=0)
     return collator(samples)
