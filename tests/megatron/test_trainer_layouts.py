@@ -214,7 +214,9 @@ def test_context_parallel_slicing_follows_the_aligned_bounds(cp_size):
     # Unaligned lengths (5, 9, 3): refused by the CP split; aligned to 2 * cp they split exactly.
     samples = _samples(6)
     unaligned = R3Collator(layout="packed", pad_token_id=0)(samples)
-    with pytest.raises(ValueError, match=rf"pad_to_multiple_of={2 * cp_size} and pass its cu_seqlens_padded"):
+    with pytest.raises(
+        ValueError, match=rf"layout=torch_r3.Packed\(pad_to_multiple_of={2 * cp_size}\) and pass its cu_seqlens_padded"
+    ):
         slice_for_rank(
             unaligned["rollout_expert_indices"],
             unaligned["router_padding_mask"],
