@@ -2,7 +2,7 @@
 
 The private-name rule: a name that starts with one underscore (and is not a dunder) belongs
 to the module that defines it. Another module of the package may import a private *module*
-(`from torch_r3 import _memory`, `import torch_r3._memory as memory`) and use its public
+(`from torch_r3 import _extras`, `import torch_r3._collate.memory as memory`) and use its public
 names, but it never reaches a private *name* of another module: neither
 `from torch_r3.a import _b` nor `a._b` on a module it imported. A private name that is
 itself a module (`torch_r3.testing._wire`) counts as a module.

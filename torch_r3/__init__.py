@@ -15,7 +15,7 @@ import importlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-from torch_r3._buffers import BufferPool
+from torch_r3._collate.buffers import BufferPool
 from torch_r3._deprecation import warn_renamed
 from torch_r3.collate import R3Collator, collate_routes
 from torch_r3.geometry import BatchGeometry, global_geometry

@@ -16,15 +16,15 @@ layout page of the documentation:
 The layout and memory values and their rules live in `torch_r3.layout`, the
 argument rules of the batch's geometry (`dtype`, `keep_layers`, `sample_ids`,
 prompt lengths, the output-size bound) in `torch_r3.geometry`, the samples' side of `R3Collator` in
-`torch_r3._samples`, the per-sample checks of the routes, token counts and
+`torch_r3._collate.samples`, the per-sample checks of the routes, token counts and
 `out=` (all passed before the first byte is written) in
-`torch_r3._route_inputs`, the two writers in `torch_r3._writers`. What remains
+`torch_r3._collate.route_inputs`, the two writers in `torch_r3._collate.writers`. What remains
 here is the kernel: the options, the allocation, and the hand-over to the
 writers.
 
 How it stays fast: the output is allocated uninitialised (or recycled, see
 `torch_r3.BufferPool`) and every byte is written exactly once, row by row, by
-the copy threads of `torch_r3._pool`. Padding regions are copied from a small
+the copy threads of `torch_r3._collate.pool`. Padding regions are copied from a small
 cached padding template (one memcpy per chunk) instead of broadcasting a
 `[L, K]` row element by element. NumPy releases the GIL for large copies, so
 the threads really run in parallel, and they also share the first-touch page
@@ -41,14 +41,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from torch_r3 import _memory, _pool
-from torch_r3._buffers import BufferPool
 from torch_r3._checks import check_bool, check_int
+from torch_r3._collate import memory as _memory, pool as _pool
+from torch_r3._collate.buffers import BufferPool
+from torch_r3._collate.filler import FillerWriter, check_filler, padding_rows
+from torch_r3._collate.route_inputs import check_aliasing, check_batch, check_out, output_dtype
+from torch_r3._collate.samples import SeqField, batch_samples, check_pad_number, collate_extra, prompt_lengths_of
+from torch_r3._collate.writers import packed_writer, padded_writer
 from torch_r3._deprecation import renamed_argument
-from torch_r3._filler import FillerWriter, check_filler, padding_rows
-from torch_r3._route_inputs import check_aliasing, check_batch, check_out, output_dtype
-from torch_r3._samples import SeqField, batch_samples, check_pad_number, collate_extra, prompt_lengths_of
-from torch_r3._writers import packed_writer, padded_writer
 from torch_r3.geometry import (
     aligned_counts,
     check_layers,

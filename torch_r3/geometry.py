@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from torch_r3._checks import check_dtype, check_indices, check_int, check_positive, check_token_counts
+from torch_r3._collate.filler import check_filler
 from torch_r3._deprecation import renamed_argument
-from torch_r3._filler import check_filler
 from torch_r3.layout import Packed, Padded, from_keywords
 from torch_r3.routes import CANONICAL_DTYPES, canonical_dtype_for, widest
 

@@ -23,7 +23,7 @@ for the signatures that released engines have produced:
   request reused that still held the earlier request's rows (the same SGLang
   bug, across requests). A `RouteHealthCheck` remembers fingerprints of the
   last `remember_blocks` blocks of `min_run` rows it passed (hashes and the
-  tokens behind them; `torch_r3._row_memory`). Identical tokens are never a
+  tokens behind them; `torch_r3._client.row_memory`). Identical tokens are never a
   replay: a prefix-cached prompt legitimately replays the rows its cached
   blocks were computed with, for the same tokens.
 
@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 
 from torch_r3._checks import check_at_least, check_choice, check_int, check_positive, check_str
-from torch_r3._row_memory import RowMemory
+from torch_r3._client.row_memory import RowMemory
 
 __all__ = [
     "HEALTH_MODES",

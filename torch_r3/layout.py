@@ -45,9 +45,9 @@ import importlib
 from collections.abc import Mapping
 from typing import Any, TypeAlias
 
-from torch_r3 import _memory, _pool
-from torch_r3._buffers import BufferPool
 from torch_r3._checks import check_choice, check_non_negative, check_positive, check_str
+from torch_r3._collate import memory as _memory, pool as _pool
+from torch_r3._collate.buffers import BufferPool
 from torch_r3._deprecation import warn_renamed
 from torch_r3.keys import PROMPT_LENGTH
 

@@ -5,7 +5,7 @@ page faults cost several times the copy itself, so a pool keeps the memory of
 batches the loop has finished with and hands it out again:
 
 * Buffers are private anonymous mappings, hugepage-advised where the kernel
-  allows (`torch_r3._memory.map_private`): after `fork` the child sees every
+  allows (`torch_r3._collate.memory.map_private`): after `fork` the child sees every
   batch copy-on-write, so neither side's later batches or in-place edits
   reach the other's.
 * A buffer goes back to the pool only when nothing uses it any more. Each
@@ -53,8 +53,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from torch_r3 import _memory
 from torch_r3._checks import check_non_negative
+from torch_r3._collate import memory as _memory
 
 __all__ = ["BufferPool"]
 

@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from torch_r3 import R3Collator
 from torch_r3._checks import check_int
-from torch_r3._memory import accelerator_available
+from torch_r3._collate.memory import accelerator_available
 from torch_r3.bench.config import Batch, BenchConfig, make_batch
 from torch_r3.bench.memory import collector_paused
 from torch_r3.bench.results import DataLoaderResult, DataLoaderRow

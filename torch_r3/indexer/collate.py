@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from torch_r3 import _memory, _pool
 from torch_r3._checks import check_dtype, check_int
+from torch_r3._collate import memory as _memory, pool as _pool
 from torch_r3.geometry import check_output_size, padded_length
 from torch_r3.indexer.encoding import FILL, IndexerSelections
 from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS
