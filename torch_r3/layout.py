@@ -41,7 +41,7 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
-import importlib
+import sys
 from collections.abc import Mapping
 from typing import Any, TypeAlias
 
@@ -359,4 +359,7 @@ def __getattr__(name: str) -> Any:
     if new is None:
         raise AttributeError(f"module 'torch_r3.layout' has no attribute {name!r}")
     warn_renamed(f"torch_r3.layout.{name}", f"torch_r3.geometry.{new}")
-    return getattr(importlib.import_module("torch_r3.geometry"), new)
+    # `import torch_r3.layout` runs torch_r3/__init__.py first, which imports torch_r3.geometry: the alias
+    # reads the loaded module and imports nothing (an import here would close a circle, geometry reading
+    # the layout values).
+    return getattr(sys.modules["torch_r3.geometry"], new)

@@ -2,6 +2,6 @@
 
 import sys
 
-from torch_r3.demo.common import main
+from torch_r3.demo.cli import main
 
 sys.exit(main())

@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import contextlib
 import importlib
-import json
 import sys
 import time
 import warnings
@@ -501,57 +500,3 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "and DSA indexer selections (uses the transformers trainer; --trajectories and --turns apply)",
     )
     return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    return run_from_args(build_parser().parse_args(argv))
-
-
-def run_from_args(args: argparse.Namespace) -> int:
-    """Run with parsed options (``torch-r3 demo`` shares the parser); returns the exit code."""
-    for name in ("trajectories", "turns", "retries"):
-        if getattr(args, name) < 1:
-            print(f"error: --{name} must be >= 1", file=sys.stderr)
-            return 2
-    if getattr(args, "dsa", False):
-        return _run_dsa_from_args(args)
-    cfg = DemoConfig(seed=args.seed, trajectories=args.trajectories, turns=args.turns)
-    try:
-        results = run(
-            cfg,
-            trainer=getattr(args, "trainer", "megatron"),
-            server_url=args.server_url,
-            retries=args.retries,
-            num_workers=args.num_workers,
-            quiet=args.quiet,
-        )
-    except DemoError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(format_report(results, cfg))
-    if getattr(args, "run_log", None):
-        write_run_log(args.run_log, results, trainer=getattr(args, "trainer", "megatron"))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    return 0
-
-
-def _run_dsa_from_args(args: argparse.Namespace) -> int:
-    """`--dsa`: the sparse-attention variant (`torch_r3.demo.dsa`), its own report and JSON."""
-    # Like the trainers' sides (`run`), the variant is a module built on this one, found by name.
-    dsa = importlib.import_module("torch_r3.demo.dsa")
-    if args.server_url or getattr(args, "run_log", None):
-        print("error: --dsa runs its own loopback server and writes no run log", file=sys.stderr)
-        return 2
-    cfg = dsa.DSAConfig(seed=args.seed, trajectories=args.trajectories, turns=args.turns)
-    try:
-        results = dsa.run_dsa(cfg, quiet=args.quiet)
-    except DemoError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(dsa.format_dsa_report(results))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    return 0
