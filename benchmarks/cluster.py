@@ -60,7 +60,7 @@ import ray.cloudpickle
 import torch
 
 import torch_r3
-from torch_r3 import BufferPool, R3Collator
+from torch_r3 import BufferPool, Memory, Padded, R3Collator
 from torch_r3.ray import RefFetch, TrajectoryRef, put_trajectory, route_dtypes, token_counts
 
 KEYS = ("input_ids", "attention_mask", "rollout_expert_indices", "router_padding_mask")
@@ -211,7 +211,13 @@ class Trainer:
 
         layers = self.stage_layers if stage_only else None
         shards = ShardCollator(
-            RefFetch(refs), microbatches, seq_len=seq_len, dtype=dtype, keep_layers=layers, buffers=self.pool
+            RefFetch(refs),
+            microbatches,
+            layout=Padded(seq_len=seq_len),
+            memory=Memory(buffers=self.pool),
+            dtype=dtype,
+            keep_layers=layers,
+            pad_token_id=0,
         )
         out = []
         for batch in shards:

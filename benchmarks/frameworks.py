@@ -40,6 +40,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from torch_r3 import Memory, PromptResponse
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integrations"))
 from frameworks import installed, load
 
@@ -94,7 +96,7 @@ def skyrl(args) -> None:
     total = np.asarray(prompts) + np.asarray(responses)
     pool = BufferPool()
     theirs = preprocess._collate_rollout_expert_indices(routes, total)
-    ours = integration.collate_rollout_expert_indices(routes, total, buffers=pool)
+    ours = integration.collate_rollout_expert_indices(routes, total, memory=Memory(buffers=pool))
     assert torch.equal(theirs.values, ours.values) and torch.equal(theirs.cu_seqlens, ours.cu_seqlens)
     nbytes = theirs.values.nbytes
     del ours
@@ -104,7 +106,7 @@ def skyrl(args) -> None:
         ),
         "torch_r3: collate_rollout_expert_indices": lambda: integration.collate_rollout_expert_indices(routes, total),
         "torch_r3: collate_rollout_expert_indices, BufferPool": lambda: integration.collate_rollout_expert_indices(
-            routes, total, buffers=pool
+            routes, total, memory=Memory(buffers=pool)
         ),
     }
     report(
@@ -140,13 +142,15 @@ def skyrl(args) -> None:
 
     worker_pool = BufferPool()
     ref = skyrl_align()
-    got = integration.microbatch(batch, buffers=worker_pool)
+    got = integration.microbatch(batch, memory=Memory(buffers=worker_pool))
     assert torch.equal(ref[0], got["rollout_expert_indices"]) and torch.equal(ref[1], got["router_padding_mask"])
     nbytes = ref[0].nbytes
     del got
     cases = {
         f"SkyRL {args.skyrl}: align_(packed_)token_metadata": skyrl_align,
-        "torch_r3: skyrl.microbatch, BufferPool": lambda: integration.microbatch(batch, buffers=worker_pool),
+        "torch_r3: skyrl.microbatch, BufferPool": lambda: integration.microbatch(
+            batch, memory=Memory(buffers=worker_pool)
+        ),
     }
     report(
         f"SkyRL worker, right-padded micro-batch of {args.micro_batch}: [{args.micro_batch}, {t}, {L}, {K}]",
@@ -343,14 +347,22 @@ def verl(args) -> None:
         return padding.left_right_2_no_padding(data)["routed_experts"]
 
     counts = [p + r for p, r in zip(prompts, responses)]
-    padded = padded_routed_experts(routes, prompts, responses, prompt_width=P, response_width=R)
+    padded = padded_routed_experts(
+        routes,
+        prompts,
+        responses,
+        layout=PromptResponse(prompt_width=P, response_width=R),
+    )
     assert torch.equal(agent_loop(), padded["rollout_expert_indices"])
     padded_bytes = padded["rollout_expert_indices"].nbytes
     del padded
     cases = {
         f"verl {args.verl}: agent loop zeros + slice copy, torch.cat": agent_loop,
         "torch_r3: verl.padded_routed_experts": lambda: padded_routed_experts(
-            routes, prompts, responses, prompt_width=P, response_width=R
+            routes,
+            prompts,
+            responses,
+            layout=PromptResponse(prompt_width=P, response_width=R),
         ),
     }
     report(

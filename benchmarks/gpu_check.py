@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from torch_r3 import BufferPool, collate_routes
+from torch_r3 import BufferPool, Memory, collate_routes
 from torch_r3.bench import PRESETS, BenchConfig, InsufficientMemoryError, check_memory, make_batch
 from torch_r3.bench.config import max_padded_bytes
 from torch_r3.bench.units import format_bytes, format_gib, format_rate
@@ -78,7 +78,11 @@ def check_shape(config: BenchConfig, device: torch.device, batches: int) -> dict
     stream = torch.cuda.Stream(device)
 
     def collate() -> dict[str, torch.Tensor]:
-        return collate_routes(batch.routes, batch.token_counts, pin_memory=True, buffers=pool)
+        return collate_routes(
+            batch.routes,
+            batch.token_counts,
+            memory=Memory(pin_memory=True, buffers=pool),
+        )
 
     host = collate()  # maps (and pins) the pool's first buffers
     nbytes = sum(t.nbytes for t in host.values())
@@ -100,7 +104,7 @@ def check_shape(config: BenchConfig, device: torch.device, batches: int) -> dict
     pipeline_s = (time.perf_counter() - t0) / batches
     hidden = (collate_s + copy_s - pipeline_s) / min(collate_s, copy_s)
 
-    want = collate_routes(batch.routes, batch.token_counts, pin_memory=False)
+    want = collate_routes(batch.routes, batch.token_counts, memory=Memory(pin_memory=False))
     identical = all(torch.equal(in_flight[1][k].cpu(), want[k]) for k in want)
     return {
         "shape": config.label,

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from torch_r3 import BufferPool
+from torch_r3 import BufferPool, Memory
 from torch_r3.bench.strategies import parallel_copy
 from torch_r3.cpu import pool_workers
 from torch_r3.indexer import IndexerSelections
@@ -117,7 +117,7 @@ def main() -> None:
         out: dict = {}
 
         def collate(out: dict = out) -> None:
-            out.update(collate_selections([sel], [d.shape[0] + 1], workers=args.workers))
+            out.update(collate_selections([sel], [d.shape[0] + 1], memory=Memory(workers=args.workers)))
 
         rounds["collate"].append(timed(collate))
         want = out[SELECTIONS]
@@ -125,7 +125,9 @@ def main() -> None:
         out32: dict = {}
 
         def collate32(out: dict = out32) -> None:
-            out.update(collate_selections([sel], [d.shape[0] + 1], workers=args.workers, dtype=torch.int32))
+            out.update(
+                collate_selections([sel], [d.shape[0] + 1], memory=Memory(workers=args.workers), dtype=torch.int32)
+            )
 
         rounds["collate int32"].append(timed(collate32))
         want32 = out32[SELECTIONS]

@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from torch_r3 import BufferPool, collate_routes
+from torch_r3 import BufferPool, Memory, Packed, Padded, PromptResponse, collate_routes
 
 L, K, EXPERTS = 40, 8, 128
 
@@ -35,33 +35,29 @@ def layouts(counts, prompts):
     P = max(prompts)
     R = max(n - p for n, p in zip(counts, prompts))
     return {
-        "padded left": {"layout": "padded"},
-        "padded right": {"layout": "padded", "padding_side": "right"},
-        "prompt_response": {
-            "layout": "prompt_response",
-            "prompt_width": P,
-            "response_width": R,
-            "prompt_lengths": prompts,
-        },
-        "packed": {"layout": "packed"},
-        "packed aligned 128": {"layout": "packed", "pad_to_multiple_of": 128},
+        "padded left": {"layout": Padded()},
+        "padded right": {"layout": Padded(side="right")},
+        "prompt_response": {"layout": PromptResponse(prompt_width=P, response_width=R), "prompt_lengths": prompts},
+        "packed": {"layout": Packed()},
+        "packed aligned 128": {"layout": Packed(pad_to_multiple_of=128)},
     }
 
 
 def check(name, out, routes, counts, prompts, opts):
     got = out["rollout_expert_indices"].numpy()
     captured = ~out["router_padding_mask"].numpy()
-    if opts["layout"] == "packed":
+    layout = opts["layout"]
+    if isinstance(layout, Packed):
         offsets = out.get("cu_seqlens_padded", out["cu_seqlens"]).tolist()
         starts = offsets[:-1]
         rows = [got[s : s + r.shape[0]] for s, r in zip(starts, routes)]
         assert captured.sum() == sum(r.shape[0] for r in routes), name
     else:
         T = got.shape[1]
-        if opts["layout"] == "prompt_response":
-            starts = [opts["prompt_width"] - p for p in prompts]
+        if isinstance(layout, PromptResponse):
+            starts = [layout.prompt_width - p for p in prompts]
         else:
-            starts = [T - n if opts.get("padding_side", "left") == "left" else 0 for n in counts]
+            starts = [T - n if layout.side == "left" else 0 for n in counts]
         rows = [got[i, s : s + r.shape[0]] for i, (s, r) in enumerate(zip(starts, routes))]
         assert captured.sum() == sum(r.shape[0] for r in routes), name
     for i, (a, b) in enumerate(zip(rows, routes)):
@@ -81,14 +77,14 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in cases}
     sizes = {}
     for name, opts in cases.items():  # warm each pool, and check each layout once
-        out = collate_routes(routes, counts, buffers=pools[name], workers=args.workers, **opts)
+        out = collate_routes(routes, counts, memory=Memory(buffers=pools[name], workers=args.workers), **opts)
         check(name, out, routes, counts, prompts, opts)
         sizes[name] = out["rollout_expert_indices"].nbytes
         del out
     for _ in range(args.rounds):  # interleaved: every layout once per round
         for name, opts in cases.items():
             t0 = time.perf_counter()
-            out = collate_routes(routes, counts, buffers=pools[name], workers=args.workers, **opts)
+            out = collate_routes(routes, counts, memory=Memory(buffers=pools[name], workers=args.workers), **opts)
             times[name].append(time.perf_counter() - t0)
             del out
     real = sum(counts) * L * K

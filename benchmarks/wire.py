@@ -44,7 +44,8 @@ from typing import Any
 import numpy as np
 import pybase64
 
-from torch_r3 import _base64, _offload, codec
+from torch_r3 import codec
+from torch_r3._client import base64 as _base64, offload as _offload
 from torch_r3.bench.trust import BUSY_LOAD_PER_CPU, SPREAD_LIMIT
 from torch_r3.cpu import loadavg_1min, usable_cpus
 from torch_r3.protocols import PROTOCOLS

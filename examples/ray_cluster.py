@@ -25,7 +25,7 @@ import sys
 import numpy as np
 import ray
 
-from torch_r3 import R3Collator, ShardCollator, global_geometry, plan_microbatches
+from torch_r3 import Padded, R3Collator, ShardCollator, global_geometry, plan_microbatches
 from torch_r3.ray import RefFetch, put_trajectory, route_dtypes, token_counts
 
 NUM_TRAJECTORIES, DP, PP = 24, 2, 2
@@ -68,7 +68,12 @@ class Trainer:
 
     def train(self, refs: dict, microbatches: list, seq_len: int, dtype) -> list[str]:
         shard = ShardCollator(
-            RefFetch(refs), microbatches, seq_len=seq_len, dtype=dtype, keep_layers=self.layers, **OPTIONS
+            RefFetch(refs),
+            microbatches,
+            layout=Padded(seq_len=seq_len),
+            dtype=dtype,
+            keep_layers=self.layers,
+            **OPTIONS,
         )
         # Here a trainer would run forward/backward with ReplayHook on each batch.
         return [checksum(batch) for batch in shard]

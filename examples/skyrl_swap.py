@@ -19,7 +19,7 @@ from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
 from skyrl.train.dataset import preprocess
 
 import torch_r3.integrations.skyrl as r3_skyrl
-from torch_r3 import BufferPool
+from torch_r3 import BufferPool, Memory, Padded
 
 rng = np.random.default_rng(0)
 L, K, EXPERTS = 4, 2, 16
@@ -49,7 +49,9 @@ def training_input() -> TrainingInputBatch:
 
 
 before = training_input()  # SkyRL's own serial collation
-with r3_skyrl.install(buffers=BufferPool()) as handle:  # the swap: one call per process, before the first step
+with r3_skyrl.install(
+    memory=Memory(buffers=BufferPool())
+) as handle:  # the swap: one call per process, before the first step
     for name in handle.names:
         print("replaced", name.removeprefix("skyrl."))
     after = training_input()  # the same SkyRL function, now collating with torch_r3
@@ -68,7 +70,7 @@ with r3_skyrl.install(buffers=BufferPool()) as handle:  # the swap: one call per
 
 # What the installed worker set-up collates per micro-batch, in SkyRL's right-padded model layout:
 # the batches a torch_r3.megatron.ReplayHook replays (for a trainer of your own: its data_iterator).
-microbatches = list(r3_skyrl.microbatches(after.chunk(2), pad_to_multiple_of=1))
+microbatches = list(r3_skyrl.microbatches(after.chunk(2), layout=Padded(side="right", pad_to_multiple_of=1)))
 first = microbatches[0]
 print(tuple(first["rollout_expert_indices"].shape), first["attention_mask"].tolist())
 print(first["router_padding_mask"].int().tolist())

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from tests.reference_collate import assert_batch_equal, reference_collate_routes, reference_r3_collator
 from tests.samples import route_samples, router_routes
-from torch_r3 import BufferPool, R3Collator, collate_routes
+from torch_r3 import BufferPool, Memory, R3Collator, collate_routes
 
 PAD_KEYS = {"loss_mask": (0.0, np.float32)}
 
@@ -31,8 +31,9 @@ def make_samples(seed, n_samples=4, max_tokens=12, L=2, K=2, fixed_length=False)
     )
 
 
-def collator(**kwargs):
-    return R3Collator(pad_keys={"loss_mask": 0.0}, workers=1, **kwargs)
+def collator(cache_bytes=None, **kwargs):
+    memory = Memory(workers=1, cache_bytes=cache_bytes)
+    return R3Collator(pad_token_id=0, pad_keys={"loss_mask": 0.0}, memory=memory, **kwargs)
 
 
 def expected(samples, layout="padded"):
@@ -94,7 +95,7 @@ def test_kernel_outputs_from_a_pool_match_the_reference_and_out_still_wins():
         layout = ("padded", "packed")[call % 2]
         mine = torch.empty(len(counts) + 1, dtype=torch.int32)
         out = {"cu_seqlens": mine} if layout == "packed" else None
-        got = collate_routes(routes, counts, layout=layout, buffers=pool, out=out)
+        got = collate_routes(routes, counts, layout=layout, memory=Memory(buffers=pool), out=out)
         assert_batch_equal(got, reference_collate_routes(routes, counts, layout=layout))
         if out:
             assert got["cu_seqlens"] is mine
@@ -201,12 +202,12 @@ def test_bad_cache_bounds_are_refused(value, exc, match):
     with pytest.raises(exc, match=match):
         BufferPool(value)
     with pytest.raises(exc, match=match):
-        R3Collator(cache_bytes=value)
+        R3Collator(memory=Memory(cache_bytes=value), pad_token_id=0)
 
 
 def test_buffers_must_be_a_buffer_pool():
     with pytest.raises(TypeError, match="buffers must be None or a torch_r3.BufferPool"):
-        collate_routes([np.zeros((1, 1, 2), np.uint8)], [2], buffers={})
+        collate_routes([np.zeros((1, 1, 2), np.uint8)], [2], memory=Memory(buffers={}))
 
 
 # The pinned path needs a CUDA device: these run on a GPU machine (`benchmarks/gpu_check.py`
@@ -382,7 +383,7 @@ def test_a_mapping_the_os_refuses_is_a_memory_error_naming_the_size(monkeypatch)
 
 
 def test_output_memory_is_private_and_hugepage_advised_where_the_kernel_allows():
-    from torch_r3._memory import thp_mode
+    from torch_r3._collate.memory import thp_mode
 
     mode = thp_mode()
     for pool in (BufferPool(), BufferPool(cache_bytes=0)):
@@ -414,7 +415,7 @@ def _smaps_entry(address: int) -> dict:
 def test_a_kernel_that_refuses_the_hugepage_advice_gets_small_pages_not_an_error(monkeypatch):
     import mmap
 
-    from torch_r3 import _memory
+    from torch_r3._collate import memory as _memory
 
     class Refusing(mmap.mmap):
         def madvise(self, *args):
@@ -435,7 +436,7 @@ def test_a_kernel_that_refuses_the_hugepage_advice_gets_small_pages_not_an_error
 def test_cache_bytes_is_the_keyword_and_attribute_as_on_r3collator():
     pool = BufferPool(cache_bytes=3 << 20)
     assert pool.cache_bytes == 3 << 20
-    assert R3Collator(cache_bytes=3 << 20).buffers.cache_bytes == 3 << 20
+    assert R3Collator(memory=Memory(cache_bytes=3 << 20), pad_token_id=0).buffers.cache_bytes == 3 << 20
     assert pickle.loads(pickle.dumps(pool)).cache_bytes == 3 << 20
     assert "cache_bytes=3145728" in repr(pool)
     assert BufferPool().cache_bytes is None

@@ -26,6 +26,8 @@ import torch
 
 from torch_r3 import (
     BufferPool,
+    Memory,
+    Padded,
     R3Collator,
     check_expert_ids,
     collate_routes,
@@ -253,13 +255,23 @@ def _output(out: Any) -> Any:
 
 # (argument, a valid value, the call) for every public integer argument of these modules.
 SIZES: list[tuple[str, int, Callable[[Any], Any]]] = [
-    ("pad_to_multiple_of", 4, lambda v: collate_routes([GOOD], [2], pad_to_multiple_of=v)),
-    ("seq_len", 4, lambda v: collate_routes([GOOD], [2], seq_len=v)),
-    ("max_output_bytes", 10**6, lambda v: collate_routes([GOOD], [2], max_output_bytes=v)),
-    ("num_experts", 4, lambda v: collate_routes([GOOD], [2], filler="balanced", num_experts=v, seq_len=4)),
-    ("pad_to_multiple_of", 4, lambda v: R3Collator(pad_to_multiple_of=v)([{"input_ids": [1, 2], "routes": GOOD}])),
-    ("cache_bytes", 0, lambda v: R3Collator(cache_bytes=v).buffers.cache_bytes),
-    ("pad_to_multiple_of", 4, lambda v: global_geometry([3], [np.uint8], pad_to_multiple_of=v)),
+    ("pad_to_multiple_of", 4, lambda v: collate_routes([GOOD], [2], layout=Padded(pad_to_multiple_of=v))),
+    ("seq_len", 4, lambda v: collate_routes([GOOD], [2], layout=Padded(seq_len=v))),
+    ("max_output_bytes", 10**6, lambda v: collate_routes([GOOD], [2], memory=Memory(max_output_bytes=v))),
+    (
+        "num_experts",
+        4,
+        lambda v: collate_routes([GOOD], [2], filler="balanced", num_experts=v, layout=Padded(seq_len=4)),
+    ),
+    (
+        "pad_to_multiple_of",
+        4,
+        lambda v: R3Collator(layout=Padded(pad_to_multiple_of=v), pad_token_id=0)(
+            [{"input_ids": [1, 2], "routes": GOOD}]
+        ),
+    ),
+    ("cache_bytes", 0, lambda v: R3Collator(memory=Memory(cache_bytes=v), pad_token_id=0).buffers.cache_bytes),
+    ("pad_to_multiple_of", 4, lambda v: global_geometry([3], [np.uint8], layout=Padded(pad_to_multiple_of=v))),
     ("num_experts", 300, lambda v: global_geometry([3], [np.uint8], filler="balanced", num_experts=v)),
     ("pad_to_multiple_of", 4, lambda v: padded_length([3, 5], pad_to_multiple_of=v)),
     ("dp_size", 2, lambda v: plan_microbatches([3, 4], dp_size=v)),
@@ -268,7 +280,13 @@ SIZES: list[tuple[str, int, Callable[[Any], Any]]] = [
     (
         "seq_len",
         4,
-        lambda v: next(iter(ShardCollator(lambda i: [{"input_ids": [1, 2], "routes": GOOD}], [[0]], seq_len=v))),
+        lambda v: next(
+            iter(
+                ShardCollator(
+                    lambda i: [{"input_ids": [1, 2], "routes": GOOD}], [[0]], layout=Padded(seq_len=v), pad_token_id=0
+                )
+            )
+        ),
     ),
     ("max_id", 255, canonical_dtype_for),
     ("num_experts", 2, lambda v: compact_routes(GOOD, num_experts=v)),
@@ -307,8 +325,12 @@ SIZES: list[tuple[str, int, Callable[[Any], Any]]] = [
     ("block_size", 2, lambda v: _testing("server", block_size=v)),
     ("cache_blocks", 8, lambda v: _testing("server", cache_blocks=v)),
     ("port", 0, lambda v: _testing("server", port=v)),
-    ("workers", 2, lambda v: collate_routes([GOOD], [2], workers=v)),
-    ("workers", 2, lambda v: R3Collator(workers=v)([{"input_ids": [1, 2], "routes": GOOD}])),
+    ("workers", 2, lambda v: collate_routes([GOOD], [2], memory=Memory(workers=v))),
+    (
+        "workers",
+        2,
+        lambda v: R3Collator(memory=Memory(workers=v), pad_token_id=0)([{"input_ids": [1, 2], "routes": GOOD}]),
+    ),
     ("cache_bytes", 0, lambda v: BufferPool(cache_bytes=v).cache_bytes),
     ("shape[1]", 3, lambda v: BufferPool().empty((2, v), torch.uint8)),
     ("cap", 2, lambda v: pool_workers(cap=v, usable=8.0)),
@@ -387,8 +409,8 @@ def _generate(**kwargs: Any) -> Any:
 # (argument, the call) for every public flag of these modules; each call stops before any I/O.
 FLAGS: list[tuple[str, Callable[[Any], Any]]] = [
     ("compact", lambda v: collate_routes([GOOD], [2], compact=v)),
-    ("compact", lambda v: R3Collator(compact=v)),
-    ("prefetch", lambda v: ShardCollator(lambda i: [], [[0]], prefetch=v)),
+    ("compact", lambda v: R3Collator(compact=v, pad_token_id=0)),
+    ("prefetch", lambda v: ShardCollator(lambda i: [], [[0]], prefetch=v, pad_token_id=0)),
     ("allow_mixed_versions", lambda v: RoutedExpertTrace(allow_mixed_versions=v)),
     ("routes_enabled", lambda v: _testing("server", routes_enabled=v)),
     ("sglang_ignores_start", lambda v: _testing("server", protocol="sglang", sglang_ignores_start=v)),
@@ -436,7 +458,7 @@ def test_seconds_follow_the_finite_float_rule_in_the_client_and_its_config(name,
     [
         (
             lambda: collate_routes([GOOD], [2], layout="ragged"),
-            "layout must be one of ['padded', 'packed', 'prompt_response'], got 'ragged'",
+            "layout must be one of ['padded', 'packed'], got 'ragged'",
         ),
         (
             lambda: collate_routes([GOOD], [2], filler="bogus"),
@@ -458,7 +480,7 @@ def test_a_route_dtype_argument_follows_the_dtype_rule_in_collation_and_layout()
     for call in (
         lambda d: collate_routes([GOOD], [2], dtype=d),
         lambda d: global_geometry([2], [d]),
-        lambda d: R3Collator(dtype=d),
+        lambda d: R3Collator(dtype=d, pad_token_id=0),
     ):
         with pytest.raises(ValueError, match=r"must be uint8, int16 or int32, got torch.float32"):
             call(torch.float32)

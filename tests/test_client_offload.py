@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 
 from tests.http_stub import serve_routes
-from torch_r3 import _offload
+from torch_r3._client import offload as _offload
 from torch_r3.client import RemoteGenerateClient
 from torch_r3.health import RouteHealthCheck, RouteHealthError, RouteHealthWarning
 from torch_r3.protocols import PROTOCOLS

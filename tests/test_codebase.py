@@ -2,7 +2,7 @@
 
 The private-name rule: a name that starts with one underscore (and is not a dunder) belongs
 to the module that defines it. Another module of the package may import a private *module*
-(`from torch_r3 import _memory`, `import torch_r3._memory as memory`) and use its public
+(`from torch_r3 import _extras`, `import torch_r3._collate.memory as memory`) and use its public
 names, but it never reaches a private *name* of another module: neither
 `from torch_r3.a import _b` nor `a._b` on a module it imported. A private name that is
 itself a module (`torch_r3.testing._wire`) counts as a module.
@@ -159,6 +159,8 @@ def imports_of(path: Path) -> set[str]:
     A `from a import b` counts as importing `a.b` when that is a module of this
     package, and `a` otherwise; a package's parents are not counted (importing
     `torch_r3.a.b` runs `torch_r3/__init__.py` first, but that is no choice of `path`).
+    `importlib.import_module("a.b")` with a literal name is an import of `a.b` too
+    (a name built at run time, `f"torch_r3.demo.{trainer}"`, cannot be followed).
     """
     here = _module_name(path)
     found: set[str] = set()
@@ -172,7 +174,29 @@ def imports_of(path: Path) -> set[str]:
             for alias in node.names:
                 target = f"{source}.{alias.name}"
                 found.add(target if _is_module(target) else source)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            found.add(node.args[0].value)
     return found
+
+
+def test_imports_of_follows_a_literal_import_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "torch_r3").mkdir()
+    path = tmp_path / "torch_r3" / "m.py"
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path / "torch_r3")
+    path.write_text(
+        "import importlib\n"
+        "def f(name):\n"
+        "    importlib.import_module('torch_r3.demo.dsa')\n"
+        "    importlib.import_module(f'torch_r3.demo.{name}')\n"
+    )
+    assert imports_of(path) == {"importlib", "torch_r3.demo.dsa"}
 
 
 def _is_under(module: str, package: str) -> bool:
@@ -229,3 +253,36 @@ def test_no_module_of_the_package_is_part_of_an_import_cycle():
         for path in _modules()
     }
     assert import_cycles(graph) == []
+
+
+# The top level of the package holds its public modules and subpackages (private helpers live
+# beside the capability they serve: torch_r3/_collate/ for the collation kernel, torch_r3/_client/
+# for the codec, client, trace and health check). These private modules stay, each for its reason:
+TOP_LEVEL_PRIVATE = {
+    "_checks": "the argument rules every capability checks its callers' arguments by: one rule per kind of "
+    "argument for the whole package, so it belongs to none of them",
+    "_deprecation": "the one wording of every rename, in every capability",
+    "_extras": "the optional-dependency import every capability with an extra goes through",
+}
+
+
+def test_the_top_level_holds_only_public_modules_subpackages_and_the_named_exceptions():
+    private = sorted(
+        p.stem if p.is_file() else p.name
+        for p in PACKAGE.iterdir()
+        if _is_private(p.stem if p.is_file() else p.name)
+        and (p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").is_file()))
+    )
+    packages = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file())
+    modules = [name for name in private if name not in packages]
+    assert modules == sorted(TOP_LEVEL_PRIVATE), (
+        f"private modules at the top level of torch_r3/: {modules}; move each beside the capability it serves "
+        f"(a private subpackage such as torch_r3/_collate/) or name it in TOP_LEVEL_PRIVATE with the reason"
+    )
+    for name in TOP_LEVEL_PRIVATE:  # an exception is one because several capabilities use it
+        users = {
+            _module_name(path).split(".")[1]
+            for path in _modules()
+            if f"torch_r3.{name}" in imports_of(path) and _module_name(path).count(".") >= 1
+        }
+        assert len(users) >= 3, f"torch_r3.{name} is used by {sorted(users)} only: move it beside them"

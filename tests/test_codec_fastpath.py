@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from torch_r3 import _base64
+from torch_r3._client import base64 as _base64
 from torch_r3.codec import WireFormatError, decode_routes, decode_sglang_routes, decode_vllm_routes
 from torch_r3.routes import compact_routes
 

@@ -13,9 +13,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch.utils.data import DataLoader
 
-import torch_r3._buffers
-import torch_r3._filler
-import torch_r3._pool as pool_mod
+import torch_r3._collate.buffers
+import torch_r3._collate.filler
+import torch_r3._collate.pool as pool_mod
 import torch_r3.keys
 from tests.reference_collate import (
     ROUTE_DTYPES as ORDER,
@@ -24,7 +24,8 @@ from tests.reference_collate import (
     reference_r3_collator,
 )
 from tests.samples import EXPERTS_IN, route_samples, router_routes
-from torch_r3 import R3Collator, collate_routes, compact_routes
+from tests.spelling import torch_r3_options
+from torch_r3 import Memory, Padded, R3Collator, collate_routes, compact_routes
 
 
 @pytest.fixture
@@ -67,7 +68,7 @@ def test_mixed_batch_promotes_to_widest_dtype_by_dtype_alone():
 def test_pad_to_multiple_of_rounds_T_up(multiple):
     rng = np.random.default_rng(1)
     routes = [router_routes(rng, 3, 2, 2, num_experts=256), router_routes(rng, 6, 2, 2, num_experts=256)]
-    got = collate_routes(routes, [5, 7], pad_to_multiple_of=multiple)
+    got = collate_routes(routes, [5, 7], layout=Padded(pad_to_multiple_of=multiple))
     assert_batch_equal(got, reference_collate_routes(routes, [5, 7], pad_to_multiple_of=multiple))
 
 
@@ -94,7 +95,7 @@ def test_pool_path_matches_reference(layout, force_pool):
     rng = np.random.default_rng(4)
     counts = [int(x) for x in rng.integers(1, 70, size=40)]
     routes = [router_routes(rng, max(n - 1, 0), 4, 8, num_experts=256) for n in counts]
-    got = collate_routes(routes, counts, layout=layout, workers=3)
+    got = collate_routes(routes, counts, layout=layout, memory=Memory(workers=3))
     assert _collate_threads()  # helper threads were started for the call
     assert_batch_equal(got, reference_collate_routes(routes, counts, layout=layout))
 
@@ -126,12 +127,12 @@ def test_pin_memory_never_raises_without_an_accelerator():
     routes = [np.zeros((1, 1, 2), np.uint8)]
     assert not collate_routes(routes, [2])["rollout_expert_indices"].is_pinned()
     if torch.cuda.is_available():
-        assert collate_routes(routes, [2], pin_memory=True)["rollout_expert_indices"].is_pinned()
+        assert collate_routes(routes, [2], memory=Memory(pin_memory=True))["rollout_expert_indices"].is_pinned()
     else:
         with pytest.warns(UserWarning, match="no accelerator"):
-            got = collate_routes(routes, [2], pin_memory=True)
+            got = collate_routes(routes, [2], memory=Memory(pin_memory=True))
         assert not got["rollout_expert_indices"].is_pinned()
-    assert not collate_routes(routes, [2], pin_memory=False)["rollout_expert_indices"].is_pinned()
+    assert not collate_routes(routes, [2], memory=Memory(pin_memory=False))["rollout_expert_indices"].is_pinned()
 
 
 @settings(max_examples=60, deadline=None)
@@ -152,7 +153,9 @@ def test_property_random_batches_match_reference(data):
         seed = data.draw(st.integers(0, 2**16))
         counts.append(n)
         routes.append(router_routes(np.random.default_rng(seed), r, L, K, num_experts=EXPERTS_IN[dtype], dtype=dtype))
-    got = collate_routes(routes, counts, layout=layout, filler=padding, num_experts=E, pad_to_multiple_of=pad_to)
+    got = collate_routes(
+        routes, counts, **torch_r3_options(layout=layout, pad_to_multiple_of=pad_to), filler=padding, num_experts=E
+    )
     assert_batch_equal(
         got,
         reference_collate_routes(
@@ -205,7 +208,7 @@ GOOD = np.zeros((2, 3, 2), np.uint8)
         ([GOOD], [2], {"filler": "bogus"}, ValueError, "filler must be one of"),
         ([GOOD], [2], {"layout": "ragged"}, ValueError, "layout must be one of"),
         ([GOOD], [2], {"pad_to_multiple_of": 0}, ValueError, "pad_to_multiple_of must be >= 1"),
-        ([GOOD], [2], {"layout": "packed", "seq_len": 8}, ValueError, "padded' only"),
+        ([GOOD], [2], {"layout": "packed", "seq_len": 8}, TypeError, "unexpected keyword argument 'seq_len'"),
         ([GOOD], [2], {"workers": 0}, ValueError, "workers must be >= 1"),
         (
             [GOOD],
@@ -221,8 +224,8 @@ GOOD = np.zeros((2, 3, 2), np.uint8)
     ],
 )
 def test_bad_input_is_rejected_with_a_message_naming_the_sample(routes, counts, kwargs, exc, match):
-    with pytest.raises(exc, match=match):
-        collate_routes(routes, counts, **kwargs)
+    with pytest.raises(exc, match=match):  # the layout and memory values are built inside, as a caller builds them
+        collate_routes(routes, counts, **torch_r3_options(**kwargs))
 
 
 # ---------------------------------------------------------------------------
@@ -344,24 +347,24 @@ def test_collator_refuses_bad_samples_naming_the_sample_and_key(mutate, exc, mat
     samples = make_samples()
     mutate(samples)
     with pytest.raises(exc, match=match):
-        R3Collator(pad_keys=["loss_mask"])(samples)
+        R3Collator(pad_keys=["loss_mask"], pad_token_id=0)(samples)
 
 
 def test_collator_rejects_more_route_rows_than_tokens():
     samples = [{"input_ids": [1, 2], "routes": np.zeros((3, 1, 2), np.uint8)}]
     with pytest.raises(ValueError, match=r"routes\[0\]: 3 route rows for 2 tokens"):
-        R3Collator()(samples)
+        R3Collator(pad_token_id=0)(samples)
 
 
 def test_collator_refuses_an_empty_batch():
     with pytest.raises(ValueError, match="empty batch"):
-        R3Collator()([])
+        R3Collator(pad_token_id=0)([])
 
 
 def test_collator_is_picklable():
     import pickle
 
-    c = R3Collator(pad_keys={"loss_mask": 0.0}, filler="balanced", num_experts=8)
+    c = R3Collator(pad_keys={"loss_mask": 0.0}, filler="balanced", num_experts=8, pad_token_id=0)
     c2 = pickle.loads(pickle.dumps(c))
     samples = make_samples()
     assert_batch_equal(c2(samples), {k: v.numpy() for k, v in c(samples).items()})
@@ -371,7 +374,7 @@ class RecordingCollator:
     """Records, inside the worker, whether the routes went to shared memory."""
 
     def __init__(self):
-        self.inner = R3Collator(pad_keys={"loss_mask": 0.0})
+        self.inner = R3Collator(pad_keys={"loss_mask": 0.0}, pad_token_id=0)
 
     def __call__(self, samples):
         batch = self.inner(samples)
@@ -386,7 +389,7 @@ class RecordingCollator:
 def test_dataloader_batches_equal_direct_calls(num_workers, context, force_pool):
     samples = make_samples(seed=11, n_samples=12, big=True)
     # Use the pool in this process first: a forked worker must not inherit a dead pool.
-    collate_routes([s["routes"] for s in samples], [len(s["input_ids"]) for s in samples], workers=2)
+    collate_routes([s["routes"] for s in samples], [len(s["input_ids"]) for s in samples], memory=Memory(workers=2))
     loader = DataLoader(
         samples,
         batch_size=4,
@@ -395,7 +398,7 @@ def test_dataloader_batches_equal_direct_calls(num_workers, context, force_pool)
         multiprocessing_context=context,
         persistent_workers=False,
     )
-    direct = R3Collator(pad_keys={"loss_mask": 0.0})
+    direct = R3Collator(pad_keys={"loss_mask": 0.0}, pad_token_id=0)
     batches = list(loader)
     assert len(batches) == 3
     for k, batch in enumerate(batches):
@@ -408,13 +411,17 @@ def test_dataloader_batches_equal_direct_calls(num_workers, context, force_pool)
 
 def _child_collate(q):
     samples = make_samples(seed=3, n_samples=8, big=True)
-    got = R3Collator(workers=2)([{k: s[k] for k in ("input_ids", "routes")} for s in samples])
+    got = R3Collator(memory=Memory(workers=2), pad_token_id=0)(
+        [{k: s[k] for k in ("input_ids", "routes")} for s in samples]
+    )
     q.put(got["rollout_expert_indices"].sum().item())
 
 
 def test_pool_survives_fork(force_pool):
     samples = make_samples(seed=3, n_samples=8, big=True)
-    parent = R3Collator(workers=2)([{k: s[k] for k in ("input_ids", "routes")} for s in samples])
+    parent = R3Collator(memory=Memory(workers=2), pad_token_id=0)(
+        [{k: s[k] for k in ("input_ids", "routes")} for s in samples]
+    )
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     p = ctx.Process(target=_child_collate, args=(q,))
@@ -427,7 +434,7 @@ def test_pool_survives_fork(force_pool):
 
 
 def test_four_threads_share_one_collator(force_pool):
-    collator = R3Collator(pad_keys={"loss_mask": 0.0}, workers=2)
+    collator = R3Collator(pad_keys={"loss_mask": 0.0}, memory=Memory(workers=2), pad_token_id=0)
     inputs = [make_samples(seed=s, n_samples=10, L=16, K=8, big=True) for s in range(4)]
     wants = [reference_collator(s) for s in inputs]
     results, errors = [None] * 4, []
@@ -465,9 +472,9 @@ def test_more_workers_than_the_cap_are_refused(call):
     routes = [np.zeros((1, 1, 2), np.uint8)]
     with pytest.raises(ValueError, match="workers must be <= 64"):
         if call == "collate_routes":
-            collate_routes(routes, [2], workers=1000)
+            collate_routes(routes, [2], memory=Memory(workers=1000))
         else:
-            R3Collator(workers=1000)
+            R3Collator(memory=Memory(workers=1000), pad_token_id=0)
 
 
 def test_distinct_worker_counts_share_one_pool_that_shrinks_when_idle(force_pool, monkeypatch):
@@ -477,7 +484,7 @@ def test_distinct_worker_counts_share_one_pool_that_shrinks_when_idle(force_pool
     routes = [router_routes(rng, n, 2, 2, num_experts=256) for n in counts]
     want = reference_collate_routes(routes, counts)
     for workers in (4, 16, 9, 16, 64):
-        assert_batch_equal(collate_routes(routes, counts, workers=workers), want)
+        assert_batch_equal(collate_routes(routes, counts, memory=Memory(workers=workers)), want)
         # One pool: never more threads than the largest single request needs.
         assert len(_collate_threads()) <= 63
     assert len(_collate_threads()) <= 63
@@ -494,7 +501,7 @@ def test_padding_template_cache_stays_small_after_a_huge_batch():
     counts = [300_000, 1]  # 300k padding rows of 64 bytes: a 19 MB padding region
     tracemalloc.start()
     try:
-        got = collate_routes(routes, counts, workers=1)
+        got = collate_routes(routes, counts, memory=Memory(workers=1))
         assert got["rollout_expert_indices"].shape == (2, 300_000, 8, 8)
         del got
         kept, _ = tracemalloc.get_traced_memory()
@@ -518,7 +525,7 @@ def test_a_sample_key_equal_to_an_output_key_is_refused_not_overwritten(layout, 
         # default_collate would happily stack over the computed tensor.
         s[key] = np.ones(len(s["input_ids"]), np.int64) if per_token else 1
     with pytest.raises(ValueError, match=rf"sample 0: key '{key}'.*rename.*drop"):
-        R3Collator(pad_keys={"loss_mask": 0.0}, layout=layout)(samples)
+        R3Collator(pad_keys={"loss_mask": 0.0}, layout=layout, pad_token_id=0)(samples)
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
@@ -540,7 +547,12 @@ def test_padding_ids_beyond_the_input_dtype_widen_the_output_instead_of_wrapping
 
 def test_numpy_integers_are_accepted_wherever_python_ints_are():
     samples = make_samples(n_samples=4)
-    kwargs = dict(filler="balanced", num_experts=np.int64(8), pad_to_multiple_of=np.int32(4), workers=np.int64(2))
+    kwargs = dict(
+        filler="balanced",
+        num_experts=np.int64(8),
+        layout=Padded(pad_to_multiple_of=np.int32(4)),
+        memory=Memory(workers=np.int64(2)),
+    )
     got = R3Collator(pad_token_id=np.int64(5), pad_keys={"loss_mask": np.float32(0.5)}, **kwargs)(samples)
     want = reference_r3_collator(
         samples,
@@ -572,7 +584,7 @@ def test_extra_keys_that_default_collate_cannot_batch_are_refused_naming_sample_
     for s, v in zip(samples, values):
         s["extra"] = v
     with pytest.raises(exc, match=match):
-        R3Collator(pad_keys=["loss_mask"])(samples)
+        R3Collator(pad_keys=["loss_mask"], pad_token_id=0)(samples)
 
 
 @pytest.mark.parametrize(
@@ -590,7 +602,7 @@ def test_extra_keys_that_default_collate_cannot_batch_are_refused_naming_sample_
 )
 def test_bad_collator_settings_are_refused_at_construction(kwargs, exc, match):
     with pytest.raises(exc, match=match):
-        R3Collator(**kwargs)
+        R3Collator(**torch_r3_options(**{"pad_token_id": 0, **kwargs}))
 
 
 def test_token_ids_beyond_int64_are_refused_instead_of_wrapping_negative():
@@ -599,18 +611,18 @@ def test_token_ids_beyond_int64_are_refused_instead_of_wrapping_negative():
     samples[1]["loss_mask"] = np.ones(3, np.float32)
     samples[1]["routes"] = samples[1]["routes"][:3]
     with pytest.raises(ValueError, match=r"sample 1: 'input_ids'.*2\*\*63"):
-        R3Collator(pad_keys=["loss_mask"])(samples)
+        R3Collator(pad_keys=["loss_mask"], pad_token_id=0)(samples)
 
 
 def test_uint64_token_ids_below_2_63_are_collated():
     samples = make_samples(n_samples=3)
     for s in samples:
         s["input_ids"] = np.asarray(s["input_ids"], np.uint64)
-    got = R3Collator(pad_keys={"loss_mask": 0.0})(samples)
+    got = R3Collator(pad_keys={"loss_mask": 0.0}, pad_token_id=0)(samples)
     assert_batch_equal(got, reference_collator(samples))
 
 
-@pytest.mark.parametrize("module", [torch_r3._buffers, torch_r3._filler, torch_r3.keys])
+@pytest.mark.parametrize("module", [torch_r3._collate.buffers, torch_r3._collate.filler, torch_r3.keys])
 def test_docstring_examples_of_the_modules_collate_uses_hold(module):
     # doctest.testmod(torch_r3.collate) skips names it only imports, such as padding_rows.
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
@@ -642,7 +654,7 @@ def test_float_lists_in_pad_keys_come_out_float64_like_other_float_keys():
     samples = make_samples(n_samples=3)
     for s in samples:
         s["advantage"] = [16777217.0] * len(s["input_ids"])
-    got = R3Collator(pad_keys={"loss_mask": 0.0, "advantage": 0.5})(samples)
+    got = R3Collator(pad_keys={"loss_mask": 0.0, "advantage": 0.5}, pad_token_id=0)(samples)
     assert got["advantage"].dtype == torch.float64 == got["reward"].dtype
     assert got["advantage"][got["attention_mask"] == 1].eq(16777217.0).all()
     assert got["advantage"][got["attention_mask"] == 0].eq(0.5).all()
@@ -655,9 +667,9 @@ def test_a_float_pad_value_beyond_the_key_s_dtype_is_refused(pad):
     for s in samples:
         s["weight"] = np.ones(len(s["input_ids"]), np.float16)
     with pytest.raises(ValueError, match=r"pad value .* for 'weight' does not fit torch.float16"):
-        R3Collator(pad_keys={"loss_mask": 0.0, "weight": pad})(samples)
+        R3Collator(pad_keys={"loss_mask": 0.0, "weight": pad}, pad_token_id=0)(samples)
     # Infinities are representable, and asked for explicitly: kept.
-    got = R3Collator(pad_keys={"loss_mask": 0.0, "weight": float("-inf")})(samples)
+    got = R3Collator(pad_keys={"loss_mask": 0.0, "weight": float("-inf")}, pad_token_id=0)(samples)
     assert got["weight"][got["attention_mask"] == 0].eq(float("-inf")).all()
 
 
@@ -674,7 +686,7 @@ def test_a_list_key_not_in_pad_keys_is_collated_as_the_same_numbers_in_an_array_
             s["scores"] = np.asarray(scores) if as_array else scores
             s["tags"] = [f"t{j}" for j in range(n)]  # not numbers: one value per sample, whatever the lengths
         try:
-            return R3Collator(pad_keys=["loss_mask"])(samples), samples
+            return R3Collator(pad_keys=["loss_mask"], pad_token_id=0)(samples), samples
         except ValueError as e:
             return str(e), samples
 
@@ -699,7 +711,7 @@ def test_mixed_uint64_and_int64_pad_keys_are_refused_naming_sample_and_key():
     for i, s in enumerate(samples):
         s["pos"] = np.arange(len(s["input_ids"]), dtype=np.uint64 if i == 2 else np.int64)
     with pytest.raises(ValueError, match=r"sample 2: 'pos' is uint64.*sample 0.*int64"):
-        R3Collator(pad_keys=["loss_mask", "pos"])(samples)
+        R3Collator(pad_keys=["loss_mask", "pos"], pad_token_id=0)(samples)
 
 
 def test_an_input_ids_list_holding_2_63_is_refused_naming_sample_and_key():
@@ -709,10 +721,10 @@ def test_an_input_ids_list_holding_2_63_is_refused_naming_sample_and_key():
     samples[1]["loss_mask"] = np.ones(3, np.float32)
     samples[1]["routes"] = samples[1]["routes"][:3]
     with pytest.raises(ValueError, match=r"sample 1: 'input_ids'.*2\*\*63"):
-        R3Collator(pad_keys=["loss_mask"])(samples)
+        R3Collator(pad_keys=["loss_mask"], pad_token_id=0)(samples)
     samples[1]["input_ids"] = [-1, 2**63, 7]  # NumPy would make this float64
     with pytest.raises(ValueError, match=r"sample 1: 'input_ids'"):
-        R3Collator(pad_keys=["loss_mask"])(samples)
+        R3Collator(pad_keys=["loss_mask"], pad_token_id=0)(samples)
 
 
 @pytest.mark.parametrize("key", ["input_ids", "loss_mask"])
@@ -721,14 +733,14 @@ def test_meta_device_tensors_are_refused_naming_sample_and_key(key):
     samples = make_samples(n_samples=3)
     samples[2][key] = torch.ones(len(samples[2]["input_ids"]), dtype=torch.long, device="meta")
     with pytest.raises(TypeError, match=rf"sample 2: '{key}' is a tensor on the meta device"):
-        R3Collator(pad_keys=["loss_mask"])(samples)
+        R3Collator(pad_keys=["loss_mask"], pad_token_id=0)(samples)
 
 
 def test_meta_device_routes_are_refused_naming_the_sample():
     samples = make_samples(n_samples=2)
     samples[1]["routes"] = torch.zeros(0, 3, 2, dtype=torch.uint8, device="meta")
     with pytest.raises(TypeError, match=r"routes\[1\].*meta"):
-        R3Collator(pad_keys=["loss_mask"])(samples)
+        R3Collator(pad_keys=["loss_mask"], pad_token_id=0)(samples)
 
 
 @pytest.mark.parametrize(
@@ -744,7 +756,7 @@ def test_an_output_beyond_the_size_bound_is_refused_before_allocating(kwargs, co
     # Item 12: 10**11 tokens or pad_to_multiple_of=2**36 went straight to the allocator.
     routes = [np.zeros((1, 2, 2), np.uint8)]
     with pytest.raises(ValueError, match=match):
-        collate_routes(routes, counts, **kwargs)
+        collate_routes(routes, counts, **torch_r3_options(**kwargs))
 
 
 def test_the_size_bound_is_overridable_by_the_environment(monkeypatch):
@@ -755,7 +767,7 @@ def test_the_size_bound_is_overridable_by_the_environment(monkeypatch):
     monkeypatch.setenv("TORCH_R3_MAX_OUTPUT_BYTES", "1000")
     assert collate_routes(routes, [3])["rollout_expert_indices"].shape == (1, 3, 2, 2)
     with pytest.raises(ValueError, match="would allocate 63 bytes .* more than the bound of 62 bytes"):
-        R3Collator(max_output_bytes=62)([{"input_ids": [1, 2, 3], "routes": routes[0]}])
+        R3Collator(memory=Memory(max_output_bytes=62), pad_token_id=0)([{"input_ids": [1, 2, 3], "routes": routes[0]}])
 
 
 # ---------------------------------------------------------------------------
@@ -783,7 +795,7 @@ def test_routes_from_a_datasets_dataset_are_refused_with_advice_that_applies(fmt
         ds = ds.with_format(fmt)
     samples = [ds[i] for i in range(len(ds))]
     with pytest.raises((TypeError, ValueError), match=r"set_transform.*compact=True"):
-        R3Collator()(samples)
+        R3Collator(pad_token_id=0)(samples)
 
 
 def test_the_datasets_recipe_set_transform_with_compact_routes_collates_exactly():
@@ -794,7 +806,7 @@ def test_the_datasets_recipe_set_transform_with_compact_routes_collates_exactly(
         return batch
 
     ds.set_transform(compact)
-    loader = DataLoader(ds, batch_size=len(ds), collate_fn=R3Collator())
+    loader = DataLoader(ds, batch_size=len(ds), collate_fn=R3Collator(pad_token_id=0))
     assert_batch_equal(next(iter(loader)), want)
 
 
@@ -803,39 +815,39 @@ def test_compact_true_collates_a_datasets_dataset_as_stored(fmt):
     ds, want = _hf_dataset()
     if fmt:
         ds = ds.with_format(fmt)
-    loader = DataLoader(ds, batch_size=len(ds), collate_fn=R3Collator(compact=True))
+    loader = DataLoader(ds, batch_size=len(ds), collate_fn=R3Collator(compact=True, pad_token_id=0))
     assert_batch_equal(next(iter(loader)), want)
 
 
 def test_compact_true_still_refuses_bad_expert_ids_naming_the_sample():
     samples = [{"input_ids": [1, 2], "routes": [[[0, 1]], [[3, -2]]]}]
     with pytest.raises(ValueError, match=r"routes\[0\]: expert ids must be >= 0"):
-        R3Collator(compact=True)(samples)
+        R3Collator(compact=True, pad_token_id=0)(samples)
     samples = [{"input_ids": [1, 2], "routes": np.array([[[0, 1]], [[3, 9]]])}]
     with pytest.raises(ValueError, match=r"routes\[0\]: expert ids must be in \[0, num_experts\)"):
-        R3Collator(compact=True, filler="balanced", num_experts=8)(samples)
+        R3Collator(compact=True, filler="balanced", num_experts=8, pad_token_id=0)(samples)
     samples = [{"input_ids": [1, 2], "routes": [[[0, 1]], [[3]]]}]
     with pytest.raises(ValueError, match=r"routes\[0\]: expected nested lists \[rows\]\[layers\]\[topk\]"):
-        R3Collator(compact=True)(samples)
+        R3Collator(compact=True, pad_token_id=0)(samples)
     samples = [{"input_ids": [1, 2], "routes": [[[0.5, 1]]]}]
     with pytest.raises(TypeError, match=r"routes\[0\]: compact=True needs integer expert ids, got dtype float64"):
-        R3Collator(compact=True)(samples)
+        R3Collator(compact=True, pad_token_id=0)(samples)
 
 
 _ALLOCATION_FAILS = """
 import resource, sys
 import numpy as np
 import torch_r3
-from torch_r3 import R3Collator, collate_routes
+from torch_r3 import Memory, R3Collator, collate_routes
 with open("/proc/self/status") as f:
     vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
 resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.RLIM_INFINITY))
 routes = [np.zeros((1, 16, 16), np.uint8)]
 try:
     if sys.argv[1] == "pool":
-        R3Collator(max_output_bytes=1 << 40)([{"input_ids": [1] * 2**24, "routes": routes[0]}])
+        R3Collator(pad_token_id=0, memory=Memory(max_output_bytes=1 << 40))([{"input_ids": [1] * 2**24, "routes": routes[0]}])
     else:
-        collate_routes(routes, [2**24], max_output_bytes=1 << 40, pin_memory=False)
+        collate_routes(routes, [2**24], memory=Memory(max_output_bytes=1 << 40, pin_memory=False))
 except MemoryError as e:
     print("MemoryError:", e)
 """

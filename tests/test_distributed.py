@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 L, K = 6, 4
 PLAN = [[[0, 3], [5]], [[1, 2], [4, 6]]]  # rank 0 keeps 0, 3, 5; rank 1 gets 1, 2, 4, 6
 EXPERTS = 256
-COLLATE = {"pad_keys": {"loss_mask": 0}, "filler": "balanced", "num_experts": EXPERTS}
+COLLATE = {"pad_token_id": 0, "pad_keys": {"loss_mask": 0}, "filler": "balanced", "num_experts": EXPERTS}
 
 
 def _samples() -> list[dict]:
@@ -85,10 +85,12 @@ def _worker(rank: int, port: int, out: str) -> None:
             for g, s in shard.samples.items()
         }
         # Each rank collates its own micro-batches at the global layout, from what it received.
-        from torch_r3 import ShardCollator, global_geometry
+        from torch_r3 import Padded, ShardCollator, global_geometry
 
-        layout = global_geometry(shard.token_counts, shard.route_dtypes, filler="balanced", num_experts=EXPERTS)
-        local = ShardCollator(shard.fetch, shard.microbatches, seq_len=layout.seq_len, dtype=layout.dtype, **COLLATE)
+        geometry = global_geometry(shard.token_counts, shard.route_dtypes, filler="balanced", num_experts=EXPERTS)
+        local = ShardCollator(
+            shard.fetch, shard.microbatches, layout=Padded(seq_len=geometry.seq_len), dtype=geometry.dtype, **COLLATE
+        )
         collated = [{k: [str(v.dtype), v.tolist()] for k, v in batch.items()} for batch in local]
         result = {
             "collated": collated,

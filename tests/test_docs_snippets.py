@@ -406,7 +406,7 @@ def test_parse_refuses_a_marker_without_reason_a_stray_marker_and_an_open_fence(
         ),
         (
             "import numpy as np\nfrom torch_r3 import R3Collator\n"
-            "R3Collator()([{'input_ids': [1, 2, 3], 'routes': np.array([[[0, 1]], [[2, 2]]], np.uint8)}])\n",
+            "R3Collator(pad_token_id=0)([{'input_ids': [1, 2, 3], 'routes': np.array([[[0, 1]], [[2, 2]]], np.uint8)}])\n",
             "R3Collator: a route names one expert twice in a token ([2, 2])",
         ),
     ],

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.reference_selections import random_capture, reference_collate
+from torch_r3 import Memory, Packed, Padded
 from torch_r3.indexer import IndexerSelections
 from torch_r3.indexer.collate import SELECTION_MASK, SELECTIONS, collate_selections
 
@@ -29,7 +30,12 @@ def _same(got, want, keys):
 @pytest.mark.parametrize("workers", [1, 3])
 def test_padded_batch_shifts_each_sample_by_its_padding(padding_side, workers):
     dense, sels, counts = _batch()
-    got = collate_selections(sels, counts, padding_side=padding_side, workers=workers)
+    got = collate_selections(
+        sels,
+        counts,
+        layout=Padded(side=padding_side),
+        memory=Memory(workers=workers),
+    )
     want = reference_collate(dense, counts, padding_side=padding_side)
     _same(got, want, KEYS + ("attention_mask",))
     assert got[SELECTIONS].dtype == torch.int16
@@ -38,7 +44,7 @@ def test_padded_batch_shifts_each_sample_by_its_padding(padding_side, workers):
 @pytest.mark.parametrize("workers", [1, 3])
 def test_packed_batch_shifts_each_sample_by_its_offset(workers):
     dense, sels, counts = _batch(1)
-    got = collate_selections(sels, counts, layout="packed", workers=workers)
+    got = collate_selections(sels, counts, layout="packed", memory=Memory(workers=workers))
     want = reference_collate(dense, counts, layout="packed")
     _same(got, want, KEYS + ("cu_seqlens",))
 
@@ -48,7 +54,7 @@ def test_a_rank_with_the_global_seq_len_gets_the_global_rows():
     full = collate_selections(sels, counts)
     T = full[SELECTIONS].shape[1]
     mine = [1, 3]
-    part = collate_selections([sels[i] for i in mine], [counts[i] for i in mine], seq_len=T)
+    part = collate_selections([sels[i] for i in mine], [counts[i] for i in mine], layout=Padded(seq_len=T))
     for key in KEYS:
         assert torch.equal(part[key], full[key][mine])
     # Without the global length the positions would differ: the shift depends on T.
@@ -68,9 +74,9 @@ def test_stage_layers_are_the_global_batch_s_layers():
 
 def test_pad_to_multiple_of_and_seq_len_pad_on_the_left():
     dense, sels, counts = _batch(4)
-    got = collate_selections(sels, counts, pad_to_multiple_of=16)
+    got = collate_selections(sels, counts, layout=Padded(pad_to_multiple_of=16))
     _same(got, reference_collate(dense, counts, seq_len=32), KEYS)
-    got = collate_selections(sels, counts, seq_len=40)
+    got = collate_selections(sels, counts, layout=Padded(seq_len=40))
     _same(got, reference_collate(dense, counts, seq_len=40), KEYS)
 
 
@@ -99,10 +105,10 @@ def test_context_parallel_split_keeps_global_key_positions():
 
 def test_int32_when_a_position_does_not_fit_int16():
     sel = IndexerSelections.from_dense(random_capture(np.random.default_rng(0), 3, 1, 2))
-    assert collate_selections([sel], [3], seq_len=1 << 15)[SELECTIONS].dtype == torch.int16
-    assert collate_selections([sel], [3], seq_len=(1 << 15) + 1)[SELECTIONS].dtype == torch.int32
+    assert collate_selections([sel], [3], layout=Padded(seq_len=1 << 15))[SELECTIONS].dtype == torch.int16
+    assert collate_selections([sel], [3], layout=Padded(seq_len=(1 << 15) + 1))[SELECTIONS].dtype == torch.int32
     with pytest.raises(ValueError, match="cannot hold position 32768"):
-        collate_selections([sel], [3], seq_len=(1 << 15) + 1, dtype=torch.int16)
+        collate_selections([sel], [3], layout=Padded(seq_len=(1 << 15) + 1), dtype=torch.int16)
     assert collate_selections([sel], [3], dtype="int32")[SELECTIONS].dtype == torch.int32
 
 
@@ -136,9 +142,17 @@ def test_a_batch_no_memory_holds_is_refused_before_anything_is_allocated():
         (lambda s: collate_selections([s, "x"], [5, 5]), TypeError, "sample 1: expected IndexerSelections"),
         (lambda s: collate_selections([s], [4]), ValueError, "sample 0: 5 selection rows for 4 tokens"),
         (lambda s: collate_selections([s], [5, 6]), ValueError, "2 entries for 1 samples"),
-        (lambda s: collate_selections([s], [5], seq_len=4), ValueError, "sample 0 has 5 tokens, more than seq_len=4"),
+        (
+            lambda s: collate_selections([s], [5], layout=Padded(seq_len=4)),
+            ValueError,
+            "sample 0 has 5 tokens, more than seq_len=4",
+        ),
         (lambda s: collate_selections([s], [5], keep_layers=[2]), ValueError, r"layer 2 is not in \[0, 2\)"),
-        (lambda s: collate_selections([s], [5], layout="packed", seq_len=8), ValueError, "padded' only"),
+        (
+            lambda s: collate_selections([s], [5], layout=Packed(pad_to_multiple_of=2)),
+            ValueError,
+            "a packed batch with pad_to_multiple_of is not supported",
+        ),
         (lambda s: collate_selections([s], [5], dtype="int8"), ValueError, "dtype must be int16 or int32"),
         (lambda s: collate_selections([], []), ValueError, "empty"),
     ],
@@ -163,9 +177,19 @@ def test_the_thread_pool_writes_the_same_batch_as_one_thread():
     counts = [700, 300, 650, 20]
     dense = [random_capture(rng, n - 1, 3, 64, share=(2,), style="local") for n in counts]
     sels = [IndexerSelections.from_dense(d) for d in dense]
-    one = collate_selections(sels, counts, seq_len=4096, workers=1)
+    one = collate_selections(
+        sels,
+        counts,
+        layout=Padded(seq_len=4096),
+        memory=Memory(workers=1),
+    )
     assert one[SELECTIONS].numel() * 2 > 4 << 20
-    many = collate_selections(sels, counts, seq_len=4096, workers=4)
+    many = collate_selections(
+        sels,
+        counts,
+        layout=Padded(seq_len=4096),
+        memory=Memory(workers=4),
+    )
     for key in (SELECTIONS, SELECTION_MASK, "attention_mask"):
         assert torch.equal(one[key], many[key]), key
     # And one thread's batch is the reference's, on the rows of the longest sample.

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import torch_r3._pool as pool_mod
+import torch_r3._collate.pool as pool_mod
 import torch_r3.indexer.collate as collate_mod
 import torch_r3.indexer.encoding as encoding_mod
 from tests.reference_selections import FILL, random_capture, reference_collate, sorted_rows
+from torch_r3 import Memory
 from torch_r3.indexer import IndexerSelections, collate_selections
 
 
@@ -72,7 +73,7 @@ def test_collation_in_pieces_of_rows_is_the_reference(seed, piece, layout, worke
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(collate_mod, "_PIECE_ROWS", piece)
         mp.setattr(pool_mod, "SERIAL_BELOW_BYTES", 0)
-        got = collate_selections(sels, counts, layout=layout, workers=workers)
+        got = collate_selections(sels, counts, layout=layout, memory=Memory(workers=workers))
     want = reference_collate(dense, counts, layout=layout)
     for key in ("rollout_indexer_topk", "indexer_padding_mask"):
         np.testing.assert_array_equal(got[key].numpy(), want[key], err_msg=key)

@@ -9,7 +9,8 @@ from hypothesis import given, settings, strategies as st
 
 from tests.reference_collate import assert_batch_equal, reference_collate_routes
 from tests.samples import route_samples, router_routes
-from torch_r3 import R3Collator, collate_routes, global_geometry
+from tests.spelling import torch_r3_options
+from torch_r3 import Padded, R3Collator, collate_routes, global_geometry
 
 GOOD = np.zeros((2, 4, 2), np.uint8)
 
@@ -36,7 +37,9 @@ def test_property_geometry_arguments_match_the_reference(data):
     if layout == "padded" and data.draw(st.booleans()):
         seq_len = max(counts) + data.draw(st.integers(0, 5))
     kw = {"layout": layout, "filler": padding, "num_experts": experts}
-    got = collate_routes(routes, counts, seq_len=seq_len, dtype=dtype, keep_layers=layers, sample_ids=ids, **kw)
+    got = collate_routes(
+        routes, counts, dtype=dtype, keep_layers=layers, sample_ids=ids, **torch_r3_options(seq_len=seq_len, **kw)
+    )
     np_dtype = {None: None, np.int16: np.int16, np.int32: np.int32, torch.int32: np.int32}[dtype]
     want = reference_collate_routes(
         routes, counts, seq_len=seq_len, dtype=np_dtype, keep_layers=layers, sample_ids=ids, **kw
@@ -62,7 +65,11 @@ def test_seq_len_pads_input_ids_and_pad_keys_to_the_same_length():
         {"input_ids": [1, 2, 3], "routes": np.zeros((2, 4, 2), np.uint8), "m": [1.0, 1.0, 1.0]},
         {"input_ids": [4], "routes": np.zeros((1, 4, 2), np.uint8), "m": [2.0]},
     ]
-    got = R3Collator(seq_len=6, pad_keys={"m": -1.0}, pad_to_multiple_of=3)(samples)
+    got = R3Collator(
+        layout=Padded(pad_to_multiple_of=3, seq_len=6),
+        pad_keys={"m": -1.0},
+        pad_token_id=0,
+    )(samples)
     assert got["input_ids"].tolist() == [[0, 0, 0, 1, 2, 3], [0, 0, 0, 0, 0, 4]]
     assert got["m"].tolist() == [[-1.0] * 3 + [1.0] * 3, [-1.0] * 5 + [2.0]]
     assert got["rollout_expert_indices"].shape == (2, 6, 4, 2)
@@ -80,7 +87,7 @@ def test_seq_len_pads_input_ids_and_pad_keys_to_the_same_length():
             ValueError,
             "seq_len=6 is not a multiple of pad_to_multiple_of=4",
         ),
-        ({"seq_len": 4, "layout": "packed"}, [2], ValueError, "seq_len applies to layout='padded' only"),
+        ({"seq_len": 4, "layout": "packed"}, [2], TypeError, "unexpected keyword argument 'seq_len'"),
         (
             {"dtype": np.uint8},
             [2, 2],
@@ -112,8 +119,8 @@ def test_seq_len_pads_input_ids_and_pad_keys_to_the_same_length():
 )
 def test_bad_geometry_arguments_are_refused_naming_them(kwargs, counts, exc, match):
     routes = [GOOD, GOOD.astype(np.int16)][: len(counts)]
-    with pytest.raises(exc, match=match):
-        collate_routes(routes, counts, **kwargs)
+    with pytest.raises(exc, match=match):  # the layout and memory values are built inside, as a caller builds them
+        collate_routes(routes, counts, **torch_r3_options(**kwargs))
 
 
 def test_global_geometry_is_what_collate_routes_chooses():
@@ -126,9 +133,15 @@ def test_global_geometry_is_what_collate_routes_chooses():
         ([np.int16] * 9, "balanced", 64, None),
     ]:
         routes = [np.zeros((n - 1, 2, 2), d) for n, d in zip(counts, dtypes)]
-        batch = collate_routes(routes, counts, filler=padding, num_experts=experts, pad_to_multiple_of=multiple)
+        batch = collate_routes(
+            routes, counts, filler=padding, num_experts=experts, layout=Padded(pad_to_multiple_of=multiple)
+        )
         layout = global_geometry(
-            counts, {np.dtype(d) for d in dtypes}, filler=padding, num_experts=experts, pad_to_multiple_of=multiple
+            counts,
+            {np.dtype(d) for d in dtypes},
+            filler=padding,
+            num_experts=experts,
+            layout=Padded(pad_to_multiple_of=multiple),
         )
         assert layout.seq_len == batch["attention_mask"].shape[1]
         assert layout.dtype == batch["rollout_expert_indices"].numpy().dtype
@@ -151,7 +164,7 @@ def test_global_geometry_is_what_collate_routes_chooses():
 )
 def test_global_geometry_refuses_bad_metadata(args, kwargs, exc, match):
     with pytest.raises(exc, match=match):
-        global_geometry(*args, **kwargs)
+        global_geometry(*args, **torch_r3_options(**kwargs))
 
 
 @pytest.mark.parametrize("layers", [[1, 2], [3, 0, 2]])
@@ -164,9 +177,9 @@ def test_every_output_byte_is_written_with_seq_len_dtype_and_layers(layers, layo
     kw = {"layout": layout, "keep_layers": layers, "dtype": np.int16, "filler": "balanced", "num_experts": 5}
     if layout == "padded":
         kw["seq_len"] = 9
-    first = collate_routes(routes, counts, sample_ids=ids, **kw)
+    first = collate_routes(routes, counts, sample_ids=ids, **torch_r3_options(**kw))
     out = {k: torch.full_like(v, 77) if v.dtype != torch.bool else torch.ones_like(v) for k, v in first.items()}
-    got = collate_routes(routes, counts, sample_ids=ids, out=out, **kw)
+    got = collate_routes(routes, counts, sample_ids=ids, out=out, **torch_r3_options(**kw))
     kw.pop("dtype")
     want = reference_collate_routes(routes, counts, dtype=np.int16, sample_ids=ids, **kw)
     assert_batch_equal(got, want)

@@ -20,7 +20,18 @@ from tests.reference_collate import (
     reference_r3_collator,
 )
 from tests.samples import EXPERTS_IN, route_samples, router_routes
-from torch_r3 import R3Collator, ShardCollator, as_nested, collate_routes, global_geometry, plan_microbatches
+from tests.spelling import torch_r3_options
+from torch_r3 import (
+    Packed,
+    Padded,
+    PromptResponse,
+    R3Collator,
+    ShardCollator,
+    as_nested,
+    collate_routes,
+    global_geometry,
+    plan_microbatches,
+)
 
 L, K, EXPERTS = 3, 2, 7
 
@@ -75,7 +86,7 @@ def reference_for(samples, opts, **geometry):
 def test_right_padding_puts_the_tokens_first_and_the_padding_after():
     a = np.array([[[5, 6]], [[7, 8]]], dtype=np.uint8)
     b = np.array([[[9, 1]]], dtype=np.uint8)
-    batch = collate_routes([a, b], [2, 3], padding_side="right")
+    batch = collate_routes([a, b], [2, 3], layout=Padded(side="right"))
     assert batch["rollout_expert_indices"][:, :, 0].tolist() == [[[5, 6], [7, 8], [0, 1]], [[9, 1], [0, 1], [0, 1]]]
     assert batch["router_padding_mask"].tolist() == [[False, False, True], [False, True, True]]
     assert batch["attention_mask"].tolist() == [[1, 1, 0], [1, 1, 1]]
@@ -86,7 +97,7 @@ def test_prompt_response_places_each_prompt_before_p_and_each_response_from_p():
     a = np.array([[[5, 6]], [[7, 8]]], dtype=np.uint8)
     b = np.array([[[9, 1]]], dtype=np.uint8)
     batch = collate_routes(
-        [a, b], [3, 2], layout="prompt_response", prompt_width=2, response_width=3, prompt_lengths=[1, 2]
+        [a, b], [3, 2], layout=PromptResponse(prompt_width=2, response_width=3), prompt_lengths=[1, 2]
     )
     assert batch["attention_mask"].tolist() == [[0, 1, 1, 1, 0], [1, 1, 0, 0, 0]]
     assert batch["router_padding_mask"].tolist() == [[True, False, False, True, True], [False, True, True, True, True]]
@@ -96,7 +107,11 @@ def test_prompt_response_places_each_prompt_before_p_and_each_response_from_p():
 def test_aligned_packing_gives_real_and_aligned_offsets():
     a = np.array([[[5, 6]], [[7, 8]]], dtype=np.uint8)
     b = np.array([[[9, 1]]], dtype=np.uint8)
-    batch = collate_routes([a, b], [2, 5], layout="packed", pad_to_multiple_of=4)
+    batch = collate_routes(
+        [a, b],
+        [2, 5],
+        layout=Packed(pad_to_multiple_of=4),
+    )
     assert batch["cu_seqlens"].tolist() == [0, 2, 7]
     assert batch["cu_seqlens_padded"].tolist() == [0, 4, 12]
     assert batch["cu_seqlens"].dtype == batch["cu_seqlens_padded"].dtype == torch.int32
@@ -107,7 +122,7 @@ def test_aligned_packing_gives_real_and_aligned_offsets():
 
 def test_zeros_filler_writes_zero_rows_and_never_widens():
     a = np.array([[[5, 6]], [[7, 8]]], dtype=np.uint8)
-    batch = collate_routes([a], [4], filler="zeros", pad_to_multiple_of=3)
+    batch = collate_routes([a], [4], filler="zeros", layout=Padded(pad_to_multiple_of=3))
     routes = batch["rollout_expert_indices"]
     assert routes.dtype == torch.uint8
     assert routes[0, :, 0].tolist() == [[0, 0], [0, 0], [5, 6], [7, 8], [0, 0], [0, 0]]
@@ -154,7 +169,7 @@ def test_property_every_new_layout_matches_the_reference(data):
         )
     if data.draw(st.booleans()):
         kw["sample_ids"] = data.draw(st.lists(st.integers(0, 10_000), min_size=B, max_size=B, unique=True))
-    got = collate_routes(routes, counts, **kw)
+    got = collate_routes(routes, counts, **torch_r3_options(**kw))
     assert_batch_equal(got, reference_collate_routes(routes, counts, **kw))
 
 
@@ -163,7 +178,7 @@ def test_property_every_new_layout_matches_the_reference(data):
 def test_collator_matches_the_reference_for_every_new_layout(name, filler):
     samples = make_samples(np.random.default_rng(7))
     opts = options_for(name, samples, filler)
-    got = R3Collator(pad_token_id=3, pad_keys={"loss_mask": -1.0}, **opts)(samples)
+    got = R3Collator(pad_token_id=3, pad_keys={"loss_mask": -1.0}, **torch_r3_options(**opts))(samples)
     assert_batch_equal(got, reference_for(samples, opts))
 
 
@@ -174,9 +189,9 @@ def test_out_buffers_of_a_new_layout_are_fully_overwritten(name):
     routes = [s["routes"] for s in samples]
     counts = [len(s["input_ids"]) for s in samples]
     extra = {"prompt_lengths": [s["prompt_length"] for s in samples]} if opts["layout"] == "prompt_response" else {}
-    fresh = collate_routes(routes, counts, **opts, **extra)
+    fresh = collate_routes(routes, counts, **torch_r3_options(**opts), **extra)
     dirty = {k: torch.full_like(v, 1) for k, v in fresh.items()}  # 1 everywhere: no byte may survive
-    got = collate_routes(routes, counts, **opts, **extra, out=dirty)
+    got = collate_routes(routes, counts, **torch_r3_options(**opts), **extra, out=dirty)
     for key, value in fresh.items():
         assert got[key] is dirty[key] and torch.equal(value, got[key]), key
 
@@ -213,7 +228,7 @@ def test_every_microbatch_equals_its_part_of_the_global_batch(name, filler, seed
     counts = [len(s["input_ids"]) for s in samples]
     opts = options_for(name, samples, filler)
     opts.update(pad_token_id=3, pad_keys={"loss_mask": -1.0})
-    full = R3Collator(**opts)(samples)
+    full = R3Collator(**torch_r3_options(**opts))(samples)
     assert_batch_equal(full, reference_for(samples, opts))
     layout, multiple = opts["layout"], opts.get("pad_to_multiple_of")
     geometry = global_geometry(
@@ -221,8 +236,9 @@ def test_every_microbatch_equals_its_part_of_the_global_batch(name, filler, seed
         {s["routes"].dtype for s in samples},
         filler=opts.get("filler", "arange"),
         num_experts=opts.get("num_experts"),
-        pad_to_multiple_of=multiple,
-        layout="packed" if layout == "packed" else "padded",
+        layout=torch_r3_options(layout="packed" if layout == "packed" else "padded", pad_to_multiple_of=multiple)[
+            "layout"
+        ],
     )
     if layout == "packed":
         assert geometry.num_tokens == full["rollout_expert_indices"].shape[0]
@@ -233,10 +249,9 @@ def test_every_microbatch_equals_its_part_of_the_global_batch(name, filler, seed
             shard = ShardCollator(
                 lambda idx: [samples[i] for i in idx],
                 plan[rank],
-                seq_len=seq_len,
                 dtype=geometry.dtype,
                 keep_layers=layers,
-                **opts,
+                **torch_r3_options(seq_len=seq_len, **opts),
             )
             for indices, batch in zip(plan[rank], list(shard)):
                 want = expected_part(full, indices, layers, layout)
@@ -253,14 +268,15 @@ def test_property_any_plan_of_any_new_layout_slices_the_global_batch(data):
     name = data.draw(st.sampled_from(sorted(LAYOUTS)))
     opts = options_for(name, samples, data.draw(st.sampled_from(["arange", "balanced", "zeros"])))
     opts["pad_keys"] = {"loss_mask": 2.0}
-    full = R3Collator(**opts)(samples)
+    opts["pad_token_id"] = 0
+    full = R3Collator(**torch_r3_options(**opts))(samples)
     layout = opts["layout"]
     geometry = global_geometry(
         counts,
         {s["routes"].dtype for s in samples},
         filler=opts.get("filler", "arange"),
         num_experts=opts.get("num_experts"),
-        pad_to_multiple_of=opts.get("pad_to_multiple_of"),
+        layout=Padded(pad_to_multiple_of=opts.get("pad_to_multiple_of")),
     )
     dp = data.draw(st.integers(1, 3))
     plan = plan_microbatches(counts, dp_size=dp, micro_batch_size=data.draw(st.none() | st.integers(2, 4)))
@@ -269,10 +285,9 @@ def test_property_any_plan_of_any_new_layout_slices_the_global_batch(data):
         shard = ShardCollator(
             lambda idx: [samples[i] for i in idx],
             plan[rank],
-            seq_len=geometry.seq_len if layout == "padded" else None,
             dtype=geometry.dtype,
             keep_layers=layers,
-            **opts,
+            **torch_r3_options(seq_len=geometry.seq_len if layout == "padded" else None, **opts),
         )
         for indices, batch in zip(plan[rank], shard):
             want = expected_part(full, indices, layers, layout)
@@ -283,9 +298,15 @@ def test_property_any_plan_of_any_new_layout_slices_the_global_batch(data):
 
 def test_global_geometry_and_the_plan_count_aligned_tokens():
     counts = [3, 5, 8, 1]
-    aligned = global_geometry(counts, {np.uint8}, layout="packed", pad_to_multiple_of=4)
+    aligned = global_geometry(
+        counts,
+        {np.uint8},
+        layout=Packed(pad_to_multiple_of=4),
+    )
     assert (aligned.num_tokens, aligned.seq_len) == (4 + 8 + 8 + 4, 8)
-    assert global_geometry(counts, {np.uint8}, pad_to_multiple_of=4).num_tokens == 17  # padded: the real tokens
+    assert (
+        global_geometry(counts, {np.uint8}, layout=Padded(pad_to_multiple_of=4)).num_tokens == 17
+    )  # padded: the real tokens
     with pytest.raises(ValueError, match="layout must be one of"):
         global_geometry(counts, {np.uint8}, layout="prompt_response")
     # 4 + 4 = 8 aligned tokens fit a cap of 8; the real counts 3 + 1 would have fit 4.
@@ -304,7 +325,9 @@ def test_global_geometry_and_the_plan_count_aligned_tokens():
 @pytest.mark.parametrize("multiple", [None, 4])
 def test_as_nested_wraps_the_packed_values_in_place(multiple):
     samples = make_samples(np.random.default_rng(5), B=6)
-    batch = R3Collator(layout="packed", pad_to_multiple_of=multiple, pad_keys={"loss_mask": -1.0})(samples)
+    batch = R3Collator(layout=Packed(pad_to_multiple_of=multiple), pad_keys={"loss_mask": -1.0}, pad_token_id=0)(
+        samples
+    )
     want = reference_r3_collator(
         samples, layout="packed", pad_to_multiple_of=multiple, pad_keys={"loss_mask": (-1.0, np.float32)}
     )
@@ -365,64 +388,51 @@ GOOD = np.zeros((2, 3, 2), np.uint8)
 @pytest.mark.parametrize(
     "kwargs, exc, match",
     [
-        ({"padding_side": "middle"}, ValueError, "padding_side must be one of"),
-        ({"layout": "packed", "padding_side": "right"}, ValueError, "padding_side='right' applies to layout='padded'"),
-        ({"layout": "prompt_response"}, ValueError, "needs prompt_width= and response_width="),
-        ({"layout": "prompt_response", "prompt_width": 2}, ValueError, "needs prompt_width= and response_width="),
-        ({"prompt_width": 2}, ValueError, "prompt_width applies to layout='prompt_response' only"),
-        ({"layout": "packed", "response_width": 2}, ValueError, "response_width applies to layout='prompt_response'"),
+        # each a function: a layout value checks its options where it is built, inside pytest.raises
+        (lambda: {"layout": Padded(side="middle")}, ValueError, r"Padded.side must be one of \['left', 'right'\]"),
+        (lambda: {"layout": Packed(side="right")}, TypeError, "unexpected keyword argument 'side'"),
+        (lambda: {"layout": "prompt_response"}, ValueError, "needs its widths: pass layout=torch_r3.PromptResponse"),
+        (lambda: {"layout": PromptResponse(2)}, TypeError, "missing 1 required positional argument: 'response_width'"),
         (
-            {"layout": "prompt_response", "prompt_width": 0, "response_width": 2, "prompt_lengths": [1]},
+            lambda: {"layout": PromptResponse(0, 2), "prompt_lengths": [1]},
             ValueError,
-            "prompt_width must be >= 1",
+            "PromptResponse.prompt_width must be >= 1",
         ),
+        (lambda: {"layout": PromptResponse(2, 2, seq_len=4)}, TypeError, "unexpected keyword argument 'seq_len'"),
         (
-            {"layout": "prompt_response", "prompt_width": 2, "response_width": 2, "prompt_lengths": [1], "seq_len": 4},
-            ValueError,
-            "seq_len applies to layout='padded' only",
+            lambda: {"layout": PromptResponse(2, 2, pad_to_multiple_of=2)},
+            TypeError,
+            "unexpected keyword argument 'pad_to_multiple_of'",
         ),
+        (lambda: {"layout": PromptResponse(2, 2)}, ValueError, "needs each sample's prompt"),
         (
-            {"layout": "prompt_response", "prompt_width": 2, "response_width": 2, "pad_to_multiple_of": 2},
-            ValueError,
-            "pad_to_multiple_of does not apply to layout='prompt_response'",
-        ),
-        (
-            {"layout": "prompt_response", "prompt_width": 2, "response_width": 2},
-            ValueError,
-            "needs each sample's prompt",
-        ),
-        (
-            {"layout": "prompt_response", "prompt_width": 1, "response_width": 4, "prompt_lengths": [2]},
+            lambda: {"layout": PromptResponse(1, 4), "prompt_lengths": [2]},
             ValueError,
             "sample 0: prompt of 2 tokens is longer than prompt_width=1",
         ),
         (
-            {"layout": "prompt_response", "prompt_width": 4, "response_width": 1, "prompt_lengths": [1]},
+            lambda: {"layout": PromptResponse(4, 1), "prompt_lengths": [1]},
             ValueError,
             "sample 0: response of 2 tokens is longer than response_width=1",
         ),
         (
-            {"layout": "prompt_response", "prompt_width": 4, "response_width": 4, "prompt_lengths": [4]},
+            lambda: {"layout": PromptResponse(4, 4), "prompt_lengths": [4]},
             ValueError,
             r"sample 0: prompt length 4 is outside \[0, 3\]",
         ),
         (
-            {"layout": "prompt_response", "prompt_width": 4, "response_width": 4, "prompt_lengths": [1.0]},
+            lambda: {"layout": PromptResponse(4, 4), "prompt_lengths": [1.0]},
             TypeError,
             r"prompt_lengths\[0\] must be an int",
         ),
-        (
-            {"layout": "prompt_response", "prompt_width": 4, "response_width": 4, "prompt_lengths": [1, 2]},
-            ValueError,
-            "expected 1 lengths",
-        ),
-        ({"prompt_lengths": [1]}, ValueError, "prompt_lengths applies to layout='prompt_response' only"),
-        ({"filler": "ones"}, ValueError, "filler must be one of"),
+        (lambda: {"layout": PromptResponse(4, 4), "prompt_lengths": [1, 2]}, ValueError, "expected 1 lengths"),
+        (lambda: {"prompt_lengths": [1]}, ValueError, "prompt_lengths applies to torch_r3.PromptResponse only"),
+        (lambda: {"filler": "ones"}, ValueError, "filler must be one of"),
     ],
 )
 def test_bad_layout_settings_are_refused(kwargs, exc, match):
     with pytest.raises(exc, match=match):
-        collate_routes([GOOD], [3], **kwargs)
+        collate_routes([GOOD], [3], **kwargs())
 
 
 @pytest.mark.parametrize(
@@ -444,7 +454,10 @@ def test_the_collator_reads_prompt_lengths_from_the_samples_naming_the_bad_one(v
         {"input_ids": [1, 2, 3], "routes": GOOD, "prompt_length": 1},
         {"input_ids": [4, 5], "routes": GOOD[:1], "prompt_length": value},
     ]
-    collator = R3Collator(layout="prompt_response", prompt_width=4, response_width=4)
+    collator = R3Collator(
+        layout=PromptResponse(prompt_width=4, response_width=4),
+        pad_token_id=0,
+    )
     with pytest.raises(exc, match=match):
         collator(samples)
 
@@ -454,11 +467,17 @@ def test_the_prompt_length_key_is_configurable_and_stays_in_the_batch():
         {"input_ids": [1, 2, 3], "routes": GOOD, "plen": np.int64(2)},
         {"input_ids": [4, 5], "routes": GOOD[:1], "plen": np.int64(0)},
     ]
-    batch = R3Collator(layout="prompt_response", prompt_width=2, response_width=2, prompt_length_key="plen")(samples)
+    batch = R3Collator(
+        layout=PromptResponse(prompt_width=2, response_width=2, prompt_length_key="plen"),
+        pad_token_id=0,
+    )(samples)
     assert batch["input_ids"].tolist() == [[1, 2, 3, 0], [0, 0, 4, 5]]
     assert batch["plen"].tolist() == [2, 0]
     with pytest.raises(ValueError, match="sample 0: missing key 'prompt_length'"):
-        R3Collator(layout="prompt_response", prompt_width=2, response_width=2)(samples)
+        R3Collator(
+            layout=PromptResponse(prompt_width=2, response_width=2),
+            pad_token_id=0,
+        )(samples)
 
 
 def test_the_zero_filler_hint_names_uncaptured_rows_only():
@@ -480,7 +499,7 @@ def test_a_new_layout_collated_in_dataloader_workers_equals_the_reference(name):
 
     samples = make_samples(np.random.default_rng(9), B=8)
     opts = options_for(name, samples, "balanced")
-    collator = R3Collator(pad_token_id=3, pad_keys={"loss_mask": -1.0}, **opts)
+    collator = R3Collator(pad_token_id=3, pad_keys={"loss_mask": -1.0}, **torch_r3_options(**opts))
     loader = DataLoader(samples, batch_size=4, collate_fn=collator, num_workers=2, multiprocessing_context="spawn")
     batches = list(loader)
     assert len(batches) == 2

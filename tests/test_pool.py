@@ -1,4 +1,4 @@
-"""The collation kernel's copy threads (`torch_r3._pool`): bounded, shared, and shrinking under steady use."""
+"""The collation kernel's copy threads (`torch_r3._collate.pool`): bounded, shared, and shrinking under steady use."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from torch_r3 import _pool
+from torch_r3 import Memory
+from torch_r3._collate import pool as _pool
 from torch_r3.cpu import ENV_NUM_WORKERS
 
 
@@ -87,7 +88,11 @@ def test_a_helper_thread_lets_go_of_a_batch_once_its_chunks_are_written():
     rng = np.random.default_rng(0)
     counts = [4096] * 16
     routes = [rng.integers(0, 128, size=(n - 1, 8, 8), dtype=np.uint8) for n in counts]
-    out = collate_routes(routes, counts, workers=2, pin_memory=False)  # 4 MiB and more: the pool runs
+    out = collate_routes(
+        routes,
+        counts,
+        memory=Memory(workers=2, pin_memory=False),
+    )  # 4 MiB and more: the pool runs
     assert _helpers() >= 1
     storage = weakref.ref(out["rollout_expert_indices"].untyped_storage())
     del out

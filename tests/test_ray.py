@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from torch_r3 import Memory, Padded
+
 ray = pytest.importorskip("ray", reason="the ray extra is not installed: pip install 'torch_r3[ray]'")
 
 import torch_r3
@@ -86,7 +88,13 @@ def test_a_trainer_holds_no_microbatch_buffers_once_its_loop_has_dropped_them():
         {"input_ids": np.arange(n), "routes": router_routes(rng, n, 58, 8, num_experts=255)}
         for n in (6000, 1000, 5000, 2000)
     ]
-    shard = ShardCollator(lambda idx: [store[i] for i in idx], [[0, 1], [2, 3]], seq_len=6000, workers=2)
+    shard = ShardCollator(
+        lambda idx: [store[i] for i in idx],
+        [[0, 1], [2, 3]],
+        layout=Padded(seq_len=6000),
+        memory=Memory(workers=2),
+        pad_token_id=0,
+    )
     for batch in shard:
         assert batch["rollout_expert_indices"].numel() > 4 << 20  # large enough for the copy threads
         del batch
@@ -134,13 +142,14 @@ class Trainer:
         shard = ShardCollator(
             RefFetch(refs),
             microbatches,
-            seq_len=seq_len,
+            layout=Padded(seq_len=seq_len),
             dtype=dtype,
             keep_layers=layers,
             prefetch=prefetch,  # ray.get from ShardCollator's helper thread
             pad_keys={"loss_mask": 0},
             filler="balanced",
             num_experts=EXPERTS,
+            pad_token_id=0,
         )
         return [{k: v.numpy().copy() for k, v in batch.items()} for batch in shard]
 
@@ -201,7 +210,7 @@ def test_dp2_pp2_trainer_actors_collate_their_microbatches_identical_to_the_glob
         for (dp, pp), t in trainers.items()
     }
     # The reference: one global batch of all samples, collated in this process from the same inputs.
-    opts = {"pad_keys": {"loss_mask": 0}, "filler": "balanced", "num_experts": EXPERTS}
+    opts = {"pad_token_id": 0, "pad_keys": {"loss_mask": 0}, "filler": "balanced", "num_experts": EXPERTS}
     full = {k: v.numpy() for k, v in R3Collator(**opts)([sample(i) for i in range(10)]).items()}
     assert full["rollout_expert_indices"].dtype == np.int16  # sample 5 widened the whole batch
     checked = 0
@@ -284,12 +293,19 @@ def test_the_cluster_benchmarks_check_tells_a_wrong_microbatch_from_the_global_b
             shard = ShardCollator(
                 lambda idx: [samples[i] for i in idx],
                 plan[dp],
-                seq_len=layout.seq_len,
+                layout=Padded(seq_len=layout.seq_len),
                 dtype=layout.dtype,
                 keep_layers=layers,
+                pad_token_id=0,
             )
             assert [bench.digest(b) for b in shard] == ref["stage"][dp][pp]
-    batch = next(iter(ShardCollator(lambda idx: [samples[i] for i in idx], plan[0], seq_len=layout.seq_len)))
+    batch = next(
+        iter(
+            ShardCollator(
+                lambda idx: [samples[i] for i in idx], plan[0], layout=Padded(seq_len=layout.seq_len), pad_token_id=0
+            )
+        )
+    )
     good = bench.digest(batch)
     assert good == ref["all"][0][0][0]
     changed = dict(batch, rollout_expert_indices=batch["rollout_expert_indices"].clone())

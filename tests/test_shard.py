@@ -21,7 +21,17 @@ from hypothesis import given, settings, strategies as st
 
 from tests.reference_collate import assert_batch_equal, reference_r3_collator
 from tests.samples import route_samples
-from torch_r3 import BufferPool, R3Collator, ShardCollator, collate_routes, global_geometry, plan_microbatches
+from tests.spelling import torch_r3_options
+from torch_r3 import (
+    BufferPool,
+    Memory,
+    Padded,
+    R3Collator,
+    ShardCollator,
+    collate_routes,
+    global_geometry,
+    plan_microbatches,
+)
 
 L, K, EXPERTS = 4, 2, 7
 STAGES = ([0, 1], [2, 3])  # PP 2: each stage's MoE layers
@@ -67,7 +77,7 @@ def test_every_microbatch_of_every_rank_equals_its_part_of_the_global_batch(seed
     experts = EXPERTS if padding == "balanced" else None
     opts = {"layout": layout, "filler": padding, "num_experts": experts, "pad_token_id": 3}
     opts["pad_keys"] = {"loss_mask": -1.0}
-    full = R3Collator(**opts)(samples)
+    full = R3Collator(**torch_r3_options(**opts))(samples)
     reference = reference_r3_collator(
         samples,
         pad_token_id=3,
@@ -105,11 +115,10 @@ def test_every_microbatch_of_every_rank_equals_its_part_of_the_global_batch(seed
             shard = ShardCollator(
                 fetch,
                 plan[rank],
-                seq_len=seq_len,
                 dtype=geometry.dtype,
                 keep_layers=layers,
                 prefetch=stage == 1,
-                **opts,
+                **torch_r3_options(seq_len=seq_len, **opts),
             )
             got = list(shard)  # all kept alive here: the values must survive recycling
             assert len(got) == len(plan[rank])
@@ -128,7 +137,12 @@ def test_a_for_loop_keeps_two_microbatches_of_buffers():
     geometry = global_geometry(counts, {np.uint8, np.int16})
     mbs = [[i] for i in range(len(samples))]
     shard = ShardCollator(
-        lambda idx: [samples[i] for i in idx], mbs, seq_len=geometry.seq_len, dtype=np.int16, pad_keys=["loss_mask"]
+        lambda idx: [samples[i] for i in idx],
+        mbs,
+        layout=Padded(seq_len=geometry.seq_len),
+        dtype=np.int16,
+        pad_keys=["loss_mask"],
+        pad_token_id=0,
     )
     addresses = set()
     for batch in shard:
@@ -150,7 +164,7 @@ def test_prefetch_fetches_the_next_microbatch_while_the_current_one_is_held():
             release.wait(timeout=60)
         return [samples[i] for i in indices]
 
-    shard = ShardCollator(fetch, [[0], [1], [2]], prefetch=True, pad_keys=["loss_mask"])
+    shard = ShardCollator(fetch, [[0], [1], [2]], prefetch=True, pad_keys=["loss_mask"], pad_token_id=0)
     it = iter(shard)
     first = next(it)
     # The caller holds micro-batch 0 and has not asked for more: the fetch of 1 has begun anyway.
@@ -168,7 +182,7 @@ def test_prefetch_raises_the_fetch_s_error_and_leaves_no_thread_behind():
             raise KeyError("trajectory 2 is gone")
         return [samples[i] for i in indices]
 
-    shard = ShardCollator(fetch, [[0], [1], [2]], prefetch=True, pad_keys=["loss_mask"])
+    shard = ShardCollator(fetch, [[0], [1], [2]], prefetch=True, pad_keys=["loss_mask"], pad_token_id=0)
     it = iter(shard)
     next(it)
     next(it)
@@ -184,16 +198,17 @@ def test_a_framework_s_own_index_lists_work_like_a_plan():
     samples = make_global(7, wide=False)
     counts = [len(s["input_ids"]) for s in samples]
     geometry = global_geometry(counts, {np.uint8}, filler="balanced", num_experts=EXPERTS)
-    full = R3Collator(filler="balanced", num_experts=EXPERTS, pad_keys=["loss_mask"])(samples)
+    full = R3Collator(filler="balanced", num_experts=EXPERTS, pad_keys=["loss_mask"], pad_token_id=0)(samples)
     mine = [np.array([5, 2]), torch.tensor([0]), range(3, 5)]  # any order, any sequence type
     shard = ShardCollator(
         lambda idx: [samples[i] for i in idx],
         mine,
-        seq_len=geometry.seq_len,
+        layout=Padded(seq_len=geometry.seq_len),
         dtype=geometry.dtype,
         filler="balanced",
         num_experts=EXPERTS,
         pad_keys=["loss_mask"],
+        pad_token_id=0,
     )
     for indices, batch in zip([[5, 2], [0], [3, 4]], shard):
         for key in batch:
@@ -213,12 +228,12 @@ def test_a_framework_s_own_index_lists_work_like_a_plan():
 )
 def test_bad_microbatches_are_refused_naming_them(microbatches, exc, match):
     with pytest.raises(exc, match=match):
-        ShardCollator(lambda idx: [], microbatches)
+        ShardCollator(lambda idx: [], microbatches, pad_token_id=0)
 
 
 def test_a_fetch_returning_the_wrong_number_of_samples_is_refused():
     samples = make_global(8, wide=False)
-    shard = ShardCollator(lambda idx: samples[:1], [[0, 1]], pad_keys=["loss_mask"])
+    shard = ShardCollator(lambda idx: samples[:1], [[0, 1]], pad_keys=["loss_mask"], pad_token_id=0)
     with pytest.raises(ValueError, match=r"fetch\(\[0, 1\]\) returned 1 samples for 2 indices"):
         next(iter(shard))
 
@@ -299,7 +314,12 @@ def test_buffers_shared_by_the_shard_collators_of_successive_steps_are_reused():
         plan = plan_microbatches(counts[step:], dp_size=1, micro_batch_size=2)[0]
         plan = [[i + step for i in mb] for mb in plan]
         shard = ShardCollator(
-            lambda idx: [samples[i] for i in idx], plan, seq_len=geometry.seq_len, pad_keys=["loss_mask"], buffers=pool
+            lambda idx: [samples[i] for i in idx],
+            plan,
+            layout=Padded(seq_len=geometry.seq_len),
+            memory=Memory(buffers=pool),
+            pad_keys=["loss_mask"],
+            pad_token_id=0,
         )
         assert shard.collator.buffers is pool
         for _ in shard:
@@ -308,7 +328,7 @@ def test_buffers_shared_by_the_shard_collators_of_successive_steps_are_reused():
             misses = pool.stats()["misses"]
     assert pool.stats()["misses"] == misses  # steps 1 and 2 mapped nothing new
     with pytest.raises(TypeError, match="buffers must be None or a torch_r3.BufferPool"):
-        ShardCollator(lambda idx: [], [[0]], buffers={})
+        ShardCollator(lambda idx: [], [[0]], memory=Memory(buffers={}), pad_token_id=0)
 
 
 @settings(max_examples=25, deadline=None)
@@ -326,8 +346,14 @@ def test_property_any_plan_and_stage_slices_the_global_batch(data):
         counts = counts[: len(samples)]
     layers = data.draw(st.permutations(range(L)).flatmap(lambda p: st.integers(1, L).map(lambda k: list(p[:k]))))
     experts = EXPERTS if padding == "balanced" else None
-    opts = {"layout": layout, "filler": padding, "num_experts": experts, "pad_keys": {"loss_mask": 2.0}}
-    full = R3Collator(**opts)(samples)
+    opts = {
+        "layout": layout,
+        "filler": padding,
+        "num_experts": experts,
+        "pad_keys": {"loss_mask": 2.0},
+        "pad_token_id": 0,
+    }
+    full = R3Collator(**torch_r3_options(**opts))(samples)
     geometry = global_geometry(counts, {s["routes"].dtype for s in samples}, filler=padding, num_experts=experts)
     seq_len = geometry.seq_len if layout == "padded" else None
     plan = plan_microbatches(counts, dp_size=dp, micro_batch_size=mbs)
@@ -335,10 +361,9 @@ def test_property_any_plan_and_stage_slices_the_global_batch(data):
         shard = ShardCollator(
             lambda idx: [samples[i] for i in idx],
             plan[rank],
-            seq_len=seq_len,
             dtype=geometry.dtype,
             keep_layers=layers,
-            **opts,
+            **torch_r3_options(seq_len=seq_len, **opts),
         )
         for indices, batch in zip(plan[rank], shard):
             want = expected_part(full, indices, layers, layout)
@@ -368,7 +393,7 @@ def _gap_routes(seed=0):
 def test_seq_len_pads_a_subset_to_the_global_length():
     routes, counts = _gap_routes()
     full = collate_routes(routes, counts)
-    part = collate_routes(routes[:1], counts[:1], seq_len=full["attention_mask"].shape[1])
+    part = collate_routes(routes[:1], counts[:1], layout=Padded(seq_len=full["attention_mask"].shape[1]))
     for key in part:
         assert torch.equal(part[key], full[key][:1]), key
 
@@ -389,7 +414,7 @@ def test_balanced_filler_of_a_subset_matches_the_global_batch():
     assert torch.equal(part["rollout_expert_indices"], full["rollout_expert_indices"][cu[2] :])
     T = max(counts)
     full = collate_routes(routes, counts, **kw)
-    part = collate_routes(routes[3:], counts[3:], seq_len=T, sample_ids=[3], **kw)
+    part = collate_routes(routes[3:], counts[3:], layout=Padded(seq_len=T), sample_ids=[3], **kw)
     assert torch.equal(part["rollout_expert_indices"], full["rollout_expert_indices"][3:])
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.samples import route_samples
-from torch_r3 import BufferPool, R3Collator, ShardCollator
+from torch_r3 import BufferPool, Memory, R3Collator, ShardCollator
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,17 +32,17 @@ MIXED = _store([[0, 0, 0], [0.5, -1.0], [1, 2, 3, 4], [0.25, 0.0, 1.5]])  # int 
 
 def test_a_pad_key_mixing_int_and_float_lists_is_refused_in_the_global_batch():
     with pytest.raises(ValueError) as e:
-        R3Collator(pad_keys={"adv": 0})(MIXED)
+        R3Collator(pad_keys={"adv": 0}, pad_token_id=0)(MIXED)
     assert str(e.value).startswith("sample 1: 'adv' is a list of float64 values and sample 0's a list of int64")
     assert "[float(v) for v in values]" in str(e.value)
     one_token = _store([[1, 2]]) + [{"input_ids": [7], "routes": np.zeros((0, 2, 2), np.uint8), "adv": [0.5]}]
     with pytest.raises(ValueError, match="list of float64 values"):
-        R3Collator(pad_keys={"adv": 0})(one_token)
+        R3Collator(pad_keys={"adv": 0}, pad_token_id=0)(one_token)
 
 
 def test_a_shard_whose_microbatches_would_differ_in_dtype_is_refused():
     # Micro-batch 0 holds only int lists, micro-batch 1 only float lists: each is consistent alone.
-    shard = ShardCollator(lambda idx: [MIXED[i] for i in idx], [[0, 2], [1, 3]], pad_keys={"adv": 0})
+    shard = ShardCollator(lambda idx: [MIXED[i] for i in idx], [[0, 2], [1, 3]], pad_keys={"adv": 0}, pad_token_id=0)
     it = iter(shard)
     assert next(it)["adv"].dtype == torch.int64
     with pytest.raises(ValueError, match=r"micro-batch 1 \(\[1, 3\]\): 'adv' came out torch.float64, the first"):
@@ -51,23 +51,30 @@ def test_a_shard_whose_microbatches_would_differ_in_dtype_is_refused():
 
 def test_one_kind_of_list_and_arrays_of_mixed_dtypes_still_collate_as_before():
     floats = _store([[0.0, 0.0, 0.0], [0.5, -1.0]])
-    assert R3Collator(pad_keys={"adv": 0})(floats)["adv"].dtype == torch.float64
+    assert R3Collator(pad_keys={"adv": 0}, pad_token_id=0)(floats)["adv"].dtype == torch.float64
     arrays = [dict(s, adv=np.asarray(s["adv"], dt)) for s, dt in zip(floats, (np.float32, np.float16))]
-    assert R3Collator(pad_keys={"adv": 0})(arrays)["adv"].dtype == torch.float32  # promoted by torch's rules
+    assert (
+        R3Collator(pad_keys={"adv": 0}, pad_token_id=0)(arrays)["adv"].dtype == torch.float32
+    )  # promoted by torch's rules
 
 
 def test_a_shared_pool_with_cache_bytes_is_refused_not_dropped():
     with pytest.raises(ValueError, match=r"^pass buffers= or cache_bytes=, not both"):
-        ShardCollator(lambda idx: [], [[0]], buffers=BufferPool(), cache_bytes=0)
+        ShardCollator(
+            lambda idx: [],
+            [[0]],
+            memory=Memory(cache_bytes=0, buffers=BufferPool()),
+            pad_token_id=0,
+        )
     pool = BufferPool(cache_bytes=0)
-    assert ShardCollator(lambda idx: [], [[0]], buffers=pool).collator.buffers is pool
+    assert ShardCollator(lambda idx: [], [[0]], memory=Memory(buffers=pool), pad_token_id=0).collator.buffers is pool
 
 
 _ALIVE_AT_EXIT = """
 import numpy as np
 from torch_r3 import ShardCollator
 store = [{"input_ids": list(range(n)), "routes": np.zeros((n - 1, 2, 2), np.uint8)} for n in (3, 4, 5, 6)]
-shard = ShardCollator(lambda idx: [store[i] for i in idx], [[0], [1], [2, 3]], prefetch=True)
+shard = ShardCollator(lambda idx: [store[i] for i in idx], [[0], [1], [2, 3]], prefetch=True, pad_token_id=0)
 it = iter(shard)
 batch = next(it)  # the iterator, its helper thread and the next fetch are alive when the interpreter exits
 print(batch["input_ids"].tolist())

@@ -15,10 +15,11 @@ import importlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-from torch_r3._buffers import BufferPool
+from torch_r3._collate.buffers import BufferPool
 from torch_r3._deprecation import warn_renamed
 from torch_r3.collate import R3Collator, collate_routes
 from torch_r3.geometry import BatchGeometry, global_geometry
+from torch_r3.layout import Memory, Packed, Padded, PromptResponse
 from torch_r3.nested import as_nested
 from torch_r3.routes import check_expert_ids, compact_routes
 from torch_r3.shard import ShardCollator, plan_microbatches
@@ -47,6 +48,10 @@ _LAZY: dict[str, str] = {
 __all__ = [
     "BatchGeometry",
     "BufferPool",
+    "Memory",
+    "Packed",
+    "Padded",
+    "PromptResponse",
     "R3Collator",
     "RemoteGenerateClient",
     "RemoteGenerateError",

@@ -27,12 +27,14 @@ def warn_renamed(old: str, new: str, *, stacklevel: int = 3) -> None:
     warnings.warn(f"{old} is deprecated; use {new} instead (same meaning)", DeprecationWarning, stacklevel=stacklevel)
 
 
-def renamed_argument(old_value: Any, new_value: Any, *, old: str, new: str, where: str, default: Any = None) -> Any:
+def renamed_argument(
+    old_value: Any, new_value: Any, *, old: str, new: str, where: str, default: Any = None, stacklevel: int = 4
+) -> Any:
     """The value of an argument that was renamed from `old` to `new` in `where`.
 
     `old_value` is `None` when the caller did not pass the old spelling; then
     `new_value` is the answer. Otherwise a `DeprecationWarning` is issued (on
-    the caller's caller's line) and `old_value` is the answer, unless the caller
+    the caller's caller's line, or `stacklevel` frames up) and `old_value` is the answer, unless the caller
     passed `new` as well (a `TypeError`).
 
     Raises:
@@ -42,5 +44,5 @@ def renamed_argument(old_value: Any, new_value: Any, *, old: str, new: str, wher
         return new_value
     if new_value is not default and new_value != default:
         raise TypeError(f"{where}: pass {new}= only ({old}= is its deprecated spelling), not both")
-    warn_renamed(f"{where}({old}=)", f"{new}=", stacklevel=4)
+    warn_renamed(f"{where}({old}=)", f"{new}=", stacklevel=stacklevel)
     return old_value

@@ -28,8 +28,8 @@ import numpy as np
 import yarl
 
 from torch_r3._checks import check_bool, check_choice, check_indices, check_int, check_positive, check_str
-from torch_r3._offload import off_loop
-from torch_r3._results import RemoteGenerateResult
+from torch_r3._client.offload import off_loop
+from torch_r3._client.results import RemoteGenerateResult
 from torch_r3.errors import RemoteGenerateError
 from torch_r3.health import RouteHealthCheck, ZeroRoutesWarning, health_check
 from torch_r3.protocols import CHATS, PROTOCOLS, SERVERS, GenerateCall, RouteLimits, WeightVersionSpan

@@ -27,7 +27,7 @@ range-checked once (`torch_r3.check_expert_ids`): never negative, and below
 
 The text is a `str` or bytes (a `memoryview` of a response body, as the client
 passes it, is read in place). After the checks, each decoder hands it to the
-chunked kernel (`torch_r3._base64`: pybase64, else strict `binascii`), which
+chunked kernel (`torch_r3._client.base64`: pybase64, else strict `binascii`), which
 decodes, range-checks and narrows a chunk at a time straight into the result:
 it holds the result and one chunk. A payload the kernel refuses goes to the
 decoder's reference path, the decode of torch_r3 0.1.0 (the whole decoded
@@ -47,13 +47,13 @@ from typing import Any
 
 import numpy as np
 
-from torch_r3 import _base64
 from torch_r3._checks import check_at_least
-from torch_r3._npy import DEFAULT_MAX_ROUTE_BYTES, MAX_HEADER, check_size, decode_npy, npy_layout
+from torch_r3._client import base64 as _base64
+from torch_r3._client.npy import DEFAULT_MAX_ROUTE_BYTES, MAX_HEADER, check_size, decode_npy, npy_layout
 from torch_r3.errors import WireFormatError
 from torch_r3.routes import CANONICAL_DTYPES, check_expert_ids, compact_routes
 
-# `decode_npy` (the `.npy` reader of `torch_r3._npy`, re-exported here) and
+# `decode_npy` (the `.npy` reader of `torch_r3._client.npy`, re-exported here) and
 # `base64_decoded_length` are the decoders' own parsers, kept unprefixed for the
 # fuzz tests that attack them directly; not offered to users. `WireFormatError`
 # lives in `torch_r3.errors`; it is importable from here as it always was.

@@ -4,27 +4,27 @@
 `torch.utils.data.DataLoader`. Both write the layouts described on the route
 layout page of the documentation:
 
-* `padded`: `rollout_expert_indices [B, T, L, K]`, aligned like a left-
-  (or, `padding_side="right"`, right-) padded token batch;
+* `Padded`: `rollout_expert_indices [B, T, L, K]`, aligned like a left-
+  (or, `Padded(side="right")`, right-) padded token batch;
   `router_padding_mask [B, T]` (`True` = no captured route); `attention_mask [B, T]`.
-* `prompt_response`: the same keys, `[B, P + R, ...]`, each prompt
+* `PromptResponse`: the same keys, `[B, P + R, ...]`, each prompt
   left-padded to `P` and each response right-padded to `R`.
-* `packed`: `rollout_expert_indices [sum(n), L, K]`, `router_padding_mask
+* `Packed`: `rollout_expert_indices [sum(n), L, K]`, `router_padding_mask
   [sum(n)]` and `cu_seqlens [B + 1]` for THD training; with
   `pad_to_multiple_of`, each sequence aligned and `cu_seqlens_padded`.
 
-Argument rules of the batch's geometry (`seq_len`, `dtype`, `layers`,
-`sample_ids`, padding side, prompt widths and lengths, the output-size bound)
-live in `torch_r3.geometry`, the samples' side of `R3Collator` in
-`torch_r3._samples`, the per-sample checks of the routes, token counts and
+The layout and memory values and their rules live in `torch_r3.layout`, the
+argument rules of the batch's geometry (`dtype`, `keep_layers`, `sample_ids`,
+prompt lengths, the output-size bound) in `torch_r3.geometry`, the samples' side of `R3Collator` in
+`torch_r3._collate.samples`, the per-sample checks of the routes, token counts and
 `out=` (all passed before the first byte is written) in
-`torch_r3._route_inputs`, the two writers in `torch_r3._writers`. What remains
+`torch_r3._collate.route_inputs`, the two writers in `torch_r3._collate.writers`. What remains
 here is the kernel: the options, the allocation, and the hand-over to the
 writers.
 
 How it stays fast: the output is allocated uninitialised (or recycled, see
 `torch_r3.BufferPool`) and every byte is written exactly once, row by row, by
-the copy threads of `torch_r3._pool`. Padding regions are copied from a small
+the copy threads of `torch_r3._collate.pool`. Padding regions are copied from a small
 cached padding template (one memcpy per chunk) instead of broadcasting a
 `[L, K]` row element by element. NumPy releases the GIL for large copies, so
 the threads really run in parallel, and they also share the first-touch page
@@ -41,26 +41,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from torch_r3 import _memory, _pool
-from torch_r3._buffers import BufferPool
-from torch_r3._checks import check_bool, check_choice, check_int, check_positive
+from torch_r3._checks import check_bool, check_int
+from torch_r3._collate import memory as _memory, pool as _pool
+from torch_r3._collate.buffers import BufferPool
+from torch_r3._collate.filler import FillerWriter, check_filler, padding_rows
+from torch_r3._collate.route_inputs import check_aliasing, check_batch, check_out, output_dtype
+from torch_r3._collate.samples import SeqField, batch_samples, check_pad_number, collate_extra, prompt_lengths_of
+from torch_r3._collate.writers import packed_writer, padded_writer
 from torch_r3._deprecation import renamed_argument
-from torch_r3._filler import FillerWriter, check_filler, padding_rows
-from torch_r3._route_inputs import check_aliasing, check_batch, check_out, output_dtype
-from torch_r3._samples import SeqField, batch_samples, check_pad_number, collate_extra, prompt_lengths_of
-from torch_r3._writers import packed_writer, padded_writer
 from torch_r3.geometry import (
     aligned_counts,
     check_layers,
     check_layers_in_range,
-    check_max_output_bytes,
     check_output_size,
-    check_padding_side,
     check_prompt_lengths,
-    check_prompt_response_widths,
     check_route_dtype,
     check_sample_ids,
-    check_seq_len,
     output_size,
     padded_length,
 )
@@ -70,15 +66,23 @@ from torch_r3.keys import (
     CU_SEQLENS_PADDED,
     INPUT_IDS,
     OUTPUT_KEYS,
-    PROMPT_LENGTH,
     ROUTER_MASK,
     ROUTES,
     SAMPLE_ROUTES,
 )
+from torch_r3.layout import (
+    LAYOUT_KEYWORDS,
+    MEMORY_KEYWORDS,
+    Layout,
+    Memory,
+    Packed,
+    Padded,
+    PromptResponse,
+    from_keywords,
+)
 
 __all__ = ["R3Collator", "collate_routes", "padding_rows"]
 
-LAYOUTS = ("padded", "packed", "prompt_response")
 MAX_WORKERS = _pool.MAX_WORKERS
 
 _NP_TO_TORCH = {
@@ -95,59 +99,23 @@ _NP_TO_TORCH = {
 
 @dataclasses.dataclass(frozen=True)
 class _Options:
-    """The settings `collate_routes` and `R3Collator` share, validated once."""
+    """The settings `collate_routes` and `R3Collator` share, validated once (the layout and memory by their values)."""
 
-    layout: str = "padded"
-    padding_side: str = "left"
-    prompt_width: int | None = None
-    response_width: int | None = None
-    pad_to_multiple_of: int | None = None
+    layout: Layout = dataclasses.field(default_factory=Padded)
+    memory: Memory = dataclasses.field(default_factory=Memory)
     filler: str = "arange"
     num_experts: int | None = None
-    workers: int | None = None
-    pin_memory: bool | None = None
-    seq_len: int | None = None
     dtype: Any = None
     keep_layers: Any = None
-    max_output_bytes: int | None = None
     compact: bool = False
 
     def __post_init__(self) -> None:
-        check_choice(self.layout, "layout", LAYOUTS)
-        side = check_padding_side(self.padding_side)
-        if side != "left" and self.layout != "padded":
-            raise ValueError(f"padding_side={side!r} applies to layout='padded' only, got layout={self.layout!r}")
-        widths = check_prompt_response_widths(self.layout, self.prompt_width, self.response_width)
-        object.__setattr__(self, "prompt_width", widths[0])
-        object.__setattr__(self, "response_width", widths[1])
-        if self.pad_to_multiple_of is not None:
-            if self.layout == "prompt_response":
-                raise ValueError(
-                    "pad_to_multiple_of does not apply to layout='prompt_response': its length is "
-                    "prompt_width + response_width"
-                )
-            multiple = check_positive(self.pad_to_multiple_of, "pad_to_multiple_of")
-            object.__setattr__(self, "pad_to_multiple_of", multiple)
-        if self.seq_len is not None:
-            if self.layout != "padded":
-                raise ValueError(
-                    f"seq_len applies to layout='padded' only (layout={self.layout!r}: a packed batch is as long "
-                    f"as its tokens, a prompt_response batch prompt_width + response_width)"
-                )
-            seq_len = check_seq_len(self.seq_len)
-            if self.pad_to_multiple_of is not None and seq_len % self.pad_to_multiple_of:
-                raise ValueError(f"seq_len={seq_len} is not a multiple of pad_to_multiple_of={self.pad_to_multiple_of}")
-            object.__setattr__(self, "seq_len", seq_len)
         if self.dtype is not None:
             object.__setattr__(self, "dtype", check_route_dtype(self.dtype))
         if self.keep_layers is not None:
             object.__setattr__(self, "keep_layers", check_layers(self.keep_layers, "keep_layers"))
-        object.__setattr__(self, "max_output_bytes", check_max_output_bytes(self.max_output_bytes))
         object.__setattr__(self, "compact", check_bool(self.compact, "compact"))
         object.__setattr__(self, "num_experts", check_filler(self.filler, self.num_experts, 1))
-        if self.workers is not None:
-            object.__setattr__(self, "workers", _pool.check_workers(self.workers))
-        object.__setattr__(self, "pin_memory", _memory.check_pin_memory(self.pin_memory))
 
 
 def _row_copier(layers: tuple[int, ...] | None) -> Callable[[np.ndarray, np.ndarray], None]:
@@ -193,23 +161,23 @@ def _collate(
     dtype = output_dtype(arrays, topk, filler=opts.filler, num_experts=opts.num_experts, dtype=opts.dtype)
     out_layers = num_layers if opts.keep_layers is None else len(opts.keep_layers)
     row_shape, tdtype = (out_layers, topk), _NP_TO_TORCH[dtype]
-    if opts.layout == "prompt_response":
-        assert opts.prompt_width is not None and opts.response_width is not None  # checked by _Options
-        prompts = check_prompt_lengths(prompt_lengths, counts, opts.prompt_width, opts.response_width)
-        T = opts.prompt_width + opts.response_width
-        starts = [opts.prompt_width - p for p in prompts]
+    layout, memory = opts.layout, opts.memory
+    if isinstance(layout, PromptResponse):
+        prompts = check_prompt_lengths(prompt_lengths, counts, layout.prompt_width, layout.response_width)
+        T = layout.width
+        starts = [layout.prompt_width - p for p in prompts]
     elif prompt_lengths is not None:
-        raise ValueError(f"prompt_lengths applies to layout='prompt_response' only, got layout={opts.layout!r}")
-    elif opts.layout == "padded":
-        if opts.seq_len is None:
-            T = padded_length(counts, opts.pad_to_multiple_of)
+        raise ValueError(f"prompt_lengths applies to torch_r3.PromptResponse only, got layout={layout!r}")
+    elif isinstance(layout, Padded):
+        if layout.seq_len is None:
+            T = padded_length(counts, layout.pad_to_multiple_of)
         else:
-            T = opts.seq_len
+            T = layout.seq_len
             for i, n in enumerate(counts):
                 if n > T:
                     raise ValueError(f"sample {i} has {n} tokens, more than seq_len={T}")
-        starts = [T - n for n in counts] if opts.padding_side == "left" else [0] * B
-    if opts.layout != "packed":
+        starts = [T - n for n in counts] if layout.side == "left" else [0] * B
+    if not isinstance(layout, Packed):
         want = {
             ROUTES: ((B, T) + row_shape, tdtype),
             ROUTER_MASK: ((B, T), torch.bool),
@@ -217,7 +185,7 @@ def _collate(
         }
         want.update({f.key: ((B, T), f.dtype) for f in fields})
     else:
-        spans = counts if opts.pad_to_multiple_of is None else aligned_counts(counts, opts.pad_to_multiple_of)
+        spans = counts if layout.pad_to_multiple_of is None else aligned_counts(counts, layout.pad_to_multiple_of)
         offsets = np.zeros(B + 1, dtype=np.int64)
         np.cumsum(spans, out=offsets[1:])
         N = int(offsets[-1])
@@ -228,15 +196,15 @@ def _collate(
             ROUTER_MASK: ((N,), torch.bool),
             CU_SEQLENS: ((B + 1,), torch.int32),
         }
-        if opts.pad_to_multiple_of is not None:
+        if layout.pad_to_multiple_of is not None:
             want[CU_SEQLENS_PADDED] = ((B + 1,), torch.int32)
         want.update({f.key: ((N,), f.dtype) for f in fields})
 
     result = check_out(out, want)
     check_aliasing(result, arrays, fields)
-    kind = _memory.memory_kind(opts.pin_memory)
+    kind = _memory.memory_kind(memory.pin_memory)
     needed = {k: spec for k, spec in want.items() if k not in result}
-    check_output_size(needed, opts.max_output_bytes)
+    check_output_size(needed, memory.max_output_bytes)
     try:
         if buffers is not None and kind != "shared":  # never recycled in a worker: see BufferPool
             result.update(buffers.empty_batch(needed, pinned=kind == "pinned"))
@@ -249,43 +217,66 @@ def _collate(
     views = {k: v.numpy() for k, v in result.items()}
     fill_pad = FillerWriter(opts.filler, opts.num_experts, out_layers, topk, dtype)
     copy_rows = _row_copier(opts.keep_layers)
-    if opts.layout != "packed":
+    if not isinstance(layout, Packed):
         costs, write_rows = padded_writer(views, arrays, counts, starts, ids, fill_pad, copy_rows, fields)
     else:
         views[CU_SEQLENS][0] = 0
         views[CU_SEQLENS][1:] = np.cumsum(counts)  # the real lengths, whether aligned or not
-        if opts.pad_to_multiple_of is not None:
+        if layout.pad_to_multiple_of is not None:
             views[CU_SEQLENS_PADDED][:] = offsets
         costs, write_rows = packed_writer(views, arrays, counts, offsets, ids, fill_pad, copy_rows, fields)
-    workers = _pool.default_workers() if opts.workers is None else opts.workers
+    workers = _pool.default_workers() if memory.workers is None else memory.workers
     _pool.run(costs, write_rows, workers, views[ROUTES].nbytes)
     return result
+
+
+def _options(
+    where: str,
+    layout: Any,
+    memory: Any,
+    deprecated: dict[str, Any],
+    filler: str,
+    num_experts: Any,
+    dtype: Any,
+    keep_layers: Any,
+    compact: Any,
+    layout_keywords: tuple[str, ...] = tuple(LAYOUT_KEYWORDS),
+    memory_keywords: tuple[str, ...] = MEMORY_KEYWORDS,
+) -> _Options:
+    """The options of one collator, the deprecated keywords folded in (each warned, on the caller's line)."""
+    padding, layers = deprecated.pop("padding", None), deprecated.pop("layers", None)
+    filler = renamed_argument(padding, filler, old="padding", new="filler", where=where, default="arange", stacklevel=5)
+    keep_layers = renamed_argument(layers, keep_layers, old="layers", new="keep_layers", where=where, stacklevel=5)
+    unknown = next((k for k in deprecated if k in LAYOUT_KEYWORDS and k not in layout_keywords), None)
+    if unknown is not None:
+        raise TypeError(f"{where} got an unexpected keyword argument {unknown!r}")
+    layout, memory = from_keywords(where, layout, memory, deprecated, memory_keywords=memory_keywords, stacklevel=5)
+    return _Options(
+        layout=layout,
+        memory=memory,
+        filler=filler,
+        num_experts=num_experts,
+        dtype=dtype,
+        keep_layers=keep_layers,
+        compact=compact,
+    )
 
 
 def collate_routes(
     routes: Sequence[Any],
     token_counts: Sequence[int],
     *,
-    layout: str = "padded",
-    padding_side: str = "left",
-    prompt_width: int | None = None,
-    response_width: int | None = None,
+    layout: Layout | str = "padded",
     prompt_lengths: Sequence[int] | None = None,
-    pad_to_multiple_of: int | None = None,
     filler: str = "arange",
     num_experts: int | None = None,
-    workers: int | None = None,
-    out: torch.Tensor | Mapping[str, torch.Tensor] | None = None,
-    pin_memory: bool | None = None,
-    buffers: BufferPool | None = None,
-    seq_len: int | None = None,
     dtype: Any = None,
     keep_layers: Sequence[int] | None = None,
     sample_ids: Sequence[int] | None = None,
-    max_output_bytes: int | None = None,
+    out: torch.Tensor | Mapping[str, torch.Tensor] | None = None,
+    memory: Memory | None = None,
     compact: bool = False,
-    padding: str | None = None,
-    layers: Sequence[int] | None = None,
+    **deprecated: Any,
 ) -> dict[str, torch.Tensor]:
     """Collate per-trajectory route arrays into one training batch.
 
@@ -297,21 +288,14 @@ def collate_routes(
             expert id would not fit it).
         token_counts: `n_i`, the trajectory's token count, `n_i >= r_i`.
             Captured rows are a prefix of the tokens; the tail is padding.
-        layout: `"padded"` (`[B, T, L, K]`, padded on `padding_side`),
-            `"packed"` (`[sum(n), L, K]` with `cu_seqlens`) or
-            `"prompt_response"` (`[B, P + R, L, K]`: each prompt left-padded
-            to `prompt_width`, each response right-padded to `response_width`).
-        padding_side: `"left"` (the real tokens end at `T`) or `"right"`
-            (they start at 0); padded layout only.
-        prompt_width: `P`, the prompts' width (`prompt_response` only).
-        response_width: `R`, the responses' width (`prompt_response` only).
+        layout: the batch's layout, a value: `torch_r3.Padded(side=,
+            pad_to_multiple_of=, seq_len=)` (`[B, T, L, K]`), `torch_r3.Packed(
+            pad_to_multiple_of=)` (`[sum(n), L, K]` with `cu_seqlens`) or
+            `torch_r3.PromptResponse(prompt_width, response_width)` (`[B, P + R,
+            L, K]`); `"padded"`/`"packed"` mean `Padded()`/`Packed()`.
         prompt_lengths: each sample's prompt token count `p_i`
-            (`prompt_response` only, `0 <= p_i <= n_i`, `p_i <= P`,
+            (`PromptResponse` only, `0 <= p_i <= n_i`, `p_i <= P`,
             `n_i - p_i <= R`): its first `p_i` tokens are the prompt.
-        pad_to_multiple_of: padded: round `T` up to a multiple. Packed:
-            pad each sequence on its own to a multiple (Transformer Engine's
-            THD and context parallelism need it), adding `cu_seqlens_padded`
-            (the aligned offsets; `cu_seqlens` stays the real lengths' sums).
         filler: the routes written where no route was captured: `"arange"`
             (experts `0..K-1`), `"balanced"` (position `s = g + p` uses
             `(s*K + j) % num_experts`, for the sample's global row `g` and the
@@ -321,22 +305,9 @@ def collate_routes(
             never be replayed through Megatron's dropless dispatcher, which
             needs `K` distinct experts).
         num_experts: the model's expert count, for `balanced`.
-        workers: copy threads, at most `MAX_WORKERS`; default
-            `torch_r3.cpu.pool_workers()` (in a DataLoader worker, its share of
-            the usable CPUs). `1` runs on the calling thread.
         out: caller-owned buffers to write into: a tensor for
             `rollout_expert_indices` or a dict with some of the output keys,
             each of exactly the output's shape and dtype.
-        pin_memory: `None` pins when an accelerator exists and the call is
-            in the main process; `True`/`False` force it (never an error
-            on a CPU-only machine). Inside a DataLoader worker the output goes
-            to fresh shared memory instead.
-        buffers: a `BufferPool` to take the outputs from (keys not in `out`);
-            by default every call allocates fresh memory.
-        seq_len: pad to exactly this `T` (padded layout; a multiple of
-            `pad_to_multiple_of` if both are given), written in the same single
-            pass; a sample with more tokens is refused. Give the global batch's
-            `T` (`torch_r3.global_geometry`) to collate a subset of it.
         dtype: the output's route dtype (`uint8`, `int16` or `int32`, NumPy
             or torch). Narrower samples widen; a wider sample is refused,
             never narrowed.
@@ -346,18 +317,23 @@ def collate_routes(
         sample_ids: each sample's row in the global batch (distinct ints
             `>= 0`; default `0 .. B-1`). `balanced` padding is keyed by it, so
             that a subset gets exactly the global batch's padding routes.
-        max_output_bytes: refuse, before allocating, a batch whose outputs
-            would take more bytes; default the physical memory, or
-            `TORCH_R3_MAX_OUTPUT_BYTES`.
+        memory: a `torch_r3.Memory`: copy threads (`workers`), pinning
+            (`pin_memory`), a `BufferPool` to take the outputs from (`buffers`,
+            for keys not in `out`; by default every call allocates fresh
+            memory) and the output-size bound (`max_output_bytes`).
+            `cache_bytes` is `R3Collator`'s and refused here.
         compact: compact non-canonical routes (int64 arrays, nested lists,
             as a Hugging Face dataset returns them) with `compact_routes` at
             collation, one scan and copy per such sample; off by default,
             since the sender compacting once is cheaper.
-        padding: deprecated spelling of `filler`.
-        layers: deprecated spelling of `keep_layers`.
+        **deprecated: the old keywords, each with a `DeprecationWarning`:
+            `padding=` (`filler=`), `layers=` (`keep_layers=`), the layout's
+            (`padding_side=`, `prompt_width=`, `response_width=`,
+            `pad_to_multiple_of=`, `seq_len=`) and the memory's (`workers=`,
+            `pin_memory=`, `buffers=`, `max_output_bytes=`).
 
     Returns:
-        The batch: `rollout_expert_indices`, `router_padding_mask` and, padded or prompt_response,
+        The batch: `rollout_expert_indices`, `router_padding_mask` and, padded or prompt/response,
         `attention_mask`; packed, `cu_seqlens` (and `cu_seqlens_padded` with `pad_to_multiple_of`).
 
     Raises:
@@ -377,27 +353,27 @@ def collate_routes(
         >>> batch["attention_mask"].tolist()
         [[0, 1, 1], [1, 1, 1]]
     """
-    opts = _Options(
-        layout=layout,
-        padding_side=padding_side,
-        prompt_width=prompt_width,
-        response_width=response_width,
-        pad_to_multiple_of=pad_to_multiple_of,
-        filler=renamed_argument(padding, filler, old="padding", new="filler", where="collate_routes", default="arange"),
-        num_experts=num_experts,
-        workers=workers,
-        pin_memory=pin_memory,
-        seq_len=seq_len,
-        dtype=dtype,
-        keep_layers=renamed_argument(layers, keep_layers, old="layers", new="keep_layers", where="collate_routes"),
-        max_output_bytes=max_output_bytes,
-        compact=compact,
+    opts = _options(
+        "collate_routes",
+        layout,
+        memory,
+        deprecated,
+        filler,
+        num_experts,
+        dtype,
+        keep_layers,
+        compact,
+        layout_keywords=("padding_side", "prompt_width", "response_width", "pad_to_multiple_of", "seq_len"),
+        memory_keywords=("workers", "pin_memory", "buffers", "max_output_bytes"),
     )
-    if buffers is not None and not isinstance(buffers, BufferPool):
-        raise TypeError(f"buffers must be None or a torch_r3.BufferPool, got {type(buffers).__name__}")
+    if opts.memory.cache_bytes is not None:
+        raise ValueError(
+            "collate_routes: Memory.cache_bytes bounds R3Collator's own pool; here pass memory=Memory(buffers=pool) "
+            "with a torch_r3.BufferPool(cache_bytes=...)"
+        )
     arrays, counts = check_batch(routes, token_counts, compact=opts.compact, num_experts=opts.num_experts)
     return _collate(
-        arrays, counts, opts, out=out, buffers=buffers, sample_ids=sample_ids, prompt_lengths=prompt_lengths
+        arrays, counts, opts, out=out, buffers=opts.memory.buffers, sample_ids=sample_ids, prompt_lengths=prompt_lengths
     )
 
 
@@ -431,36 +407,36 @@ class R3Collator:
     Args:
         routes_key: the samples' key for their routes.
         tokens_key: the samples' key for their token ids.
-        layout: `"padded"`, `"packed"` or `"prompt_response"`, as in `collate_routes`.
-        padding_side: as in `collate_routes`.
-        prompt_width: as in `collate_routes`.
-        response_width: as in `collate_routes`.
-        prompt_length_key: with `layout="prompt_response"`, the samples' key
-            holding their prompt token count (an int; the sample's first that
-            many tokens are its prompt). The key stays in the batch, collated
-            like any other key.
-        pad_token_id: the token id of padding (fits `int64`).
+        layout: the batch's layout, one value: `torch_r3.Padded(side=,
+            pad_to_multiple_of=, seq_len=)`, `torch_r3.Packed(pad_to_multiple_of=)`
+            or `torch_r3.PromptResponse(prompt_width, response_width,
+            prompt_length_key=)` (`"padded"`/`"packed"` mean the defaults), as in
+            `collate_routes`; `seq_len` is also the length of `input_ids` and
+            the `pad_keys`, and `prompt_length_key` is the samples' key holding
+            their prompt token count (an int; the key stays in the batch).
+        pad_token_id: the token id of padding (fits `int64`), required: pass
+            the tokenizer's (`tokenizer.pad_token_id`), as
+            `transformers.DataCollatorWithPadding` takes it from the tokenizer.
+            No id is right for every vocabulary (0 is a real token in most), so
+            none is assumed.
         pad_keys: per-token keys to pad alongside the tokens: `{key: pad value}`,
             or a sequence of keys padded with 0.
-        pad_to_multiple_of: as in `collate_routes`.
         filler: as in `collate_routes`.
         num_experts: as in `collate_routes`.
-        workers: as in `collate_routes`.
-        pin_memory: as in `collate_routes`.
-        cache_bytes: the most bytes of idle output buffers kept for reuse;
-            `None` for the default bound (twice the largest batch served),
-            `0` to allocate fresh memory for every batch.
-        buffers: a `BufferPool` to take the outputs from, as in
-            `collate_routes` (shared with other collators, say); then the
-            pool's own bound applies and `cache_bytes` is refused.
-        seq_len: as in `collate_routes` (also the length of `input_ids` and
-            the `pad_keys`).
         dtype: as in `collate_routes`.
         keep_layers: as in `collate_routes`.
-        max_output_bytes: as in `collate_routes`.
         compact: as in `collate_routes`.
-        padding: deprecated spelling of `filler`.
-        layers: deprecated spelling of `keep_layers`.
+        memory: a `torch_r3.Memory`, as in `collate_routes`, and its
+            `cache_bytes`: the most bytes of idle output buffers this
+            collator's own pool keeps (`None`: twice the largest batch served,
+            `0`: fresh memory every batch); with `buffers=` the given pool's
+            own bound applies instead.
+        **deprecated: the old keywords, each with a `DeprecationWarning`
+            naming its new spelling: `padding=`, `layers=`, the layout's
+            (`padding_side=`, `prompt_width=`, `response_width=`,
+            `prompt_length_key=`, `pad_to_multiple_of=`, `seq_len=`) and the
+            memory's (`workers=`, `pin_memory=`, `cache_bytes=`, `buffers=`,
+            `max_output_bytes=`).
 
     Calling it: `collator(samples)` or `collator(samples, sample_ids=ids)`
     with the samples' rows in the global batch (see `collate_routes`).
@@ -489,44 +465,25 @@ class R3Collator:
         *,
         routes_key: str = SAMPLE_ROUTES,
         tokens_key: str = INPUT_IDS,
-        layout: str = "padded",
-        padding_side: str = "left",
-        prompt_width: int | None = None,
-        response_width: int | None = None,
-        prompt_length_key: str = PROMPT_LENGTH,
-        pad_token_id: int = 0,
+        layout: Layout | str = "padded",
+        pad_token_id: int,
         pad_keys: Mapping[str, float] | Sequence[str] = (),
-        pad_to_multiple_of: int | None = None,
         filler: str = "arange",
         num_experts: int | None = None,
-        workers: int | None = None,
-        pin_memory: bool | None = None,
-        cache_bytes: int | None = None,
-        buffers: BufferPool | None = None,
-        seq_len: int | None = None,
         dtype: Any = None,
         keep_layers: Sequence[int] | None = None,
-        max_output_bytes: int | None = None,
         compact: bool = False,
-        padding: str | None = None,
-        layers: Sequence[int] | None = None,
+        memory: Memory | None = None,
+        **deprecated: Any,
     ) -> None:
-        self._options = _Options(
-            layout=layout,
-            padding_side=padding_side,
-            prompt_width=prompt_width,
-            response_width=response_width,
-            pad_to_multiple_of=pad_to_multiple_of,
-            filler=renamed_argument(padding, filler, old="padding", new="filler", where="R3Collator", default="arange"),
-            num_experts=num_experts,
-            workers=workers,
-            pin_memory=pin_memory,
-            seq_len=seq_len,
-            dtype=dtype,
-            keep_layers=renamed_argument(layers, keep_layers, old="layers", new="keep_layers", where="R3Collator"),
-            max_output_bytes=max_output_bytes,
-            compact=compact,
+        self._options = _options(
+            "R3Collator", layout, memory, deprecated, filler, num_experts, dtype, keep_layers, compact
         )
+        if pad_token_id is None:
+            raise TypeError(
+                "pad_token_id=None: the tokenizer has no pad token; set one (tokenizer.pad_token = "
+                "tokenizer.eos_token is common) or pass the id input_ids are padded with"
+            )
         self.pad_token_id = check_int(pad_token_id, "pad_token_id")
         if not -(2**63) <= self.pad_token_id < 2**63:
             raise ValueError(f"pad_token_id must fit int64 (input_ids are torch.long), got {self.pad_token_id}")
@@ -540,35 +497,30 @@ class R3Collator:
             raise ValueError(f"pad_keys may not include the routes/tokens/output keys {sorted(clash)}")
         self.routes_key = routes_key
         self.tokens_key = tokens_key
-        self.prompt_length_key = prompt_length_key
-        if buffers is not None:
-            if not isinstance(buffers, BufferPool):
-                raise TypeError(f"buffers must be None or a torch_r3.BufferPool, got {type(buffers).__name__}")
-            if cache_bytes is not None:
-                raise ValueError("pass buffers= or cache_bytes=, not both: a given BufferPool keeps its own bound")
-            self.buffers = buffers
-        else:
-            # Checked here so that the message names this class's keyword, not BufferPool's.
-            self.buffers = BufferPool(cache_bytes)
+        memory = self._options.memory
+        # The collator's own pool, bounded by cache_bytes, unless the memory names a shared one.
+        self.buffers = memory.buffers if memory.buffers is not None else BufferPool(memory.cache_bytes)
+
+    @property
+    def layout(self) -> Layout:
+        """The batch's layout value."""
+        return self._options.layout
+
+    @property
+    def memory(self) -> Memory:
+        """The memory options."""
+        return self._options.memory
 
     def __repr__(self) -> str:
         o = self._options
-        geometry = "".join(
+        options = "".join(
             f", {name}={value!r}"
-            for name, value in (
-                ("padding_side", None if o.padding_side == "left" else o.padding_side),
-                ("prompt_width", o.prompt_width),
-                ("response_width", o.response_width),
-                ("pad_to_multiple_of", o.pad_to_multiple_of),
-                ("seq_len", o.seq_len),
-                ("dtype", o.dtype),
-                ("keep_layers", o.keep_layers),
-            )
+            for name, value in (("dtype", o.dtype), ("keep_layers", o.keep_layers))
             if value is not None
         )
         return (
             f"R3Collator(layout={o.layout!r}, routes_key={self.routes_key!r}, tokens_key={self.tokens_key!r}, "
-            f"pad_keys={self.pad_keys!r}, filler={o.filler!r}{geometry}, "
+            f"pad_keys={self.pad_keys!r}, filler={o.filler!r}{options}, "
             f"cache_bytes={self.buffers.cache_bytes!r})"
         )
 
@@ -583,8 +535,8 @@ class R3Collator:
         except (TypeError, ValueError) as e:
             raise type(e)(f"{e} [key {self.routes_key!r}]") from None
         prompts = None
-        if self._options.layout == "prompt_response":
-            prompts = prompt_lengths_of(samples, self.prompt_length_key)
+        if isinstance(opts.layout, PromptResponse):
+            prompts = prompt_lengths_of(samples, opts.layout.prompt_length_key)
         extra_batch = collate_extra(samples, extra)
         batch: dict[str, Any] = _collate(
             arrays,

@@ -4,8 +4,9 @@ Every rank of a data-parallel job can compute the global batch's `seq_len` and
 route dtype from the trajectories' token counts and route dtypes, without any
 route bytes (`global_geometry`), and pass them to its own collator so that its
 micro-batches are slices of the global batch. The argument rules of the
-collation kernel's geometry (`seq_len=`, `dtype=`, `keep_layers=`, `sample_ids=`
-and the output-size bound) live here, one rule per kind of argument.
+collation kernel's geometry (`dtype=`, `keep_layers=`, `sample_ids=`, prompt
+lengths and the output-size bound) live here (the layout's own, `Padded(seq_len=)`
+and the rest, in `torch_r3.layout`), one rule per kind of argument.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from torch_r3._checks import check_choice, check_dtype, check_indices, check_int, check_positive, check_token_counts
+from torch_r3._checks import check_dtype, check_indices, check_int, check_positive, check_token_counts
+from torch_r3._collate.filler import check_filler
 from torch_r3._deprecation import renamed_argument
-from torch_r3._filler import check_filler
+from torch_r3.layout import Packed, Padded, from_keywords
 from torch_r3.routes import CANONICAL_DTYPES, canonical_dtype_for, widest
 
 # The `check_*` helpers and the output-size bound are shared with the collators,
@@ -38,11 +40,6 @@ MAX_OUTPUT_BYTES_ENV = "TORCH_R3_MAX_OUTPUT_BYTES"
 def check_route_dtype(dtype: Any, name: str = "dtype") -> np.dtype:
     """A requested route dtype (NumPy, torch or a string) as one of `CANONICAL_DTYPES`."""
     return check_dtype(dtype, name, CANONICAL_DTYPES)
-
-
-def check_seq_len(seq_len: Any) -> int:
-    """`seq_len=`: a positive int."""
-    return check_positive(seq_len, "seq_len")
 
 
 def check_layers(layers: Any, name: str = "layers") -> tuple[int, ...]:
@@ -65,33 +62,10 @@ def check_sample_ids(sample_ids: Any, batch_size: int) -> list[int]:
     return list(ids)
 
 
-PADDING_SIDES = ("left", "right")
-
-
-def check_padding_side(padding_side: Any) -> str:
-    """`padding_side=`: where the padded layout's padding goes, `"left"` or `"right"`."""
-    return check_choice(padding_side, "padding_side", PADDING_SIDES)
-
-
-def check_prompt_response_widths(layout: str, prompt_width: Any, response_width: Any) -> tuple[int | None, int | None]:
-    """`prompt_width=` and `response_width=`: both positive ints for `layout="prompt_response"`, else both unset."""
-    if layout != "prompt_response":
-        for name, value in (("prompt_width", prompt_width), ("response_width", response_width)):
-            if value is not None:
-                raise ValueError(f"{name} applies to layout='prompt_response' only, got layout={layout!r}")
-        return None, None
-    if prompt_width is None or response_width is None:
-        raise ValueError(
-            "layout='prompt_response' needs prompt_width= and response_width= (the prompt's left-padded width P "
-            "and the response's right-padded width R)"
-        )
-    return check_positive(prompt_width, "prompt_width"), check_positive(response_width, "response_width")
-
-
 def check_prompt_lengths(prompt_lengths: Any, counts: Sequence[int], width: int, response_width: int) -> list[int]:
     """Each sample's prompt token count `p_i`, with `p_i <= width` and `n_i - p_i <= response_width`."""
     if prompt_lengths is None:
-        raise ValueError("layout='prompt_response' needs each sample's prompt length (prompt_lengths=)")
+        raise ValueError("layout=torch_r3.PromptResponse(...) needs each sample's prompt length (prompt_lengths=)")
     if isinstance(prompt_lengths, (torch.Tensor, np.ndarray)):
         prompt_lengths = prompt_lengths.tolist()
     if isinstance(prompt_lengths, (str, bytes)) or not isinstance(prompt_lengths, Sequence):
@@ -141,13 +115,6 @@ def default_max_output_bytes() -> int:
         return 1 << 40
 
 
-def check_max_output_bytes(value: Any) -> int | None:
-    """`max_output_bytes=`: `None` (the default bound) or a positive int."""
-    if value is None:
-        return None
-    return check_positive(value, "max_output_bytes")
-
-
 def output_size(needed: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[int, str]:
     """The bytes of tensors `{key: (shape, dtype)}`, and their shapes as text for messages."""
     total = sum(math.prod(shape) * dt.itemsize for shape, dt in needed.values())
@@ -170,7 +137,7 @@ def check_output_size(needed: dict[str, tuple[tuple[int, ...], torch.dtype]], bo
         raise ValueError(
             f"the batch would allocate {total} bytes ({total / 2**30:.1f} GiB: {shapes}), more than the bound of "
             f"{limit} bytes; check the token counts, seq_len and pad_to_multiple_of, or raise the bound with "
-            f"max_output_bytes= (or {MAX_OUTPUT_BYTES_ENV})"
+            f"memory=Memory(max_output_bytes=) (or {MAX_OUTPUT_BYTES_ENV})"
         )
 
 
@@ -218,11 +185,10 @@ def global_geometry(
     token_counts: Sequence[int],
     dtypes: Iterable[Any],
     *,
-    pad_to_multiple_of: int | None = None,
+    layout: Padded | Packed | str = "padded",
     filler: str = "arange",
     num_experts: int | None = None,
-    layout: str = "padded",
-    padding: str | None = None,
+    **deprecated: Any,
 ) -> BatchGeometry:
     """The global batch's `seq_len` and route dtype, from token counts and route dtypes alone.
 
@@ -235,16 +201,19 @@ def global_geometry(
         token_counts: every trajectory's token count `n_i` (positive ints).
         dtypes: the trajectories' route dtypes (NumPy or torch dtypes, or
             their names; any iterable, a set is enough).
-        pad_to_multiple_of: as in `collate_routes`: `seq_len` is rounded up
-            to it, and with `layout="packed"` every sequence is, so that
-            `num_tokens` is the aligned total (`seq_len` is then the longest
-            aligned sequence, Transformer Engine's `max_seqlen`).
+        layout: the layout the batch is collated in: `torch_r3.Padded(
+            pad_to_multiple_of=)` (`seq_len` rounded up to it) or
+            `torch_r3.Packed(pad_to_multiple_of=)` (every sequence aligned, so
+            that `num_tokens` is the aligned total; `seq_len` is then the
+            longest aligned sequence, Transformer Engine's `max_seqlen`);
+            `"padded"`/`"packed"` for the defaults. A `Padded` with `seq_len`
+            is refused (this computes it), and so is a `PromptResponse` (its
+            geometry is its two widths).
         filler: as in `collate_routes`; `balanced` widens the dtype where
             `num_experts - 1` does not fit it.
         num_experts: as in `collate_routes` (needed for `balanced`).
-        layout: `"padded"` or `"packed"`, the layout the batch is collated
-            in (a `prompt_response` batch's geometry is its two widths).
-        padding: deprecated spelling of `filler`.
+        **deprecated: `padding=` (`filler=`) and `pad_to_multiple_of=` (the
+            layout's), each with a `DeprecationWarning`.
 
     Returns:
         A frozen `BatchGeometry` with `seq_len`, `dtype`, `batch_size`, `num_tokens`.
@@ -255,9 +224,12 @@ def global_geometry(
 
     Examples:
         >>> import numpy as np
-        >>> layout = global_geometry([3, 9, 5], [np.uint8, np.int16], pad_to_multiple_of=4)
-        >>> layout.seq_len, layout.dtype, layout.num_tokens
+        >>> from torch_r3 import Packed, Padded
+        >>> geometry = global_geometry([3, 9, 5], [np.uint8, np.int16], layout=Padded(pad_to_multiple_of=4))
+        >>> geometry.seq_len, geometry.dtype, geometry.num_tokens
         (12, dtype('int16'), 17)
+        >>> global_geometry([3, 9, 5], [np.uint8], layout=Packed(pad_to_multiple_of=4)).num_tokens
+        24
     """
     counts = check_token_counts(token_counts)
     if isinstance(dtypes, (str, bytes, np.dtype, torch.dtype, type)):
@@ -265,18 +237,22 @@ def global_geometry(
     found = {check_route_dtype(d, f"dtypes[{k}]") for k, d in enumerate(dtypes)}
     if not found:
         raise ValueError("dtypes: expected at least one route dtype, got none")
+    padding = deprecated.pop("padding", None)
     filler = renamed_argument(padding, filler, old="padding", new="filler", where="global_geometry", default="arange")
-    check_choice(layout, "layout", ("padded", "packed"))
+    unknown = sorted(set(deprecated) - {"pad_to_multiple_of"})
+    if unknown:
+        raise TypeError(f"global_geometry got an unexpected keyword argument {unknown[0]!r}")
+    value, _ = from_keywords("global_geometry", layout, None, deprecated, allowed=(Padded, Packed), memory_keywords=())
+    if isinstance(value, Padded) and value.seq_len is not None:
+        raise ValueError(f"global_geometry computes seq_len: pass a Padded without it, got layout={value!r}")
+    assert isinstance(value, (Padded, Packed))  # allowed= above
+    multiple = value.pad_to_multiple_of
     num_experts = check_filler(filler, num_experts, 1)
     if num_experts is not None and filler == "balanced":
         found.add(canonical_dtype_for(num_experts - 1))
     return BatchGeometry(
-        seq_len=padded_length(counts, pad_to_multiple_of),
+        seq_len=padded_length(counts, multiple),
         dtype=widest(found),
         batch_size=len(counts),
-        num_tokens=sum(
-            counts
-            if layout == "padded" or pad_to_multiple_of is None
-            else aligned_counts(counts, check_positive(pad_to_multiple_of, "pad_to_multiple_of"))
-        ),
+        num_tokens=sum(counts if isinstance(value, Padded) or multiple is None else aligned_counts(counts, multiple)),
     )

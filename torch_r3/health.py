@@ -23,7 +23,7 @@ for the signatures that released engines have produced:
   request reused that still held the earlier request's rows (the same SGLang
   bug, across requests). A `RouteHealthCheck` remembers fingerprints of the
   last `remember_blocks` blocks of `min_run` rows it passed (hashes and the
-  tokens behind them; `torch_r3._row_memory`). Identical tokens are never a
+  tokens behind them; `torch_r3._health.row_memory`). Identical tokens are never a
   replay: a prefix-cached prompt legitimately replays the rows its cached
   blocks were computed with, for the same tokens.
 
@@ -46,7 +46,7 @@ row-identity checks (constant layer, stale and replayed rows, top-1's
 all-zero layer) are skipped and the check is counted in
 `RouteHealthStats.uninformative`; zero rows with `topk >= 2` still decide.
 
-The passes read each row's ids as packed machine words (`torch_r3._route_scan`):
+The passes read each row's ids as packed machine words (`torch_r3._health.scan`):
 one compare per row and layer, row hashes that only pick candidates (every
 answer is confirmed on the ids), no full-width temporaries. They cost about
 a tenth of decoding the same routes (`benchmarks/health_bench.py`).
@@ -70,9 +70,9 @@ from typing import Any
 import numpy as np
 
 from torch_r3._checks import check_at_least, check_choice, check_int, check_positive, check_str
-from torch_r3._health_hints import CONSTANT_HINT, REPLAY_HINT, STALE_HINT, ZERO_HINTS
-from torch_r3._route_scan import RouteScan
-from torch_r3._row_memory import RowMemory, window_hashes
+from torch_r3._health.hints import CONSTANT_HINT, REPLAY_HINT, STALE_HINT, ZERO_HINTS
+from torch_r3._health.row_memory import RowMemory, window_hashes
+from torch_r3._health.scan import RouteScan
 
 __all__ = [
     "HEALTH_MODES",

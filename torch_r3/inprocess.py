@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch_r3._checks import check_bool, check_non_negative, check_positive
-from torch_r3._results import RemoteGenerateResult
+from torch_r3._client.results import RemoteGenerateResult
 from torch_r3.health import RouteHealthCheck, health_check
 from torch_r3.protocols import base
 from torch_r3.protocols.switches import missing_routes_hint

@@ -11,15 +11,21 @@ collator as `sample_ids`, which key the `balanced` padding.
 
 Examples:
     >>> import numpy as np
-    >>> from torch_r3 import ShardCollator, global_geometry, plan_microbatches
+    >>> from torch_r3 import Padded, ShardCollator, global_geometry, plan_microbatches
     >>> tokens = [[1, 2, 3], [4], [5, 6], [7, 8, 9, 10]]
     >>> store = [{"input_ids": t, "routes": np.zeros((len(t) - 1, 2, 2), np.uint8)} for t in tokens]
     >>> counts = [len(t) for t in tokens]
     >>> plan = plan_microbatches(counts, dp_size=2, micro_batch_size=1)
     >>> plan
     [[[3], [1]], [[0], [2]]]
-    >>> layout = global_geometry(counts, {np.uint8})
-    >>> shard = ShardCollator(lambda idx: [store[i] for i in idx], plan[0], seq_len=layout.seq_len, dtype=layout.dtype)
+    >>> geometry = global_geometry(counts, {np.uint8})
+    >>> shard = ShardCollator(
+    ...     lambda idx: [store[i] for i in idx],
+    ...     plan[0],
+    ...     layout=Padded(seq_len=geometry.seq_len),
+    ...     dtype=geometry.dtype,
+    ...     pad_token_id=0,
+    ... )
     >>> [batch["input_ids"].tolist() for batch in shard]
     [[[7, 8, 9, 10]], [[0, 0, 0, 4]]]
 """
@@ -34,11 +40,11 @@ from typing import Any
 
 import torch
 
-from torch_r3._buffers import BufferPool
 from torch_r3._checks import check_bool, check_indices, check_positive, check_token_counts
 from torch_r3._deprecation import renamed_argument
 from torch_r3.collate import R3Collator
 from torch_r3.geometry import MAX_SAMPLE_ID, aligned_counts
+from torch_r3.layout import LAYOUT_KEYWORDS, MEMORY_KEYWORDS, Layout, Memory, from_keywords
 
 __all__ = ["ShardCollator", "plan_microbatches"]
 
@@ -225,23 +231,25 @@ class ShardCollator:
         microbatches: this rank's micro-batches, each a sequence of distinct
             global sample indices (`plan_microbatches(...)[rank]`, or a
             framework's own lists).
-        seq_len: as in `R3Collator` (the global `T`, for padded batches).
-        dtype: as in `R3Collator` (the global route dtype).
-        layers: as in `R3Collator` (a pipeline stage's layers).
+        layout: as in `R3Collator`; for padded batches, the global batch's
+            `T` as `torch_r3.Padded(seq_len=)` (`torch_r3.global_geometry`).
+        memory: as in `R3Collator`; its `buffers`, a `BufferPool` shared by
+            the `ShardCollator`s of successive steps (each step's plan
+            differs), lets later steps reuse the memory of earlier ones; by
+            default each `ShardCollator` has its own.
         prefetch: fetch the next micro-batch in a helper thread while the
             current one trains (fetched samples are held, not collated, so
             the buffer bound stays two batches).
-        buffers: a `BufferPool` to take the batches from, shared by the
-            `ShardCollator`s of successive steps (each step's plan differs)
-            so that later steps reuse the memory of earlier ones; by default
-            each `ShardCollator` has its own.
-        **options: the other `R3Collator` settings (`layout`, `pad_keys`,
-            `filler`, `num_experts`, `pad_token_id`, ...).
+        **options: the other `R3Collator` settings (`dtype` (the global route
+            dtype), `keep_layers` (a pipeline stage's layers), `pad_keys`,
+            `filler`, `num_experts`, `pad_token_id`, ...), and the deprecated
+            keywords `R3Collator` takes (`seq_len=`, `buffers=`, `layers=`,
+            ...), each with a `DeprecationWarning`.
 
     Raises:
         TypeError: `fetch` is not callable, or a setting of the wrong kind.
         ValueError: an empty or repeated micro-batch index, a bad setting, or
-            `buffers=` with `cache_bytes=` (give the bound to the pool); when
+            `Memory(buffers=, cache_bytes=)` (give the bound to the pool); when
             iterating, a `fetch` that returns the wrong number of samples, or a
             `pad_keys` key whose dtype differs from the first micro-batch's.
     """
@@ -251,12 +259,9 @@ class ShardCollator:
         fetch: Callable[[list[int]], Sequence[Mapping[str, Any]]],
         microbatches: Sequence[Sequence[int]],
         *,
-        seq_len: int | None = None,
-        dtype: Any = None,
-        keep_layers: Sequence[int] | None = None,
+        layout: Layout | str = "padded",
+        memory: Memory | None = None,
         prefetch: bool = False,
-        buffers: BufferPool | None = None,
-        layers: Sequence[int] | None = None,
         **options: Any,
     ) -> None:
         if not callable(fetch):
@@ -264,8 +269,24 @@ class ShardCollator:
         self.prefetch = check_bool(prefetch, "prefetch")
         self.fetch = fetch
         self.microbatches = _check_microbatches(microbatches)
-        keep_layers = renamed_argument(layers, keep_layers, old="layers", new="keep_layers", where="ShardCollator")
-        self.collator = R3Collator(seq_len=seq_len, dtype=dtype, keep_layers=keep_layers, buffers=buffers, **options)
+        keep_layers = renamed_argument(
+            options.pop("layers", None),
+            options.pop("keep_layers", None),
+            old="layers",
+            new="keep_layers",
+            where="ShardCollator",
+        )
+        filler = renamed_argument(
+            options.pop("padding", None),
+            options.pop("filler", "arange"),
+            old="padding",
+            new="filler",
+            where="ShardCollator",
+            default="arange",
+        )
+        old = {k: options.pop(k) for k in list(options) if k in LAYOUT_KEYWORDS or k in MEMORY_KEYWORDS}
+        layout, memory = from_keywords("ShardCollator", layout, memory, old)
+        self.collator = R3Collator(layout=layout, memory=memory, keep_layers=keep_layers, filler=filler, **options)
 
     def __repr__(self) -> str:
         return f"ShardCollator({len(self.microbatches)} micro-batches, prefetch={self.prefetch}, {self.collator!r})"

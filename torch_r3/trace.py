@@ -13,7 +13,7 @@ pads or invents rows: the tail the engine never evaluated (the last sampled
 token, a synthetic EOS) is left to the collator, which pads it and marks it in
 `router_padding_mask`.
 
-The rows themselves accumulate in `torch_r3._row_store.TokenMetadataTrace`; the
+The rows themselves accumulate in `torch_r3._client.row_store.TokenMetadataTrace`; the
 indexer selections' turns are stitched by `torch_r3.indexer.turns`.
 """
 
@@ -32,7 +32,7 @@ from torch_r3._checks import (
     check_positive,
     check_str,
 )
-from torch_r3._row_store import TokenMetadataTrace
+from torch_r3._client.row_store import TokenMetadataTrace
 from torch_r3.health import RouteHealthCheck, health_check
 from torch_r3.indexer.encoding import IndexerSelections
 from torch_r3.indexer.turns import SelectionTurns

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from torch_r3 import Padded
+
 ray = pytest.importorskip("ray")
 
 from tests.local_ray import start_local_ray
@@ -53,13 +55,19 @@ def test_each_rank_collates_its_microbatches_identical_to_the_global_batch(local
             out["prompt_token_ids"], out["response_ids"], out["loss_masks"], out["rollout_expert_indices"]
         )
     ]
-    whole = R3Collator(padding_side=side, pad_keys={"loss_mask": 0})(samples)
+    whole = R3Collator(layout=Padded(side=side), pad_keys={"loss_mask": 0}, pad_token_id=0)(samples)
     seen = []
     for rank, microbatches in enumerate(plan):
         mine = {i: refs[i] for mb in microbatches for i in mb}
         for mb, batch in zip(
             microbatches,
-            shard_batches(mine, microbatches, seq_len=geometry.seq_len, dtype=geometry.dtype, padding_side=side),
+            shard_batches(
+                mine,
+                microbatches,
+                layout=Padded(side=side, seq_len=geometry.seq_len),
+                dtype=geometry.dtype,
+                pad_token_id=0,
+            ),
         ):
             for key in ("rollout_expert_indices", "router_padding_mask", "attention_mask", "input_ids", "loss_mask"):
                 assert torch.equal(batch[key], whole[key][mb]), (rank, key)

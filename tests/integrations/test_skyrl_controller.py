@@ -15,7 +15,7 @@ import torch
 
 from tests.integrations.frameworks import SKYRL_VERSION, installed_version, load, requires
 from tests.samples import router_routes
-from torch_r3 import BufferPool
+from torch_r3 import BufferPool, Memory, Padded
 
 pytestmark = requires("skyrl")
 
@@ -118,7 +118,7 @@ def test_the_router_padding_mask_equals_skyrls(skyrl):
     # The same mask as torch_r3's own left-padded batch of these routes.
     from torch_r3 import collate_routes
 
-    batch = collate_routes(routes, attention.sum(1).tolist(), seq_len=attention.shape[1])
+    batch = collate_routes(routes, attention.sum(1).tolist(), layout=Padded(seq_len=attention.shape[1]))
     assert torch.equal(ours, batch["router_padding_mask"])
 
 
@@ -147,7 +147,7 @@ def test_a_pooled_batch_survives_training_input_batch_pickling_and_chunk(skyrl):
     prompts, responses, rewards, masks, routes = rollouts(5, n=8)
     reference = convert(preprocess, prompts, responses, rewards, masks, routes)
     pool = BufferPool()
-    with integration.install(buffers=pool):
+    with integration.install(memory=Memory(buffers=pool)):
         first = convert(preprocess, prompts, responses, rewards, masks, routes)
         assert_identical(first[6], reference[6])
         misses = pool.stats()["misses"]

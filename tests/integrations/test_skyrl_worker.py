@@ -16,6 +16,7 @@ import torch
 
 from tests.integrations.frameworks import load, requires
 from tests.samples import router_routes
+from torch_r3 import Packed, Padded
 
 pytestmark = [requires("skyrl"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -95,7 +96,8 @@ def test_microbatch_routes_and_mask_equal_skyrls_alignment(skyrl, packed, tp):
     align = packing.get_packed_seq_align_size(tp, 1) if packed else packing.get_unpacked_seq_align_size(tp)
     batch = skyrl_batch(skyrl, seed=tp)
     for chunk in batch.chunk(3):
-        ours = microbatch(chunk, packed=packed, pad_to_multiple_of=align)
+        layout_value = Packed(pad_to_multiple_of=align) if packed else Padded(side="right", pad_to_multiple_of=align)
+        ours = microbatch(chunk, layout=layout_value)
         layout = skyrl_layout(skyrl, chunk["attention_mask"], packed=packed, align=align)
         filler = skyrl["replay"].replay_padding_row(TOPK, dtype=chunk["rollout_expert_indices"].dtype)
         routes = skyrl["metadata"].align_packed_token_metadata(chunk["rollout_expert_indices"], layout, filler)
@@ -194,7 +196,8 @@ def test_one_step_from_skyrls_batch_replays_exactly_and_matches_skyrls_own_repla
     model = only_model(monkeypatch)
     batch = skyrl_batch(skyrl, seed=11, n=4)
     chunks = batch.chunk(2 if packed else 1)
-    ours = [microbatch(c, packed=packed, pad_to_multiple_of=align if packed else None) for c in chunks]
+    layout_value = Packed(pad_to_multiple_of=align) if packed else Padded(side="right")
+    ours = [microbatch(c, layout=layout_value) for c in chunks]
     if packed:  # the CPU model runs a packed micro-batch as one [1, N] row (no THD kernels here)
         for b in ours:
             b["input_ids"] = b["input_ids"][None]

@@ -19,6 +19,7 @@ import torch
 
 from tests.integrations.frameworks import VERL_VERSION, installed_version, load, requires
 from tests.samples import router_routes
+from torch_r3 import Packed, PromptResponse
 
 pytestmark = [requires("verl"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -94,7 +95,12 @@ def test_padded_and_nested_routed_experts_equal_verls(verl, fewer):
     prompts, responses, raw = samples(1 + fewer, fewer=fewer)
     routes = [compact_sample_routes(torch.from_numpy(r).long(), num_experts=EXPERTS) for r in raw]
     assert all(r.dtype == np.uint8 for r in routes)  # what the agent loop keeps: 1 byte per id, no padding
-    padded = padded_routed_experts(routes, prompts, responses, prompt_width=P, response_width=R)
+    padded = padded_routed_experts(
+        routes,
+        prompts,
+        responses,
+        layout=PromptResponse(prompt_width=P, response_width=R),
+    )
     want = reference_padded(prompts, responses, raw)
     assert padded["rollout_expert_indices"].dtype == torch.int16
     assert torch.equal(padded["rollout_expert_indices"], want)
@@ -158,7 +164,7 @@ def test_engine_microbatch_replays_the_rows_verls_thd_packing_replays(verl, worl
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: tp)
     theirs, params, _ = util.preprocess_thd_engine(batch["routed_experts"], pre_process=True)
     their_mask, _, _ = util.preprocess_thd_engine(replay_mask(mask), pre_process=True)
-    ours = microbatch(nested, batch["input_ids"], pad_to_multiple_of=tp)
+    ours = microbatch(nested, batch["input_ids"], layout=Packed(pad_to_multiple_of=tp))
     replayed = ~ours["router_padding_mask"]
     assert torch.equal(replayed, their_mask[0])  # the same rows replayed, at the same packed positions
     assert torch.equal(ours["rollout_expert_indices"][replayed].to(torch.int16), theirs[0][replayed])

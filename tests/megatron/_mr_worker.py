@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from tests.megatron._models import EXPERTS, TOPK, VOCAB, RouteRecorder, make_config
 from tests.samples import route_samples
+from torch_r3 import Padded
 
 NUM_SAMPLES = 8
 SEQ = 16  # every sample fits; padded batches are always SEQ long
@@ -105,7 +106,7 @@ def _collator(packed: bool):
 
     if packed:
         return R3Collator(layout="packed", pad_token_id=0)
-    return R3Collator(pad_token_id=0, pad_to_multiple_of=SEQ)
+    return R3Collator(pad_token_id=0, layout=Padded(pad_to_multiple_of=SEQ))
 
 
 def _loader(samples, packed: bool, dp_size: int, dp_rank: int):

@@ -2,7 +2,7 @@
 
 The packed layout with per-sequence alignment (`cu_seqlens_padded`), as
 Transformer Engine's THD kernels and context parallelism need it
-(`R3Collator(layout="packed", pad_to_multiple_of=m)`): the hook must replay
+(`R3Collator(layout=Packed(pad_to_multiple_of=m))`): the hook must replay
 exactly from it, give the model a padding mask that marks the alignment rows,
 record (R2) in it, split it over context-parallel ranks by the aligned bounds,
 and refuse zero-filled rows marked to replay. Right padding and the
@@ -17,7 +17,7 @@ import torch
 
 from tests.megatron._models import EXPERTS, TOPK, VOCAB, RouteRecorder, expected_map
 from tests.samples import route_samples
-from torch_r3 import R3Collator
+from torch_r3 import Packed, Padded, PromptResponse, R3Collator
 from torch_r3.megatron import ReplayHook
 from torch_r3.megatron.slicing import RankSlice, slice_for_rank
 
@@ -33,7 +33,9 @@ def _samples(seed=0, lengths=LENGTHS, captured=CAPTURED, layers=2):
 
 
 def _aligned_batch(samples, filler="balanced"):
-    collator = R3Collator(layout="packed", pad_to_multiple_of=MULTIPLE, filler=filler, num_experts=EXPERTS)
+    collator = R3Collator(
+        layout=Packed(pad_to_multiple_of=MULTIPLE), filler=filler, num_experts=EXPERTS, pad_token_id=0
+    )
     return collator(samples)
 
 
@@ -212,15 +214,20 @@ def _te_thd_positions(spans, cp_size, cp_rank):
 def test_context_parallel_slicing_follows_the_aligned_bounds(cp_size):
     # Unaligned lengths (5, 9, 3): refused by the CP split; aligned to 2 * cp they split exactly.
     samples = _samples(6)
-    unaligned = R3Collator(layout="packed")(samples)
-    with pytest.raises(ValueError, match=rf"pad_to_multiple_of={2 * cp_size} and pass its cu_seqlens_padded"):
+    unaligned = R3Collator(layout="packed", pad_token_id=0)(samples)
+    with pytest.raises(
+        ValueError, match=rf"layout=torch_r3.Packed\(pad_to_multiple_of={2 * cp_size}\) and pass its cu_seqlens_padded"
+    ):
         slice_for_rank(
             unaligned["rollout_expert_indices"],
             unaligned["router_padding_mask"],
             RankSlice(cp_size=cp_size),
             cu_seqlens=unaligned["cu_seqlens"],
         )
-    batch = R3Collator(layout="packed", pad_to_multiple_of=2 * cp_size)(samples)
+    batch = R3Collator(
+        layout=Packed(pad_to_multiple_of=2 * cp_size),
+        pad_token_id=0,
+    )(samples)
     spans = batch["cu_seqlens_padded"].tolist()
     for rank in range(cp_size):
         local, mask = slice_for_rank(
@@ -235,22 +242,19 @@ def test_context_parallel_slicing_follows_the_aligned_bounds(cp_size):
 
 
 @pytest.mark.parametrize(
-    "options",
-    [
-        {"layout": "padded", "padding_side": "right"},
-        {"layout": "prompt_response", "prompt_width": 6, "response_width": 7},
-    ],
+    "layout",
+    [Padded(side="right"), PromptResponse(prompt_width=6, response_width=7)],
     ids=["right", "prompt_response"],
 )
-def test_routers_replay_exactly_from_right_and_prompt_response_padding(make_model, options):
+def test_routers_replay_exactly_from_right_and_prompt_response_padding(make_model, layout):
     from tests.megatron._models import forward_step
 
     model = make_model(seq_len=16)
     samples = _samples(7, lengths=(9, 12, 4), captured=(8, 11, 4))
     for s, p in zip(samples, (3, 6, 0)):
         s["prompt_length"] = p
-    batch = R3Collator(filler="balanced", num_experts=EXPERTS, **options)(samples)
-    want_starts = [0, 0, 0] if options["layout"] == "padded" else [3, 0, 6]
+    batch = R3Collator(layout=layout, filler="balanced", num_experts=EXPERTS, pad_token_id=0)(samples)
+    want_starts = [0, 0, 0] if isinstance(layout, Padded) else [3, 0, 6]
     for i, (s, start) in enumerate(zip(samples, want_starts)):  # where the real tokens are, written out
         n = len(s["input_ids"])
         assert batch["attention_mask"][i].tolist() == [

@@ -82,7 +82,7 @@ def train(mode: str, rank: int, world: int, out: str) -> None:
     optim = torch.optim.SGD(wrapped.parameters(), lr=0.5)
     data = samples()
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False)
-    loader = DataLoader(data, batch_size=BATCH, sampler=sampler, collate_fn=R3Collator(), num_workers=1)
+    loader = DataLoader(data, batch_size=BATCH, sampler=sampler, collate_fn=R3Collator(pad_token_id=0), num_workers=1)
     losses = []
     for batch in loader:
         with hook.replay(batch):

@@ -34,7 +34,7 @@ def test_the_recipe_gives_the_position_ids_of_data_collator_with_flattening(leng
         }
         for n in lengths
     ]
-    batch = R3Collator(layout="packed")(samples)
+    batch = R3Collator(layout="packed", pad_token_id=0)(samples)
     namespace = {"torch": torch, "cu": batch["cu_seqlens"].long()}
     exec(RECIPE, namespace)
     hf = DataCollatorWithFlattening(return_tensors="pt")([{"input_ids": s["input_ids"]} for s in samples])

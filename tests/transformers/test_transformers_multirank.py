@@ -64,7 +64,7 @@ def _single_process(checkpointing: bool) -> dict:
     hook = ReplayHook(model)
     optim = torch.optim.SGD(model.parameters(), lr=0.5)
     data = samples()
-    collate = R3Collator()
+    collate = R3Collator(pad_token_id=0)
     losses = []
     # DistributedSampler(shuffle=False) gives rank r the samples r, r + WORLD, ...; batch s of rank r:
     per_rank = [data[r::WORLD] for r in range(WORLD)]

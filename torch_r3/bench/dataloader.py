@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from torch_r3 import R3Collator
 from torch_r3._checks import check_int
-from torch_r3._memory import accelerator_available
+from torch_r3._collate.memory import accelerator_available
 from torch_r3.bench.config import Batch, BenchConfig, make_batch
 from torch_r3.bench.memory import collector_paused
 from torch_r3.bench.results import DataLoaderResult, DataLoaderRow
@@ -44,6 +44,7 @@ from torch_r3.bench.strategies import check_identical, parallel_copy
 from torch_r3.collate import collate_routes, padded_length
 from torch_r3.cpu import pool_workers
 from torch_r3.keys import ATTENTION_MASK, INPUT_IDS, ROUTER_MASK, ROUTES, SAMPLE_ROUTES
+from torch_r3.layout import Memory
 
 __all__ = [
     "COLLATORS",
@@ -264,7 +265,9 @@ def _check_epoch(loader: DataLoader, batch: Batch, batch_size: int, name: str) -
     for k, got in enumerate(loader):
         lo = k * batch_size
         want = collate_routes(
-            batch.routes[lo : lo + batch_size], batch.token_counts[lo : lo + batch_size], pin_memory=False
+            batch.routes[lo : lo + batch_size],
+            batch.token_counts[lo : lo + batch_size],
+            memory=Memory(pin_memory=False),
         )
         check_identical(name, got, want, "collate_routes")
 
@@ -298,7 +301,10 @@ def _row(
     if pin_memory and not accelerator_available():
         row.skipped = "no accelerator, pin_memory does nothing"
         return row
-    collate_fn = R3Collator(cache_bytes=0 if collator == "fresh" else None, workers=workers)
+    collate_fn = R3Collator(
+        memory=Memory(workers=workers, cache_bytes=0 if collator == "fresh" else None),
+        pad_token_id=0,
+    )
     loader = DataLoader(
         dataset,
         batch_size=batch_size,

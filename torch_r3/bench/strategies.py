@@ -54,6 +54,7 @@ from torch_r3.bench.config import TORCH_DTYPES, Batch
 from torch_r3.collate import collate_routes
 from torch_r3.cpu import pool_workers
 from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS, ROUTER_MASK, ROUTES
+from torch_r3.layout import Memory
 
 __all__ = [
     "FLOORS",
@@ -232,19 +233,27 @@ def _serial(ctx: Context) -> dict[str, torch.Tensor]:
     # The kernel itself on the calling thread: the same writes as torch_r3
     # fresh, so the difference between the two is exactly the pool.
     b = ctx.batch
-    return collate_routes(b.routes, b.token_counts, workers=1, pin_memory=False)
+    return collate_routes(
+        b.routes,
+        b.token_counts,
+        memory=Memory(workers=1, pin_memory=False),
+    )
 
 
 def _fresh(ctx: Context) -> dict[str, torch.Tensor]:
     """torch_r3 with its copy pool into a fresh output (a first batch, and every DataLoader-worker batch)."""
     b = ctx.batch
-    return collate_routes(b.routes, b.token_counts, workers=ctx.workers, pin_memory=False)
+    return collate_routes(
+        b.routes,
+        b.token_counts,
+        memory=Memory(workers=ctx.workers, pin_memory=False),
+    )
 
 
 def _reused(ctx: Context) -> dict[str, torch.Tensor]:
     """torch_r3 into caller-owned out= buffers."""
     b = ctx.batch
-    return collate_routes(b.routes, b.token_counts, workers=ctx.workers, out=ctx.out)
+    return collate_routes(b.routes, b.token_counts, memory=Memory(workers=ctx.workers), out=ctx.out)
 
 
 def _steady(ctx: Context) -> dict[str, torch.Tensor]:
@@ -253,7 +262,11 @@ def _steady(ctx: Context) -> dict[str, torch.Tensor]:
     # `ctx.held` is the loop variable of `for batch in loader`: it keeps the
     # previous batch alive while this one is collated (so its buffer cannot be
     # reused), and rebinding it afterwards hands that buffer back to the pool.
-    out = collate_routes(b.routes, b.token_counts, workers=ctx.workers, pin_memory=False, buffers=ctx.buffers)
+    out = collate_routes(
+        b.routes,
+        b.token_counts,
+        memory=Memory(workers=ctx.workers, pin_memory=False, buffers=ctx.buffers),
+    )
     ctx.held = out
     return out
 
@@ -261,14 +274,22 @@ def _steady(ctx: Context) -> dict[str, torch.Tensor]:
 def _packed(ctx: Context) -> dict[str, torch.Tensor]:
     """torch_r3, packed (THD) layout, a fresh output."""
     b = ctx.batch
-    return collate_routes(b.routes, b.token_counts, layout="packed", workers=ctx.workers, pin_memory=False)
+    return collate_routes(
+        b.routes,
+        b.token_counts,
+        layout="packed",
+        memory=Memory(workers=ctx.workers, pin_memory=False),
+    )
 
 
 def _packed_steady(ctx: Context) -> dict[str, torch.Tensor]:
     """torch_r3, packed layout, with a BufferPool as in a training loop."""
     b = ctx.batch
     out = collate_routes(
-        b.routes, b.token_counts, layout="packed", workers=ctx.workers, pin_memory=False, buffers=ctx.packed_buffers
+        b.routes,
+        b.token_counts,
+        layout="packed",
+        memory=Memory(workers=ctx.workers, pin_memory=False, buffers=ctx.packed_buffers),
     )
     ctx.held_packed = out  # as `torch_r3 steady`: the loop holds the previous batch
     return out
@@ -399,9 +420,9 @@ def register(strategy: Strategy) -> Strategy:
         ValueError: a strategy of that name is registered already.
 
     Examples:
-        >>> from torch_r3 import collate_routes
+        >>> from torch_r3 import Memory, collate_routes
         >>> def two_threads(ctx):
-        ...     return collate_routes(ctx.batch.routes, ctx.batch.token_counts, workers=2, pin_memory=False)
+        ...     return collate_routes(ctx.batch.routes, ctx.batch.token_counts, memory=Memory(workers=2, pin_memory=False))
         >>> strategy = register(Strategy("two threads", two_threads, "padded", description="the pool, two threads"))
         >>> "two threads" in registered() and "two threads" not in STRATEGIES
         True

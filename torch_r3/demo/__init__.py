@@ -2,9 +2,10 @@
 
 `torch-r3 demo` or `python -m torch_r3.demo [--trainer megatron|transformers]`.
 `torch_r3.demo.common` holds what both trainers share and `run(cfg, trainer=)`;
-`torch_r3.demo.megatron` and `torch_r3.demo.transformers` hold each trainer's
-side (models, served model, measurement). The common part imports neither;
-`torch_r3.demo.options` is the command line.
+`torch_r3.demo.options` is the command line above it and above the DSA variant
+(`torch_r3.demo.dsa`); `torch_r3.demo.megatron` and `torch_r3.demo.transformers`
+hold each trainer's side (models, served model, measurement). The common part
+imports none of them, so the demo's import graph has no circle.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ from torch_r3 import R3Collator, RoutedExpertTrace
 from torch_r3.demo.common import DemoConfig, DemoError, SampledServedModel, progress
 from torch_r3.indexer import SELECTION_MASK, SELECTIONS, collate_selections
 from torch_r3.keys import ATTENTION_MASK, ROUTES
+from torch_r3.layout import Padded
 
 __all__ = ["DSA_RUNS", "DSAConfig", "format_dsa_report", "run_dsa"]
 
@@ -199,7 +200,7 @@ def collate(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     batch = R3Collator(pad_token_id=0, pad_keys=per_token)(routed)
     T = batch[ATTENTION_MASK].shape[1]
     counts = [len(s["input_ids"]) for s in samples]
-    selections = collate_selections([s["selections"] for s in samples], counts, seq_len=T)
+    selections = collate_selections([s["selections"] for s in samples], counts, layout=Padded(seq_len=T))
     batch[SELECTIONS], batch[SELECTION_MASK] = selections[SELECTIONS], selections[SELECTION_MASK]
     return batch
 

@@ -19,7 +19,8 @@ Examples:
     >>> import numpy as np
     >>> from torch_r3.indexer import IndexerSelections, collate_selections
     >>> sel = IndexerSelections.from_dense(np.array([[[0, -1]], [[0, 1]], [[2, 1]]]))
-    >>> collate_selections([sel], [4], seq_len=5)["rollout_indexer_topk"][0, :, 0].tolist()
+    >>> from torch_r3 import Padded
+    >>> collate_selections([sel], [4], layout=Padded(seq_len=5))["rollout_indexer_topk"][0, :, 0].tolist()
     [[-1, -1], [1, -1], [1, 2], [2, 3], [-1, -1]]
 """
 

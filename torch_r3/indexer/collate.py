@@ -4,10 +4,10 @@ Selections differ from routes in one way that matters here: they are
 *positions*. A trajectory's row `j` names positions of that trajectory, counted
 from its first token; in the batch they must name batch positions. So:
 
-* `layout="padded"`, `padding_side="left"` (the default, like the route batch):
+* `layout=Padded()` (side `"left"`, the default, like the route batch):
   sample `i`'s `n_i` tokens sit at `T - n_i .. T - 1`, and every selected
-  position is shifted by `T - n_i`; `padding_side="right"` shifts by 0;
-* `layout="packed"`: sample `i` starts at `cu_seqlens[i]` of the packed token
+  position is shifted by `T - n_i`; `Padded(side="right")` shifts by 0;
+* `layout=Packed()`: sample `i` starts at `cu_seqlens[i]` of the packed token
   axis, and its positions are shifted by that offset;
 * unused slots (a query that sees fewer than `index_topk` positions) stay `-1`
   (`FILL`), unshifted, and rows with no captured selection (left padding, the
@@ -18,7 +18,7 @@ the query rows of its sequence chunks and their positions still name the
 whole sequence's keys (which the indexer gathers from every rank); the query
 rows a rank holds are those of its routes (`torch_r3.megatron.slicing`).
 
-`seq_len=` fixes `T` (a rank collating only its own micro-batches with the
+`Padded(seq_len=)` fixes `T` (a rank collating only its own micro-batches with the
 global batch's `T` gets exactly the global batch's rows), `keep_layers=` keeps
 a pipeline stage's layers, and `dtype=` fixes the output dtype across ranks.
 The output is `int16` while every position fits (`T` or the packed length at
@@ -33,11 +33,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from torch_r3 import _memory, _pool
-from torch_r3._checks import check_choice, check_dtype, check_int, check_positive
-from torch_r3.geometry import check_output_size
+from torch_r3._checks import check_dtype, check_int
+from torch_r3._collate import memory as _memory, pool as _pool
+from torch_r3.geometry import check_output_size, padded_length
 from torch_r3.indexer.encoding import FILL, IndexerSelections
 from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS
+from torch_r3.layout import Memory, Packed, Padded, from_keywords
 
 __all__ = ["SELECTIONS", "SELECTION_MASK", "collate_selections", "selection_dtype"]
 
@@ -107,13 +108,11 @@ def collate_selections(
     selections: Sequence[IndexerSelections],
     token_counts: Sequence[int],
     *,
-    layout: str = "padded",
-    padding_side: str = "left",
-    pad_to_multiple_of: int | None = None,
-    seq_len: int | None = None,
+    layout: Padded | Packed | str = "padded",
     keep_layers: Sequence[int] | None = None,
     dtype: Any = None,
-    workers: int | None = None,
+    memory: Memory | None = None,
+    **deprecated: Any,
 ) -> dict[str, torch.Tensor]:
     """Collate per-trajectory selections into one batch, positions in batch coordinates.
 
@@ -121,14 +120,20 @@ def collate_selections(
         selections: One `IndexerSelections` per trajectory, all of the same
             layers and `index_topk`.
         token_counts: Each trajectory's token count `n_i` (`rows <= n_i`).
-        layout: `"padded"` (`[B, T, L, K]`) or `"packed"` (`[sum(n), L, K]`).
-        padding_side: Where padding goes in the padded layout.
-        pad_to_multiple_of: Round `T` up to a multiple (padded layout).
-        seq_len: Use this `T` (padded layout), e.g. the global batch's.
+        layout: as in `torch_r3.collate_routes`: `torch_r3.Padded(side=,
+            pad_to_multiple_of=, seq_len=)` (`[B, T, L, K]`; give the global
+            batch's `seq_len`) or `torch_r3.Packed()` (`[sum(n), L, K]`; its
+            per-sequence alignment is not supported); `"padded"`/`"packed"`
+            for the defaults.
         keep_layers: Indices of the layer axis to keep (a pipeline stage's).
         dtype: `int16` or `int32`; by default the narrowest that holds every
             position of the batch axis.
-        workers: Copy threads, the caller's included (default: the CPUs).
+        memory: a `torch_r3.Memory`: copy threads (`workers`, the caller's
+            included; default: the CPUs), `pin_memory` and `max_output_bytes`
+            as in `torch_r3.collate_routes`. Its `buffers` and `cache_bytes`
+            are refused (the selections are always freshly allocated).
+        **deprecated: `padding_side=`, `pad_to_multiple_of=`, `seq_len=` and
+            `workers=`, each with a `DeprecationWarning` naming its new spelling.
 
     Returns:
         `{"rollout_indexer_topk", "indexer_padding_mask"}` plus
@@ -145,36 +150,38 @@ def collate_selections(
     Examples:
         >>> import numpy as np
         >>> sel = IndexerSelections.from_dense(np.array([[[0, -1]], [[0, 1]], [[2, 0]]]))
-        >>> batch = collate_selections([sel], [4], seq_len=6)
+        >>> from torch_r3 import Padded
+        >>> batch = collate_selections([sel], [4], layout=Padded(seq_len=6))
         >>> batch["rollout_indexer_topk"][0, :, 0].tolist()
         [[-1, -1], [-1, -1], [2, -1], [2, 3], [2, 4], [-1, -1]]
         >>> batch["indexer_padding_mask"][0].tolist()
         [True, True, False, False, False, True]
     """
-    check_choice(layout, "layout", ("padded", "packed"))
-    check_choice(padding_side, "padding_side", ("left", "right"))
+    for key in deprecated:
+        if key not in ("padding_side", "pad_to_multiple_of", "seq_len", "workers"):
+            raise TypeError(f"collate_selections got an unexpected keyword argument {key!r}")
+    value, memory = from_keywords(
+        "collate_selections", layout, memory, dict(deprecated), allowed=(Padded, Packed), memory_keywords=("workers",)
+    )
+    if memory.buffers is not None or memory.cache_bytes is not None:
+        raise ValueError("collate_selections: Memory.buffers and Memory.cache_bytes are not supported (fresh memory)")
+    if isinstance(value, Packed) and value.pad_to_multiple_of is not None:
+        raise ValueError(f"collate_selections: a packed batch with pad_to_multiple_of is not supported, got {value!r}")
     sels, counts = _check_inputs(selections, token_counts)
     keep = _check_keep(keep_layers, sels[0].num_layers)
     B, K, Lo = len(sels), sels[0].index_topk, len(keep)
-    if layout == "padded":
-        if seq_len is not None:
-            if pad_to_multiple_of is not None:
-                raise ValueError("give seq_len or pad_to_multiple_of, not both")
-            T = check_positive(seq_len, "seq_len")
+    if isinstance(value, Padded):
+        if value.seq_len is not None:
+            T = value.seq_len
             for i, n in enumerate(counts):
                 if n > T:
                     raise ValueError(f"sample {i} has {n} tokens, more than seq_len={T}")
         else:
-            T = max(counts)
-            if pad_to_multiple_of is not None:
-                m = check_positive(pad_to_multiple_of, "pad_to_multiple_of")
-                T = -(-T // m) * m
+            T = padded_length(counts, value.pad_to_multiple_of)
         axis = T
-        starts = [T - n if padding_side == "left" else 0 for n in counts]
+        starts = [T - n if value.side == "left" else 0 for n in counts]
         shapes = {SELECTIONS: (B, T, Lo, K), SELECTION_MASK: (B, T), ATTENTION_MASK: (B, T)}
     else:
-        if seq_len is not None or pad_to_multiple_of is not None or padding_side != "left":
-            raise ValueError("seq_len, pad_to_multiple_of and padding_side apply to layout='padded' only")
         cu = np.zeros(B + 1, dtype=np.int64)
         np.cumsum(counts, out=cu[1:])
         axis = int(cu[-1])
@@ -185,18 +192,19 @@ def collate_selections(
     out_dtype = selection_dtype(axis) if dtype is None else check_dtype(dtype, "dtype", SELECTION_DTYPES)
     if axis - 1 > np.iinfo(out_dtype).max:
         raise ValueError(f"dtype={out_dtype} cannot hold position {axis - 1} of a batch axis of {axis} tokens")
-    kind = _memory.memory_kind(None)
     torch_dtypes = {
         SELECTIONS: _TORCH[out_dtype],
         SELECTION_MASK: torch.bool,
         ATTENTION_MASK: torch.long,
         CU_SEQLENS: torch.int32,
     }
-    check_output_size({k: (shape, torch_dtypes[k]) for k, shape in shapes.items()}, None)
+    check_output_size({k: (shape, torch_dtypes[k]) for k, shape in shapes.items()}, memory.max_output_bytes)
+    kind = _memory.memory_kind(memory.pin_memory)
     result = {k: _memory.empty(shape, torch_dtypes[k], kind) for k, shape in shapes.items()}
     views = {k: v.numpy() for k, v in result.items()}
     sel_out, mask_out = views[SELECTIONS], views[SELECTION_MASK]
-    if layout == "packed":
+    padded = isinstance(value, Padded)
+    if not padded:
         views[CU_SEQLENS][:] = cu
 
     # One task per sample, source layer and piece of rows: it decodes once into the first output
@@ -216,11 +224,11 @@ def collate_selections(
         for t in range(lo, hi):
             i, ks, r_lo, r_hi = tasks[t]
             s, r, n = starts[i], sels[i].rows, counts[i]
-            rows = sel_out[i] if layout == "padded" else sel_out
-            base = 0 if layout == "padded" else s
+            rows = sel_out[i] if padded else sel_out
+            base = 0 if padded else s
             if first_task[i] == t:  # the sample's rows without a selection, and its masks
-                m = mask_out[i] if layout == "padded" else mask_out[base : base + n]
-                if layout == "padded":
+                m = mask_out[i] if padded else mask_out[base : base + n]
+                if padded:
                     rows[:s] = FILL
                     rows[s + r :] = FILL
                     m[:s] = True
@@ -234,13 +242,13 @@ def collate_selections(
                     rows[base + r : base + n] = FILL
                     m[:r] = False
                     m[r:] = True
-            lo_row = s if layout == "padded" else base
+            lo_row = s if padded else base
             dst = rows[lo_row + r_lo : lo_row + r_hi]
             sels[i].write_layer(keep[ks[0]], dst[:, ks[0]], offset=s, rows=(r_lo, r_hi))
             for k in ks[1:]:
                 dst[:, k] = dst[:, ks[0]]
 
     costs = [(r_hi - r_lo) * len(ks) + 1 for _i, ks, r_lo, r_hi in tasks]
-    workers_ = _pool.default_workers() if workers is None else _pool.check_workers(workers)
+    workers_ = _pool.default_workers() if memory.workers is None else memory.workers
     _pool.run(costs, write_tasks, workers_, sel_out.nbytes)
     return result

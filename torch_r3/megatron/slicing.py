@@ -182,8 +182,8 @@ def packed_positions(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> to
             raise ValueError(
                 f"cu_seqlens: sequence {i} has {length} tokens; with context parallelism "
                 f"every packed sequence must be padded to a multiple of 2 * "
-                f"context_parallel_size = {2 * cp_size} (collate with layout='packed', "
-                f"pad_to_multiple_of={2 * cp_size} and pass its cu_seqlens_padded)"
+                f"context_parallel_size = {2 * cp_size} (collate with "
+                f"layout=torch_r3.Packed(pad_to_multiple_of={2 * cp_size}) and pass its cu_seqlens_padded)"
             )
         parts.append(start + context_parallel_positions(length, cp_size, cp_rank))
     return torch.cat(parts) if parts else torch.arange(0)

@@ -89,10 +89,10 @@ def shard_batches(
         refs: the `TrajectoryRef`s of this rank's trajectories (by global index).
         microbatches: this rank's micro-batches of global indices
             (`torch_r3.plan_microbatches(...)[rank]`).
-        **options: `torch_r3.ShardCollator`'s (`seq_len=`, `dtype=` from
-            `torch_r3.global_geometry` for global-batch-identical micro-batches,
-            `layout=`, `padding_side="right"` for SkyRL's Megatron layout,
-            `pad_to_multiple_of=`, `prefetch=`, ...); `loss_mask` is padded with 0.
+        **options: `torch_r3.ShardCollator`'s (`layout=torch_r3.Padded(seq_len=)`
+            and `dtype=` from `torch_r3.global_geometry` for global-batch-identical
+            micro-batches, `Padded(side="right", pad_to_multiple_of=)` for SkyRL's
+            Megatron layout, `memory=`, `prefetch=`, ...); `loss_mask` is padded with 0.
 
     Returns:
         A `ShardCollator` over `RefFetch(refs)`.

@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from torch_r3._buffers import BufferPool
 from torch_r3.collate import collate_routes
 from torch_r3.keys import CU_SEQLENS, ROUTES
+from torch_r3.layout import Memory, Packed, from_keywords
 
 __all__ = ["COLLATE", "MASK", "PREPROCESS", "collate_rollout_expert_indices", "make_router_padding_mask"]
 
@@ -53,8 +53,8 @@ def collate_rollout_expert_indices(
     rollout_expert_indices: Sequence[np.ndarray],
     total_real: Sequence[int] | np.ndarray,
     *,
-    buffers: BufferPool | None = None,
-    workers: int | None = None,
+    memory: Memory | None = None,
+    **deprecated: Any,
 ) -> Any:
     """SkyRL's route collation, by `torch_r3`: one `PackedTensor` of every trajectory's routes.
 
@@ -63,9 +63,12 @@ def collate_rollout_expert_indices(
             (`uint8`, `int16` or `int32`, as SkyRL's `pack_routed_experts`
             sends them), `rows_i <= total_real[i]`.
         total_real: each trajectory's token count (prompt plus response).
-        buffers: a `torch_r3.BufferPool` to take the packed buffer from, so
-            that successive steps reuse memory; by default a fresh buffer.
-        workers: copy threads (default: the CPUs this process may use).
+        memory: a `torch_r3.Memory`: its `buffers`, a `torch_r3.BufferPool` to
+            take the packed buffer from, so that successive steps reuse memory
+            (by default a fresh buffer); `workers`, copy threads (default: the
+            CPUs this process may use); `pin_memory` (default `False`: SkyRL
+            moves the batch itself); `max_output_bytes`.
+        **deprecated: `buffers=` and `workers=`, each with a `DeprecationWarning`.
 
     Returns:
         SkyRL's `PackedTensor`: values `[sum(total_real), L, K]` of the widest
@@ -86,14 +89,15 @@ def collate_rollout_expert_indices(
         raise TypeError(
             f"rollout_expert_indices: expected a list of per-trajectory arrays, got {type(rollout_expert_indices).__name__}"
         )
+    _, memory = from_keywords(
+        "collate_rollout_expert_indices", "packed", memory, deprecated, memory_keywords=("buffers", "workers")
+    )
     batch = collate_routes(
         list(rollout_expert_indices),
         total_real,  # type: ignore[arg-type]  # an int64 array as SkyRL passes it; checked per entry
-        layout="packed",
+        layout=Packed(),
         filler="arange",
-        buffers=buffers,
-        workers=workers,
-        pin_memory=False,
+        memory=memory.with_defaults(pin_memory=False),  # SkyRL moves the batch to the device itself
     )
     return _packed_tensor_class()(batch[ROUTES], batch[CU_SEQLENS])
 

@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from torch_r3._buffers import BufferPool
 from torch_r3.integrations.skyrl import controller
 from torch_r3.integrations.skyrl.replay import MODEL_WRAPPER, REPLAY_UTILS, SCHEDULE_LOOKUP, SkyRLWorkerReplay
 from torch_r3.integrations.skyrl.swap import Swap
+from torch_r3.layout import Memory, from_keywords
 
 __all__ = ["Installed", "install"]
 
@@ -96,10 +96,10 @@ class Installed:
 def install(
     *,
     worker: bool | None = None,
-    buffers: BufferPool | None = None,
-    workers: int | None = None,
+    memory: Memory | None = None,
     uncaptured: str = "live",
     expert_load: bool = False,
+    **deprecated: Any,
 ) -> Installed:
     """Swap `torch_r3` into SkyRL: one call per process, before training starts.
 
@@ -108,14 +108,17 @@ def install(
             (default): where SkyRL's Megatron model wrapper imports (a worker
             process; the handle's `worker_skipped` says why not); `True`:
             required (its `ImportError` is raised); `False`: the controller side only.
-        buffers: A `torch_r3.BufferPool` every step's packed routes come from
-            (recycled once SkyRL drops the step's batch); by default fresh memory.
-        workers: Copy threads of the controller's collation (default: the CPUs
-            this process may use). Not the worker side.
+        memory: A `torch_r3.Memory` for the controller's collation: its
+            `buffers`, a `torch_r3.BufferPool` every step's packed routes come
+            from (recycled once SkyRL drops the step's batch; by default fresh
+            memory), and `workers`, copy threads (default: the CPUs this process
+            may use). Not the worker side.
         uncaptured: The worker hooks' treatment of tokens without a captured
             route: `"live"` (default, the router's own top-k) or `"replay"`
             (SkyRL's filler routes, as SkyRL's own replay does).
         expert_load: The worker hooks count tokens per expert (`ReplayStats`).
+        **deprecated: `buffers=` and `workers=`, each with a `DeprecationWarning`
+            naming `memory=torch_r3.Memory(...)`.
 
     Returns:
         An `Installed` handle: `uninstall()` restores SkyRL's functions (it is
@@ -127,6 +130,7 @@ def install(
             SkyRL release): nothing is swapped.
         ImportError: SkyRL (or, with `worker=True`, its Megatron worker) cannot be imported.
     """
+    _, memory = from_keywords("install", "packed", memory, deprecated, memory_keywords=("buffers", "workers"))
     if _current:
         raise RuntimeError(f"torch_r3 is already installed in SkyRL ({_current[0]!r}); uninstall() it first")
     preprocess = importlib.import_module(controller.PREPROCESS)
@@ -143,9 +147,7 @@ def install(
     worker = wrapper is not None
 
     def collate(rollout_expert_indices: Sequence[np.ndarray], total_real: np.ndarray) -> Any:
-        return controller.collate_rollout_expert_indices(
-            rollout_expert_indices, total_real, buffers=buffers, workers=workers
-        )
+        return controller.collate_rollout_expert_indices(rollout_expert_indices, total_real, memory=memory)
 
     collate.__doc__ = controller.collate_rollout_expert_indices.__doc__
     swaps: list[Swap] = []

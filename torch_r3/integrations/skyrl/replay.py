@@ -38,6 +38,7 @@ import torch
 
 from torch_r3.integrations.skyrl.worker import microbatch
 from torch_r3.keys import ATTENTION_MASK, ROUTER_MASK, ROUTES
+from torch_r3.layout import Packed, Padded
 
 __all__ = ["MODEL_WRAPPER", "REPLAY_UTILS", "SkyRLWorkerReplay"]
 
@@ -211,8 +212,7 @@ class SkyRLWorkerReplay:
                 ROUTES: routes,
                 ROUTER_MASK: router_mask,
             },
-            packed=packed,
-            pad_to_multiple_of=multiple,
+            layout=Packed(pad_to_multiple_of=multiple) if packed else Padded(side="right", pad_to_multiple_of=multiple),
         )
         _check_layout(batch, layout, packed)
         batch.pop("input_ids")  # the model's own ids come from SkyRL's remove_left_padding/preprocess_packed_seqs

@@ -31,15 +31,18 @@ padding only.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
-from torch_r3._buffers import BufferPool
+from torch_r3._checks import check_bool
+from torch_r3._deprecation import warn_renamed
 from torch_r3.collate import R3Collator
 from torch_r3.integrations.skyrl.controller import left_padded_lengths
 from torch_r3.keys import ATTENTION_MASK, INPUT_IDS, ROUTER_MASK, ROUTES, SAMPLE_ROUTES
+from torch_r3.layout import Memory, Packed, Padded, check_layout, from_keywords
 
 __all__ = ["SEQUENCES", "microbatch", "microbatches"]
 
@@ -87,13 +90,36 @@ def _check_packed(values: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
         raise ValueError(f"{ROUTES}: cu_seqlens end at {ends[-1]}, the values hold {rows} rows")
 
 
+#: SkyRL's unpacked micro-batch layout (`remove_left_padding`): right-padded.
+SKYRL_PADDED = Padded(side="right")
+
+
+def _layout(layout: Any, memory: Any, deprecated: dict[str, Any]) -> tuple[Padded | Packed, Memory]:
+    """`microbatch`'s layout and memory, its old `packed=` / `pad_to_multiple_of=` / `buffers=` folded in (warned)."""
+    packed = deprecated.pop("packed", None)
+    multiple = deprecated.pop("pad_to_multiple_of", None)
+    _, memory = from_keywords("microbatch", "padded", memory, deprecated, memory_keywords=("buffers",), stacklevel=5)
+    if packed is not None or multiple is not None:
+        if layout is not SKYRL_PADDED:
+            raise TypeError("microbatch: pass packed= and pad_to_multiple_of= inside layout= only, not both")
+        base = Packed() if check_bool(packed if packed is not None else False, "packed") else SKYRL_PADDED
+        layout = dataclasses.replace(base, pad_to_multiple_of=multiple)
+        old = ", ".join(
+            f"{k}={v!r}" for k, v in (("packed", packed), ("pad_to_multiple_of", multiple)) if v is not None
+        )
+        warn_renamed(f"microbatch({old})", f"layout=torch_r3.{layout!r}", stacklevel=4)
+    value = check_layout(layout, "microbatch", (Padded, Packed))
+    assert isinstance(value, (Padded, Packed))  # allowed= above
+    return value, memory.with_defaults(pin_memory=False)
+
+
 def microbatch(
     batch: Any,
     *,
-    packed: bool = False,
-    pad_to_multiple_of: int | None = None,
+    layout: Padded | Packed | str = SKYRL_PADDED,
     pad_token_id: int = 0,
-    buffers: BufferPool | None = None,
+    memory: Memory | None = None,
+    **deprecated: Any,
 ) -> dict[str, torch.Tensor]:
     """One SkyRL micro-batch as the batch `torch_r3.megatron.ReplayHook` replays.
 
@@ -102,17 +128,20 @@ def microbatch(
             `[B, T]`, `attention_mask` `[B, T]` (left-padded),
             `rollout_expert_indices` (SkyRL's `PackedTensor`, one segment of
             `n_i` rows per trajectory) and `router_padding_mask` `[B, T]`.
-        packed: SkyRL's `remove_microbatch_padding=True` layout (THD):
-            `[sum(n'), L, K]` with `cu_seqlens` and `cu_seqlens_padded`; by
-            default right-padded `[B, T', L, K]` (`remove_left_padding`).
-        pad_to_multiple_of: SkyRL's alignment unit (its
-            `get_unpacked_seq_align_size` / `get_packed_seq_align_size` for
-            the run's TP, CP and FP8 settings): `T'` (padded), or each
-            sequence (packed), rounded up to a multiple of it.
+        layout: SkyRL's micro-batch layout, with its alignment unit (its
+            `get_unpacked_seq_align_size` / `get_packed_seq_align_size` for the
+            run's TP, CP and FP8 settings) as `pad_to_multiple_of`: by default
+            `torch_r3.Padded(side="right")`, right-padded `[B, T', L, K]`
+            (`remove_left_padding`); `torch_r3.Packed(pad_to_multiple_of=)` is
+            its `remove_microbatch_padding=True` layout (THD), `[sum(n'), L, K]`
+            with `cu_seqlens` and `cu_seqlens_padded`.
         pad_token_id: the id written into padded `input_ids` (SkyRL's
             `remove_left_padding` writes 0).
-        buffers: a `torch_r3.BufferPool` to take the batch from (recycled
-            across micro-batches); by default fresh memory.
+        memory: a `torch_r3.Memory`; its `buffers`, a `torch_r3.BufferPool` to
+            take the batch from (recycled across micro-batches); by default
+            fresh, unpinned memory.
+        **deprecated: `packed=`, `pad_to_multiple_of=` and `buffers=`, each
+            with a `DeprecationWarning` naming the new spelling.
 
     Returns:
         `input_ids`, `rollout_expert_indices`, `router_padding_mask`, and
@@ -126,6 +155,7 @@ def microbatch(
             left-padded, or captured rows that are not a prefix of a
             trajectory's tokens (naming the trajectory).
     """
+    layout, memory = _layout(layout, memory, deprecated)
     sequences = _field(batch, SEQUENCES)
     attention = _field(batch, ATTENTION_MASK)
     routes = _field(batch, ROUTES)
@@ -161,16 +191,7 @@ def microbatch(
                 SAMPLE_ROUTES: host[starts[i] : starts[i] + captured].numpy(),
             }
         )
-    collator = R3Collator(
-        layout="packed" if packed else "padded",
-        padding_side="left" if packed else "right",
-        pad_to_multiple_of=pad_to_multiple_of,
-        pad_token_id=pad_token_id,
-        filler="arange",
-        pin_memory=False,
-    )
-    if buffers is not None:
-        collator.buffers = buffers
+    collator = R3Collator(layout=layout, pad_token_id=pad_token_id, filler="arange", memory=memory)
     return collator(samples)
 
 

@@ -38,6 +38,7 @@ import torch
 from torch_r3.collate import collate_routes
 from torch_r3.integrations.verl.lengths import lengths
 from torch_r3.keys import CU_SEQLENS, ROUTER_MASK, ROUTES
+from torch_r3.layout import Memory, Packed, PromptResponse, from_keywords
 from torch_r3.nested import as_nested
 from torch_r3.routes import compact_routes
 
@@ -136,38 +137,51 @@ def padded_routed_experts(
     prompt_lengths: Any,
     response_lengths: Any,
     *,
-    prompt_width: int,
-    response_width: int,
-    workers: int | None = None,
+    layout: PromptResponse | None = None,
+    memory: Memory | None = None,
+    **deprecated: Any,
 ) -> dict[str, torch.Tensor]:
     """verl's batch `routed_experts` `[B, P + R, L, K]` (int16, zeros off the captured rows), in one write.
 
     Args:
         routes: each sample's captured rows `[rows_i, L, K]`, a prefix of its
             prompt-then-response tokens.
-        prompt_lengths: each sample's prompt tokens `p_i <= prompt_width`
-            (ints, NumPy integers, or a 1-D integer array or tensor).
-        response_lengths: each sample's response tokens `<= response_width`.
-        prompt_width: verl's `rollout.prompt_length` (`P`).
-        response_width: verl's `rollout.response_length` (`R`).
-        workers: copy threads (default: the CPUs this process may use).
+        prompt_lengths: each sample's prompt tokens `p_i <= P` (ints, NumPy
+            integers, or a 1-D integer array or tensor).
+        response_lengths: each sample's response tokens `<= R`.
+        layout: `torch_r3.PromptResponse(prompt_width=P, response_width=R)`,
+            verl's `rollout.prompt_length` and `rollout.response_length`.
+        memory: a `torch_r3.Memory` (`workers`: copy threads, default the
+            CPUs this process may use; unpinned unless it says otherwise).
+        **deprecated: `prompt_width=`, `response_width=` and `workers=`,
+            each with a `DeprecationWarning` naming the new spelling.
 
     Returns:
         `rollout_expert_indices` (verl's `routed_experts`), `router_padding_mask`
         (`True` off the captured rows) and `attention_mask` (verl's), all `[B, P + R, ...]`.
     """
+    if layout is None and not {"prompt_width", "response_width"} & set(deprecated):
+        raise TypeError(
+            "padded_routed_experts needs layout=torch_r3.PromptResponse(prompt_width=P, response_width=R), "
+            "verl's rollout.prompt_length and rollout.response_length"
+        )
+    value, memory = from_keywords(
+        "padded_routed_experts",
+        "prompt_response" if layout is None else layout,
+        memory,
+        deprecated,
+        allowed=(PromptResponse,),
+        memory_keywords=("workers",),
+    )
     totals = _totals(prompt_lengths, response_lengths)
     return collate_routes(
         list(routes),
         totals,
-        layout="prompt_response",
-        prompt_width=prompt_width,
-        response_width=response_width,
+        layout=value,
         prompt_lengths=lengths(prompt_lengths, "prompt_lengths"),
         filler="zeros",
         dtype=VERL_DTYPE,
-        workers=workers,
-        pin_memory=False,
+        memory=memory.with_defaults(pin_memory=False),
     )
 
 
@@ -175,7 +189,8 @@ def nested_routed_experts(
     routes: Sequence[np.ndarray],
     token_counts: Sequence[int],
     *,
-    workers: int | None = None,
+    memory: Memory | None = None,
+    **deprecated: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The nested `routed_experts` verl's engine consumes, written directly (no padded tensor first).
 
@@ -186,20 +201,22 @@ def nested_routed_experts(
     Args:
         routes: each sample's captured rows `[rows_i, L, K]`.
         token_counts: each sample's tokens `n_i` (prompt plus response).
-        workers: copy threads (default: the CPUs this process may use).
+        memory: a `torch_r3.Memory` (`workers`: copy threads, default the
+            CPUs this process may use; unpinned unless it says otherwise).
+        **deprecated: `workers=`, with a `DeprecationWarning`.
 
     Returns:
         `(routed_experts, router_padding_mask)`: both jagged nested tensors over
         one packed buffer each, sharing the offsets.
     """
+    _, memory = from_keywords("nested_routed_experts", "packed", memory, deprecated, memory_keywords=("workers",))
     batch = collate_routes(
         list(routes),
         list(token_counts),
-        layout="packed",
+        layout=Packed(),
         filler="zeros",
         dtype=VERL_DTYPE,
-        workers=workers,
-        pin_memory=False,
+        memory=memory.with_defaults(pin_memory=False),
     )
     offsets = batch[CU_SEQLENS]
     return as_nested(batch[ROUTES], offsets), as_nested(batch[ROUTER_MASK], offsets)

@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from torch_r3._buffers import BufferPool
 from torch_r3.collate import R3Collator
 from torch_r3.integrations.verl.lengths import lengths
 from torch_r3.keys import INPUT_IDS, SAMPLE_ROUTES
+from torch_r3.layout import Memory, Packed, from_keywords
 
 __all__ = ["captured_lengths", "microbatch"]
 
@@ -80,8 +80,9 @@ def microbatch(
     input_ids: torch.Tensor,
     *,
     captured: Any = None,
-    pad_to_multiple_of: int | None = None,
-    buffers: BufferPool | None = None,
+    layout: Packed | str = "packed",
+    memory: Memory | None = None,
+    **deprecated: Any,
 ) -> dict[str, torch.Tensor]:
     """One verl micro-batch as the packed batch `torch_r3.megatron.ReplayHook` replays.
 
@@ -91,10 +92,14 @@ def microbatch(
         input_ids: verl's nested `input_ids` `[B, j]`.
         captured: each sequence's captured rows (ints, NumPy integers, or a
             1-D integer array or tensor); by default `captured_lengths`.
-        pad_to_multiple_of: `preprocess_thd_engine`'s alignment (TP size,
-            times `2 * CP` under context parallelism): each sequence padded to
-            a multiple of it, with `cu_seqlens_padded`.
-        buffers: a `torch_r3.BufferPool` to take the batch from.
+        layout: `torch_r3.Packed(pad_to_multiple_of=)`, with
+            `preprocess_thd_engine`'s alignment (TP size, times `2 * CP` under
+            context parallelism): each sequence padded to a multiple of it,
+            with `cu_seqlens_padded`.
+        memory: a `torch_r3.Memory`; its `buffers`, a `torch_r3.BufferPool`
+            to take the batch from (unpinned unless it says otherwise).
+        **deprecated: `pad_to_multiple_of=` and `buffers=`, each with a
+            `DeprecationWarning` naming the new spelling.
 
     Returns:
         `input_ids` `[N]`, `rollout_expert_indices` `[N, L, K]`,
@@ -106,6 +111,9 @@ def microbatch(
         ValueError: sequences whose route and token counts differ by more
             than verl allows (`n` or `n - 1` rows), or a bad `captured`.
     """
+    packed, memory = from_keywords(
+        "microbatch", layout, memory, deprecated, allowed=(Packed,), memory_keywords=("buffers",)
+    )
     routes = _components(routed_experts, "routed_experts")
     ids = _components(input_ids, "input_ids")
     if len(routes) != len(ids):
@@ -120,7 +128,8 @@ def microbatch(
     else:
         rows = lengths(captured, "captured", upper=[r.shape[0] for r in routes])
     samples = [{INPUT_IDS: t, SAMPLE_ROUTES: r[:c].cpu().numpy()} for r, t, c in zip(routes, ids, rows)]
-    collator = R3Collator(layout="packed", pad_to_multiple_of=pad_to_multiple_of, filler="arange", pin_memory=False)
-    if buffers is not None:
-        collator.buffers = buffers
+    # Only an aligned batch pads input_ids: its alignment rows lie outside cu_seqlens, which the model attends
+    # by, so their token id (0 here, as before pad_token_id was required) is never read as a token.
+    memory = memory.with_defaults(pin_memory=False)
+    collator = R3Collator(layout=packed, filler="arange", memory=memory, pad_token_id=0)
     return collator(samples)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torch_r3.integrations.verl.engine import microbatch
+from torch_r3.layout import Packed
 from torch_r3.replay.stats import ReplayStats
 
 if TYPE_CHECKING:
@@ -181,7 +182,9 @@ class EngineReplay:
                     f"micro-batch {i}: no routed_experts in a replaying step (enable_routing_replay is set): "
                     "the rollout returned no routes for this batch"
                 )
-            mb = _Microbatch(microbatch(batch[ROUTED_EXPERTS], batch["input_ids"], pad_to_multiple_of=align))
+            mb = _Microbatch(
+                microbatch(batch[ROUTED_EXPERTS], batch["input_ids"], layout=Packed(pad_to_multiple_of=align))
+            )
             mb.verl = batch
             packed.append(mb)
         forward_step = kwargs.pop("forward_step_func")

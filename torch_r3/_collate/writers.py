@@ -1,7 +1,7 @@
 """The collation kernel's two writers: each byte of a batch written once, row by row.
 
 `collate_routes` checks everything, allocates the outputs and then hands the
-copy threads (`torch_r3._pool`) one of these writers. Each returns the cost of
+copy threads (`torch_r3._collate.pool`) one of these writers. Each returns the cost of
 every sample (for the pool's balancing) and `write_rows(lo, hi)`, which writes
 samples `lo .. hi-1` completely: their routes, filler rows, masks and
 per-token fields, every byte of their region of the output once.
@@ -25,8 +25,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from torch_r3._filler import FillerWriter
-from torch_r3._samples import SeqField
+from torch_r3._collate.filler import FillerWriter
+from torch_r3._collate.samples import SeqField
 from torch_r3.keys import ATTENTION_MASK, ROUTER_MASK, ROUTES
 
 __all__ = ["packed_writer", "padded_writer"]

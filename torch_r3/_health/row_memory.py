@@ -8,7 +8,7 @@ fingerprints of aligned `block`-row blocks of the responses it has seen (a
 64-bit polynomial hash of their full rows, every layer) with the tokens behind
 each, at most `max_blocks` of them, oldest dropped first. `replays` looks up
 every `block`-row window of a new response (a rolling hash over the row
-hashes of `torch_r3._route_scan`, so `O(rows)` after one pass over the ids),
+hashes of `torch_r3._health.scan`, so `O(rows)` after one pass over the ids),
 and reports the windows equal to a remembered block whose tokens differ at
 `min_token_changes` positions or more. The window hashes are screened in one
 vectorised gather against a counting filter of the remembered keys (a table of

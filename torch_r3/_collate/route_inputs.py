@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from torch_r3._checks import check_positive
-from torch_r3._samples import SeqField
+from torch_r3._collate.samples import SeqField
 from torch_r3.keys import ROUTES
 from torch_r3.routes import CANONICAL_DTYPES, canonical_dtype_for, compact_routes, widest
 

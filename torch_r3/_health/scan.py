@@ -16,7 +16,7 @@ per row instead of byte-wide passes with full-width boolean temporaries:
 
 Every answer is exact: the hashes only pick candidates, which are confirmed on
 the words themselves. `row_hashes` is also the replayed-rows memory's per-row
-fingerprint (`torch_r3._row_memory`): a function of the ids alone, so a row
+fingerprint (`torch_r3._health.row_memory`): a function of the ids alone, so a row
 hashes alike in a `uint8` and an `int16` array. NumPy only.
 """
 

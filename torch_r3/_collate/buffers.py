@@ -5,7 +5,7 @@ page faults cost several times the copy itself, so a pool keeps the memory of
 batches the loop has finished with and hands it out again:
 
 * Buffers are private anonymous mappings, hugepage-advised where the kernel
-  allows (`torch_r3._memory.map_private`): after `fork` the child sees every
+  allows (`torch_r3._collate.memory.map_private`): after `fork` the child sees every
   batch copy-on-write, so neither side's later batches or in-place edits
   reach the other's.
 * A buffer goes back to the pool only when nothing uses it any more. Each
@@ -53,8 +53,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from torch_r3 import _memory
 from torch_r3._checks import check_non_negative
+from torch_r3._collate import memory as _memory
 
 __all__ = ["BufferPool"]
 
@@ -158,7 +158,7 @@ class _State:
 class BufferPool:
     """Host buffers for collated batches, reused once no tensor of a batch is alive.
 
-    `R3Collator` owns one; pass one to `collate_routes(..., buffers=pool)` to
+    `R3Collator` owns one; pass one to `collate_routes(..., memory=Memory(buffers=pool))` to
     recycle its outputs in your own loop. Thread-safe, fork-safe and
     picklable (a copy starts empty).
 
@@ -166,7 +166,7 @@ class BufferPool:
         cache_bytes: the most bytes of idle buffers kept for reuse;
             `None` for twice the largest batch served so far, `0` to turn
             recycling off (every request gets fresh memory). The same setting
-            as `R3Collator(cache_bytes=)`.
+            as `R3Collator(memory=Memory(cache_bytes=))`.
         max_cached_bytes: deprecated, the old name of `cache_bytes`
             (a `DeprecationWarning`).
 
@@ -186,7 +186,7 @@ class BufferPool:
 
     def __init__(self, cache_bytes: int | None = None, *, max_cached_bytes: int | None = None) -> None:
         if max_cached_bytes is not None:
-            # The old name of the keyword: `R3Collator(cache_bytes=)` names the same setting.
+            # The old name of the keyword: `Memory(cache_bytes=)` names the same setting.
             warnings.warn(
                 "BufferPool(max_cached_bytes=) is deprecated: use BufferPool(cache_bytes=)",
                 DeprecationWarning,
