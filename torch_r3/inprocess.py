@@ -5,10 +5,14 @@ verl, NeMo-RL and TRL's colocated mode run vLLM inside the trainer's processes
 `vllm.RequestOutput` whose `outputs` are `CompletionOutput`s, one per sample
 (`n`), each with `token_ids`, `logprobs` (one `{token_id: Logprob}` per
 generated token), `finish_reason`, `weight_versions` (spans over the generated
-tokens, vLLM 0.32+) and `routed_experts`: a NumPy array `[rows, layers, topk]`
+tokens; vLLM 0.32+, absent before) and `routed_experts`: a NumPy array `[rows, layers, topk]`
 over every hidden layer, set on the completion's final output only.
-`SamplingParams(routed_experts_prompt_start=s)` trims the rows to positions
-`s .. P + O - 2`, as on the HTTP servers.
+`SamplingParams(routed_experts_prompt_start=s)` (vLLM 0.22+) trims the rows to
+positions `s .. P + O - 2`, as on the HTTP servers; before 0.22 every row from
+position 0 comes back, and the rows before `s` are dropped here. vLLM 0.21 alone
+split the rows: the prompt's on `RequestOutput.prompt_routed_experts` (shared by
+the samples), the generated tokens' on each `CompletionOutput.routed_experts`,
+over the MoE layers only; they are joined here, in position order.
 
 `vllm_results` turns one finished `RequestOutput` into one `RemoteGenerateResult`
 per sample, in index order, with the routes compacted, range-checked, counted
@@ -27,6 +31,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from torch_r3._checks import check_bool, check_non_negative, check_positive
 from torch_r3._results import RemoteGenerateResult
@@ -99,9 +105,9 @@ def vllm_results(
             None if c.logprobs is None else list(c.logprobs),
             c.finish_reason,
             c.routed_experts,
-            c.weight_versions,
+            _weight_versions(c),
         )
-    return reader.results(prompt, request_id, samples, output)
+    return reader.results(prompt, request_id, samples, output, _prompt_routes(output))
 
 
 class VLLMOutputCollector:
@@ -125,6 +131,7 @@ class VLLMOutputCollector:
         self._prompt: list[int] | None = None
         self._request_id: Any = None
         self._last: Any = None
+        self._prompt_routes: Any = None
         self.finished = False
 
     def add(self, output: Any) -> None:
@@ -159,7 +166,9 @@ class VLLMOutputCollector:
             sample.finish_reason = c.finish_reason
             if c.routed_experts is not None:
                 sample.routed_experts = c.routed_experts
-            sample.weight_versions = c.weight_versions
+            sample.weight_versions = _weight_versions(c)
+        if _prompt_routes(output) is not None:
+            self._prompt_routes = _prompt_routes(output)
         self._last = output
         self.finished = bool(getattr(output, "finished", False))
 
@@ -184,7 +193,7 @@ class VLLMOutputCollector:
         reader = _Reader(
             routed_experts_prompt_start, return_routed_experts, num_layers, topk, num_experts, moe_layers, health
         )
-        return reader.results(self._prompt, self._request_id, self._samples, self._last)
+        return reader.results(self._prompt, self._request_id, self._samples, self._last, self._prompt_routes)
 
 
 async def collect_vllm_stream(
@@ -232,7 +241,7 @@ class _Reader:
         return list(base.token_ids(list(prompt), f"request {request_id!r}: prompt_token_ids")), request_id
 
     def results(
-        self, prompt: list[int], request_id: Any, samples: dict[int, _Sample], raw: Any
+        self, prompt: list[int], request_id: Any, samples: dict[int, _Sample], raw: Any, prompt_routes: Any = None
     ) -> tuple[RemoteGenerateResult, ...]:
         if not samples:
             raise ValueError(f"request {request_id!r}: the output holds no completion")
@@ -240,9 +249,12 @@ class _Reader:
             raise ValueError(
                 f"request {request_id!r}: routed_experts_prompt_start {self.start} is past the {len(prompt)}-token prompt"
             )
-        return tuple(self._one(prompt, f"request {request_id!r}, sample {i}", samples[i], raw) for i in sorted(samples))
+        return tuple(
+            self._one(prompt, f"request {request_id!r}, sample {i}", samples[i], raw, prompt_routes)
+            for i in sorted(samples)
+        )
 
-    def _one(self, prompt: list[int], who: str, sample: _Sample, raw: Any) -> RemoteGenerateResult:
+    def _one(self, prompt: list[int], who: str, sample: _Sample, raw: Any, prompt_routes: Any) -> RemoteGenerateResult:
         ids = base.token_ids(sample.token_ids, f"{who}: token_ids")
         if sample.finish_reason is None:
             raise ValueError(
@@ -253,7 +265,10 @@ class _Reader:
         logprobs = None if sample.logprobs is None else _logprobs(sample.logprobs, ids, who)
         routes = None
         if self.want_routes:
-            routes = self._routes(sample.routed_experts, prompt, ids, reason, who)
+            array = sample.routed_experts
+            if prompt_routes is not None:
+                array = _joined(prompt_routes, array, who)
+            routes = self._routes(array, prompt, ids, reason, who)
         spans = base.weight_spans(_span_dicts(sample.weight_versions, who), f"{who}: weight_versions", len(ids))
         checked = routes is not None
         if routes is not None:
@@ -291,7 +306,7 @@ class _Reader:
             return routes
         full = base.expected_rows(len(prompt), len(ids), 0)
         if self.start and routes.shape[0] == full:
-            # A vLLM without routed_experts_prompt_start (before 0.30) sends every row: keep the asked-for ones.
+            # A vLLM without routed_experts_prompt_start (before 0.22) sends every row: keep the asked-for ones.
             return routes[self.start :].copy()
         raise ValueError(
             f"{who}: routed_experts has {routes.shape[0]} rows; positions {self.start} .. {len(prompt) + len(ids) - 2} "
@@ -317,6 +332,32 @@ def _completions(output: Any, request_id: Any) -> list[Any]:
                     f"finish_reason, routed_experts), got {type(c).__name__} without {name}"
                 )
     return list(completions)
+
+
+def _prompt_routes(output: Any) -> Any:
+    """vLLM 0.21's `RequestOutput.prompt_routed_experts` (the prompt's rows); `None` in every other release."""
+    return getattr(output, "prompt_routed_experts", None)
+
+
+def _joined(prompt_routes: Any, generated: Any, who: str) -> Any:
+    """vLLM 0.21's split rows, the prompt's then the generated tokens' (`None` when none was captured), as one array."""
+    head = as_host_array(prompt_routes, f"{who}: prompt_routed_experts")
+    if head.ndim != 3:
+        raise ValueError(f"{who}: prompt_routed_experts must be [rows, layers, topk], got shape {head.shape}")
+    if generated is None:
+        return head
+    tail = as_host_array(generated, f"{who}: routed_experts")
+    if tail.ndim != 3 or tail.shape[1:] != head.shape[1:]:
+        raise ValueError(
+            f"{who}: routed_experts has shape {tail.shape}, the prompt's rows (prompt_routed_experts) "
+            f"{head.shape}: the layer and topk axes must match"
+        )
+    return np.concatenate([head, tail])  # NumPy's common dtype: ids are never narrowed here
+
+
+def _weight_versions(completion: Any) -> Any:
+    """The completion's weight-version spans; `None` before vLLM 0.32, whose `CompletionOutput` has no such field."""
+    return getattr(completion, "weight_versions", None)
 
 
 def _logprobs(positions: list[Any], ids: tuple[int, ...], who: str) -> tuple[float, ...]:
