@@ -65,13 +65,14 @@ def write_checkpoint(path: Path, *, seed: int = 0, router_scale: float = 20.0) -
     import torch
     import transformers
 
+    extra: dict[str, Any] = {"head_dim": 32}  # a Qwen3MoeConfig field its type hints do not declare
     config = transformers.Qwen3MoeConfig(
         vocab_size=VOCAB,
         hidden_size=64,
         num_hidden_layers=LAYERS,
         num_attention_heads=2,  # head_dim 32: vLLM's CPU attention has no kernel for 16
         num_key_value_heads=1,
-        head_dim=32,
+        **extra,
         intermediate_size=64,
         moe_intermediate_size=32,
         num_experts=EXPERTS,
@@ -139,6 +140,7 @@ def engine_rounds(model_dir: Path, capture: bool, batches: list[list[list[int]]]
             if capture:  # what was captured is what torch_r3 reads: every request's rows, checked
                 for o in outputs:
                     (r,) = vllm_results(o, num_layers=LAYERS, topk=TOPK, num_experts=EXPERTS)
+                    assert r.routed_experts is not None
                     assert r.routed_experts.shape[0] == len(o.prompt_token_ids) + gen_len - 1
             if i:
                 rates.append(generated / elapsed)
@@ -226,6 +228,7 @@ async def client_rounds(
             r = await client.generate(prompt, params, return_routed_experts=routes)
             assert len(r.response_ids) == gen_len
             if routes:
+                assert r.routed_experts is not None
                 assert r.routed_experts.shape == (len(prompt) + gen_len - 1, LAYERS, TOPK)
 
         for i, batch in enumerate(batches):
@@ -258,10 +261,9 @@ def decode_times(bodies: list[bytes], prompts_sent: list[list[int]], repeats: in
     protocol = PROTOCOLS["vllm-openai"]
     limits = RouteLimits(max_bytes=1 << 30, num_layers=LAYERS, topk=TOPK, num_experts=EXPERTS)
     cases = []
-    for body, prompt in zip(bodies, prompts_sent):
-        text = json.loads(body)["choices"][0]["routed_experts"].encode()
-        call = GenerateCall(list(prompt), {}, True, 0)
-        cases.append((bytearray(body), text, call))
+    for raw, prompt in zip(bodies, prompts_sent):
+        text = json.loads(raw)["choices"][0]["routed_experts"].encode()
+        cases.append((bytearray(raw), text, GenerateCall(list(prompt), {}, True, 0)))
 
     def torch_r3_path(body: bytearray, call: GenerateCall) -> Any:
         tree = parse_body(body, protocol.route_text_paths)
@@ -282,8 +284,8 @@ def decode_times(bodies: list[bytes], prompts_sent: list[list[int]], repeats: in
     for _ in range(repeats):
         for name, fn in paths.items():
             t = time.perf_counter()
-            for body, text, call in cases:
-                fn(body, text, call)
+            for case in cases:
+                fn(*case)
             samples[name].append((time.perf_counter() - t) / len(cases))
     return {name: statistics.median(v) for name, v in samples.items()}
 

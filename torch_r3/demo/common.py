@@ -455,6 +455,7 @@ def run(
             )
         if server_url is not None:
             raise DemoError("--engine vllm runs its own engine: drop --server-url")
+        importlib.import_module("torch_r3.demo.engine_vllm").require_vllm()
     side = importlib.import_module(f"torch_r3.demo.{trainer}")
     with quiet_third_party_warnings():
         t0 = time.perf_counter()

