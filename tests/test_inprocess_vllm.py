@@ -16,13 +16,13 @@ import io
 import json
 import subprocess
 import sys
-import types
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from tests.vllm_release import release_output
 from torch_r3 import RoutedExpertTrace
 from torch_r3.health import RouteHealthError
 from torch_r3.inprocess import VLLMOutputCollector, collect_vllm_stream, vllm_results
@@ -175,30 +175,23 @@ def test_a_delta_streams_last_output_alone_is_refused_when_its_rows_look_like_ev
         vllm_results(last, **{**kwargs(case), "return_routed_experts": spans is False})
 
 
-def old_vllm_output(monkeypatch, version: str, output: SimpleNamespace) -> object:
-    """`output` as an object of a class from a `vllm` package of `version` (the rule reads the version only)."""
-    package = types.ModuleType("vllm")
-    package.__version__ = version
-    monkeypatch.setitem(sys.modules, "vllm", package)
-    cls = type("RequestOutput", (SimpleNamespace,), {"__module__": "vllm.outputs"})
-    return cls(**vars(output))
-
-
-@pytest.mark.parametrize(("version", "accepted"), [("0.29.1", True), ("0.11.0rc2", True), ("0.30.0+cpu", False)])
-def test_every_row_from_0_is_taken_for_an_ignored_start_only_from_a_vllm_before_030(monkeypatch, version, accepted):
+@pytest.mark.parametrize(
+    ("version", "accepted"), [("0.21.0", True), ("0.14.0rc2", True), ("0.22.0", False), ("0.30.0+cpu", False)]
+)
+def test_every_row_from_0_is_taken_for_an_ignored_start_only_from_a_vllm_before_022(monkeypatch, version, accepted):
     case = next(c for c in CASES if c["name"] == "final_only-n1-uint8-s3")
     (output,) = stream(case)
     (completion,) = output.outputs
     every_row = np.concatenate([np.zeros((case["start"], 3, 2), np.uint8) + 9, completion.routed_experts])
     completion.routed_experts, completion.weight_versions = every_row, None  # weight_versions came with 0.32
-    old = old_vllm_output(monkeypatch, version, output)
+    old = release_output(monkeypatch, version, output)
     if accepted:
         (result,) = vllm_results(old, **kwargs(case))
         np.testing.assert_array_equal(result.routed_experts.astype(np.int64), np.array(case["expected"][0]["routes"]))
     else:
         with pytest.raises(
             ValueError,
-            match=r"has 8 rows; positions 3 \.\. 7 .* need 5; a DELTA.*; 8 rows are every position from 0, as a vLLM before 0.30 sends .* vLLM 0\.30\.0\+cpu",
+            match=r"has 8 rows; positions 3 \.\. 7 .* need 5; a DELTA.*; 8 rows are every position from 0, as a vLLM before 0.22 sends .* vLLM {re.escape(version)}",
         ):
             vllm_results(old, **kwargs(case))
 

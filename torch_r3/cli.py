@@ -354,8 +354,13 @@ def _extras_line(trainer: str) -> str:
 def _demo_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from torch_r3._extras import MissingExtraError, require
 
-    # `--dsa` trains a transformers DeepSeek-V3.2 model whatever `--trainer` says.
-    trainer = "transformers" if getattr(args, "dsa", False) else getattr(args, "trainer", "megatron")
+    # `--dsa` trains a transformers DeepSeek-V3.2 model whatever `--trainer` says; `--engine vllm`
+    # trains the transformers model unless `--trainer` says otherwise (the demo then refuses).
+    trainer = getattr(args, "trainer", None) or "megatron"
+    if getattr(args, "dsa", False) or (
+        getattr(args, "trainer", None) is None and getattr(args, "engine", "") == "vllm"
+    ):
+        trainer = "transformers"
     needs = _DEMO_NEEDS[trainer]
     try:
         demo = _demo_module()

@@ -309,7 +309,8 @@ def decode_vllm_routes(
     vLLM (`--enable-return-routed-experts`) puts the routes of each choice of
     `/inference/v1/generate` in `choices[i].routed_experts` as the base64 text
     of a `.npy` file holding `[tokens, num_hidden_layers, num_experts_per_tok]`
-    of `uint8` (up to 256 experts) or `uint16` (older servers: `int32`). The
+    of `uint8` (up to 256 experts) or `uint16`, in every release since 0.22 (any
+    integer dtype, `int32` included, is accepted). The
     file is parsed by `decode_npy`; `uint16` ids are widened to `int16` or
     `int32` by value, never wrapped.
 

@@ -7,11 +7,14 @@ verl, NeMo-RL and TRL's colocated mode run vLLM inside the trainer's processes
 generated token), `finish_reason`, `weight_versions` (spans over the generated
 tokens; vLLM 0.32+, absent before) and `routed_experts`: a NumPy array `[rows, layers, topk]`
 over every hidden layer, set on the completion's final output only.
-`SamplingParams(routed_experts_prompt_start=s)` trims the rows to positions
-`s .. P + O - 2`, as on the HTTP servers. A vLLM before 0.30 has no such field
-and sends every row from 0; those rows are sliced to the start only when the
-output's class comes from a `vllm` whose `__version__` is below 0.30, since the
-last output of a `DELTA` stream can have as many rows.
+`SamplingParams(routed_experts_prompt_start=s)` (vLLM 0.22+) trims the rows to
+positions `s .. P + O - 2`, as on the HTTP servers. A vLLM before 0.22 has no
+such field and sends every row from position 0; those rows are sliced to the
+start only when the output's class comes from a `vllm` whose `__version__` is
+below 0.22, since the last output of a `DELTA` stream can have as many rows.
+vLLM 0.21 alone split the rows: the prompt's on `RequestOutput.prompt_routed_experts`
+(shared by the samples), the generated tokens' on each `CompletionOutput.routed_experts`,
+over the MoE layers only; they are joined here, in position order.
 
 `vllm_results` turns one finished `RequestOutput` into one `RemoteGenerateResult`
 per sample, in index order, with the routes compacted, range-checked, counted
@@ -32,6 +35,8 @@ import sys
 from collections.abc import AsyncIterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from torch_r3._checks import check_bool, check_non_negative, check_positive
 from torch_r3._client.results import RemoteGenerateResult
@@ -112,7 +117,7 @@ def vllm_results(
             c.routed_experts,
             _weight_versions(c),
         )
-    return reader.results(prompt, request_id, samples, output)
+    return reader.results(prompt, request_id, samples, output, _prompt_routes(output))
 
 
 class VLLMOutputCollector:
@@ -140,6 +145,7 @@ class VLLMOutputCollector:
         self._prompt: list[int] | None = None
         self._request_id: Any = None
         self._last: Any = None
+        self._prompt_routes: Any = None
         self.finished = False
 
     def add(self, output: Any) -> None:
@@ -175,6 +181,8 @@ class VLLMOutputCollector:
             if c.routed_experts is not None:
                 sample.routed_experts = c.routed_experts
             sample.weight_versions = _weight_versions(c)
+        if _prompt_routes(output) is not None:
+            self._prompt_routes = _prompt_routes(output)
         self._last = output
         self.finished = bool(getattr(output, "finished", False))
 
@@ -200,7 +208,7 @@ class VLLMOutputCollector:
             routed_experts_prompt_start, return_routed_experts, num_layers, topk, num_experts, moe_layers, health
         )
         reader.delta = self.delta
-        return reader.results(self._prompt, self._request_id, self._samples, self._last)
+        return reader.results(self._prompt, self._request_id, self._samples, self._last, self._prompt_routes)
 
 
 async def collect_vllm_stream(
@@ -249,7 +257,7 @@ class _Reader:
         return list(base.token_ids(list(prompt), f"request {request_id!r}: prompt_token_ids")), request_id
 
     def results(
-        self, prompt: list[int], request_id: Any, samples: dict[int, _Sample], raw: Any
+        self, prompt: list[int], request_id: Any, samples: dict[int, _Sample], raw: Any, prompt_routes: Any = None
     ) -> tuple[RemoteGenerateResult, ...]:
         if not samples:
             raise ValueError(f"request {request_id!r}: the output holds no completion")
@@ -257,9 +265,12 @@ class _Reader:
             raise ValueError(
                 f"request {request_id!r}: routed_experts_prompt_start {self.start} is past the {len(prompt)}-token prompt"
             )
-        return tuple(self._one(prompt, f"request {request_id!r}, sample {i}", samples[i], raw) for i in sorted(samples))
+        return tuple(
+            self._one(prompt, f"request {request_id!r}, sample {i}", samples[i], raw, prompt_routes)
+            for i in sorted(samples)
+        )
 
-    def _one(self, prompt: list[int], who: str, sample: _Sample, raw: Any) -> RemoteGenerateResult:
+    def _one(self, prompt: list[int], who: str, sample: _Sample, raw: Any, prompt_routes: Any) -> RemoteGenerateResult:
         ids = base.token_ids(sample.token_ids, f"{who}: token_ids")
         if sample.finish_reason is None:
             raise ValueError(
@@ -270,7 +281,10 @@ class _Reader:
         logprobs = None if sample.logprobs is None else _logprobs(sample.logprobs, ids, who)
         routes = None
         if self.want_routes:
-            routes = self._routes(sample.routed_experts, prompt, ids, reason, who, raw)
+            array = sample.routed_experts
+            if prompt_routes is not None:
+                array = _joined(prompt_routes, array, who)
+            routes = self._routes(array, prompt, ids, reason, who, raw)
         spans = _weight_spans(sample.weight_versions, who, len(ids))
         checked = routes is not None
         if routes is not None:
@@ -318,7 +332,7 @@ class _Reader:
             return routes
         full = base.expected_rows(len(prompt), len(ids), 0)
         if self.start and routes.shape[0] == full and _ignores_prompt_start(raw):
-            # A vLLM without routed_experts_prompt_start (before 0.30) sends every row: keep the asked-for ones.
+            # A vLLM without routed_experts_prompt_start (before 0.22) sends every row: keep the asked-for ones.
             # Only then: a DELTA stream's last output with start = generated - last tokens has as many rows.
             return routes[self.start :].copy()
         raise ValueError(
@@ -326,7 +340,7 @@ class _Reader:
             f"({len(prompt)} prompt + {len(ids)} generated tokens, routed_experts_prompt_start={self.start}) need {want}"
             + (f"; {_DELTA_HINT}" if routes.shape[0] > want else "")
             + (
-                f"; {full} rows are every position from 0, as a vLLM before 0.30 sends (it ignores the start), "
+                f"; {full} rows are every position from 0, as a vLLM before 0.22 sends (it ignores the start), "
                 f"but this output comes from {_engine_version(raw)}"
                 if self.start and routes.shape[0] == full
                 else ""
@@ -385,9 +399,9 @@ def _engine_version(output: Any) -> str:
 
 
 def _ignores_prompt_start(output: Any) -> bool:
-    """Whether `output` comes from a vLLM before 0.30, which has no `routed_experts_prompt_start`."""
+    """Whether `output` comes from a vLLM before 0.22, which has no `routed_experts_prompt_start`."""
     match = re.match(r"(\d+)\.(\d+)", _vllm_version(output) or "")
-    return match is not None and (int(match[1]), int(match[2])) < (0, 30)
+    return match is not None and (int(match[1]), int(match[2])) < (0, 22)
 
 
 def _weight_spans(spans: Any, who: str, generated: int) -> tuple[base.WeightVersionSpan, ...]:
@@ -399,6 +413,27 @@ def _weight_spans(spans: Any, who: str, generated: int) -> tuple[base.WeightVers
             f"{who}: weight_versions cover {max(ends)} generated tokens, the output holds {generated}; {_DELTA_HINT}"
         )
     return base.weight_spans(dicts, f"{who}: weight_versions", generated)
+
+
+def _prompt_routes(output: Any) -> Any:
+    """vLLM 0.21's `RequestOutput.prompt_routed_experts` (the prompt's rows); `None` in every other release."""
+    return getattr(output, "prompt_routed_experts", None)
+
+
+def _joined(prompt_routes: Any, generated: Any, who: str) -> Any:
+    """vLLM 0.21's split rows, the prompt's then the generated tokens' (`None` when none was captured), as one array."""
+    head = as_host_array(prompt_routes, f"{who}: prompt_routed_experts")
+    if head.ndim != 3:
+        raise ValueError(f"{who}: prompt_routed_experts must be [rows, layers, topk], got shape {head.shape}")
+    if generated is None:
+        return head
+    tail = as_host_array(generated, f"{who}: routed_experts")
+    if tail.ndim != 3 or tail.shape[1:] != head.shape[1:]:
+        raise ValueError(
+            f"{who}: routed_experts has shape {tail.shape}, the prompt's rows (prompt_routed_experts) "
+            f"{head.shape}: the layer and topk axes must match"
+        )
+    return np.concatenate([head, tail])  # NumPy's common dtype: ids are never narrowed here
 
 
 def _weight_versions(completion: Any) -> Any:

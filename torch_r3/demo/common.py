@@ -49,6 +49,8 @@ from torch_r3.testing.model import GenerateOutput, ServedModel
 
 #: The training sides `--trainer` chooses from, each a module `torch_r3.demo.<trainer>`.
 TRAINERS = ("megatron", "transformers")
+#: Where `--engine` takes the rollouts from: the loopback server (the default) or a real in-process vLLM.
+ENGINES = ("loopback", "vllm")
 
 
 class DemoError(RuntimeError):
@@ -167,16 +169,22 @@ async def check_server(url: str, cfg: DemoConfig, retries: int) -> None:
         raise DemoError(f"the server's model does not match the trainer's ({detail}); routes cannot be replayed")
 
 
-async def rollout(url: str, cfg: DemoConfig, retries: int, quiet: bool) -> list[dict[str, Any]]:
-    """Multi-turn rollouts; each trajectory's routes cross the wire once per row."""
-    from torch_r3.client import RemoteGenerateClient, RemoteGenerateError
-
+def rollout_inputs(cfg: DemoConfig) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """The seeded prompts (one per trajectory) and the environment's observations (one per turn after the first)."""
     rng = np.random.default_rng(cfg.seed)
     prompts = [rng.integers(2, cfg.vocab_size, cfg.prompt_len).tolist() for _ in range(cfg.trajectories)]
     observations = [
         [rng.integers(2, cfg.vocab_size, cfg.observation_len).tolist() for _ in range(cfg.turns - 1)]
         for _ in range(cfg.trajectories)
     ]
+    return prompts, observations
+
+
+async def rollout(url: str, cfg: DemoConfig, retries: int, quiet: bool) -> list[dict[str, Any]]:
+    """Multi-turn rollouts; each trajectory's routes cross the wire once per row."""
+    from torch_r3.client import RemoteGenerateClient, RemoteGenerateError
+
+    prompts, observations = rollout_inputs(cfg)
     done = 0
 
     async def one(i: int, client) -> dict[str, Any]:
@@ -436,15 +444,32 @@ def run(
     cfg: DemoConfig,
     *,
     trainer: str = "megatron",
+    engine: str = "loopback",
+    engine_dtype: str = "bfloat16",
     server_url: str | None = None,
     retries: int = 3,
     num_workers: int = 0,
     quiet: bool = False,
 ) -> dict[str, dict[str, Any]]:
-    """Run the whole step with one of `TRAINERS`; returns the figures of each run in `RUNS`, by name."""
+    """Run the whole step with one of `TRAINERS` and `ENGINES`; returns the figures of each run in `RUNS`, by name.
+
+    `engine="vllm"` takes the rollouts from a real in-process vLLM
+    (`torch_r3.demo.engine_vllm`, computing in `engine_dtype`) over the
+    transformers trainer's weights: it needs `trainer="transformers"` and no `server_url`.
+    """
     from torch_r3.testing import LoopbackServer
 
-    side = importlib.import_module(f"torch_r3.demo.{check_choice(trainer, 'trainer', TRAINERS)}")
+    check_choice(trainer, "trainer", TRAINERS)
+    if check_choice(engine, "engine", ENGINES) == "vllm":
+        if trainer != "transformers":
+            raise DemoError(
+                "--engine vllm serves the transformers trainer's checkpoint: use --trainer transformers "
+                "(a Megatron GPTModel's weights would need converting to a checkpoint vLLM loads)"
+            )
+        if server_url is not None:
+            raise DemoError("--engine vllm runs its own engine: drop --server-url")
+        importlib.import_module("torch_r3.demo.engine_vllm").require_vllm()
+    side = importlib.import_module(f"torch_r3.demo.{trainer}")
     with quiet_third_party_warnings():
         t0 = time.perf_counter()
         if server_url is not None:
@@ -454,15 +479,20 @@ def run(
             progress(side.BUILDING, quiet)
             train_model, infer_model = side.build_models(cfg)
             served = side.served_model(infer_model, cfg)
-            with contextlib.ExitStack() as stack:
-                url = server_url
-                if url is None:
-                    url = stack.enter_context(LoopbackServer(served)).url
-                    progress(f"bf16 inference server on {url}", quiet)
-                    asyncio.run(check_server(url, cfg, retries))
-                samples = asyncio.run(rollout(url, cfg, retries, quiet))
-            # Another server's weights are not this bf16 copy's: no reference then.
-            add_reference_logprobs(samples, served if server_url is None else None)
+            if engine == "vllm":
+                # Like the trainers' sides, the engine is a module built on this one, found by name.
+                engine_vllm = importlib.import_module("torch_r3.demo.engine_vllm")
+                samples = engine_vllm.rollout(train_model, cfg, dtype=engine_dtype, quiet=quiet)
+            else:
+                with contextlib.ExitStack() as stack:
+                    url = server_url
+                    if url is None:
+                        url = stack.enter_context(LoopbackServer(served)).url
+                        progress(f"bf16 inference server on {url}", quiet)
+                        asyncio.run(check_server(url, cfg, retries))
+                    samples = asyncio.run(rollout(url, cfg, retries, quiet))
+            # Another engine's arithmetic is not this bf16 copy's: no reference then.
+            add_reference_logprobs(samples, served if server_url is None and engine == "loopback" else None)
             results = collate_and_measure(samples, train_model, side.measure, cfg, num_workers=num_workers, quiet=quiet)
         progress(f"done in {time.perf_counter() - t0:.1f} s", quiet)
     return results

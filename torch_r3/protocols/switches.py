@@ -10,10 +10,11 @@ from __future__ import annotations
 __all__ = ["missing_routes_hint"]
 
 _VLLM = (
-    "vLLM 0.22-0.32: start it with --enable-return-routed-experts; vLLM 0.33: --enable-return-routed-experts or "
+    "vLLM 0.22-0.30: start it with --enable-return-routed-experts (before 0.22, routes come in process only: "
+    "LLM(..., enable_return_routed_experts=True), from 0.14); vLLM 0.31+: --enable-return-routed-experts or "
     '--aux-output-config \'{"enable_return_routed_experts": true, "max_bytes": N}\' (in process: '
     "LLM(..., enable_return_routed_experts=True) or aux_output_config=AuxOutputConfig("
-    "enable_return_routed_experts=True, max_bytes=N)); 0.33 also needs Model Runner V2 "
+    "enable_return_routed_experts=True, max_bytes=N)); 0.31+ also needs Model Runner V2 "
     "(VLLM_USE_V2_MODEL_RUNNER=1), prefix caching and a MoE generate model, and refuses to start with it "
     "under pipeline parallelism (PP > 1) or context parallelism (DCP/PCP > 1). There is no per-request "
     "switch: a server without it returns routed_experts null"

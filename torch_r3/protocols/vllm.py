@@ -10,15 +10,18 @@ blocks only between requests with the same salt and refuses an empty one.
 Answer: `choices[0]` with `token_ids`, `finish_reason` (a string), `logprobs`
 (`{"content": [{"token_id", "logprob", ...}]}` or `null`) and `routed_experts`:
 base64 of a whole `.npy` file `[rows, num_hidden_layers, topk]` (`uint8` up to
-256 experts, else `uint16`; `int32` on older servers), or `null` when the server
-runs without the flag or the request was aborted before any forward pass.
+256 experts, else `uint16`, in every release since routes came to this endpoint
+with 0.22), or `null` when the server runs without the flag or the request was
+aborted before any forward pass.
 vLLM 0.32+ reports `choices[0].weight_versions`, spans `{version, start,
 end}` over the generated tokens; the newest is the weight version (older
 servers report none). `cache_salt` must be at most 128 characters without
 `@`, `/`, `\\` or NUL (vLLM 0.30+ answers others with 400). Since vLLM 0.30
-`/inference/v1/generate` exists only with `--enable-scale-out`. A server that predates
-`routed_experts_prompt_start` returns every row from position 0; that answer is
-recognised by its row count and sliced here.
+`/inference/v1/generate` exists only with `--enable-scale-out`. Every release with
+routes here takes `routed_experts_prompt_start` in `sampling_params` (0.22 to 0.29
+only below the prompt's length: a start equal to it fails an assertion in the
+engine; 0.30+ accept `0 <= s <= P` and refuse others up front); an answer with
+every row from position 0 all the same is recognised by its row count and sliced.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""vLLM's OpenAI-compatible `POST /v1/completions` and `POST /v1/chat/completions` (vLLM 0.33).
+"""vLLM's OpenAI-compatible `POST /v1/completions` and `POST /v1/chat/completions` (vLLM 0.22 to 0.34).
 
 Both take the sampling parameters at the top level in OpenAI's names
 (`max_tokens`, `temperature`, ...) plus vLLM's own fields:
@@ -8,6 +8,14 @@ the prompt's), `return_weight_versions: true`, `routed_experts_prompt_start`
 with `--enable-return-routed-experts` puts `routed_experts` in every choice:
 base64 of a `.npy` file `[rows, num_hidden_layers, topk]`, as the native endpoint
 does; non-streaming answers only.
+
+Releases differ (read off each release's protocol classes): routes arrived in
+these answers with 0.22 (0.21 sent nested lists over the MoE layers only, split
+into a response-level `prompt_routed_experts` and per-choice generated rows: not
+read, refused with a message naming the release); the top-level
+`routed_experts_prompt_start` with 0.28 (0.22 to 0.27 ignore the field and send
+every row from position 0, which is recognised by its row count and sliced
+here); `weight_versions` in the choices with 0.33 (`None` before).
 
 - Completions (`server="vllm-openai"`, `RemoteGenerateClient.generate`): the
   prompt is sent as token ids (`prompt: [...]`); `choices[0]` carries
@@ -169,6 +177,12 @@ def _parsed(
     routes = None
     if call.return_routed_experts:
         payload = choice.get("routed_experts")
+        if isinstance(payload, list):
+            raise WireFormatError(
+                "choices[0].routed_experts is a nested list, as vLLM 0.21 sent it (the generated tokens' rows over "
+                "the MoE layers only, the prompt's in a response-level prompt_routed_experts); this client reads "
+                "the base64 .npy routes of vLLM 0.22 and later: upgrade the server"
+            )
         if payload is None and not ids:
             reason = "abort"
         elif payload is None:
@@ -186,7 +200,7 @@ def _parsed(
                 name="choices[0].routed_experts",
             )
             routes = base.slice_to_start(
-                decoded, call, len(ids), "choices[0].routed_experts", start_may_be_ignored=False
+                decoded, call, len(ids), "choices[0].routed_experts", start_may_be_ignored=True
             )
     spans = base.weight_spans(choice.get("weight_versions"), "choices[0].weight_versions", len(ids))
     return ParsedResponse(ids, logprobs, reason, routes, base.newest_version(None, spans), spans)
