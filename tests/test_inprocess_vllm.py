@@ -14,6 +14,7 @@ import asyncio
 import base64
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -191,7 +192,8 @@ def test_every_row_from_0_is_taken_for_an_ignored_start_only_from_a_vllm_before_
     else:
         with pytest.raises(
             ValueError,
-            match=r"has 8 rows; positions 3 \.\. 7 .* need 5; a DELTA.*; 8 rows are every position from 0, as a vLLM before 0.22 sends .* vLLM {re.escape(version)}",
+            match=r"has 8 rows; positions 3 \.\. 7 .* need 5; a DELTA.*; 8 rows are every position from 0, as a vLLM before 0.22 sends .* vLLM "
+            + re.escape(version),
         ):
             vllm_results(old, **kwargs(case))
 

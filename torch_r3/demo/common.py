@@ -444,8 +444,7 @@ def run(
     cfg: DemoConfig,
     *,
     trainer: str = "megatron",
-    engine: str = "loopback",
-    engine_dtype: str = "bfloat16",
+    engine_rollout: Callable[[Any, DemoConfig], list[dict[str, Any]]] | None = None,
     server_url: str | None = None,
     retries: int = 3,
     num_workers: int = 0,
@@ -453,14 +452,15 @@ def run(
 ) -> dict[str, dict[str, Any]]:
     """Run the whole step with one of `TRAINERS` and `ENGINES`; returns the figures of each run in `RUNS`, by name.
 
-    `engine="vllm"` takes the rollouts from a real in-process vLLM
-    (`torch_r3.demo.engine_vllm`, computing in `engine_dtype`) over the
-    transformers trainer's weights: it needs `trainer="transformers"` and no `server_url`.
+    `engine_rollout(train_model, cfg)` takes the rollouts from another engine
+    instead of the loopback server: the command line's `--engine vllm` passes
+    `torch_r3.demo.engine_vllm.rollout`, a real in-process vLLM over the
+    transformers trainer's weights; it needs `trainer="transformers"` and no `server_url`.
     """
     from torch_r3.testing import LoopbackServer
 
     check_choice(trainer, "trainer", TRAINERS)
-    if check_choice(engine, "engine", ENGINES) == "vllm":
+    if engine_rollout is not None:
         if trainer != "transformers":
             raise DemoError(
                 "--engine vllm serves the transformers trainer's checkpoint: use --trainer transformers "
@@ -468,7 +468,6 @@ def run(
             )
         if server_url is not None:
             raise DemoError("--engine vllm runs its own engine: drop --server-url")
-        importlib.import_module("torch_r3.demo.engine_vllm").require_vllm()
     side = importlib.import_module(f"torch_r3.demo.{trainer}")
     with quiet_third_party_warnings():
         t0 = time.perf_counter()
@@ -479,10 +478,8 @@ def run(
             progress(side.BUILDING, quiet)
             train_model, infer_model = side.build_models(cfg)
             served = side.served_model(infer_model, cfg)
-            if engine == "vllm":
-                # Like the trainers' sides, the engine is a module built on this one, found by name.
-                engine_vllm = importlib.import_module("torch_r3.demo.engine_vllm")
-                samples = engine_vllm.rollout(train_model, cfg, dtype=engine_dtype, quiet=quiet)
+            if engine_rollout is not None:
+                samples = engine_rollout(train_model, cfg)
             else:
                 with contextlib.ExitStack() as stack:
                     url = server_url
@@ -492,7 +489,7 @@ def run(
                         asyncio.run(check_server(url, cfg, retries))
                     samples = asyncio.run(rollout(url, cfg, retries, quiet))
             # Another engine's arithmetic is not this bf16 copy's: no reference then.
-            add_reference_logprobs(samples, served if server_url is None and engine == "loopback" else None)
+            add_reference_logprobs(samples, served if server_url is None and engine_rollout is None else None)
             results = collate_and_measure(samples, train_model, side.measure, cfg, num_workers=num_workers, quiet=quiet)
         progress(f"done in {time.perf_counter() - t0:.1f} s", quiet)
     return results

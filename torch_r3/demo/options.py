@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import json
 import sys
@@ -117,12 +118,19 @@ def run_from_args(args: argparse.Namespace) -> int:
     cfg = DemoConfig(seed=args.seed, trajectories=args.trajectories or DemoConfig.trajectories, turns=args.turns)
     if engine == "vllm":  # vLLM's CPU attention has no kernel for a head size of 16
         cfg = dataclasses.replace(cfg, num_attention_heads=cfg.hidden_size // 32)
+    engine_rollout = None
+    if engine == "vllm":
+        # Like the trainers' sides (`run`) and the DSA variant, the engine is a module built on the common part.
+        engine_vllm = importlib.import_module("torch_r3.demo.engine_vllm")
+        dtype = getattr(args, "engine_dtype", "bfloat16")
+        engine_rollout = functools.partial(engine_vllm.rollout, dtype=dtype, quiet=args.quiet)
     try:
+        if engine_rollout is not None and trainer == "transformers" and args.server_url is None:
+            engine_vllm.require_vllm()  # before any model is built; run() refuses the other two first
         results = run(
             cfg,
             trainer=trainer,
-            engine=engine,
-            engine_dtype=getattr(args, "engine_dtype", "bfloat16"),
+            engine_rollout=engine_rollout,
             server_url=args.server_url,
             retries=args.retries,
             num_workers=args.num_workers,

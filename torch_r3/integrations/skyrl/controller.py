@@ -30,7 +30,14 @@ from torch_r3.collate import collate_routes
 from torch_r3.keys import CU_SEQLENS, ROUTES
 from torch_r3.layout import Memory, Packed, from_keywords
 
-__all__ = ["COLLATE", "MASK", "PREPROCESS", "collate_rollout_expert_indices", "make_router_padding_mask"]
+__all__ = [
+    "COLLATE",
+    "MASK",
+    "PREPROCESS",
+    "collate_rollout_expert_indices",
+    "make_router_padding_mask",
+    "route_length",
+]
 
 PREPROCESS = "skyrl.train.dataset.preprocess"
 """The SkyRL module whose functions `install` replaces."""

@@ -28,7 +28,7 @@ from torch_r3.integrations.skyrl.replay import MODEL_WRAPPER, REPLAY_UTILS, SCHE
 from torch_r3.integrations.skyrl.swap import Swap
 from torch_r3.layout import Memory, from_keywords
 
-__all__ = ["Installed", "install"]
+__all__ = ["WORKER_NAMES", "Installed", "install"]
 
 WORKER_NAMES = (
     "setup_per_microbatch_replay_forward",
