@@ -117,7 +117,7 @@ def rl_step_figures() -> dict:
         assert m, f"no {label!r} line in:\n{out}"
         return float(m[1]), float(m[2])
 
-    m_tokens = re.search(r"TokenCounts\(captured=(\d+), live=(\d+), filler=(\d+)\)", out)
+    m_tokens = re.search(r"TokenCounts\(captured=(\d+), live=(\d+), filler=(\d+), padding=(\d+)\)", out)
     m_drift = re.search(r"route drift per layer: (.*)$", out, re.M)
     m_grad = re.search(r"router gradient norm (\S+)$", out, re.M)
     m_traj = re.search(r"^(\d+) trajectories", out, re.M)
@@ -160,7 +160,7 @@ def test_rl_step_replay_narrows_the_logprob_gap_and_trains_the_router():
     f = rl_step_figures()
     gap_with, gap_without = f["gap"]
     assert 0.0 < gap_with < gap_without  # bf16 rounding remains; the flipped experts' share is gone
-    captured, live, filler = f["tokens"]
+    captured, live, filler, _padding = f["tokens"]  # padding: tests/transformers/test_hf_hook_metrics.py
     # One uncaptured position per trajectory: its last token, which the engine never ran forward.
     assert captured > 0 and live == f["trajectories"] and filler == 0
     assert f["router_grad"] > 0.0
