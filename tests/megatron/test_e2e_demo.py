@@ -109,7 +109,7 @@ def test_demo_warns_nothing_by_default_and_hides_megatrons_fallback_notices(demo
     n = len(DemoConfig().synthetic_eos)  # the synthetic EOS it appends: counted in its table, not warned about
     assert f" {n} loss-active tokens predicted from an uncaptured position" in proc.stdout
     assert "Warning" not in proc.stderr, proc.stderr[-2000:]
-    for notice in ("Apex", "Transformer Engine", "moe_ffn_hidden_size", "full scope is deprecated"):
+    for notice in ("Apex", "Transformer Engine", "moe_ffn_hidden_size", "full scope is deprecated", "absl"):
         assert notice not in proc.stderr
 
 

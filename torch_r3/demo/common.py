@@ -370,12 +370,13 @@ _QUIET_MEGATRON = (
     r"Apex is not installed",
     r"moe_ffn_hidden_size is not set",
     r"full scope is deprecated",
+    r"absl\.logging is not installed",  # megatron-core 0.19's hyper_comm_grid, falling back to logging
 )
 
 
 @contextlib.contextmanager
 def quiet_third_party_warnings():
-    """Hide Megatron's fallback notices (no Apex, no Transformer Engine) for the block."""
+    """Hide Megatron's fallback notices (no Apex, no Transformer Engine, no absl) for the block."""
     with warnings.catch_warnings():
         for message in _QUIET_MEGATRON:
             warnings.filterwarnings("ignore", message=message, category=UserWarning, module=r"megatron\.")
