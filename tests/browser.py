@@ -16,9 +16,12 @@ and returns every console error, uncaught exception and failed load (`Log.entryA
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -105,12 +108,16 @@ def console_errors(path: Path, *, timeout: float = 60.0) -> list[str]:
     exe = chromium()
     if exe is None:
         raise RuntimeError(MISSING)
-    with tempfile.TemporaryDirectory() as profile:
+    # Chromium's helper processes (renderer, crash handler) outlive the browser process for a moment and
+    # still write into the profile: the whole process group is stopped, and a file one of them left
+    # behind does not fail the check (the profile is a throwaway).
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
         proc = subprocess.Popen(
             [exe, *FLAGS, f"--user-data-dir={profile}", "--remote-debugging-port=0", "about:blank"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
+            start_new_session=True,
         )
         try:
             assert proc.stderr is not None
@@ -126,12 +133,21 @@ def console_errors(path: Path, *, timeout: float = 60.0) -> list[str]:
             threading.Thread(target=proc.stderr.read, daemon=True).start()
             return asyncio.run(_collect(ws_url, Path(path).resolve().as_uri(), timeout))
         finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            _stop_group(proc)
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """Stop Chromium and every helper it started (its own session's process group)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(10)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # helpers still alive after the browser itself exited
 
 
 if __name__ == "__main__":
