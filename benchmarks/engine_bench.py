@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import json
 import os
 import signal
@@ -48,6 +47,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from torch_r3.demo.engine_vllm import close_llm
 
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
 ENGINE = {
@@ -145,14 +146,8 @@ def engine_rounds(model_dir: Path, capture: bool, batches: list[list[list[int]]]
             if i:
                 rates.append(generated / elapsed)
     finally:
-        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-        if core is not None:
-            core.shutdown()
+        close_llm(llm)
         del llm
-        gc.collect()
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-        cleanup_dist_env_and_memory()
     return {"start_s": started, "tokens_per_s": rates}
 
 

@@ -24,7 +24,6 @@ The engines read no tokenizer unless `tokenizer=True` (the server's chat endpoin
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import signal
 import socket
@@ -36,6 +35,8 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from torch_r3.demo.engine_vllm import close_llm  # the one shutdown of an in-process engine: the demo's
 
 __all__ = ["ENGINE_ARGS", "ENGINE_ENV", "SERVED_MODEL", "VLLMServer", "async_llm", "close_llm", "in_process_llm"]
 
@@ -144,19 +145,6 @@ def in_process_llm(model_dir: Path, **overrides: Any) -> Any:
     from vllm import LLM
 
     return LLM(model=str(model_dir), skip_tokenizer_init=True, **{**ENGINE_ARGS, **overrides})
-
-
-def close_llm(llm: Any) -> None:
-    """Shut `llm`'s engine down and free vLLM's process-wide state (its torch.distributed group included)."""
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    engine = getattr(llm, "llm_engine", None)
-    core = getattr(engine, "engine_core", None)
-    if core is not None:
-        core.shutdown()
-    del llm, engine, core
-    gc.collect()
-    cleanup_dist_env_and_memory()
 
 
 @contextlib.contextmanager

@@ -10,18 +10,17 @@ them, and that layer's drift is the share of tokens where its own choice left th
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("megatron.core.transformer.moe.router_replay", reason="megatron-core is not installed")
 
-from tests.engines.checkpoints import QWEN3, SPECIALS, load
-from torch_r3 import RemoteGenerateClient, collate_routes
+from tests.engines.checkpoints import QWEN3, load
+from tests.engines.workload import served_rollouts
+from torch_r3 import collate_routes
 from torch_r3.keys import ROUTER_MASK, ROUTES
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -42,20 +41,7 @@ cpu_megatron = _suite.cpu_megatron
 @pytest.fixture(scope="module")
 def rollouts(server):
     """Three trajectories' token ids and the server's routes for them."""
-    rng = np.random.default_rng(40)
-    prompts = [rng.integers(len(SPECIALS), QWEN3.vocab_size, size=n).tolist() for n in (9, 45, 90)]
-    params = {"max_tokens": 10, "temperature": 1.0, "ignore_eos": True}
-
-    async def run():
-        async with RemoteGenerateClient(
-            server.url, server="vllm-openai", num_layers=QWEN3.layers, topk=QWEN3.topk
-        ) as c:
-            return await asyncio.gather(
-                *(c.generate(p, params, return_routed_experts=True, model="tiny") for p in prompts)
-            )
-
-    results = asyncio.run(run())
-    return [p + list(r.response_ids) for p, r in zip(prompts, results)], [r.routed_experts for r in results]
+    return served_rollouts(server.url, (9, 45, 90), seed=40)
 
 
 def microbatches(tokens, routes):

@@ -11,14 +11,12 @@ perturbed router, without replay, picks other experts.
 
 from __future__ import annotations
 
-import asyncio
-
-import numpy as np
 import pytest
 import torch
 
 from tests.engines.checkpoints import QWEN3, SPECIALS, load
-from torch_r3 import RemoteGenerateClient, collate_routes
+from tests.engines.workload import served_rollouts
+from torch_r3 import collate_routes
 from torch_r3.keys import ROUTER_MASK, ROUTES
 from torch_r3.transformers import ReplayHook
 
@@ -31,20 +29,7 @@ PERTURBED = 2  # the layer whose router the perturbation test changes
 @pytest.fixture(scope="module")
 def rollouts(server):
     """Four trajectories' token ids and the server's routes for them (one request each, batched)."""
-    rng = np.random.default_rng(20)
-    prompts = [rng.integers(len(SPECIALS), QWEN3.vocab_size, size=n).tolist() for n in (12, 30, 75, 110)]
-    params = {"max_tokens": 10, "temperature": 1.0, "ignore_eos": True}
-
-    async def run():
-        async with RemoteGenerateClient(
-            server.url, server="vllm-openai", num_layers=QWEN3.layers, topk=QWEN3.topk
-        ) as c:
-            return await asyncio.gather(
-                *(c.generate(p, params, return_routed_experts=True, model="tiny") for p in prompts)
-            )
-
-    results = asyncio.run(run())
-    return [p + list(r.response_ids) for p, r in zip(prompts, results)], [r.routed_experts for r in results]
+    return served_rollouts(server.url, (12, 30, 75, 110), seed=20)
 
 
 def batch_of(tokens, routes):

@@ -21,7 +21,7 @@ import numpy as np
 from tests.engines.checkpoints import QWEN3, SPECIALS
 from torch_r3 import RemoteGenerateClient
 
-__all__ = ["Served", "run_workload"]
+__all__ = ["Served", "run_workload", "served_rollouts"]
 
 SAMPLED = {"max_tokens": 8, "temperature": 1.0, "ignore_eos": True}
 GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
@@ -83,3 +83,20 @@ def run_workload(url: str, health: Any, *, seed: int = 30) -> list[Served]:
         return out
 
     return asyncio.run(run())
+
+
+def served_rollouts(url: str, lengths: tuple[int, ...], *, seed: int) -> tuple[list[list[int]], list[Any]]:
+    """One batched request per prompt of each length to the server at `url`: each trajectory's
+    token ids (prompt then the 10 sampled tokens) and the routes the server returned for it."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(len(SPECIALS), QWEN3.vocab_size, size=n).tolist() for n in lengths]
+    params = {"max_tokens": 10, "temperature": 1.0, "ignore_eos": True}
+
+    async def run() -> list[Any]:
+        async with RemoteGenerateClient(url, server="vllm-openai", num_layers=QWEN3.layers, topk=QWEN3.topk) as c:
+            return await asyncio.gather(
+                *(c.generate(p, params, return_routed_experts=True, model="tiny") for p in prompts)
+            )
+
+    results = asyncio.run(run())
+    return [p + list(r.response_ids) for p, r in zip(prompts, results)], [r.routed_experts for r in results]

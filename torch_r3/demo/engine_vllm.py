@@ -33,7 +33,7 @@ from torch_r3 import RoutedExpertTrace
 from torch_r3.demo.common import DemoConfig, DemoError, progress, rollout_inputs
 from torch_r3.inprocess import vllm_results
 
-__all__ = ["DTYPES", "ENGINE_ENV", "available", "require_vllm", "rollout"]
+__all__ = ["DTYPES", "ENGINE_ENV", "available", "close_llm", "require_vllm", "rollout"]
 
 #: `--engine-dtype` choices: what vLLM computes in.
 DTYPES = ("bfloat16", "float32")
@@ -98,14 +98,20 @@ def _engine(path: str, cfg: DemoConfig, dtype: str, quiet: bool):
     try:
         yield llm
     finally:
-        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-        if core is not None:
-            core.shutdown()
+        close_llm(llm)
         del llm
-        gc.collect()
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-        cleanup_dist_env_and_memory()
+
+def close_llm(llm: Any) -> None:
+    """Shut `llm`'s engine down and free vLLM's process-wide state (its torch.distributed group included)."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        core.shutdown()
+    del core
+    gc.collect()
+    cleanup_dist_env_and_memory()
 
 
 def _rollouts(llm: Any, cfg: DemoConfig, quiet: bool) -> list[dict[str, Any]]:
