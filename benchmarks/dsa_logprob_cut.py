@@ -19,9 +19,9 @@ import copy
 
 import torch
 
-from torch_r3.indexer.collate import SELECTIONS
-from torch_r3.indexer.transformers import DSAReplayHook, IndexerReplayHook
+from torch_r3.collate.selections import SELECTIONS
 from torch_r3.transformers import ReplayHook
+from torch_r3.transformers.indexer import DSAReplayHook, IndexerReplayHook
 
 
 def build(family: str, topk: int, seed: int) -> torch.nn.Module:

@@ -125,7 +125,7 @@ def engine_rounds(model_dir: Path, capture: bool, batches: list[list[list[int]]]
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from torch_r3.inprocess import vllm_results
+    from torch_r3.rollout.inprocess import vllm_results
 
     t0 = time.perf_counter()
     llm = LLM(model=str(model_dir), skip_tokenizer_init=True, enable_return_routed_experts=capture, **ENGINE)
@@ -249,9 +249,9 @@ def decode_times(bodies: list[bytes], prompts_sent: list[list[int]], repeats: in
     """Median seconds per body of each path, over `repeats` interleaved passes over every body."""
     import pybase64
 
-    from torch_r3.protocols import PROTOCOLS
-    from torch_r3.protocols.base import GenerateCall, RouteLimits
-    from torch_r3.protocols.spans import parse_body
+    from torch_r3.rollout.protocols import PROTOCOLS
+    from torch_r3.rollout.protocols.base import GenerateCall, RouteLimits
+    from torch_r3.rollout.protocols.spans import parse_body
 
     protocol = PROTOCOLS["vllm-openai"]
     limits = RouteLimits(max_bytes=1 << 30, num_layers=LAYERS, topk=TOPK, num_experts=EXPERTS)

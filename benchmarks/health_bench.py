@@ -34,8 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from torch_r3.codec import decode_sglang_routes, decode_vllm_routes
-from torch_r3.health import DEFAULT_REMEMBER_BLOCKS, RouteHealthCheck
+from torch_r3.health.check import DEFAULT_REMEMBER_BLOCKS, RouteHealthCheck
+from torch_r3.rollout.codec import decode_sglang_routes, decode_vllm_routes
 
 # (name, hidden layers, experts, top-k): every hidden layer is sent (dense ones zero).
 SHAPES = [

@@ -38,10 +38,10 @@ import torch
 
 from torch_r3 import BufferPool, Memory
 from torch_r3.bench.strategies import parallel_copy
+from torch_r3.collate.selections import SELECTIONS, collate_selections
 from torch_r3.cpu import pool_workers
 from torch_r3.indexer import IndexerSelections
-from torch_r3.indexer.collate import SELECTIONS, collate_selections
-from torch_r3.indexer.wire import decode_sglang_indexer_topk
+from torch_r3.rollout.selections_wire import decode_sglang_indexer_topk
 from torch_r3.testing.indexer import IndexerLM
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@
 4. The same for the transformers hook: forward and backward of a tiny
    Qwen3-MoE (the demo's shape) inside `hook.replay(batch)`, expert load off and on.
 5. Collation: whether the collators can reach the expert-load code at all (they
-   cannot: `torch_r3.collate` and `torch_r3.shard` never import `torch_r3.replay`),
+   cannot: `torch_r3.collate` and `torch_r3.collate.shard` never import `torch_r3.replay`),
    so the collation figures of `torch-r3 bench` hold with expert load on or off.
 
 Usage: python benchmarks/replay_overhead.py [--repeat 7] [--threads 1] [--only megatron|transformers|...]
@@ -265,7 +265,7 @@ def collation_reaches_no_stats() -> None:
     code = (
         "import sys, numpy as np, torch_r3\n"
         "from torch_r3 import R3Collator\n"
-        "import torch_r3.shard\n"
+        "import torch_r3.collate.shard\n"
         "rng = np.random.default_rng(0)\n"
         "samples = [{'input_ids': list(range(1, 9)), "
         "'routes': np.argsort(rng.random((7, 2, 8)), -1)[..., :2].astype(np.uint8)} for _ in range(2)]\n"

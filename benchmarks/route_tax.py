@@ -42,11 +42,11 @@ import numpy as np
 
 from benchmarks.health_bench import router_like
 from torch_r3 import RemoteGenerateResult, RoutedExpertTrace, ShardCollator
-from torch_r3.health import RouteHealthCheck
+from torch_r3.health.check import RouteHealthCheck
 from torch_r3.keys import ROUTES
-from torch_r3.protocols import PROTOCOLS
-from torch_r3.protocols.base import GenerateCall, RouteLimits
-from torch_r3.protocols.spans import parse_body
+from torch_r3.rollout.protocols import PROTOCOLS
+from torch_r3.rollout.protocols.base import GenerateCall, RouteLimits
+from torch_r3.rollout.protocols.spans import parse_body
 
 STAGES = ("parse", "decode", "health", "trace", "collate")
 SGLANG = PROTOCOLS["sglang"]

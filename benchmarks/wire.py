@@ -44,12 +44,11 @@ from typing import Any
 import numpy as np
 import pybase64
 
-from torch_r3 import codec
-from torch_r3._client import base64 as _base64, offload as _offload
 from torch_r3.bench.trust import BUSY_LOAD_PER_CPU, SPREAD_LIMIT
 from torch_r3.cpu import loadavg_1min, usable_cpus
-from torch_r3.protocols import PROTOCOLS
-from torch_r3.protocols.spans import parse_body
+from torch_r3.rollout import _base64, _offload, codec
+from torch_r3.rollout.protocols import PROTOCOLS
+from torch_r3.rollout.protocols.spans import parse_body
 
 MODELS = {"DeepSeek-V3": (61, 256, 8), "Kimi-K2": (61, 384, 8)}
 PATHS = ("memcpy", "simd decode", "simd + narrow", "today", "parse_body", "new", "fallback")

@@ -1,7 +1,7 @@
 """The independent reference of the engine-health checks: whole-array NumPy passes, one per question.
 
 This is the check as torch_r3 0.2 first shipped it (before the packed-word
-passes of `torch_r3._health.scan`): a full boolean `[rows, layers]` zero mask, a
+passes of `torch_r3.health._scan`): a full boolean `[rows, layers]` zero mask, a
 layer-equals-its-first-row pass, a consecutive-rows pass, and a remembered-block
 dictionary looked up once per window with a row hash of its own. It imports
 nothing from `torch_r3`, so the package's findings can be compared with it

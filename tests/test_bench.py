@@ -414,7 +414,7 @@ def test_the_steady_loop_keeps_the_previous_batch_intact_and_matches_the_referen
 
 
 def test_the_dataloader_table_times_every_configuration_and_skips_pinning_without_an_accelerator():
-    from torch_r3._collate.memory import accelerator_available
+    from torch_r3.collate._memory import accelerator_available
 
     config = bench.BenchConfig(num_sequences=6, max_seqlen=40, num_layers=2, topk=2)
     result = bench.run_dataloader(config, batch_size=4, epochs=1)

@@ -383,7 +383,7 @@ def test_a_mapping_the_os_refuses_is_a_memory_error_naming_the_size(monkeypatch)
 
 
 def test_output_memory_is_private_and_hugepage_advised_where_the_kernel_allows():
-    from torch_r3._collate.memory import thp_mode
+    from torch_r3.collate._memory import thp_mode
 
     mode = thp_mode()
     for pool in (BufferPool(), BufferPool(cache_bytes=0)):
@@ -415,7 +415,7 @@ def _smaps_entry(address: int) -> dict:
 def test_a_kernel_that_refuses_the_hugepage_advice_gets_small_pages_not_an_error(monkeypatch):
     import mmap
 
-    from torch_r3._collate import memory as _memory
+    from torch_r3.collate import _memory
 
     class Refusing(mmap.mmap):
         def madvise(self, *args):

@@ -47,12 +47,12 @@ from torch_r3._checks import (
     check_positive,
     check_str,
 )
-from torch_r3.codec import decode_routes, decode_sglang_routes, decode_vllm_routes, encode_routes
+from torch_r3.collate.geometry import padded_length
+from torch_r3.collate.shard import ShardCollator
 from torch_r3.cpu import pool_workers
-from torch_r3.geometry import padded_length
+from torch_r3.rollout.codec import decode_routes, decode_sglang_routes, decode_vllm_routes, encode_routes
+from torch_r3.rollout.trace import RoutedExpertTrace, TokenMetadataTrace
 from torch_r3.routes import canonical_dtype_for
-from torch_r3.shard import ShardCollator
-from torch_r3.trace import RoutedExpertTrace, TokenMetadataTrace
 
 NUMPY_INTS = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
 CANONICAL = (np.dtype(np.uint8), np.dtype(np.int16), np.dtype(np.int32))
@@ -193,7 +193,7 @@ def _raw_text(array: np.ndarray) -> str:
 
 
 def _client_moe_layers(moe_layers: list[Any]) -> Any:
-    from torch_r3.client import RemoteGenerateClient
+    from torch_r3.rollout.client import RemoteGenerateClient
 
     layers = RemoteGenerateClient("http://127.0.0.1:9", num_layers=4, topk=2, moe_layers=moe_layers).moe_layers
     assert all(type(layer) is int for layer in layers)
@@ -201,19 +201,19 @@ def _client_moe_layers(moe_layers: list[Any]) -> Any:
 
 
 def _client(**kwargs: Any) -> Any:
-    from torch_r3.client import RemoteGenerateClient
+    from torch_r3.rollout.client import RemoteGenerateClient
 
     return repr(RemoteGenerateClient("http://127.0.0.1:9", **kwargs).limits)
 
 
 def _client_config(**kwargs: Any) -> Any:
-    from torch_r3.client import RemoteGenerateClient
+    from torch_r3.rollout.client import RemoteGenerateClient
 
     return repr(RemoteGenerateClient("http://127.0.0.1:9", **kwargs).transport_config)
 
 
 def _transport(**kwargs: Any) -> Any:
-    from torch_r3.client import TransportConfig
+    from torch_r3.rollout.client import TransportConfig
 
     return repr(TransportConfig(**kwargs))
 
@@ -397,7 +397,7 @@ def test_a_zero_block_size_is_refused_not_replaced_by_the_default():
 
 
 def _generate(**kwargs: Any) -> Any:
-    from torch_r3.client import RemoteGenerateClient
+    from torch_r3.rollout.client import RemoteGenerateClient
 
     async def main() -> None:
         async with RemoteGenerateClient("http://127.0.0.1:9", retries=0) as client:
@@ -442,7 +442,7 @@ def test_return_routed_experts_takes_a_numpy_bool_and_refuses_an_int():
 )
 @pytest.mark.parametrize("name", ["backoff", "max_backoff", "timeout", "connect_timeout"])
 def test_seconds_follow_the_finite_float_rule_in_the_client_and_its_config(name, value, error):
-    from torch_r3.client import RemoteGenerateClient, TransportConfig
+    from torch_r3.rollout.client import RemoteGenerateClient, TransportConfig
 
     for build in (TransportConfig, lambda **kw: RemoteGenerateClient("http://127.0.0.1:9", **kw).transport_config):
         if error is None:

@@ -258,7 +258,7 @@ def test_demo_on_vllm_refuses_a_server_url_and_the_dsa_variant(capsys):
 
 
 def test_doctor_reports_the_transparent_hugepage_mode(capsys):
-    from torch_r3._collate.memory import read_thp_mode
+    from torch_r3.collate._memory import read_thp_mode
 
     report = cli.doctor_report()
     mode = read_thp_mode()  # this machine's, read independently of the cached value
@@ -272,7 +272,7 @@ def test_doctor_reports_the_transparent_hugepage_mode(capsys):
     "content, mode", [("always [madvise] never\n", "madvise"), ("[always] madvise never", "always"), ("never", None)]
 )
 def test_the_transparent_hugepage_mode_is_the_bracketed_word(tmp_path, content, mode):
-    from torch_r3._collate.memory import THP_ENABLED, read_thp_mode
+    from torch_r3.collate._memory import THP_ENABLED, read_thp_mode
 
     path = tmp_path / THP_ENABLED
     path.parent.mkdir(parents=True)

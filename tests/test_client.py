@@ -19,7 +19,7 @@ import sys
 import numpy as np
 import pytest
 
-from torch_r3.client import RemoteGenerateClient, RemoteGenerateError, RemoteGenerateResult, TransportConfig
+from torch_r3.rollout.client import RemoteGenerateClient, RemoteGenerateError, RemoteGenerateResult, TransportConfig
 from torch_r3.routes import compact_routes
 from torch_r3.testing import LoopbackServer, TinyMoELM
 
@@ -330,7 +330,9 @@ def test_an_unknown_server_is_refused():
         RemoteGenerateClient("http://127.0.0.1:9", server="tgi")
 
 
-@pytest.mark.parametrize("module", ["torch_r3.client", "torch_r3.transport", "torch_r3.protocols.base"])
+@pytest.mark.parametrize(
+    "module", ["torch_r3.rollout.client", "torch_r3.rollout.transport", "torch_r3.rollout.protocols.base"]
+)
 def test_docstring_examples_of_the_client_modules_hold(module):
     import doctest
     import importlib
@@ -364,7 +366,7 @@ def test_the_old_transport_property_is_a_deprecated_alias():
 
 def _rollout_results(url, turns=3, **client_kwargs):
     async def main():
-        from torch_r3.trace import RoutedExpertTrace
+        from torch_r3.rollout.trace import RoutedExpertTrace
 
         trace, conversation, results = RoutedExpertTrace(), [11, 12, 13], []
         async with RemoteGenerateClient(url, **FAST, **client_kwargs) as client:
@@ -384,7 +386,7 @@ def _rollout_results(url, turns=3, **client_kwargs):
 
 
 def test_record_result_records_what_record_does(server):
-    from torch_r3.trace import RoutedExpertTrace
+    from torch_r3.rollout.trace import RoutedExpertTrace
 
     results = _rollout_results(server.url, num_experts=8)
     by_result, by_fields = RoutedExpertTrace(num_experts=8), RoutedExpertTrace(num_experts=8)
@@ -404,7 +406,7 @@ def test_record_result_records_what_record_does(server):
 def test_record_result_trusts_the_clients_check_and_scans_only_for_a_tighter_bound(server):
     import dataclasses
 
-    from torch_r3.trace import RoutedExpertTrace
+    from torch_r3.rollout.trace import RoutedExpertTrace
 
     (prompt_len, checked), *_ = _rollout_results(server.url, turns=1, num_experts=8)
     claimed = dataclasses.replace(checked, routed_experts=np.full_like(checked.routed_experts, 7))

@@ -21,10 +21,10 @@ import pytest
 from aiohttp import web
 
 from tests.http_stub import serve_routes
-from torch_r3.client import RemoteGenerateClient, RemoteGenerateError
-from torch_r3.codec import WireFormatError
-from torch_r3.protocols import PROTOCOLS, GenerateCall, RouteLimits, WeightVersionSpan
-from torch_r3.trace import RoutedExpertTrace
+from torch_r3.rollout.client import RemoteGenerateClient, RemoteGenerateError
+from torch_r3.rollout.codec import WireFormatError
+from torch_r3.rollout.protocols import PROTOCOLS, GenerateCall, RouteLimits, WeightVersionSpan
+from torch_r3.rollout.trace import RoutedExpertTrace
 
 RECORDED = json.loads((Path(__file__).parent / "fixtures" / "divergences.json").read_text())
 PROMPT = RECORDED["prompt"]
@@ -288,5 +288,5 @@ def test_an_ignored_start_is_logged_as_a_fallback(caplog):
     with caplog.at_level(logging.WARNING, logger="torch_r3"):
         parsed = PROTOCOLS["sglang"].parse_response(raw, GenerateCall(PROMPT, {}, True, 2), LIMITS)
     np.testing.assert_array_equal(parsed.routed_experts, ROUTES[2:])
-    [record] = [r for r in caplog.records if r.name.startswith("torch_r3.protocols")]
+    [record] = [r for r in caplog.records if r.name.startswith("torch_r3.rollout.protocols")]
     assert "ignored" in record.getMessage() and "routed_experts_start_len" in record.getMessage()

@@ -18,13 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from torch_r3.client import RemoteGenerateClient, RemoteGenerateError
-from torch_r3.protocols import SERVERS
+from torch_r3.rollout.client import RemoteGenerateClient, RemoteGenerateError
+from torch_r3.rollout.protocols import SERVERS
+from torch_r3.rollout.trace import RoutedExpertTrace
 from torch_r3.routes import compact_routes
 from torch_r3.testing import LoopbackServer, TinyMoELM
-from torch_r3.trace import RoutedExpertTrace
 
-pytestmark = pytest.mark.filterwarnings("error::torch_r3.client.ZeroRoutesWarning")
+pytestmark = pytest.mark.filterwarnings("error::torch_r3.rollout.client.ZeroRoutesWarning")
 
 # What not every server does: SkyRL reports no weight version; Megatron has no cache salt and no
 # route start (every row comes back each turn) and reports integer epochs (tests/test_client_megatron.py).

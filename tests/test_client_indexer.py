@@ -8,8 +8,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from torch_r3.client import RemoteGenerateClient, RemoteGenerateError
 from torch_r3.indexer import IndexerSelections
+from torch_r3.rollout.client import RemoteGenerateClient, RemoteGenerateError
 from torch_r3.testing import LoopbackServer, TinyMoELM
 
 pytest.importorskip("transformers")

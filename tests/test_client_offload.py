@@ -19,10 +19,10 @@ import pytest
 from aiohttp import web
 
 from tests.http_stub import serve_routes
-from torch_r3._client import offload as _offload
-from torch_r3.client import RemoteGenerateClient
-from torch_r3.health import RouteHealthCheck, RouteHealthError, RouteHealthWarning
-from torch_r3.protocols import PROTOCOLS
+from torch_r3.health.check import RouteHealthCheck, RouteHealthError, RouteHealthWarning
+from torch_r3.rollout import _offload
+from torch_r3.rollout.client import RemoteGenerateClient
+from torch_r3.rollout.protocols import PROTOCOLS
 
 LAYERS, TOPK = 4, 2
 

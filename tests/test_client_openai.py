@@ -20,7 +20,7 @@ import pytest
 from tests import http_stub
 from torch_r3 import RemoteGenerateClient, RoutedExpertTrace
 from torch_r3.errors import RemoteGenerateError
-from torch_r3.health import RouteHealthError
+from torch_r3.health.check import RouteHealthError
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "vllm_openai.json").read_text())
 

@@ -23,10 +23,10 @@ import pytest
 from aiohttp import web
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from torch_r3.client import RemoteGenerateClient, RemoteGenerateError, ZeroRoutesWarning
-from torch_r3.codec import WireFormatError
-from torch_r3.health import RouteHealthCheck, RouteHealthError
-from torch_r3.protocols import PROTOCOLS, GenerateCall, RouteLimits
+from torch_r3.health.check import RouteHealthCheck, RouteHealthError
+from torch_r3.rollout.client import RemoteGenerateClient, RemoteGenerateError, ZeroRoutesWarning
+from torch_r3.rollout.codec import WireFormatError
+from torch_r3.rollout.protocols import PROTOCOLS, GenerateCall, RouteLimits
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CASES = {server: json.loads((FIXTURES / f"{server}_generate.json").read_text()) for server in ("sglang", "vllm")}

@@ -19,7 +19,7 @@ import pytest
 from tests import http_stub
 from torch_r3 import RoutedExpertTrace
 from torch_r3.errors import RemoteGenerateError
-from torch_r3.health import RouteHealthError
+from torch_r3.health.check import RouteHealthError
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "sglang_openai.json").read_text())
 SHAPE = {"num_layers": FIXTURE["num_layers"], "topk": FIXTURE["topk"]}

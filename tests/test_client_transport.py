@@ -22,10 +22,10 @@ import pytest
 from aiohttp import web
 
 from tests.http_stub import serve_routes
-from torch_r3.client import RemoteGenerateClient, RemoteGenerateError, TransportConfig
-from torch_r3.codec import encode_routes
-from torch_r3.protocols.native import GENERATE_PATH
-from torch_r3.transport import parse_retry_after
+from torch_r3.rollout.client import RemoteGenerateClient, RemoteGenerateError, TransportConfig
+from torch_r3.rollout.codec import encode_routes
+from torch_r3.rollout.protocols.native import GENERATE_PATH
+from torch_r3.rollout.transport import parse_retry_after
 
 FAST = {"retries": 3, "backoff": 0.01, "max_backoff": 0.05, "timeout": 20.0}
 
@@ -198,7 +198,7 @@ def test_retries_are_logged_on_the_torch_r3_transport_logger(caplog):
 
     with caplog.at_level(logging.DEBUG, logger="torch_r3"):
         generate_result(handler)
-    retries = [r for r in caplog.records if r.name == "torch_r3.transport" and "retry" in r.getMessage()]
+    retries = [r for r in caplog.records if r.name == "torch_r3.rollout.transport" and "retry" in r.getMessage()]
     assert len(retries) == 2 and all(r.levelno == logging.WARNING for r in retries)
     assert "HTTP 503: busy" in retries[0].getMessage() and GENERATE_PATH in retries[0].getMessage()
 

@@ -2,7 +2,7 @@
 
 The private-name rule: a name that starts with one underscore (and is not a dunder) belongs
 to the module that defines it. Another module of the package may import a private *module*
-(`from torch_r3 import _extras`, `import torch_r3._collate.memory as memory`) and use its public
+(`from torch_r3 import _extras`, `import torch_r3.collate._memory as memory`) and use its public
 names, but it never reaches a private *name* of another module: neither
 `from torch_r3.a import _b` nor `a._b` on a module it imported. A private name that is
 itself a module (`torch_r3.testing._wire`) counts as a module.
@@ -141,7 +141,7 @@ def test_deprecations_fail_the_suite_unless_a_third_party_one_is_filtered_by_nam
             assert message or module, f"{entry!r} ignores a whole category; name the module or the message"
     # The filters are in force in every test: one attributed to our code raises, Megatron's does not.
     with pytest.raises(DeprecationWarning, match="ours"):
-        warnings.warn_explicit("ours", DeprecationWarning, "codec.py", 1, module="torch_r3.codec")
+        warnings.warn_explicit("ours", DeprecationWarning, "codec.py", 1, module="torch_r3.rollout.codec")
     with pytest.raises(FutureWarning, match="ours"):
         warnings.warn_explicit("ours", FutureWarning, "collate.py", 1, module="torch_r3.collate")
     with warnings.catch_warnings(record=True) as seen:
@@ -256,7 +256,7 @@ def test_no_module_of_the_package_is_part_of_an_import_cycle():
 
 
 # The top level of the package holds its public modules and subpackages (private helpers live
-# beside the capability they serve: torch_r3/_collate/ for the collation kernel, torch_r3/_client/
+# beside the capability they serve: torch_r3/collate/ for the collation kernel, torch_r3/rollout/
 # for the codec, client, trace and health check). These private modules stay, each for its reason:
 TOP_LEVEL_PRIVATE = {
     "_checks": "the argument rules every capability checks its callers' arguments by: one rule per kind of "
@@ -277,7 +277,7 @@ def test_the_top_level_holds_only_public_modules_subpackages_and_the_named_excep
     modules = [name for name in private if name not in packages]
     assert modules == sorted(TOP_LEVEL_PRIVATE), (
         f"private modules at the top level of torch_r3/: {modules}; move each beside the capability it serves "
-        f"(a private subpackage such as torch_r3/_collate/) or name it in TOP_LEVEL_PRIVATE with the reason"
+        f"(a private subpackage such as torch_r3/collate/) or name it in TOP_LEVEL_PRIVATE with the reason"
     )
     for name in TOP_LEVEL_PRIVATE:  # an exception is one because several capabilities use it
         users = {

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from torch_r3 import check_expert_ids
-from torch_r3.codec import (
+from torch_r3.rollout.codec import (
     WireFormatError,
     base64_decoded_length,
     decode_npy,
@@ -444,9 +444,9 @@ def test_decode_npy_is_a_read_only_view_that_matches_numpy_load():
 def test_codec_docstring_examples_run():
     import doctest
 
-    import torch_r3.codec
+    import torch_r3.rollout.codec
 
-    result = doctest.testmod(torch_r3.codec, optionflags=doctest.NORMALIZE_WHITESPACE)
+    result = doctest.testmod(torch_r3.rollout.codec, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0 and result.attempted >= 6
 
 

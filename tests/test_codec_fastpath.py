@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from torch_r3._client import base64 as _base64
-from torch_r3.codec import WireFormatError, decode_routes, decode_sglang_routes, decode_vllm_routes
+from torch_r3.rollout import _base64
+from torch_r3.rollout.codec import WireFormatError, decode_routes, decode_sglang_routes, decode_vllm_routes
 from torch_r3.routes import compact_routes
 
 DECODERS = ("pybase64", "binascii", "reference")
@@ -226,8 +226,8 @@ def test_body_to_routes_holds_no_more_than_the_output_one_chunk_and_the_parsed_r
     import json
     import tracemalloc
 
-    from torch_r3.protocols import PROTOCOLS
-    from torch_r3.protocols.spans import parse_body
+    from torch_r3.rollout.protocols import PROTOCOLS
+    from torch_r3.rollout.protocols.spans import parse_body
 
     routes = np.random.default_rng(0).integers(0, 256, (20_000, 61, 8))  # 39 MB of int32
     if server == "sglang":

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
-from torch_r3.codec import (
+from torch_r3.rollout.codec import (
     WireFormatError,
     base64_decoded_length,
     decode_npy,

@@ -13,9 +13,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch.utils.data import DataLoader
 
-import torch_r3._collate.buffers
-import torch_r3._collate.filler
-import torch_r3._collate.pool as pool_mod
+import torch_r3.collate._buffers
+import torch_r3.collate._filler
+import torch_r3.collate._pool as pool_mod
 import torch_r3.keys
 from tests.reference_collate import (
     ROUTE_DTYPES as ORDER,
@@ -622,7 +622,7 @@ def test_uint64_token_ids_below_2_63_are_collated():
     assert_batch_equal(got, reference_collator(samples))
 
 
-@pytest.mark.parametrize("module", [torch_r3._collate.buffers, torch_r3._collate.filler, torch_r3.keys])
+@pytest.mark.parametrize("module", [torch_r3.collate._buffers, torch_r3.collate._filler, torch_r3.keys])
 def test_docstring_examples_of_the_modules_collate_uses_hold(module):
     # doctest.testmod(torch_r3.collate) skips names it only imports, such as padding_rows.
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)

@@ -265,6 +265,6 @@ def _first_column(page: Path, header: str) -> list[str]:
     ],
 )
 def test_every_server_table_lists_every_protocol_the_client_and_loopback_take(page, header):
-    from torch_r3.protocols import PROTOCOLS
+    from torch_r3.rollout.protocols import PROTOCOLS
 
     assert sorted(_first_column(ROOT / page, header)) == sorted(PROTOCOLS)

@@ -154,7 +154,7 @@ RUNNER = textwrap.dedent(
         # captured row a page collates is checked, and every array it compacts.
         import functools
         import numpy as np
-        import torch_r3, torch_r3.collate, torch_r3.routes, torch_r3.shard
+        import torch_r3, torch_r3.collate, torch_r3.routes, torch_r3.collate.shard
 
         def check(routes, where):
             a = np.asarray(routes)

@@ -18,7 +18,7 @@ import pytest
 
 from tests.samples import router_routes
 from torch_r3 import RoutedExpertTrace, compact_routes
-from torch_r3.health import (
+from torch_r3.health.check import (
     RouteHealthCheck,
     RouteHealthError,
     RouteHealthWarning,

@@ -17,7 +17,7 @@ import pytest
 
 from tests.reference_health import ReferenceHealth
 from tests.samples import router_routes
-from torch_r3.health import RouteHealthCheck
+from torch_r3.health.check import RouteHealthCheck
 
 
 def damage(rng: np.random.Generator, routes: np.ndarray, earlier: list[np.ndarray]) -> np.ndarray:

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from torch_r3.health import RouteHealthCheck, RouteHealthError
+from torch_r3.health.check import RouteHealthCheck, RouteHealthError
 
 pytest.importorskip(
     "transformers", reason="the reference forward needs transformers: pip install 'torch_r3[transformers]'"

@@ -16,9 +16,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.reference_selections import FILL, random_capture
-from torch_r3.indexer import IndexerSelections, checks
-from torch_r3.indexer.checks import check_selection_values
-from torch_r3.indexer.collate import SELECTION_MASK, SELECTIONS, collate_selections
+from torch_r3.collate.selections import SELECTION_MASK, SELECTIONS, collate_selections
+from torch_r3.indexer import IndexerSelections
+from torch_r3.replay import selection_checks as checks
+from torch_r3.replay.selection_checks import check_selection_values
 
 
 class TorchBytes(TorchDispatchMode):

@@ -9,8 +9,8 @@ import torch
 
 from tests.reference_selections import random_capture, reference_collate
 from torch_r3 import Memory, Packed, Padded
+from torch_r3.collate.selections import SELECTION_MASK, SELECTIONS, collate_selections
 from torch_r3.indexer import IndexerSelections
-from torch_r3.indexer.collate import SELECTION_MASK, SELECTIONS, collate_selections
 
 KEYS = (SELECTIONS, SELECTION_MASK)
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import torch_r3._collate.pool as pool_mod
-import torch_r3.indexer.collate as collate_mod
-import torch_r3.indexer.encoding as encoding_mod
+import torch_r3.collate._pool as pool_mod
+import torch_r3.collate.selections as collate_mod
+import torch_r3.selections as encoding_mod
 from tests.reference_selections import FILL, random_capture, reference_collate, sorted_rows
 from torch_r3 import Memory
 from torch_r3.indexer import IndexerSelections, collate_selections

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from tests.reference_selections import expected_nbytes, random_capture, sorted_rows
-from torch_r3.codec import WireFormatError
 from torch_r3.indexer import IndexerSelections, SelectionEncoder
-from torch_r3.indexer.wire import decode_sglang_indexer_topk
+from torch_r3.rollout.codec import WireFormatError
+from torch_r3.rollout.selections_wire import decode_sglang_indexer_topk
 
 
 @pytest.mark.parametrize("style", ["uniform", "local"])
@@ -117,7 +117,7 @@ def _b64(dense):
 
 def test_sglang_payload_decodes_to_the_same_selections_in_bounded_steps(monkeypatch):
     dense = random_capture(np.random.default_rng(7), 90, 3, 8, share=(2,))
-    import torch_r3.indexer.wire as wire
+    import torch_r3.rollout.selections_wire as wire
 
     monkeypatch.setattr(wire, "_STEP_CHARS", 4 * 37)  # many steps, none aligned to a row
     sel = decode_sglang_indexer_topk({"meta_info": {"indexer_topk": _b64(dense)}}, num_layers=3, index_topk=8)

@@ -25,8 +25,8 @@ import pytest
 
 from tests.vllm_release import release_output
 from torch_r3 import RoutedExpertTrace
-from torch_r3.health import RouteHealthError
-from torch_r3.inprocess import VLLMOutputCollector, collect_vllm_stream, vllm_results
+from torch_r3.health.check import RouteHealthError
+from torch_r3.rollout.inprocess import VLLMOutputCollector, collect_vllm_stream, vllm_results
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "vllm_inprocess.json").read_text())
 CASES = FIXTURE["cases"]
@@ -285,7 +285,7 @@ def test_wrong_shapes_and_objects_are_refused():
 
 def test_import_torch_r3_and_its_engine_adapters_import_no_engine():
     code = (
-        "import sys, torch_r3, torch_r3.inprocess, torch_r3.health, torch_r3.protocols\n"
+        "import sys, torch_r3, torch_r3.rollout.inprocess, torch_r3.health, torch_r3.rollout.protocols\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'sglang', 'megatron', 'aiohttp'))\n"
         "assert not bad, bad\n"
     )

@@ -202,11 +202,11 @@ OPTIONAL = ("aiohttp", "megatron", "ray", "transformers")
 CORE_IMPORTS = (
     "import torch_r3",
     "torch_r3.collate_routes, torch_r3.decode_routes",  # an eager name and a lazy one of the codec
-    "import torch_r3.codec, torch_r3.trace, torch_r3.distributed, torch_r3.cpu",
+    "import torch_r3.rollout.codec, torch_r3.rollout.trace, torch_r3.distributed, torch_r3.cpu",
 )
 PARTS = {  # statement -> (what is missing, the extra that installs it)
     "import torch_r3.megatron": ("megatron-core", "megatron"),
-    "import torch_r3.client": ("aiohttp", "client"),
+    "import torch_r3.rollout.client": ("aiohttp", "client"),
     "from torch_r3 import RemoteGenerateClient": ("aiohttp", "client"),
     "import torch_r3.testing": ("aiohttp", "testing"),
     "import torch_r3.ray": ("ray", "ray"),
@@ -217,7 +217,7 @@ import json, sys
 report = {{}}
 for statement in {CORE_IMPORTS!r}:
     exec(statement)
-report["core"] = sorted(m for m in {(*OPTIONAL, "torch_r3.client")!r} if m in sys.modules)
+report["core"] = sorted(m for m in {(*OPTIONAL, "torch_r3.rollout.client")!r} if m in sys.modules)
 from torch_r3 import cli
 cli.doctor_report()
 report["doctor"] = sorted(m for m in {(*OPTIONAL, "torch_r3.bench")!r} if m in sys.modules)

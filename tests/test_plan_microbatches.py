@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-import torch_r3.shard
+import torch_r3.collate.shard
 from torch_r3 import plan_microbatches
 
 
@@ -111,8 +111,8 @@ def test_the_plan_keeps_its_guarantees_at_scale():
 
 
 def _lines_run(fn) -> int:
-    """Lines of `torch_r3/shard.py` that `fn()` executes: a count of work, independent of the machine."""
-    target = torch_r3.shard.__file__
+    """Lines of `torch_r3/collate/shard.py` that `fn()` executes: a count of work, independent of the machine."""
+    target = torch_r3.collate.shard.__file__
     n = 0
 
     def local(frame, event, arg):

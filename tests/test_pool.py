@@ -1,4 +1,4 @@
-"""The collation kernel's copy threads (`torch_r3._collate.pool`): bounded, shared, and shrinking under steady use."""
+"""The collation kernel's copy threads (`torch_r3.collate._pool`): bounded, shared, and shrinking under steady use."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 import pytest
 
 from torch_r3 import Memory
-from torch_r3._collate import pool as _pool
+from torch_r3.collate import _pool
 from torch_r3.cpu import ENV_NUM_WORKERS
 
 

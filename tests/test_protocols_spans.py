@@ -14,9 +14,9 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from torch_r3.codec import WireFormatError, decode_sglang_routes
-from torch_r3.protocols import PROTOCOLS
-from torch_r3.protocols.spans import MAX_SPANS, parse_body, route_text_bytes
+from torch_r3.rollout.codec import WireFormatError, decode_sglang_routes
+from torch_r3.rollout.protocols import PROTOCOLS
+from torch_r3.rollout.protocols.spans import MAX_SPANS, parse_body, route_text_bytes
 
 SGLANG = (("meta_info", "routed_experts"),)
 CHOICES = (("choices", "*", "routed_experts"),)

@@ -1,7 +1,7 @@
 """The public surface is what the API pages render, no more and no less.
 
 The API reference (`docs/api/*.md`) renders objects with mkdocstrings
-directives: `::: torch_r3.collate_routes` renders one object, `::: torch_r3.codec`
+directives: `::: torch_r3.collate_routes` renders one object, `::: torch_r3.rollout.codec`
 with `members: [...]` renders the module and the listed names, and
 `members: false` only the module's docstring. A module's `__all__` is its
 public surface. These tests hold the two together, for every public module the

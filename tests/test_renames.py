@@ -14,7 +14,7 @@ import torch
 
 import torch_r3
 from torch_r3 import BufferPool, R3Collator, ShardCollator, collate_routes, global_geometry
-from torch_r3.collate import padding_rows
+from torch_r3.collate.collator import padding_rows
 
 ROUTES = [np.arange(12, dtype=np.uint8).reshape(2, 3, 2) % 5, np.ones((1, 3, 2), np.uint8)]
 SAMPLES = [{"input_ids": [1, 2, 3], "routes": ROUTES[0]}, {"input_ids": [4], "routes": ROUTES[1]}]
@@ -77,8 +77,8 @@ def test_geometry_old_names_and_module():
         assert torch_r3.global_layout is global_geometry
     with pytest.deprecated_call(match=r"torch_r3.BatchLayout is deprecated; use torch_r3.BatchGeometry"):
         assert torch_r3.BatchLayout is torch_r3.BatchGeometry
-    layout = importlib.import_module("torch_r3.layout")  # importing the old module is silent; reading warns
-    with pytest.deprecated_call(match=r"torch_r3.layout.global_layout is deprecated"):
+    layout = importlib.import_module("torch_r3.collate.layout")  # importing the old module is silent; reading warns
+    with pytest.deprecated_call(match=r"torch_r3.collate.layout.global_layout is deprecated"):
         assert layout.global_layout is global_geometry
     with pytest.raises(AttributeError):
         layout.nothing_here  # noqa: B018
@@ -91,10 +91,10 @@ def test_padding_rows_takes_the_old_name():
 
 
 def test_the_native_protocol_module_keeps_its_old_name():
-    from torch_r3.protocols import native
+    from torch_r3.rollout.protocols import native
 
-    old = importlib.import_module("torch_r3.protocols.torch_r3")
-    with pytest.deprecated_call(match=r"torch_r3.protocols.torch_r3.GENERATE_PATH is deprecated"):
+    old = importlib.import_module("torch_r3.rollout.protocols.torch_r3")
+    with pytest.deprecated_call(match=r"torch_r3.rollout.protocols.torch_r3.GENERATE_PATH is deprecated"):
         assert old.GENERATE_PATH == native.GENERATE_PATH
 
 

@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 
-from torch_r3.client import RemoteGenerateClient, RemoteGenerateError
+from torch_r3.rollout.client import RemoteGenerateClient, RemoteGenerateError
 from torch_r3.testing import GenerateOutput, LoopbackServer, ServedModel, TinyMoELM
 from torch_r3.testing._engine import PrefixCache
 
@@ -118,9 +118,9 @@ def test_async_mode_runs_on_the_current_loop_and_restarts_on_the_same_port():
 @pytest.mark.parametrize(
     "module",
     [
-        "torch_r3.codec",
-        "torch_r3.trace",
-        "torch_r3.client",
+        "torch_r3.rollout.codec",
+        "torch_r3.rollout.trace",
+        "torch_r3.rollout.client",
         "torch_r3.testing",
         "torch_r3.testing.model",
         "torch_r3.testing.server",
@@ -138,7 +138,7 @@ def test_docstring_examples_run(module):
 # -- the three protocols at the raw HTTP level -----------------------------------
 #
 # Each check below is written from the servers' documented response fields and
-# decodes the payloads with base64/NumPy directly, never with torch_r3.codec, and
+# decodes the payloads with base64/NumPy directly, never with torch_r3.rollout.codec, and
 # compares with the same seeded model run in-process.
 
 PATHS = {"torch_r3": "/v1/generate", "sglang": "/generate", "vllm": "/inference/v1/generate"}
@@ -554,7 +554,7 @@ def _client_call(url, server, *args, **kwargs):
 
 @pytest.mark.parametrize("protocol", ["sglang", "vllm"])
 def test_sglang_and_vllm_report_weight_version_spans_and_the_client_exposes_them(protocol):
-    from torch_r3.protocols import WeightVersionSpan
+    from torch_r3.rollout.protocols import WeightVersionSpan
 
     with LoopbackServer(protocol=protocol) as server:
         _, payload = _post(server.url, PATHS[protocol], _request(protocol, [1, 2, 3], 3))

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tests.samples import router_routes
-from torch_r3.codec import decode_routes, decode_sglang_routes, decode_vllm_routes, encode_routes
-from torch_r3.trace import RoutedExpertTrace, TokenMetadataTrace
+from torch_r3.rollout.codec import decode_routes, decode_sglang_routes, decode_vllm_routes, encode_routes
+from torch_r3.rollout.trace import RoutedExpertTrace, TokenMetadataTrace
 
 
 def _rows(n, value=1, dtype=np.uint8, layers=2, topk=2):
@@ -254,9 +254,9 @@ def test_a_multi_turn_trace_over_each_wire_format_equals_the_whole_conversation(
 def test_trace_docstring_examples_run():
     import doctest
 
-    import torch_r3.trace
+    import torch_r3.rollout.trace
 
-    result = doctest.testmod(torch_r3.trace, optionflags=doctest.NORMALIZE_WHITESPACE)
+    result = doctest.testmod(torch_r3.rollout.trace, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0 and result.attempted >= 8
 
 

@@ -10,9 +10,9 @@ import pytest
 
 from tests.reference_selections import random_capture, sorted_rows
 from torch_r3 import RoutedExpertTrace
-from torch_r3.client import RemoteGenerateClient
 from torch_r3.indexer import IndexerSelections
-from torch_r3.indexer.turns import SelectionTurns
+from torch_r3.rollout.client import RemoteGenerateClient
+from torch_r3.rollout.selections_trace import SelectionTurns
 from torch_r3.testing import LoopbackServer, TinyMoELM
 
 pytest.importorskip("transformers")

@@ -7,7 +7,7 @@ the attributes `RequestOutput` sets, whether `SamplingParams` has
 fields the OpenAI-compatible request, choice and response classes declare. Here each
 release's objects and answers are rebuilt with exactly those attributes and fields,
 holding routes as that release's engine hands them over, and read back through
-`torch_r3.inprocess` and `RemoteGenerateClient(server="vllm-openai")` on 127.0.0.1.
+`torch_r3.rollout.inprocess` and `RemoteGenerateClient(server="vllm-openai")` on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from tests import http_stub
 from tests.vllm_release import release_output
 from torch_r3 import RoutedExpertTrace
 from torch_r3.errors import RemoteGenerateError
-from torch_r3.inprocess import VLLMOutputCollector, vllm_results
+from torch_r3.rollout.inprocess import VLLMOutputCollector, vllm_results
 
 HERE = Path(__file__).parent
 VERSIONS = json.loads((HERE / "fixtures" / "vllm_versions.json").read_text())["versions"]

@@ -1,6 +1,6 @@
 """A `RequestOutput` as a given vLLM release's object, for the in-process reader's version rules.
 
-`torch_r3.inprocess` tells a vLLM that has no `routed_experts_prompt_start`
+`torch_r3.rollout.inprocess` tells a vLLM that has no `routed_experts_prompt_start`
 (before 0.22) by the `__version__` of the `vllm` package that defined the
 output's class. The released wheels' fields are in `tests/fixtures/vllm_versions.json`;
 this gives an output of those fields the class of that release's package.

@@ -15,16 +15,19 @@ import importlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-from torch_r3._collate.buffers import BufferPool
-from torch_r3._deprecation import warn_renamed
+from torch_r3._deprecation import install_module_aliases, warn_renamed
 from torch_r3.collate import R3Collator, collate_routes
-from torch_r3.geometry import BatchGeometry, global_geometry
-from torch_r3.layout import Memory, Packed, Padded, PromptResponse
-from torch_r3.nested import as_nested
+from torch_r3.collate._buffers import BufferPool
+from torch_r3.collate.geometry import BatchGeometry, global_geometry
+from torch_r3.collate.layout import Memory, Packed, Padded, PromptResponse
+from torch_r3.collate.nested import as_nested
+from torch_r3.collate.shard import ShardCollator, plan_microbatches
 from torch_r3.routes import check_expert_ids, compact_routes
-from torch_r3.shard import ShardCollator, plan_microbatches
 
 __version__ = "0.2.0"
+
+# The import paths 0.3.0 moved into the stage folders keep importing for one release, with a warning.
+install_module_aliases()
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())  # silent unless the application configures logging
 
@@ -32,16 +35,16 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())  # silent unless t
 # import never pulls in aiohttp. Like the eager names above, these are the names
 # the guides teach; the rest of each module is reached through its module.
 _LAZY: dict[str, str] = {
-    "encode_routes": "torch_r3.codec",
-    "decode_routes": "torch_r3.codec",
-    "decode_sglang_routes": "torch_r3.codec",
-    "decode_vllm_routes": "torch_r3.codec",
+    "encode_routes": "torch_r3.rollout.codec",
+    "decode_routes": "torch_r3.rollout.codec",
+    "decode_sglang_routes": "torch_r3.rollout.codec",
+    "decode_vllm_routes": "torch_r3.rollout.codec",
     "WireFormatError": "torch_r3.errors",
-    "RoutedExpertTrace": "torch_r3.trace",
-    "RemoteGenerateClient": "torch_r3.client",
-    "RemoteGenerateResult": "torch_r3.client",
+    "RoutedExpertTrace": "torch_r3.rollout.trace",
+    "RemoteGenerateClient": "torch_r3.rollout.client",
+    "RemoteGenerateResult": "torch_r3.rollout.client",
     "RemoteGenerateError": "torch_r3.errors",
-    "ZeroRoutesWarning": "torch_r3.client",
+    "ZeroRoutesWarning": "torch_r3.rollout.client",
 }
 
 # Written out (not built from _LAZY) so that type checkers and linters read the surface.
@@ -94,12 +97,12 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from torch_r3.client import RemoteGenerateClient, RemoteGenerateResult, ZeroRoutesWarning
-    from torch_r3.codec import (
+    from torch_r3.errors import RemoteGenerateError, WireFormatError
+    from torch_r3.rollout.client import RemoteGenerateClient, RemoteGenerateResult, ZeroRoutesWarning
+    from torch_r3.rollout.codec import (
         decode_routes,
         decode_sglang_routes,
         decode_vllm_routes,
         encode_routes,
     )
-    from torch_r3.errors import RemoteGenerateError, WireFormatError
-    from torch_r3.trace import RoutedExpertTrace
+    from torch_r3.rollout.trace import RoutedExpertTrace

@@ -31,7 +31,7 @@ def _version(distribution: str) -> str | None:
 def _accelerator() -> dict[str, Any]:
     import torch
 
-    from torch_r3._collate.memory import accelerator_available
+    from torch_r3.collate._memory import accelerator_available
 
     available = accelerator_available()
     current = torch.accelerator.current_accelerator() if available and hasattr(torch, "accelerator") else None
@@ -63,7 +63,7 @@ def _pinned_memory(accelerator: bool) -> tuple[bool, str]:
 
 
 def _wire() -> dict[str, Any]:
-    from torch_r3._client import base64 as _base64
+    from torch_r3.rollout import _base64
 
     return {"decoder": _base64.decoder(), "note": _base64.describe_decoder()}
 
@@ -134,7 +134,7 @@ def doctor_report() -> dict[str, Any]:
 
 
 def _memory_report() -> dict[str, Any]:
-    from torch_r3._collate.memory import hugepage_size, read_thp_mode
+    from torch_r3.collate._memory import hugepage_size, read_thp_mode
 
     mode = read_thp_mode()
     if mode in ("madvise", "always"):

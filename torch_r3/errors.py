@@ -2,7 +2,7 @@
 
 `WireFormatError` is what every wire decoder raises for malformed data: the
 codec's, the `.npy` reader's, the protocols' and the indexer wire's, all of
-which import it from here (it stays importable from `torch_r3.codec`, as it
+which import it from here (it stays importable from `torch_r3.rollout.codec`, as it
 always was). `RemoteGenerateError` is the client's: the transport raises it for
 every failed request and the client for every answer that breaks its server's
 format; both import it from here, so neither owns the other's error.

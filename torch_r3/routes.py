@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from torch_r3._checks import check_integer_dtype, check_non_negative, check_positive
-from torch_r3.health import RouteHealthCheck, health_check
+from torch_r3.health.check import RouteHealthCheck, health_check
 
 # The rest (the dtype table, `widest`, `as_host_array`) is shared with the
 # codec, trace and collator, not offered to users.

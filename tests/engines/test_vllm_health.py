@@ -11,7 +11,7 @@ import pytest
 
 from tests.engines.checkpoints import QWEN3
 from tests.engines.workload import run_workload
-from torch_r3.health import RouteHealthCheck
+from torch_r3.health.check import RouteHealthCheck
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

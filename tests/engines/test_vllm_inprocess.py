@@ -1,4 +1,4 @@
-"""Routes from in-process vLLM (`vllm.LLM`, `vllm.AsyncLLM`) through `torch_r3.inprocess`.
+"""Routes from in-process vLLM (`vllm.LLM`, `vllm.AsyncLLM`) through `torch_r3.rollout.inprocess`.
 
 Two more checkpoints than the server's: OLMoE (3 layers, 8 experts, top-2) in an `LLM` in this
 process, and a Qwen3-MoE with 320 experts (past 256: vLLM sends `uint16`) in an `AsyncLLM`
@@ -17,7 +17,7 @@ import pytest
 
 from tests.engines.checkpoints import OLMOE, QWEN3_WIDE
 from torch_r3 import RoutedExpertTrace
-from torch_r3.inprocess import collect_vllm_stream, vllm_results
+from torch_r3.rollout.inprocess import collect_vllm_stream, vllm_results
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -134,7 +134,7 @@ def test_vllms_delta_merge_drops_routes_and_the_collector_says_so():
     """vLLM's own merge of pending DELTA outputs (what its AsyncLLM does when the consumer falls behind)."""
     from vllm.outputs import CompletionOutput, RequestOutput
 
-    from torch_r3.inprocess import VLLMOutputCollector
+    from torch_r3.rollout.inprocess import VLLMOutputCollector
 
     routes = np.arange(5 * 3 * 2, dtype=np.uint8).reshape(5, 3, 2) % 8  # 3 + 3 - 1 rows
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from tests.transformers.hf_models import build
+from torch_r3.collate.selections import SELECTION_MASK, SELECTIONS, collate_selections
 from torch_r3.indexer import IndexerSelections
-from torch_r3.indexer.collate import SELECTION_MASK, SELECTIONS, collate_selections
-from torch_r3.indexer.transformers import DSAReplayHook, IndexerReplayHook
 from torch_r3.transformers import ReplayHook
+from torch_r3.transformers.indexer import DSAReplayHook, IndexerReplayHook
 
 FAMILIES = ("deepseek_v32", "glm_moe_dsa")
 LENGTHS = (9, 6)  # left padding in row 1; index_topk is 3, so most rows really select

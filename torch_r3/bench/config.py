@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from torch_r3._checks import check_choice, check_non_negative, check_positive
-from torch_r3._collate.pool import check_workers
-from torch_r3.collate import padded_length
+from torch_r3.collate._pool import check_workers
+from torch_r3.collate.collator import padded_length
 from torch_r3.routes import canonical_dtype_for
 
 __all__ = [

@@ -36,15 +36,15 @@ from torch.utils.data import DataLoader, Dataset
 
 from torch_r3 import R3Collator
 from torch_r3._checks import check_int
-from torch_r3._collate.memory import accelerator_available
 from torch_r3.bench.config import Batch, BenchConfig, make_batch
 from torch_r3.bench.memory import collector_paused
 from torch_r3.bench.results import DataLoaderResult, DataLoaderRow
 from torch_r3.bench.strategies import check_identical, parallel_copy
-from torch_r3.collate import collate_routes, padded_length
+from torch_r3.collate._memory import accelerator_available
+from torch_r3.collate.collator import collate_routes, padded_length
+from torch_r3.collate.layout import Memory
 from torch_r3.cpu import pool_workers
 from torch_r3.keys import ATTENTION_MASK, INPUT_IDS, ROUTER_MASK, ROUTES, SAMPLE_ROUTES
-from torch_r3.layout import Memory
 
 __all__ = [
     "COLLATORS",

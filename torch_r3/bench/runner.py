@@ -377,7 +377,7 @@ def run(
         bar.close()
     points = sorted(swept + [main], key=lambda r: r.config["num_sequences"]) if run_plan.sweep else []
     from torch_r3 import __version__
-    from torch_r3._collate.memory import thp_mode
+    from torch_r3.collate._memory import thp_mode
 
     result = BenchResult(
         main=main,

@@ -51,10 +51,10 @@ import torch
 from torch_r3 import BufferPool
 from torch_r3._checks import check_choice, check_positive
 from torch_r3.bench.config import TORCH_DTYPES, Batch
-from torch_r3.collate import collate_routes
+from torch_r3.collate.collator import collate_routes
+from torch_r3.collate.layout import Memory
 from torch_r3.cpu import pool_workers
 from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS, ROUTER_MASK, ROUTES
-from torch_r3.layout import Memory
 
 __all__ = [
     "FLOORS",

@@ -155,7 +155,7 @@ class SampledServedModel(ServedModel):
 
 async def check_server(url: str, cfg: DemoConfig, retries: int) -> None:
     """Stop before any rollout when the server is unreachable or serves another model."""
-    from torch_r3.client import RemoteGenerateClient, RemoteGenerateError
+    from torch_r3.rollout.client import RemoteGenerateClient, RemoteGenerateError
 
     async with RemoteGenerateClient(url, retries=retries, backoff=0.05, max_backoff=0.5, timeout=60) as client:
         try:
@@ -182,7 +182,7 @@ def rollout_inputs(cfg: DemoConfig) -> tuple[list[list[int]], list[list[list[int
 
 async def rollout(url: str, cfg: DemoConfig, retries: int, quiet: bool) -> list[dict[str, Any]]:
     """Multi-turn rollouts; each trajectory's routes cross the wire once per row."""
-    from torch_r3.client import RemoteGenerateClient, RemoteGenerateError
+    from torch_r3.rollout.client import RemoteGenerateClient, RemoteGenerateError
 
     prompts, observations = rollout_inputs(cfg)
     done = 0

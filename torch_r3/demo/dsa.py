@@ -39,10 +39,10 @@ import numpy as np
 import torch
 
 from torch_r3 import R3Collator, RoutedExpertTrace
+from torch_r3.collate.layout import Padded
 from torch_r3.demo.common import DemoConfig, DemoError, SampledServedModel, progress
 from torch_r3.indexer import SELECTION_MASK, SELECTIONS, collate_selections
 from torch_r3.keys import ATTENTION_MASK, ROUTES
-from torch_r3.layout import Padded
 
 __all__ = ["DSA_RUNS", "DSAConfig", "format_dsa_report", "run_dsa"]
 
@@ -110,7 +110,7 @@ class DSAServedModel(SampledServedModel):
     """The bf16 DSA model behind the loopback server: routes for `routed_experts`, selections for `indexer_topk`."""
 
     def __init__(self, model: torch.nn.Module, cfg: DSAConfig) -> None:
-        from torch_r3.indexer.transformers import DSAReplayHook
+        from torch_r3.transformers.indexer import DSAReplayHook
 
         self.model = model
         self.cfg = cfg.sampling()
@@ -140,7 +140,7 @@ class DSAServedModel(SampledServedModel):
 
 async def rollout(url: str, cfg: DSAConfig, quiet: bool) -> list[dict[str, Any]]:
     """Multi-turn rollouts: routes once per row, indexer selections (resent each turn) checked by the trace."""
-    from torch_r3.client import RemoteGenerateClient, RemoteGenerateError
+    from torch_r3.rollout.client import RemoteGenerateClient, RemoteGenerateError
 
     rng = np.random.default_rng(cfg.seed)
 
@@ -207,8 +207,8 @@ def collate(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
 
 def measure(model: torch.nn.Module, batch: dict[str, torch.Tensor], run: str) -> dict[str, Any]:
     """One forward/backward with the run's replay: the log-prob gap and the selections the indexers used."""
-    from torch_r3.indexer.transformers import DSAReplayHook, IndexerReplayHook
     from torch_r3.transformers.hook import ReplayHook
+    from torch_r3.transformers.indexer import DSAReplayHook, IndexerReplayHook
 
     model.zero_grad(set_to_none=True)
     hook: Any = {"without_replay": None, "routes_only": ReplayHook, "routes_and_selections": DSAReplayHook}[run]

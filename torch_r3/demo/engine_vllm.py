@@ -7,7 +7,7 @@ In place of the loopback server, the same multi-turn rollouts come from
 `enable_return_routed_experts=True`, token-id prompts and no tokenizer. Each
 turn is one `LLM.generate` over every trajectory; each request asks only for
 the rows its trace does not hold yet (`SamplingParams.routed_experts_prompt_start`,
-vLLM 0.22+), and `torch_r3.inprocess.vllm_results` reads the outputs, which
+vLLM 0.22+), and `torch_r3.rollout.inprocess.vllm_results` reads the outputs, which
 `RoutedExpertTrace.record_result` stitches together. The training side is the
 transformers demo's, unchanged.
 
@@ -31,7 +31,7 @@ import numpy as np
 
 from torch_r3 import RoutedExpertTrace
 from torch_r3.demo.common import DemoConfig, DemoError, progress, rollout_inputs
-from torch_r3.inprocess import vllm_results
+from torch_r3.rollout.inprocess import vllm_results
 
 __all__ = ["DTYPES", "ENGINE_ENV", "available", "close_llm", "require_vllm", "rollout"]
 

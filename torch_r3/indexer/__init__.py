@@ -5,14 +5,14 @@ beside the MoE router: each attention layer's lightning indexer picks the
 `index_topk` earlier positions the token attends to. This package carries those
 selections the way `torch_r3` carries routes:
 
-* `IndexerSelections` (`torch_r3.indexer.encoding`): one trajectory's
+* `IndexerSelections` (`torch_r3.selections`): one trajectory's
   selections in compact form;
-* `decode_sglang_indexer_topk` (`torch_r3.indexer.wire`): SGLang's
+* `decode_sglang_indexer_topk` (`torch_r3.rollout.selections_wire`): SGLang's
   `meta_info.indexer_topk`, bounded before allocating, streamed into that form;
-* `collate_selections` (`torch_r3.indexer.collate`): a batch's selections in
+* `collate_selections` (`torch_r3.collate.selections`): a batch's selections in
   the padded or packed layout, positions shifted to batch coordinates;
-* the checks every replay makes (`torch_r3.indexer.checks`), and the
-  `transformers` hooks (`torch_r3.indexer.transformers`, which alone imports
+* the checks every replay makes (`torch_r3.replay.selection_checks`), and the
+  `transformers` hooks (`torch_r3.transformers.indexer`, which alone imports
   `transformers`).
 
 Examples:
@@ -26,9 +26,9 @@ Examples:
 
 from __future__ import annotations
 
-from torch_r3.indexer.collate import SELECTION_MASK, SELECTIONS, collate_selections
-from torch_r3.indexer.encoding import FILL, IndexerSelections, SelectionEncoder
-from torch_r3.indexer.wire import decode_sglang_indexer_topk
+from torch_r3.collate.selections import SELECTION_MASK, SELECTIONS, collate_selections
+from torch_r3.rollout.selections_wire import decode_sglang_indexer_topk
+from torch_r3.selections import FILL, IndexerSelections, SelectionEncoder
 
 __all__ = [
     "FILL",

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from megatron.core import parallel_state
 
-from torch_r3.indexer.encoding import FILL
 from torch_r3.megatron.slicing import context_parallel_positions, sequence_parallel_positions
 from torch_r3.replay.modes import check_uncaptured
+from torch_r3.selections import FILL
 
 __all__ = [
     "DSA_MODULE",

@@ -48,9 +48,7 @@ from typing import Any
 import torch
 from megatron.core import parallel_state
 
-from torch_r3.indexer.checks import check_selection_batch, check_selection_values, overlap
-from torch_r3.indexer.collate import SELECTIONS
-from torch_r3.indexer.stats import IndexerStats
+from torch_r3.collate.selections import SELECTIONS
 from torch_r3.keys import CU_SEQLENS
 from torch_r3.megatron.dsa import (
     DSA_MODULE,
@@ -66,6 +64,8 @@ from torch_r3.megatron.setup_checks import check_pipeline
 from torch_r3.megatron.slicing import stage_layer_range
 from torch_r3.replay import marker
 from torch_r3.replay.modes import check_uncaptured
+from torch_r3.replay.selection_checks import check_selection_batch, check_selection_values, overlap
+from torch_r3.replay.selection_stats import IndexerStats
 
 # DSA_MODULE, TOPK_FUNCTION, dsa_module and selections_for_rank are defined in torch_r3.megatron.dsa
 __all__ = [

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from torch_r3._health.hints import ZERO_ROUTES_HINT
+from torch_r3.health._hints import ZERO_ROUTES_HINT
 from torch_r3.keys import CU_SEQLENS, ROUTER_MASK, ROUTES
 
 __all__: list[str] = []

@@ -10,7 +10,7 @@ implements `ServedModel` can be served the same way.
 
 Examples:
     >>> import asyncio
-    >>> from torch_r3.client import RemoteGenerateClient
+    >>> from torch_r3.rollout.client import RemoteGenerateClient
     >>> from torch_r3.testing import LoopbackServer
     >>> with LoopbackServer() as server:
     ...     async def main():

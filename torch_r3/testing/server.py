@@ -27,7 +27,7 @@ require("aiohttp", "testing")  # without aiohttp: name the extra that installs i
 from aiohttp import web
 
 from torch_r3._checks import check_bool, check_finite_float, check_int, check_positive
-from torch_r3.protocols.native import MODEL_INFO_PATH
+from torch_r3.rollout.protocols.native import MODEL_INFO_PATH
 from torch_r3.testing._engine import Engine, ModelOutputError, PrefixCache
 from torch_r3.testing._wire import WireProtocol, make_protocol
 from torch_r3.testing.faults import Faults
@@ -249,7 +249,7 @@ class LoopbackServer:
 
     Examples:
         >>> import asyncio
-        >>> from torch_r3.client import RemoteGenerateClient
+        >>> from torch_r3.rollout.client import RemoteGenerateClient
         >>> with LoopbackServer() as server:
         ...     async def main():
         ...         async with RemoteGenerateClient(server.url) as client:

@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from torch_r3.collate.shard import ShardCollator
 from torch_r3.keys import INPUT_IDS, SAMPLE_ROUTES
-from torch_r3.shard import ShardCollator
 
 __all__ = ["LOSS_MASK", "PROMPT_LENGTH", "put_rollouts", "shard_batches"]
 

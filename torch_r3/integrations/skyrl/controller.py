@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from torch_r3.collate import collate_routes
+from torch_r3.collate.collator import collate_routes
+from torch_r3.collate.layout import Memory, Packed, from_keywords
 from torch_r3.keys import CU_SEQLENS, ROUTES
-from torch_r3.layout import Memory, Packed, from_keywords
 
 __all__ = [
     "COLLATE",

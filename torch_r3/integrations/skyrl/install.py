@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
+from torch_r3.collate.layout import Memory, from_keywords
 from torch_r3.integrations.skyrl import controller
 from torch_r3.integrations.skyrl.replay import MODEL_WRAPPER, REPLAY_UTILS, SCHEDULE_LOOKUP, SkyRLWorkerReplay
 from torch_r3.integrations.skyrl.swap import Swap
-from torch_r3.layout import Memory, from_keywords
 
 __all__ = ["WORKER_NAMES", "Installed", "install"]
 

@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
+from torch_r3.collate.layout import Packed, Padded
 from torch_r3.integrations.skyrl.worker import microbatch
 from torch_r3.keys import ATTENTION_MASK, ROUTER_MASK, ROUTES
-from torch_r3.layout import Packed, Padded
 
 __all__ = ["MODEL_WRAPPER", "REPLAY_UTILS", "SkyRLWorkerReplay"]
 

@@ -39,10 +39,10 @@ import torch
 
 from torch_r3._checks import check_bool
 from torch_r3._deprecation import warn_renamed
-from torch_r3.collate import R3Collator
+from torch_r3.collate.collator import R3Collator
+from torch_r3.collate.layout import Memory, Packed, Padded, check_layout, from_keywords
 from torch_r3.integrations.skyrl.controller import left_padded_lengths
 from torch_r3.keys import ATTENTION_MASK, INPUT_IDS, ROUTER_MASK, ROUTES, SAMPLE_ROUTES
-from torch_r3.layout import Memory, Packed, Padded, check_layout, from_keywords
 
 __all__ = ["SEQUENCES", "microbatch", "microbatches"]
 

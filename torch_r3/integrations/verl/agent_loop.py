@@ -35,11 +35,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from torch_r3.collate import collate_routes
+from torch_r3.collate.collator import collate_routes
+from torch_r3.collate.layout import Memory, Packed, PromptResponse, from_keywords
+from torch_r3.collate.nested import as_nested
 from torch_r3.integrations.verl.lengths import lengths
 from torch_r3.keys import CU_SEQLENS, ROUTER_MASK, ROUTES
-from torch_r3.layout import Memory, Packed, PromptResponse, from_keywords
-from torch_r3.nested import as_nested
 from torch_r3.routes import compact_routes
 
 __all__ = [

@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from torch_r3.collate import R3Collator
+from torch_r3.collate.collator import R3Collator
+from torch_r3.collate.layout import Memory, Packed, from_keywords
 from torch_r3.integrations.verl.lengths import lengths
 from torch_r3.keys import INPUT_IDS, SAMPLE_ROUTES
-from torch_r3.layout import Memory, Packed, from_keywords
 
 __all__ = ["captured_lengths", "microbatch"]
 

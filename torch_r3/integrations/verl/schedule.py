@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torch_r3.collate.layout import Packed
 from torch_r3.integrations.verl.engine import microbatch
-from torch_r3.layout import Packed
 from torch_r3.replay.stats import ReplayStats
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from torch_r3.protocols.megatron import GENERATE_PATH
+from torch_r3.rollout.protocols.megatron import GENERATE_PATH
 from torch_r3.testing._engine import GenerateRequest, Generation
 from torch_r3.testing._wire.base import WireProtocol, check_body, check_int
 from torch_r3.testing.model import ServedModel

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from torch_r3.codec import encode_routes
-from torch_r3.protocols.native import GENERATE_PATH
+from torch_r3.rollout.codec import encode_routes
+from torch_r3.rollout.protocols.native import GENERATE_PATH
 from torch_r3.routes import compact_routes
 from torch_r3.testing._engine import GenerateRequest, Generation
 from torch_r3.testing._wire.base import WireProtocol, check_body, check_bool, check_int, check_object, check_salt

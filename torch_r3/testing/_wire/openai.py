@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from torch_r3.protocols.vllm import RESET_PREFIX_CACHE_PATH
-from torch_r3.protocols.vllm_openai import CHAT_PATH, COMPLETIONS_PATH
+from torch_r3.rollout.protocols.vllm import RESET_PREFIX_CACHE_PATH
+from torch_r3.rollout.protocols.vllm_openai import CHAT_PATH, COMPLETIONS_PATH
 from torch_r3.testing._engine import GenerateRequest, Generation
 from torch_r3.testing._wire.base import (
     WireProtocol,

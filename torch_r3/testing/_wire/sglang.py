@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from torch_r3._checks import check_bool as check_flag, check_choice
-from torch_r3.protocols.sglang import FLUSH_CACHE_PATH, GENERATE_PATH
+from torch_r3.rollout.protocols.sglang import FLUSH_CACHE_PATH, GENERATE_PATH
 from torch_r3.testing._engine import GenerateRequest, Generation
 from torch_r3.testing._wire.base import (
     WireProtocol,

@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from torch_r3.protocols.sglang import FLUSH_CACHE_PATH
-from torch_r3.protocols.sglang_openai import CHAT_PATH, COMPLETIONS_PATH
+from torch_r3.rollout.protocols.sglang import FLUSH_CACHE_PATH
+from torch_r3.rollout.protocols.sglang_openai import CHAT_PATH, COMPLETIONS_PATH
 from torch_r3.testing._engine import GenerateRequest, Generation
 from torch_r3.testing._wire.base import (
     WireProtocol,

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from torch_r3.protocols.vllm import GENERATE_PATH, RESET_PREFIX_CACHE_PATH
+from torch_r3.rollout.protocols.vllm import GENERATE_PATH, RESET_PREFIX_CACHE_PATH
 from torch_r3.testing._engine import GenerateRequest, Generation
 from torch_r3.testing._wire.base import (
     WireProtocol,

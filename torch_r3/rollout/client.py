@@ -1,0 +1,599 @@
+"""The HTTP client to the inference server: `RemoteGenerateClient`.
+
+One client for three servers, picked with `server=`: the torch_r3 server format
+(`"torch_r3"`), SGLang's native `/generate` (`"sglang"`) and vLLM's native
+`/inference/v1/generate` (`"vllm"`). Each format lives in its own module of
+`torch_r3.rollout.protocols`; every one answers with the same `RemoteGenerateResult`,
+whose routes are the canonical `[rows, layers, topk]` array of positions
+`[start, P + O - 1)`. Transport concerns (sessions, retries, the body cap) live
+in `torch_r3.rollout.transport`; the request path here only checks the arguments,
+lets the protocol build the body, and reads the answer.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from torch_r3._extras import require
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self is Python 3.11+, and the package supports 3.10
+
+require("aiohttp", "client")  # without aiohttp: name the extra that installs it
+import aiohttp
+import numpy as np
+import yarl
+
+from torch_r3._checks import check_bool, check_choice, check_indices, check_int, check_positive, check_str
+from torch_r3.errors import RemoteGenerateError
+from torch_r3.health.check import RouteHealthCheck, ZeroRoutesWarning, health_check
+from torch_r3.rollout._offload import off_loop
+from torch_r3.rollout.protocols import CHATS, PROTOCOLS, SERVERS, GenerateCall, RouteLimits, WeightVersionSpan
+from torch_r3.rollout.protocols.base import check_cache_salt
+from torch_r3.rollout.protocols.chat import check_messages
+from torch_r3.rollout.protocols.native import MODEL_INFO_PATH
+from torch_r3.rollout.protocols.spans import parse_body, route_text_bytes
+from torch_r3.rollout.results import RemoteGenerateResult
+from torch_r3.rollout.transport import DEFAULT_MAX_RESPONSE_BYTES, HttpTransport, TransportConfig
+
+__all__ = [
+    "RemoteGenerateClient",
+    "RemoteGenerateError",
+    "RemoteGenerateResult",
+    "TransportConfig",
+    "WeightVersionSpan",
+    "ZeroRoutesWarning",
+]
+
+# Token ids travel as int64 (torch.long).
+_TOKEN_ID_END = 1 << 63
+# The engine behind each server= name, whose settings the health hints name.
+_ENGINES = {"vllm": "vllm", "vllm-openai": "vllm", "skyrl": "vllm", "sglang": "sglang", "sglang-openai": "sglang"}
+
+
+class RemoteGenerateClient:
+    """An `aiohttp` client for the generate endpoint of an inference server.
+
+    Use it as `async with RemoteGenerateClient(url) as client:`, or call `close`
+    yourself. Without `session`, one `aiohttp.ClientSession` is created lazily
+    per event loop and closed when that loop shuts down; the client pickles and
+    works again wherever it is unpickled. With `session`, your session is used
+    and never closed.
+
+    Args:
+        base_url: The server, e.g. `"http://127.0.0.1:30000"`, optionally with a
+            path prefix; no query, fragment or credentials (send those as
+            `headers`). Checked here, not at the first call.
+        server: The server's API: `"torch_r3"`, `"sglang"`, `"vllm"` (native
+            `/inference/v1/generate`) or `"vllm-openai"` (vLLM's OpenAI-compatible
+            `/v1/completions`, and `/v1/chat/completions` through `chat`) or
+            `"sglang-openai"` (SGLang's OpenAI-compatible `/v1/completions`, and
+            `/v1/chat/completions` through `chat`; routes need `num_layers`
+            and `topk`) or `"megatron"` (Megatron-core's inference server, `/v1/completions`) or
+            `"skyrl"` (SkyRL's `/skyrl/v1/generate`).
+        num_layers: Layers per route row the server sends: for SGLang and vLLM
+            every hidden layer of the model (`num_hidden_layers`). Required for
+            SGLang routes, native or OpenAI (its payload has no shape); checked when given.
+        topk: Experts per token (`num_experts_per_tok`). Required for SGLang routes.
+        num_experts: Routed experts per layer; when given, every id must be below it.
+        indexer_layers: DSA indexer layers per row (SGLang's `num_indexer_layers`:
+            `num_hidden_layers` for DeepSeek-V3.2-style models). Required for
+            `return_indexer_topk`.
+        index_topk: Positions each indexer query selects (`index_topk`).
+            Required for `return_indexer_topk`.
+        moe_layers: Indices into the routes' layer axis of the MoE layers; when
+            given, a zero row in one of them is an engine-health finding (see
+            `health`). Without them only rows zero in every layer are (dense
+            layers are zero by design).
+        health: What to do with routes that carry the signature of an engine
+            capture bug (`torch_r3.health`: zero rows, a layer stuck on one
+            row, stale repeated rows): `"raise"` (the default: `generate`
+            raises `RouteHealthError`), `"warn"` (`RouteHealthWarning`,
+            `ZeroRoutesWarning` for zero rows), `"count"`, or a
+            `RouteHealthCheck` of your own (shared, e.g. by every client of a
+            run). Its counters are `client.health.stats` either way.
+        cache_salt: Default prefix-cache salt for every call (see `generate`).
+        max_response_bytes: The most bytes one response body may have (1 GiB by
+            default); route payloads are capped at three quarters of it.
+        retries: See `TransportConfig`.
+        backoff: See `TransportConfig`.
+        max_backoff: See `TransportConfig`.
+        timeout: See `TransportConfig`.
+        connect_timeout: See `TransportConfig`.
+        max_concurrency: See `TransportConfig`.
+        transport_config: All of the above as one `TransportConfig` (e.g.
+            shared by several clients); then leave the flat keywords at
+            their defaults.
+        headers: Extra headers sent with every request (e.g. authorization).
+        session: Your own `aiohttp.ClientSession`, used on the event loop it
+            belongs to and never closed by the client.
+        ssl: Passed to the `aiohttp.TCPConnector` of the client's own sessions
+            (an `ssl.SSLContext`, or `False` to skip verification).
+        trace_configs: `aiohttp.TraceConfig`s for the client's own sessions.
+
+    Raises:
+        TypeError: An argument of the wrong kind.
+        ValueError: A bad `base_url` (one ending in `/v1` included: give the
+            server root), an unknown `server`, a `cache_salt` that breaks
+            `generate`'s rules, or `session` together with `ssl`/`trace_configs`.
+
+    Examples:
+        >>> import asyncio
+        >>> from torch_r3.testing import LoopbackServer
+        >>> async def main(url):
+        ...     async with RemoteGenerateClient(url, retries=2) as client:
+        ...         r = await client.generate([1, 2, 3], {"max_new_tokens": 2}, return_routed_experts=True)
+        ...         return len(r.response_ids), r.routed_experts.shape
+        >>> with LoopbackServer() as server:
+        ...     asyncio.run(main(server.url))
+        (2, (4, 2, 2))
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        server: str = "torch_r3",
+        num_layers: int | None = None,
+        topk: int | None = None,
+        num_experts: int | None = None,
+        indexer_layers: int | None = None,
+        index_topk: int | None = None,
+        moe_layers: Sequence[int] | None = None,
+        health: str | RouteHealthCheck = "raise",
+        cache_salt: str | None = None,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+        retries: int = 5,
+        backoff: float = 0.5,
+        max_backoff: float = 10.0,
+        timeout: float | None = 600.0,
+        connect_timeout: float | None = 30.0,
+        max_concurrency: int = 64,
+        transport_config: TransportConfig | None = None,
+        headers: Mapping[str, str] | None = None,
+        session: aiohttp.ClientSession | None = None,
+        ssl: Any = True,
+        trace_configs: Sequence[aiohttp.TraceConfig] | None = None,
+    ) -> None:
+        self.base_url = _check_base_url(base_url)
+        self.server = check_choice(server, "server", SERVERS)
+        num_layers = None if num_layers is None else check_positive(num_layers, "num_layers")
+        topk = None if topk is None else check_positive(topk, "topk")
+        num_experts = None if num_experts is None else check_positive(num_experts, "num_experts")
+        self.moe_layers = _check_moe_layers(moe_layers, num_layers)
+        self.health = health_check(health, engine=_ENGINES.get(self.server))
+        self.cache_salt = _check_salt(cache_salt)
+        flat = {
+            "retries": retries,
+            "backoff": backoff,
+            "max_backoff": max_backoff,
+            "timeout": timeout,
+            "connect_timeout": connect_timeout,
+            "max_concurrency": max_concurrency,
+            "max_response_bytes": max_response_bytes,
+        }
+        config = _transport_config(transport_config, flat)
+        self.limits = RouteLimits(
+            max_bytes=config.max_route_bytes,
+            num_layers=num_layers,
+            topk=topk,
+            num_experts=num_experts,
+            indexer_layers=None if indexer_layers is None else check_positive(indexer_layers, "indexer_layers"),
+            index_topk=None if index_topk is None else check_positive(index_topk, "index_topk"),
+            max_indexer_bytes=config.max_response_bytes,
+        )
+        self._transport = HttpTransport(
+            self.base_url, config, headers=headers, session=session, ssl=ssl, trace_configs=trace_configs
+        )
+
+    @property
+    def transport_config(self) -> TransportConfig:
+        """The retries, timeouts, concurrency and body cap in use."""
+        return self._transport.config
+
+    @property
+    def transport(self) -> TransportConfig:
+        """Deprecated alias of `transport_config` (it returns the config, not a transport)."""
+        warnings.warn(
+            "RemoteGenerateClient.transport is deprecated: use transport_config", DeprecationWarning, stacklevel=2
+        )
+        return self.transport_config
+
+    @property
+    def url(self) -> str:
+        """The generate endpoint of the chosen server."""
+        return self.base_url + PROTOCOLS[self.server].generate_path
+
+    async def close(self) -> None:
+        """Close this event loop's own session (other loops' sessions, and yours, stay open)."""
+        await self._transport.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"RemoteGenerateClient({self.base_url!r}, server={self.server!r}, {self.transport_config})"
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling_params: Mapping[str, Any] | None = None,
+        *,
+        return_routed_experts: bool = False,
+        routed_experts_prompt_start: int | None = None,
+        session_id: str | None = None,
+        model: str | None = None,
+        cache_salt: str | None = None,
+        return_indexer_topk: bool = False,
+    ) -> RemoteGenerateResult:
+        """Generate a continuation of `prompt_token_ids`.
+
+        Args:
+            prompt_token_ids: The prompt: a list, tuple, 1-D integer array or tensor.
+            sampling_params: Passed to the server as they are, in its own names
+                (SGLang: `max_new_tokens`; vLLM: `max_tokens`).
+            return_routed_experts: Ask for the routes.
+            routed_experts_prompt_start: Return routes only for positions from
+                here on (in a multi-turn rollout, `RoutedExpertTrace.prompt_start`);
+                an `int` in `[0, len(prompt)]`. Requires `return_routed_experts=True`.
+                Sent as the server's own field (SGLang: `routed_experts_start_len`).
+            session_id: Sent as the `X-Session-ID` header (sticky routing).
+            model: Sent as the body's `model` field (not for SGLang).
+            cache_salt: Keeps this request's prefix-cache entries apart from
+                requests with another salt, e.g. `f"v{weight_version}"` so that
+                no prefix computed by older weights is reused with its old
+                routes. Overrides the client's default; a non-empty string of
+                at most 128 characters without `@`, `/`, `\\` or NUL (vLLM
+                0.30+ refuses others; the rule holds for every server).
+                Sent as vLLM's and the torch_r3 server's `cache_salt`, as
+                SGLang's `extra_key`.
+            return_indexer_topk: Ask for the DSA indexer's selections
+                (SGLang only; the client needs `indexer_layers=` and `index_topk=`).
+
+        Returns:
+            The decoded first choice; with routes, their row count is checked
+            against `len(prompt) + len(response_ids) - 1 - routed_experts_prompt_start`.
+
+        Raises:
+            TypeError: An argument of the wrong kind (a `bool` prompt start included).
+            ValueError: `routed_experts_prompt_start` out of range, or given
+                without `return_routed_experts=True` or inside `sampling_params`;
+                a prompt token id outside `[0, 2**63)`; `sampling_params["n"]`
+                other than 1; a `cache_salt` breaking the rules above; SGLang
+                routes without `num_layers`/`topk`.
+            RouteHealthError: The routes carry an engine capture-bug signature
+                (with `health="raise"`; see the class's `health`).
+            RemoteGenerateError: Every failure of the call itself: a
+                non-retryable answer (a `404` also says what to check), a
+                redirect (never followed), retries exhausted, a body over the
+                cap, a response that breaks the server's format. It names the URL.
+        """
+        protocol = PROTOCOLS[self.server]
+        prompt = _token_list(prompt_token_ids)
+        params = _sampling_params(sampling_params)
+        # Not check_bool: a test pins this wording ("must be a bool"); the rule (NumPy bools accepted) is the same.
+        if not isinstance(return_routed_experts, (bool, np.bool_)):
+            raise TypeError(f"return_routed_experts must be a bool, got {type(return_routed_experts).__name__}")
+        return_routed_experts = bool(return_routed_experts)
+        start = _check_start(routed_experts_prompt_start, len(prompt), return_routed_experts)
+        self._check_route_shape(return_routed_experts)
+        return_indexer_topk = check_bool(return_indexer_topk, "return_indexer_topk")
+        if return_indexer_topk:
+            if self.server != "sglang":
+                raise ValueError(
+                    f"return_indexer_topk: only SGLang returns indexer selections (server={self.server!r})"
+                )
+            if self.limits.indexer_layers is None or self.limits.index_topk is None:
+                raise ValueError(
+                    "return_indexer_topk: SGLang sends selections without their shape: give the client "
+                    "indexer_layers= (num_indexer_layers) and index_topk="
+                )
+        if model is not None:
+            check_str(model, "model")
+        headers = {}
+        if session_id is not None:
+            headers["X-Session-ID"] = check_str(session_id, "session_id")
+        salt = _check_salt(cache_salt) if cache_salt is not None else self.cache_salt
+        call = GenerateCall(prompt, params, return_routed_experts, start, salt, model, return_indexer_topk)
+        body = protocol.request_body(call)
+        url = self.url
+        try:
+            # The route text stays in the body as views; the rest is parsed as JSON.
+            parse = functools.partial(parse_body, paths=protocol.route_text_paths)
+            raw = await self._transport.request("POST", protocol.generate_path, body, headers, parse=parse)
+        except RemoteGenerateError as exc:
+            if exc.status != 404:
+                raise
+            raise RemoteGenerateError(
+                f"{exc} -- nothing answers POST {url}: check base_url (the server root, e.g. "
+                f"http://host:port, with no /v1) and server={self.server!r}, which sends "
+                f"{protocol.generate_path}{_NOT_FOUND_HINTS.get(self.server, '')}",
+                url=url,
+                status=404,
+                attempts=exc.attempts,
+            ) from exc
+        try:
+            # Large payloads decode on the pool, with the GIL released: the loop keeps serving.
+            size = route_text_bytes(raw, protocol.route_text_paths)
+            parsed = await off_loop(size, protocol.parse_response, raw, call, self.limits)
+        except (TypeError, ValueError, MemoryError, OverflowError) as exc:
+            raise RemoteGenerateError(
+                f"POST {url}: response breaks the {self.server} format: {exc}", url=url, status=200
+            ) from exc
+        return await self._result(parsed, prompt, start, raw, protocol.without_routes, url, session_id)
+
+    async def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        sampling_params: Mapping[str, Any] | None = None,
+        *,
+        return_routed_experts: bool = False,
+        routed_experts_prompt_start: int | None = None,
+        session_id: str | None = None,
+        model: str | None = None,
+        cache_salt: str | None = None,
+    ) -> RemoteGenerateResult:
+        """One chat turn on `/v1/chat/completions` of vLLM (`server="vllm-openai"`) or SGLang (`"sglang-openai"`).
+
+        The server renders `messages` with its chat template, so the rows
+        describe the server's tokens: the result's `prompt_token_ids` are that
+        rendering (the client asks for them with `return_token_ids`; vLLM
+        answers them at the top level, SGLang in `choices[0]`). Key a
+        multi-turn trace by them: `trace.record_result(r,
+        prompt_len=len(r.prompt_token_ids), prompt_ids=r.prompt_token_ids)`,
+        which also refuses a turn whose template re-rendered tokens the trace
+        already holds routes for.
+
+        Args:
+            messages: The conversation so far: a list of `{"role", "content", ...}` objects.
+            sampling_params: Top-level OpenAI fields (`max_tokens`, `temperature`, ...).
+            return_routed_experts: Ask for the routes (the server must run with them on).
+            routed_experts_prompt_start: As in `generate`; checked against the
+                rendered prompt's length when the answer arrives.
+            session_id: As in `generate`.
+            model: The body's `model` field.
+            cache_salt: As in `generate`.
+
+        Returns:
+            The first choice, with `prompt_token_ids` set.
+
+        Raises:
+            ValueError: The client is for a server without a chat protocol
+                here (the native endpoints take token ids: use `generate`), or
+                an argument breaks `generate`'s rules.
+            TypeError: `messages` is not a list of objects with a string `role`.
+            RouteHealthError: As `generate`.
+            RemoteGenerateError: As `generate`, and for an answer without
+                the rendered prompt's token ids (a server too old to return
+                them: its rows cannot be keyed).
+        """
+        chat = CHATS.get(self.server)
+        if chat is None:
+            raise ValueError(
+                f"chat() speaks the OpenAI-compatible /v1/chat/completions of server='vllm-openai' or "
+                f"'sglang-openai', not server={self.server!r}: the rows must be keyed by the tokens the server "
+                "rendered, which only those answers name (send token ids with generate() instead)"
+            )
+        self._check_route_shape(bool(return_routed_experts))
+        body_messages = check_messages(messages)
+        params = _sampling_params(sampling_params)
+        if not isinstance(return_routed_experts, (bool, np.bool_)):
+            raise TypeError(f"return_routed_experts must be a bool, got {type(return_routed_experts).__name__}")
+        want = bool(return_routed_experts)
+        start = (
+            0
+            if routed_experts_prompt_start is None
+            else check_int(routed_experts_prompt_start, "routed_experts_prompt_start")
+        )
+        if start < 0 or (start and not want):
+            raise ValueError("routed_experts_prompt_start must be >= 0 and requires return_routed_experts=True")
+        if model is not None:
+            check_str(model, "model")
+        salt = _check_salt(cache_salt) if cache_salt is not None else self.cache_salt
+        headers = {"X-Session-ID": check_str(session_id, "session_id")} if session_id is not None else {}
+        body = chat.request_body(
+            body_messages, params, return_routed_experts=want, start=start, cache_salt=salt, model=model
+        )
+        url = self.base_url + chat.path
+        parse = functools.partial(parse_body, paths=chat.route_text_paths)
+        raw = await self._transport.request("POST", chat.path, body, headers, parse=parse)
+        try:
+            size = route_text_bytes(raw, chat.route_text_paths)
+            prompt, parsed = await off_loop(
+                size,
+                functools.partial(chat.parse_response, return_routed_experts=want, start=start, limits=self.limits),
+                raw,
+            )
+        except (TypeError, ValueError, MemoryError, OverflowError) as exc:
+            raise RemoteGenerateError(
+                f"POST {url}: response breaks the {self.server} chat format: {exc}", url=url, status=200
+            ) from exc
+        return await self._result(
+            parsed, list(prompt), start, raw, PROTOCOLS[self.server].without_routes, url, session_id
+        )
+
+    def _check_route_shape(self, want_routes: bool) -> None:
+        if (
+            want_routes
+            and PROTOCOLS[self.server].needs_route_shape
+            and None in (self.limits.num_layers, self.limits.topk)
+        ):
+            raise ValueError(
+                f"server={self.server!r} sends routes without their shape: give the client num_layers= "
+                "(the model's num_hidden_layers) and topk= (num_experts_per_tok)"
+            )
+
+    async def _result(
+        self,
+        parsed: Any,
+        prompt: list[int],
+        start: int,
+        raw: Any,
+        strip: Any,
+        url: str,
+        session_id: str | None,
+    ) -> RemoteGenerateResult:
+        """The result of a parsed answer, its routes health-checked against the tokens behind them."""
+        routes = parsed.routed_experts
+        if routes is not None:
+            # Row i is position start + i: the prompt, then the generated tokens.
+            tokens = (prompt + list(parsed.response_ids))[start : start + routes.shape[0]]
+            who = f"POST {url} ({len(prompt)}-token prompt" + (f", session {session_id}" if session_id else "") + ")"
+            check = functools.partial(self.health.check, routes, trajectory=who, token_ids=tokens, stacklevel=5)
+            check = functools.partial(check, moe_layers=self.moe_layers or None, num_experts=self.limits.num_experts)
+            # "warn": inline (stacklevel counts off_loop), the warning pointing at the caller; else large on the pool.
+            await off_loop(0 if self.health.on_unhealthy == "warn" else routes.nbytes, check)
+        return RemoteGenerateResult(
+            **vars(parsed),
+            num_experts=self.limits.num_experts,
+            raw=strip(raw),
+            health_checked=routes is not None,
+            prompt_token_ids=tuple(prompt),
+        )
+
+    async def model_info(self) -> dict[str, Any]:
+        """The served model's routing shape: `GET {base_url}/v1/model_info` (torch_r3 server only).
+
+        Returns:
+            The server's JSON object, with at least `num_layers` (MoE layers),
+            `num_experts` and `topk`: what a trainer checks before it
+            replays the server's routes in its own model.
+
+        Raises:
+            ValueError: The client is for SGLang or vLLM, which have no such endpoint.
+            RemoteGenerateError: As `generate` (same retries), or when the
+                answer lacks those integer fields.
+        """
+        if self.server != "torch_r3":
+            raise ValueError(
+                f"model_info() is the torch_r3 server's endpoint; for server={self.server!r} read the model's config"
+            )
+        raw = await self._transport.request("GET", MODEL_INFO_PATH)
+        url = self.base_url + MODEL_INFO_PATH
+        if not isinstance(raw, Mapping):
+            raise RemoteGenerateError(
+                f"GET {url}: expected a JSON object, got {type(raw).__name__}", url=url, status=200
+            )
+        for key in ("num_layers", "num_experts", "topk"):
+            value = raw.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise RemoteGenerateError(
+                    f"GET {url}: {key!r} must be a positive int, got {value!r}", url=url, status=200
+                )
+        return dict(raw)
+
+
+# What else to check when a server's generate path answers 404.
+_NOT_FOUND_HINTS = {
+    "vllm": "; since vLLM 0.30 /inference/v1/generate exists only when vLLM runs with --enable-scale-out",
+    "sglang": " (SGLang's native API, not its OpenAI-compatible /v1)",
+    "vllm-openai": " (vLLM's OpenAI-compatible server, `vllm serve`)",
+    "sglang-openai": " (SGLang's OpenAI-compatible /v1 endpoints, `python -m sglang.launch_server`)",
+    "megatron": " (Megatron-core's dynamic inference server)",
+    "skyrl": " (SkyRL's vLLM server actor)",
+}
+
+
+def _transport_config(config: Any, flat: dict[str, Any]) -> TransportConfig:
+    """`config` when given (the flat keywords must then be left at their defaults), else one built from them."""
+    if config is None:
+        return TransportConfig(**flat)
+    if not isinstance(config, TransportConfig):
+        raise TypeError(f"transport_config must be a TransportConfig, got {type(config).__name__}")
+    defaults = TransportConfig()
+    changed = sorted(name for name, value in flat.items() if value != getattr(defaults, name))
+    if changed:
+        raise ValueError(f"give either transport_config= or the keywords {changed}, not both")
+    return config
+
+
+def _check_base_url(base_url: Any) -> str:
+    check_str(base_url, "base_url")
+    try:
+        url = yarl.URL(base_url)
+        port = url.port
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"base_url {base_url!r} is not a valid URL (bad port?): {exc}") from None
+    if url.scheme not in ("http", "https"):
+        raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
+    if not url.host:
+        raise ValueError(f"base_url has no host: {base_url!r}")
+    if url.user is not None or url.password is not None:
+        raise ValueError("base_url must not hold credentials (user:password@); send them with headers= instead")
+    if url.query_string:
+        raise ValueError(
+            f"base_url must not have a query string ({url.query_string!r}): the endpoint path is appended to it"
+        )
+    if url.fragment:
+        raise ValueError(f"base_url must not have a fragment ({url.fragment!r})")
+    if port is None:  # pragma: no cover - yarl fills the scheme's default
+        raise ValueError(f"base_url has no port: {base_url!r}")
+    if url.path.rstrip("/").endswith("/v1"):
+        # An OpenAI-style base URL: the endpoint paths below already hold their
+        # version, so /v1 + /inference/v1/generate would be a path no server has.
+        raise ValueError(
+            f"base_url {base_url!r} ends in /v1, an OpenAI-style base URL; give the server root "
+            f"without /v1 (e.g. {str(url.with_path(url.path.rstrip('/')[:-3] or '/')).rstrip('/')!r}): "
+            "the client appends the endpoint's full path"
+        )
+    return base_url.rstrip("/")
+
+
+def _check_moe_layers(moe_layers: Any, num_layers: int | None) -> tuple[int, ...]:
+    if moe_layers is None:
+        return ()
+    return check_indices(moe_layers, "moe_layers", limit=num_layers, what="layer")
+
+
+def _check_salt(salt: Any) -> str | None:
+    return None if salt is None else check_cache_salt(salt)
+
+
+def _check_start(start: Any, prompt_len: int, want_routes: bool) -> int:
+    if start is None:
+        return 0
+    start = check_int(start, "routed_experts_prompt_start")
+    if not 0 <= start <= prompt_len:
+        raise ValueError(f"routed_experts_prompt_start must be in [0, len(prompt)={prompt_len}], got {start}")
+    if not want_routes:
+        raise ValueError("routed_experts_prompt_start requires return_routed_experts=True")
+    return start
+
+
+def _token_list(tokens: Any) -> list[int]:
+    if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):  # a torch.Tensor, without importing torch
+        tokens = tokens.detach().cpu().numpy()
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+            raise TypeError(f"prompt_token_ids: expected a 1-D integer array, got {tokens.ndim}-D {tokens.dtype}")
+        out = tokens.tolist()
+    elif isinstance(tokens, (list, tuple)):
+        out = [check_int(t, f"prompt_token_ids[{i}]") for i, t in enumerate(tokens)]
+    else:
+        raise TypeError(f"prompt_token_ids: expected a list of ints, got {type(tokens).__name__}")
+    for i, t in enumerate(out):
+        if not 0 <= t < _TOKEN_ID_END:
+            raise ValueError(f"prompt_token_ids[{i}] = {t}: token ids must be in [0, 2**63)")
+    return out
+
+
+def _sampling_params(params: Any) -> dict[str, Any]:
+    if params is None:
+        return {}
+    if not isinstance(params, Mapping):
+        raise TypeError(f"sampling_params: expected a mapping, got {type(params).__name__}")
+    n = params.get("n", 1)
+    if n is not None and n != 1:
+        # SGLang answers n > 1 with a JSON list and vLLM with one choice per
+        # sample: a result holds one sample, so the others would be lost.
+        raise ValueError(
+            f"sampling_params['n'] = {n!r}: the client asks for one sample per call; "
+            "call generate once per sample (with distinct seeds)"
+        )
+    return dict(params)

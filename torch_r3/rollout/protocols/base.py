@@ -1,0 +1,600 @@
+"""What every server protocol provides, and the response checks they share.
+
+A protocol is stateless: `ServerProtocol.request_body` turns a `GenerateCall`
+into the JSON body its server expects, and `ServerProtocol.parse_response`
+turns the server's parsed JSON into a `ParsedResponse` with routes in the
+canonical layout `[rows, layers, topk]` for positions `[start, P + O - 1)`
+(`P` prompt tokens, `O` generated tokens; the last sampled token never ran
+forward, so it has no row). Malformed answers raise `WireFormatError`.
+
+This module needs NumPy only; it never imports aiohttp.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from torch_r3._checks import check_str
+from torch_r3.rollout.codec import WireFormatError
+
+# The contract a protocol implements and the types the client hands it; the
+# field readers and constants below it are shared by the three protocols.
+__all__ = [
+    "ChoicesProtocol",
+    "GenerateCall",
+    "ParsedResponse",
+    "RouteLimits",
+    "ServerProtocol",
+    "WeightVersionSpan",
+    "check_cache_salt",
+]
+
+log = logging.getLogger(__name__)
+
+#: The sampling parameter that carries the route start in the torch_r3 and vLLM formats.
+PROMPT_START_PARAM = "routed_experts_prompt_start"
+#: vLLM 0.30+ refuses (HTTP 400) a `cache_salt` longer than this or holding one of `SALT_FORBIDDEN`.
+MAX_SALT_CHARS = 128
+SALT_FORBIDDEN = ("@", "/", "\\", "\x00")
+# Token ids travel as int64 (torch.long) from here on.
+_TOKEN_ID_END = 1 << 63
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    """One generate call as the client checked it, before any protocol shapes it.
+
+    Attributes:
+        prompt: The prompt token ids.
+        sampling_params: The caller's sampling parameters, passed on as they are.
+        return_routed_experts: Whether routes were asked for.
+        start: First position whose route is wanted (`0`: the whole prompt).
+        cache_salt: The prefix-cache salt, a non-empty string, or `None`.
+        model: The body's `model` field, or `None`.
+        return_indexer_topk: Whether DSA indexer selections were asked for (SGLang only).
+    """
+
+    prompt: list[int]
+    sampling_params: dict[str, Any]
+    return_routed_experts: bool
+    start: int = 0
+    cache_salt: str | None = None
+    model: str | None = None
+    return_indexer_topk: bool = False
+
+
+@dataclass(frozen=True)
+class RouteLimits:
+    """What the client knows about the routes it may receive.
+
+    Attributes:
+        max_bytes: The cap on one decoded route payload.
+        num_layers: Layers per row the server sends (every hidden layer for
+            SGLang and vLLM), or `None` when unknown.
+        topk: Experts per token, or `None` when unknown.
+        num_experts: Routed experts per layer (ids must be below it), or `None`.
+        indexer_layers: DSA indexer layers per row (SGLang's `num_indexer_layers`), or `None`.
+        index_topk: Positions each indexer query selects, or `None`.
+        max_indexer_bytes: The cap on one dense indexer payload.
+    """
+
+    max_bytes: int
+    num_layers: int | None = None
+    topk: int | None = None
+    num_experts: int | None = None
+    indexer_layers: int | None = None
+    index_topk: int | None = None
+    max_indexer_bytes: int = 1 << 32
+
+
+@dataclass(frozen=True)
+class WeightVersionSpan:
+    """The weight version that generated a run of a response's tokens.
+
+    SGLang (0.5.19+, `meta_info.weight_versions`) and vLLM (0.32+,
+    `choices[i].weight_versions`) report these spans over the generated tokens:
+    a request that straddles a weight update has more than one.
+
+    Attributes:
+        version: The server's weight version.
+        start: The first generated token of the span (0-based).
+        end: The end of the span, as the server sent it (`start <= end <=`
+            the number of generated tokens).
+    """
+
+    version: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class ParsedResponse:
+    """A server's answer, protocol-neutral.
+
+    Attributes:
+        response_ids: The generated token ids.
+        response_logprobs: Their logprobs, or `None` when the server sent none.
+        finish_reason: `"stop"`, `"length"`, `"abort"`, another server string, or `None`.
+        routed_experts: Canonical routes of positions `[start, P + O - 1)`, or
+            `None` when not asked for or the request was aborted before any row.
+        weight_version: The server's weight version, or `None` when it reports
+            none; with several spans, the newest (the last span's).
+        weight_versions: The spans of weight versions over the generated
+            tokens, in order; `()` when the server reports none.
+        route_versions: The spans of weight versions over the returned route
+            rows (0 = position `start`) where the server says which weights
+            computed them (Megatron's `kv_cache_epoch`); `()` otherwise.
+        indexer_topk: The DSA indexer selections of positions `[0, P + O - 1)`
+            (`torch_r3.indexer.IndexerSelections`), or `None` when not asked for.
+    """
+
+    response_ids: tuple[int, ...]
+    response_logprobs: tuple[float, ...] | None
+    finish_reason: str | None
+    routed_experts: np.ndarray | None
+    weight_version: str | None
+    weight_versions: tuple[WeightVersionSpan, ...] = ()
+    route_versions: tuple[WeightVersionSpan, ...] = ()
+    indexer_topk: Any = None
+
+
+class ServerProtocol(abc.ABC):
+    """One inference server's generate API.
+
+    Attributes:
+        name: The `server=` name of `RemoteGenerateClient`.
+        generate_path: The generate endpoint, appended to the base URL.
+        salt_field: The top-level body field that carries `cache_salt`.
+        needs_route_shape: Whether the route payload lacks its shape, so that
+            the client must know `num_layers` and `topk` to read it.
+    """
+
+    name: ClassVar[str]
+    generate_path: ClassVar[str]
+    salt_field: ClassVar[str]
+    needs_route_shape: ClassVar[bool] = False
+    #: Where the answer carries its route payload: paths of keys, `"*"` for every list item.
+    route_payload_paths: ClassVar[tuple[tuple[str, ...], ...]] = ()
+    #: Where the base64 route text sits, each under a payload path: the client reads it
+    #: in place (`torch_r3.rollout.protocols.spans.parse_body`), so `parse_response` finds a
+    #: read-only `memoryview` there instead of a `str`; the codec's decoders take either.
+    route_text_paths: ClassVar[tuple[tuple[str, ...], ...]] = ()
+
+    @abc.abstractmethod
+    def request_body(self, call: GenerateCall) -> dict[str, Any]:
+        """The JSON body for `call`.
+
+        Raises:
+            ValueError: `call.sampling_params` holds a key the protocol sets itself.
+        """
+
+    @abc.abstractmethod
+    def parse_response(self, raw: Any, call: GenerateCall, limits: RouteLimits) -> ParsedResponse:
+        """Read the server's parsed JSON answer to `call`.
+
+        Raises:
+            WireFormatError: The answer breaks the server's format, or its
+                routes do not cover positions `[call.start, P + O - 1)`.
+        """
+
+    def salted(self, body: dict[str, Any], call: GenerateCall) -> dict[str, Any]:
+        """`body` with the salt field added when `call` has a salt.
+
+        Raises:
+            TypeError: The salt is not a string.
+            ValueError: The salt breaks `check_cache_salt`'s rules, so it is never sent.
+        """
+        if call.cache_salt is not None:
+            body[self.salt_field] = check_cache_salt(call.cache_salt)
+        return body
+
+    def without_routes(self, raw: Any) -> Any:
+        """`raw` without its route payload (copies along the way; `raw` itself is left as it is).
+
+        What `RemoteGenerateResult.raw` keeps: the decoded routes are in
+        `routed_experts`, and the base64 text can be many times their size.
+        """
+        for path in self.route_payload_paths:
+            raw = _drop(raw, path)
+        return raw
+
+
+class ChoicesProtocol(ServerProtocol):
+    """A format with a top-level `token_ids` request and a `choices[0]` answer.
+
+    The torch_r3 and vLLM formats share it: the request carries `token_ids`,
+    `sampling_params` (the route start inside, as `routed_experts_prompt_start`)
+    and an optional `model`; the answer's `choices[0]` carries `token_ids`, a
+    string `finish_reason`, `logprobs` and `routed_experts`, which is `null` when
+    the request was aborted before any forward pass (no token generated; then
+    reported as `"abort"`). Subclasses say how logprobs and routes are encoded.
+
+    Attributes:
+        start_may_be_ignored: Accept an answer with every row from position 0
+            although the start was past 0 (a server that does not know the field).
+        null_routes_hint: Appended to the error for `null` routes after tokens were generated.
+    """
+
+    start_may_be_ignored: ClassVar[bool] = False
+    null_routes_hint: ClassVar[str] = ""
+    route_payload_paths = (("choices", "*", "routed_experts"),)
+    route_text_paths: ClassVar[tuple[tuple[str, ...], ...]] = (("choices", "*", "routed_experts"),)
+
+    @abc.abstractmethod
+    def flags(self, call: GenerateCall) -> dict[str, Any]:
+        """The protocol's own top-level request fields."""
+
+    @abc.abstractmethod
+    def read_logprobs(self, choice: Mapping[str, Any], ids: tuple[int, ...]) -> tuple[float, ...] | None:
+        """The logprobs of `choices[0]`, one per generated token, or `None`."""
+
+    @abc.abstractmethod
+    def decode(self, payload: Any, limits: RouteLimits) -> np.ndarray:
+        """Decode a non-null `choices[0].routed_experts`."""
+
+    def sampling_params(self, call: GenerateCall) -> dict[str, Any]:
+        """The body's `sampling_params`."""
+        return params_with_start(call)
+
+    def request_body(self, call: GenerateCall) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "token_ids": call.prompt,
+            "sampling_params": self.sampling_params(call),
+            **self.flags(call),
+        }
+        if call.model is not None:
+            body["model"] = call.model
+        return self.salted(body, call)
+
+    def parse_response(self, raw: Any, call: GenerateCall, limits: RouteLimits) -> ParsedResponse:
+        choice = first_choice(raw)
+        ids = token_ids(get_field(choice, "token_ids", "choices[0]", list), "choices[0].token_ids")
+        reason = finish_reason(
+            get_field(choice, "finish_reason", "choices[0]", str, required=False), "choices[0].finish_reason"
+        )
+        logprobs = self.read_logprobs(choice, ids)
+        routes = None
+        if call.return_routed_experts:
+            payload = choice.get("routed_experts")
+            if payload is None and not ids:
+                reason = "abort"  # aborted before any forward pass: no row to replay
+            elif payload is None:
+                raise WireFormatError(
+                    f"routes were requested but choices[0].routed_experts is null or missing{self.null_routes_hint}"
+                )
+            else:
+                routes = slice_to_start(
+                    self.decode(payload, limits),
+                    call,
+                    len(ids),
+                    "choices[0].routed_experts",
+                    start_may_be_ignored=self.start_may_be_ignored,
+                )
+        spans = weight_spans(choice.get("weight_versions"), "choices[0].weight_versions", len(ids))
+        return ParsedResponse(
+            ids, logprobs, reason, routes, newest_version(self.read_weight_version(raw), spans), spans
+        )
+
+    def read_weight_version(self, raw: Mapping[str, Any]) -> str | None:
+        """The answer's weight version (`None`: the format has none besides its spans)."""
+        return None
+
+
+def _drop(node: Any, path: tuple[str, ...]) -> Any:
+    if not path:
+        return node
+    key, rest = path[0], path[1:]
+    if key == "*":
+        return [_drop(item, rest) for item in node] if isinstance(node, list) else node
+    if not isinstance(node, Mapping) or key not in node:
+        return node
+    copy = dict(node)
+    if rest:
+        copy[key] = _drop(node[key], rest)
+    else:
+        del copy[key]
+    return copy
+
+
+def check_cache_salt(salt: Any) -> str:
+    """A cache salt every server accepts: a non-empty string of at most 128
+    characters without `@`, `/`, `\\` or NUL (vLLM 0.30+ answers others with
+    HTTP 400; one rule for every server keeps a salt portable).
+
+    Raises:
+        TypeError: `salt` is not a string.
+        ValueError: It is empty, too long, or holds a forbidden character.
+
+    Examples:
+        >>> check_cache_salt("v12")
+        'v12'
+    """
+    check_str(salt, "cache_salt")
+    if not salt:
+        raise ValueError(
+            "cache_salt must be a non-empty string (servers refuse or ignore an empty salt); pass None for none"
+        )
+    if len(salt) > MAX_SALT_CHARS:
+        raise ValueError(f"cache_salt has {len(salt)} characters; vLLM refuses more than {MAX_SALT_CHARS}")
+    bad = [c for c in SALT_FORBIDDEN if c in salt]
+    if bad:
+        raise ValueError(
+            f"cache_salt {salt!r:.60} holds {bad}; vLLM refuses '@', '/', '\\' and NUL in a salt "
+            "(use e.g. 'ckpt-step_100' instead of 'ckpt/step_100')"
+        )
+    return salt
+
+
+def get_field(container: Any, key: str, where: str, kind: type | tuple[type, ...], *, required: bool = True) -> Any:
+    """`container[key]` checked to be of `kind` (`None` when absent and not required).
+
+    Raises:
+        WireFormatError: `container` is not an object, or the field is missing
+            (when required) or of another type.
+    """
+    if not isinstance(container, Mapping):
+        raise WireFormatError(f"{where}: expected a JSON object, got {type(container).__name__}")
+    if key not in container or container[key] is None:
+        if required:
+            raise WireFormatError(f"{where}.{key} is missing")
+        return None
+    value = container[key]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise WireFormatError(f"{where}.{key}: expected {_kind_name(kind)}, got {type(value).__name__}")
+    return value
+
+
+def first_choice(raw: Any) -> Mapping[str, Any]:
+    """`raw["choices"][0]`, checked to be an object.
+
+    Raises:
+        WireFormatError: `raw` has no non-empty `choices` list of objects.
+    """
+    choices = get_field(raw, "choices", "response", list)
+    if not choices:
+        raise WireFormatError("response.choices is empty")
+    if not isinstance(choices[0], Mapping):
+        raise WireFormatError(f"choices[0]: expected a JSON object, got {type(choices[0]).__name__}")
+    return choices[0]
+
+
+def params_with_start(call: GenerateCall) -> dict[str, Any]:
+    """A copy of `call.sampling_params` carrying the route start as `PROMPT_START_PARAM` (when past 0).
+
+    Raises:
+        ValueError: The caller put `PROMPT_START_PARAM` in the sampling parameters themselves.
+    """
+    params = dict(call.sampling_params)
+    if PROMPT_START_PARAM in params:
+        raise ValueError(
+            f"pass {PROMPT_START_PARAM} as the keyword argument routed_experts_prompt_start, not inside sampling_params"
+        )
+    if call.return_routed_experts and call.start:
+        params[PROMPT_START_PARAM] = call.start
+    return params
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    names: dict[type, str] = {dict: "an object", list: "a list", str: "a string"}
+    return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+def token_ids(value: Any, where: str) -> tuple[int, ...]:
+    """A list of non-negative ints (not bools) as a tuple.
+
+    Raises:
+        WireFormatError: `value` is not such a list.
+    """
+    if not isinstance(value, list):
+        raise WireFormatError(f"{where}: expected a list of token ids, got {type(value).__name__}")
+    for i, t in enumerate(value):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < _TOKEN_ID_END:
+            raise WireFormatError(f"{where}[{i}]: expected an int token id in [0, 2**63), got {t!r:.40}")
+    return tuple(value)
+
+
+def logprob(value: Any, where: str, *, null_is_nan: bool = False) -> float:
+    """A log-probability: a number `<= 0` (`-inf` included) as a float.
+
+    Args:
+        value: The wire value.
+        where: The field, for messages.
+        null_is_nan: Read `null` as NaN. SGLang writes both `-inf` and NaN as
+            `null`, so which one it was is lost; NaN says "unknown".
+
+    Raises:
+        WireFormatError: `value` is not a number, is NaN, `+inf` or positive
+            (no probability exceeds 1), or `null` where that is not allowed.
+    """
+    if value is None and null_is_nan:
+        return math.nan
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value > 0:
+        raise WireFormatError(f"{where}: expected a log-probability (<= 0), got {value!r:.40}")
+    return float(value)
+
+
+def completion_logprobs(choice: Mapping[str, Any], generated: int) -> tuple[float, ...] | None:
+    """An OpenAI completions choice's `logprobs.token_logprobs`, one per generated token (`None` without a block).
+
+    `null` is read as NaN: both engines that send this shape (vLLM, SGLang) write a
+    `-inf` or NaN log-prob as `null`.
+
+    Raises:
+        WireFormatError: The block breaks the format or holds another number of entries.
+    """
+    block = get_field(choice, "logprobs", "choices[0]", dict, required=False)
+    if block is None:
+        return None
+    values = get_field(block, "token_logprobs", "choices[0].logprobs", list)
+    if len(values) != generated:
+        raise WireFormatError(f"choices[0].logprobs.token_logprobs has {len(values)} entries for {generated} tokens")
+    return tuple(logprob(v, f"choices[0].logprobs.token_logprobs[{i}]", null_is_nan=True) for i, v in enumerate(values))
+
+
+def chat_logprobs(choice: Mapping[str, Any], generated: int, *, null_is_nan: bool) -> tuple[float, ...] | None:
+    """An OpenAI chat choice's `logprobs.content[i].logprob`, one per generated token.
+
+    `None` when the choice has no log-prob block or its `content` is `null`.
+
+    Args:
+        choice: The answer's first choice.
+        generated: How many tokens it generated.
+        null_is_nan: Read a `null` log-prob as NaN (SGLang writes `-inf` and NaN
+            so); otherwise each entry's `logprob` must be a number.
+
+    Raises:
+        WireFormatError: The block breaks the format or holds another number of entries.
+    """
+    block = get_field(choice, "logprobs", "choices[0]", dict, required=False)
+    if block is None or block.get("content") is None:
+        return None
+    content = get_field(block, "content", "choices[0].logprobs", list)
+    if len(content) != generated:
+        raise WireFormatError(f"choices[0].logprobs.content has {len(content)} entries for {generated} tokens")
+    values = []
+    for i, entry in enumerate(content):
+        where = f"choices[0].logprobs.content[{i}]"
+        if not null_is_nan:
+            value = get_field(entry, "logprob", where, (int, float))
+        elif isinstance(entry, Mapping) and "logprob" in entry:
+            value = entry["logprob"]
+        else:
+            raise WireFormatError(f"{where}: expected an object with a logprob, got {entry!r:.60}")
+        values.append(logprob(value, f"{where}.logprob", null_is_nan=null_is_nan))
+    return tuple(values)
+
+
+def finish_reason(value: Any, where: str) -> str | None:
+    """A finish reason normalised to a lower-case string (`None` stays `None`).
+
+    SGLang sends an object `{"type": "stop" | "length" | "abort", ...}`; vLLM
+    and the torch_r3 server send the string. Every protocol normalises to
+    `"stop"`, `"length"` and `"abort"`; anything else is passed on lower-cased.
+
+    Raises:
+        WireFormatError: `value` is neither a string, an object with a string
+            `type`, nor `null`.
+    """
+    if isinstance(value, Mapping):
+        value = value.get("type")
+        where = f"{where}.type"
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise WireFormatError(f"{where}: expected a finish reason string, got {value!r}")
+    return value.lower()
+
+
+def weight_version(value: Any, where: str) -> str | None:
+    """A weight version string, or `None` when the server sent none.
+
+    Raises:
+        WireFormatError: `value` is present but not a string.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise WireFormatError(f"{where}: expected a string, got {type(value).__name__} {value!r}")
+    return value
+
+
+def weight_spans(value: Any, where: str, generated: int) -> tuple[WeightVersionSpan, ...]:
+    """The `weight_versions` spans of an answer (`()` when absent), checked.
+
+    Raises:
+        WireFormatError: Not a list of `{version: str, start: int, end: int}`
+            objects with `0 <= start <= end <= generated`, in order.
+    """
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise WireFormatError(f"{where}: expected a list of {{version, start, end}} spans, got {type(value).__name__}")
+    spans: list[WeightVersionSpan] = []
+    for i, item in enumerate(value):
+        at = f"{where}[{i}]"
+        version = get_field(item, "version", at, str)
+        start, end = get_field(item, "start", at, int), get_field(item, "end", at, int)
+        if not 0 <= start <= end:
+            raise WireFormatError(f"{at}: expected 0 <= start <= end, got start={start}, end={end}")
+        if end > generated:
+            raise WireFormatError(f"{at}: end={end} is past the {generated} generated tokens")
+        if spans and start < spans[-1].end:
+            raise WireFormatError(f"{at}: spans must be in order without overlap; start={start} < {spans[-1].end}")
+        spans.append(WeightVersionSpan(version, start, end))
+    return tuple(spans)
+
+
+def newest_version(version: str | None, spans: tuple[WeightVersionSpan, ...]) -> str | None:
+    """`version` when the server sent one, else the last span's (the newest), else `None`."""
+    if version is not None:
+        return version
+    return spans[-1].version if spans else None
+
+
+def expected_rows(prompt_len: int, generated: int, start: int) -> int:
+    """Route rows that cover positions `[start, prompt_len + generated - 1)`.
+
+    Examples:
+        >>> expected_rows(5, 3, 0), expected_rows(5, 3, 2), expected_rows(4, 0, 4)
+        (7, 5, 0)
+    """
+    return max(0, prompt_len + generated - 1 - start)
+
+
+def slice_to_start(
+    routes: np.ndarray,
+    call: GenerateCall,
+    generated: int,
+    where: str,
+    *,
+    start_may_be_ignored: bool,
+    start_field: str = PROMPT_START_PARAM,
+) -> np.ndarray:
+    """Check the row count of `routes` against the positions asked for.
+
+    Args:
+        routes: The decoded routes.
+        call: The call they answer.
+        generated: Tokens generated.
+        where: The field, for messages.
+        start_may_be_ignored: Accept an answer that covers every position from
+            `0` although `call.start > 0` (a server that ignored the start
+            field, e.g. sglang 0.5.10.post1), and drop the rows before the start
+            (logged as a warning on this module's logger, naming `start_field`).
+        start_field: The request field that carried the start, for that warning.
+
+    Returns:
+        The routes of positions `[call.start, P + O - 1)`; a copy when sliced,
+        so the rows before the start are freed.
+
+    Raises:
+        WireFormatError: The row count fits neither.
+    """
+    rows = routes.shape[0]
+    want = expected_rows(len(call.prompt), generated, call.start)
+    if rows == want:
+        return routes
+    full = expected_rows(len(call.prompt), generated, 0)
+    if start_may_be_ignored and call.start > 0 and rows == full:
+        log.warning(
+            "%s: the server ignored %s=%d and sent every row from 0 (an older server version?); "
+            "keeping rows %d.. (the rows before were sent for nothing)",
+            where,
+            start_field,
+            call.start,
+            call.start,
+        )
+        return routes[call.start :].copy()
+    raise WireFormatError(
+        f"{where} has {rows} rows; positions {call.start} .. {len(call.prompt) + generated - 2} "
+        f"({len(call.prompt)} prompt + {generated} generated tokens) need {want}"
+    )

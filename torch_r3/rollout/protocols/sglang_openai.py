@@ -1,0 +1,211 @@
+"""SGLang's OpenAI-compatible `POST /v1/completions` and `POST /v1/chat/completions` (sglang 0.5.23).
+
+Both take OpenAI's sampling fields at the top level (`max_tokens`,
+`temperature`, ...) plus SGLang's own: `return_routed_experts: true`,
+`routed_experts_start_len` (the first position whose row is wanted),
+`return_token_ids: true` and `cache_salt` (SGLang's cache namespace, which
+keeps otherwise identical prefixes apart). A server started with
+`--enable-return-routed-experts` answers with the routes of the first result
+in the **response-level** `sglext.routed_experts`: base64 of the flat
+little-endian `int32` rows `[rows, num_hidden_layers, topk]`, no header, the
+same text as `meta_info.routed_experts` of the native `/generate` (so the
+client must be given `num_layers` and `topk`). Non-streaming answers only.
+The weight version is the response-level `metadata.weight_version`, with
+`metadata.weight_versions` spans over the generated tokens.
+
+- Completions (`server="sglang-openai"`, `RemoteGenerateClient.generate`): the
+  prompt is sent as token ids (`prompt: [...]`) with `logprobs: 0` (the
+  sampled token's log-prob); `choices[0]` carries `token_ids`,
+  `prompt_token_ids` (with `return_token_ids`) and `logprobs.token_logprobs`.
+- Chat (`RemoteGenerateClient.chat`): the server renders the messages with its
+  chat template, so the rows describe the server's tokens. `return_token_ids`
+  makes `choices[0]` carry `prompt_token_ids` (the rendered prompt: key the
+  trace by them) and `response_token_ids`; log-probs are in
+  `choices[0].logprobs.content[i].logprob`. The client does not send
+  `return_meta_info`: with it, SGLang moves the routes out of `sglext`.
+
+SGLang writes a -inf or NaN log-prob as `null`; it is read as NaN. An answer
+without the token ids (an SGLang that predates `return_token_ids` on these
+endpoints) is refused: its rows cannot be matched to tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from torch_r3.rollout.codec import WireFormatError, decode_sglang_routes
+from torch_r3.rollout.protocols import base
+from torch_r3.rollout.protocols.base import GenerateCall, ParsedResponse, RouteLimits, ServerProtocol
+from torch_r3.rollout.protocols.chat import ChatProtocol
+from torch_r3.rollout.protocols.switches import missing_routes_hint
+
+# Reached by `RemoteGenerateClient(server="sglang-openai")`.
+__all__: list[str] = []
+
+COMPLETIONS_PATH = "/v1/completions"
+CHAT_PATH = "/v1/chat/completions"
+_ROUTES = ("sglext", "routed_experts")
+# The fields the client sets itself (return_meta_info would move the routes out of sglext).
+_OWN_FIELDS = (
+    "prompt",
+    "messages",
+    "model",
+    "stream",
+    "return_token_ids",
+    "return_prompt_token_ids",
+    "return_routed_experts",
+    "routed_experts_start_len",
+    "return_meta_info",
+    "cache_salt",
+    "extra_key",
+)
+_TOO_OLD = "an SGLang too old for return_token_ids on its OpenAI endpoints? use server='sglang' (/generate) instead"
+
+
+class SGLangCompletionsProtocol(ServerProtocol):
+    """SGLang's `/v1/completions` with a token-id prompt (see the module docstring)."""
+
+    name = "sglang-openai"
+    generate_path = COMPLETIONS_PATH
+    salt_field = "cache_salt"
+    needs_route_shape = True
+    route_payload_paths = (_ROUTES,)
+    route_text_paths = (_ROUTES,)
+
+    def request_body(self, call: GenerateCall) -> dict[str, Any]:
+        body = _body(call.sampling_params, call.return_routed_experts, call.start, call.model)
+        body["prompt"] = call.prompt
+        body.setdefault("logprobs", 0)  # the sampled token's logprob, which RL needs
+        return self.salted(body, call)
+
+    def parse_response(self, raw: Any, call: GenerateCall, limits: RouteLimits) -> ParsedResponse:
+        choice = base.first_choice(raw)
+        ids = _ids(choice, "token_ids")
+        sent_back = base.get_field(choice, "prompt_token_ids", "choices[0]", list, required=False)
+        if sent_back is not None and list(base.token_ids(sent_back, "choices[0].prompt_token_ids")) != call.prompt:
+            raise WireFormatError("choices[0].prompt_token_ids is not the prompt that was sent")
+        logprobs = base.completion_logprobs(choice, len(ids))
+        return _parsed(raw, choice, ids, logprobs, call, limits)
+
+
+class SGLangChatProtocol(ChatProtocol):
+    """SGLang's `/v1/chat/completions` (see the module docstring); used by `RemoteGenerateClient.chat`."""
+
+    name = "sglang-openai"
+    path = CHAT_PATH
+    route_payload_paths = (_ROUTES,)
+    route_text_paths = (_ROUTES,)
+
+    def request_body(
+        self,
+        messages: list[dict[str, Any]],
+        sampling_params: Mapping[str, Any],
+        *,
+        return_routed_experts: bool,
+        start: int,
+        cache_salt: str | None,
+        model: str | None,
+    ) -> dict[str, Any]:
+        body = _body(sampling_params, return_routed_experts, start, model)
+        body["messages"] = messages
+        body.setdefault("logprobs", True)
+        if cache_salt is not None:
+            body["cache_salt"] = base.check_cache_salt(cache_salt)
+        return body
+
+    def parse_response(
+        self, raw: Any, *, return_routed_experts: bool, start: int, limits: RouteLimits
+    ) -> tuple[tuple[int, ...], ParsedResponse]:
+        choice = base.first_choice(raw)
+        prompt_ids = base.get_field(choice, "prompt_token_ids", "choices[0]", list, required=False)
+        if prompt_ids is None:
+            raise WireFormatError(
+                "choices[0].prompt_token_ids is missing: the server rendered the messages with its chat template and "
+                "did not say into which tokens, so routes cannot be matched to positions (the client sends "
+                f"return_token_ids: true; {_TOO_OLD})"
+            )
+        prompt = base.token_ids(prompt_ids, "choices[0].prompt_token_ids")
+        if start > len(prompt):
+            raise WireFormatError(
+                f"routed_experts_start_len {start} is past the {len(prompt)}-token prompt the server rendered"
+            )
+        ids = _ids(choice, "response_token_ids")
+        logprobs = base.chat_logprobs(choice, len(ids), null_is_nan=True)
+        call = GenerateCall(list(prompt), {}, return_routed_experts, start)
+        return prompt, _parsed(raw, choice, ids, logprobs, call, limits)
+
+
+def _body(params: Mapping[str, Any], want_routes: bool, start: int, model: str | None) -> dict[str, Any]:
+    for key in _OWN_FIELDS:
+        if key in params:
+            raise ValueError(f"sampling_params must not hold {key!r}: the client sets it")
+    body: dict[str, Any] = dict(params)
+    body["return_token_ids"] = True
+    if want_routes:
+        body["return_routed_experts"] = True
+        if start:
+            body["routed_experts_start_len"] = start
+    if model is not None:
+        body["model"] = model
+    return body
+
+
+def _ids(choice: Mapping[str, Any], key: str) -> tuple[int, ...]:
+    value = base.get_field(choice, key, "choices[0]", list, required=False)
+    if value is None:
+        raise WireFormatError(f"choices[0].{key} is missing: the server ignored return_token_ids ({_TOO_OLD})")
+    return base.token_ids(value, f"choices[0].{key}")
+
+
+def _parsed(
+    raw: Mapping[str, Any],
+    choice: Mapping[str, Any],
+    ids: tuple[int, ...],
+    logprobs: tuple[float, ...] | None,
+    call: GenerateCall,
+    limits: RouteLimits,
+) -> ParsedResponse:
+    reason = base.finish_reason(
+        base.get_field(choice, "finish_reason", "choices[0]", str, required=False), "choices[0].finish_reason"
+    )
+    routes = None
+    if call.return_routed_experts:
+        ext = base.get_field(raw, "sglext", "response", dict, required=False)
+        payload = None if ext is None else ext.get("routed_experts")
+        if payload is None and (reason == "abort" or not ids):
+            reason = "abort"  # aborted: SGLang sends no routes
+        elif payload is None:
+            raise WireFormatError(
+                f"routes were requested but sglext.routed_experts is missing ({missing_routes_hint('sglang')})"
+            )
+        else:
+            if limits.num_layers is None or limits.topk is None:  # the client checks this before sending
+                raise ValueError("server='sglang-openai' needs num_layers= and topk= to read routes")
+            decoded: np.ndarray = decode_sglang_routes(
+                payload,
+                num_layers=limits.num_layers,
+                topk=limits.topk,
+                dtype="int32",
+                num_experts=limits.num_experts,
+                max_bytes=limits.max_bytes,
+                name="sglext.routed_experts",
+            )
+            routes = base.slice_to_start(
+                decoded,
+                call,
+                len(ids),
+                "sglext.routed_experts",
+                start_may_be_ignored=True,
+                start_field="routed_experts_start_len",
+            )
+    meta = base.get_field(raw, "metadata", "response", dict, required=False) or {}
+    version = base.weight_version(meta.get("weight_version"), "metadata.weight_version")
+    spans = base.weight_spans(meta.get("weight_versions"), "metadata.weight_versions", len(ids))
+    return ParsedResponse(ids, logprobs, reason, routes, base.newest_version(version, spans), spans)
+
+
+PROTOCOL = SGLangCompletionsProtocol()
+CHAT = SGLangChatProtocol()

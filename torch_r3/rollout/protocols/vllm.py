@@ -1,0 +1,92 @@
+"""vLLM's native `POST /inference/v1/generate` (server flag `--enable-return-routed-experts`).
+
+Request: `{"token_ids": [...], "sampling_params": {"max_tokens", "logprobs",
+"routed_experts_prompt_start"?: s, ...}, "return_token_ids": true,
+"cache_salt"?: salt}`. vLLM has no per-request routes switch: a server started
+with the flag returns routes for every request (the client drops them when
+they were not asked for). `cache_salt` is top level; vLLM shares prefix-cache
+blocks only between requests with the same salt and refuses an empty one.
+
+Answer: `choices[0]` with `token_ids`, `finish_reason` (a string), `logprobs`
+(`{"content": [{"token_id", "logprob", ...}]}` or `null`) and `routed_experts`:
+base64 of a whole `.npy` file `[rows, num_hidden_layers, topk]` (`uint8` up to
+256 experts, else `uint16`, in every release since routes came to this endpoint
+with 0.22), or `null` when the server runs without the flag or the request was
+aborted before any forward pass.
+vLLM 0.32+ reports `choices[0].weight_versions`, spans `{version, start,
+end}` over the generated tokens; the newest is the weight version (older
+servers report none). `cache_salt` must be at most 128 characters without
+`@`, `/`, `\\` or NUL (vLLM 0.30+ answers others with 400). Since vLLM 0.30
+`/inference/v1/generate` exists only with `--enable-scale-out`. Every release with
+routes here takes `routed_experts_prompt_start` in `sampling_params` (0.22 to 0.29
+only below the prompt's length: a start equal to it fails an assertion in the
+engine; 0.30+ accept `0 <= s <= P` and refuse others up front); an answer with
+every row from position 0 all the same is recognised by its row count and sliced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from torch_r3.rollout.codec import WireFormatError, decode_vllm_routes
+from torch_r3.rollout.protocols import base
+from torch_r3.rollout.protocols.base import ChoicesProtocol, GenerateCall, RouteLimits
+from torch_r3.rollout.protocols.switches import missing_routes_hint
+
+# Reached by `RemoteGenerateClient(server="vllm")`: the docstring above is this
+# server's format; `VLLMProtocol`, its paths and `PROTOCOL` serve the client.
+__all__: list[str] = []
+
+GENERATE_PATH = "/inference/v1/generate"
+#: vLLM's endpoint that drops its prefix cache.
+RESET_PREFIX_CACHE_PATH = "/reset_prefix_cache"
+
+
+class VLLMProtocol(ChoicesProtocol):
+    """vLLM's native `/inference/v1/generate` (see the module docstring)."""
+
+    name = "vllm"
+    generate_path = GENERATE_PATH
+    salt_field = "cache_salt"
+    start_may_be_ignored = True
+    null_routes_hint = f" ({missing_routes_hint('vllm')})"
+
+    def flags(self, call: GenerateCall) -> dict[str, Any]:
+        return {"return_token_ids": True}
+
+    def sampling_params(self, call: GenerateCall) -> dict[str, Any]:
+        params = base.params_with_start(call)
+        params.setdefault("logprobs", 1)  # the sampled token's logprob, which RL needs
+        return params
+
+    def read_logprobs(self, choice: Mapping[str, Any], ids: tuple[int, ...]) -> tuple[float, ...] | None:
+        block = base.get_field(choice, "logprobs", "choices[0]", dict, required=False)
+        if block is None:
+            return None
+        content = base.get_field(block, "content", "choices[0].logprobs", list)
+        if len(content) != len(ids):
+            raise WireFormatError(f"choices[0].logprobs.content has {len(content)} entries for {len(ids)} tokens")
+        values = []
+        for i, entry in enumerate(content):
+            where = f"choices[0].logprobs.content[{i}]"
+            if base.get_field(entry, "token_id", where, int) != ids[i]:
+                raise WireFormatError(f"{where}.token_id {entry['token_id']!r} is not token_ids[{i}] = {ids[i]}")
+            values.append(base.logprob(base.get_field(entry, "logprob", where, (int, float)), f"{where}.logprob"))
+        return tuple(values)
+
+    def decode(self, payload: Any, limits: RouteLimits) -> np.ndarray:
+        known = limits.num_layers is not None and limits.topk is not None
+        return decode_vllm_routes(
+            payload,
+            num_layers=limits.num_layers if known else None,
+            topk=limits.topk if known else None,
+            num_experts=limits.num_experts,
+            max_bytes=limits.max_bytes,
+            name="choices[0].routed_experts",
+        )
+
+
+PROTOCOL = VLLMProtocol()

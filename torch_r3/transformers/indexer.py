@@ -1,0 +1,414 @@
+"""Replay a batch's indexer selections in the DSA indexers of one `transformers` model instance.
+
+`IndexerReplayHook` finds the lightning indexers (`DeepseekV32Indexer`,
+`GlmMoeDsaIndexer`) by walking the instance's module tree and registers a
+forward hook on each (never on a class). Outside `replay()` and `record()` the
+indexers run unchanged. Inside `replay(batch)` each indexer call returns the
+batch's selection for captured queries and its own for uncaptured ones (by
+default), in the model's `[B, S, topk]` `int32` form; the attention then masks
+exactly what the engine's attention masked. GLM's shared layers (no indexer of
+their own) reuse the previous full layer's top-k, replayed or not, so only the
+full layers are hooked; the batch's columns for shared layers must equal their
+source's (SGLang mirrors them), which is checked.
+
+`DSAReplayHook` is the one hook for a DSA MoE model: it holds the MoE
+`torch_r3.transformers.ReplayHook` and an `IndexerReplayHook`, and its
+`replay(batch)` replays both kinds of choice from one collated batch.
+
+Activation checkpointing: as the MoE hook does, while `replay()` is active the
+hook wraps each decoder layer's `_gradient_checkpointing_func`, so each
+checkpointed call keeps the selections its indexers returned, and the
+recompute in backward returns exactly those.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from torch_r3.collate.selections import SELECTION_MASK, SELECTIONS
+from torch_r3.replay.lifecycle import HookLifecycle
+from torch_r3.replay.modes import check_uncaptured
+from torch_r3.replay.recording import Recording
+from torch_r3.replay.selection_checks import (
+    canonical_rows,
+    check_selection_batch,
+    check_selection_values,
+    first_positions,
+    overlap,
+)
+from torch_r3.replay.selection_stats import IndexerStats
+from torch_r3.selections import FILL
+
+__all__ = ["DSAReplayHook", "IndexerReplayHook", "IndexerStats"]
+
+INDEXER_CLASSES = (
+    ("transformers.models.deepseek_v32.modeling_deepseek_v32", "DeepseekV32Indexer"),
+    ("transformers.models.glm_moe_dsa.modeling_glm_moe_dsa", "GlmMoeDsaIndexer"),
+)
+"""The indexer classes the hook replays (module, class name), checked against `transformers` 5.24."""
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?=\.|$)")
+
+
+@dataclass
+class _Recorder:
+    """What one `record()` block has seen so far."""
+
+    shape: tuple[int, int] | None = None
+    mask: torch.Tensor | None = None
+    own: dict[int, torch.Tensor] = field(default_factory=dict)
+    forwards: int = 0
+
+
+@dataclass
+class _Indexer:
+    module: torch.nn.Module
+    name: str
+    layer: int
+    layer_module: torch.nn.Module
+    topk: int
+
+
+@dataclass
+class _Replay:
+    shape: tuple[int, int]
+    first: torch.Tensor  # [B]
+    columns: list[torch.Tensor]  # per indexer: [B, T, K] int64, canonical
+    uncaptured: torch.Tensor  # [B, T] bool
+    sums: dict[int, float] = field(default_factory=dict)
+    rows: dict[int, int] = field(default_factory=dict)
+
+
+def _is_indexer(module: torch.nn.Module) -> bool:
+    return any((c.__module__, c.__name__) in INDEXER_CLASSES for c in type(module).__mro__)
+
+
+class IndexerReplayHook(HookLifecycle):
+    """Replays captured indexer selections in the DSA indexers of one `transformers` model.
+
+    ```python
+    hook = IndexerReplayHook(model)
+    with hook.replay(batch):  # rollout_indexer_topk [B, T, L, K], indexer_padding_mask [B, T]
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    ```
+
+    Args:
+        model: A `transformers` DSA model (`deepseek_v32`, `glm_moe_dsa`) or a
+            module wrapping one.
+        uncaptured: Queries without a captured selection (left padding, the
+            last token): `"live"` (default) uses the model's own indexer,
+            `"replay"` lets each of them attend to itself only (the batch holds `-1`
+            rows there, the filler).
+
+    Raises:
+        TypeError: `model` is not a `torch.nn.Module`.
+        ValueError: no indexer in the model, an indexer outside a decoder
+            layer, another hook on it, or a bad `uncaptured`.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, uncaptured: str = "live"):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        self.uncaptured = check_uncaptured(uncaptured)
+        self._model = model
+        self._indexers, self._num_layers = _find_indexers(model)
+        self._hold((ix.module, ix.name) for ix in self._indexers)  # a refused hook claims nothing
+        self._active: _Replay | None = None
+        self._recording: _Recorder | None = None
+        self._call: dict[int, torch.Tensor] | None = None
+        self._stats = _Collector()
+        self._last_stats: IndexerStats | None = None
+        self._handles = [
+            ix.module.register_forward_hook(functools.partial(self._on_indexer, i))
+            for i, ix in enumerate(self._indexers)
+        ]
+
+    @property
+    def indexer_layers(self) -> tuple[int, ...]:
+        """The decoder layer (0-based) of each hooked indexer, in model order."""
+        return tuple(ix.layer for ix in self._indexers)
+
+    @property
+    def num_layers(self) -> int:
+        """The model's decoder layers: the `L` of selections that cover every layer (as SGLang sends)."""
+        return self._num_layers
+
+    @property
+    def index_topk(self) -> int:
+        return self._indexers[0].topk
+
+    @property
+    def last_stats(self) -> IndexerStats | None:
+        """`IndexerStats` of the last `replay()` block that exited cleanly."""
+        return self._last_stats
+
+    def sources(self) -> tuple[int, ...]:
+        """For each decoder layer, the hooked layer whose selection it uses (a shared layer: the last before it)."""
+        out, last = [], self._indexers[0].layer
+        hooked = set(self.indexer_layers)
+        for layer in range(self._num_layers):
+            if layer in hooked:
+                last = layer
+            out.append(last)
+        return tuple(out)
+
+    @contextlib.contextmanager
+    def replay(self, batch: Mapping[str, Any]) -> Iterator[IndexerReplayHook]:
+        """Replay `batch`'s selections in every forward of the model inside the block.
+
+        Raises:
+            TypeError, ValueError: before the model runs, for a bad layout or
+                a bad selection (naming the layer, row and position); inside the
+                block, when an indexer sees another `[B, T]` than the batch.
+            RuntimeError: when `replay()` or `record()` is already active.
+        """
+        self._check_idle()
+        sel, mask = check_selection_batch(batch)
+        B, T, L, K = sel.shape
+        if K != self.index_topk:
+            raise ValueError(f"{SELECTIONS}: index_topk {K}, the model's indexers select {self.index_topk}")
+        columns = self._columns(sel, L)
+        check_selection_values(sel[:, :, columns], mask, self.indexer_layers)
+        device = _device_of(self._indexers[0].module)
+        wide = sel.to(device=device, dtype=torch.int64)
+        self._active = _Replay(
+            (B, T), first_positions(mask).to(device), [wide[:, :, c] for c in columns], mask.to(device)
+        )
+        self._stats.start(self._active)
+        restore = self._wrap_checkpointing()
+        try:
+            yield self
+            self._last_stats = self._stats.finish(self._active, self.indexer_layers)
+        finally:
+            self._active = None
+            for layer, original in restore:
+                layer.__dict__["_gradient_checkpointing_func"] = original
+
+    @contextlib.contextmanager
+    def record(self) -> Iterator[Recording]:
+        """Record the indexers' own selections in one forward (R2): yields a `torch_r3.replay.Recording`.
+
+        After the block its `batch` is `{"rollout_indexer_topk": [B, T, L, K],
+        "indexer_padding_mask": [B, T]}` in the collated layout: `L` every
+        decoder layer (a shared layer holds its source's selection, as SGLang
+        sends it), positions sorted, `-1` after, the mask `True` where the
+        forward's `attention_mask` was 0. Hand it to `replay` in the update.
+
+        Raises:
+            RuntimeError: when a block is already active, or the block ran no
+                forward or more than one.
+        """
+        self._check_idle()
+        rec, seen = Recording(), _Recorder()
+        self._recording = seen
+        handle = self._model.register_forward_pre_hook(functools.partial(_note_inputs, seen), with_kwargs=True)
+        try:
+            yield rec
+        finally:
+            handle.remove()
+            self._recording = None
+        rec.microbatches.append(self._recorded_batch(seen))
+
+    # ------------------------------------------------------------- internals
+
+    def _columns(self, sel: torch.Tensor, L: int) -> list[int]:
+        if L == len(self._indexers):
+            return list(range(L))
+        if L != self._num_layers:
+            raise ValueError(
+                f"{SELECTIONS}: {L} layers; expected every decoder layer ({self._num_layers}) "
+                f"or the indexer layers only ({len(self._indexers)})"
+            )
+        for layer, src in enumerate(self.sources()):
+            if layer != src and not torch.equal(sel[:, :, layer], sel[:, :, src]):
+                raise ValueError(
+                    f"{SELECTIONS}: layer {layer} reuses layer {src}'s top-k in this model, but the batch's "
+                    "selections for the two differ (captured from a model with another sharing pattern?)"
+                )
+        return list(self.indexer_layers)
+
+    def _on_indexer(self, index: int, module: torch.nn.Module, args: Any, output: torch.Tensor) -> Any:
+        call = self._call
+        if call is not None and index in call:  # activation recompute: exactly the first forward's
+            return call[index]
+        if self._recording is not None:
+            rec = self._recording
+            rec.own[index] = output.detach()
+            rec.forwards += int(index == 0)
+            return None
+        state = self._active
+        if state is None:
+            return None
+        B, S, Kp = output.shape
+        if (B, S) != state.shape:
+            raise ValueError(
+                f"layer {self._indexers[index].layer}: the indexer sees [{B}, {S}] queries but the batch covers "
+                f"{list(state.shape)} (a forward with a KV cache, or another batch?)"
+            )
+        replayed = state.columns[index][..., :Kp]
+        # Unused slots point at the query itself: selected anyway, so the mask built from them is exact.
+        own_pos = torch.arange(S, device=output.device).view(1, S, 1).expand(B, S, Kp)
+        filled = torch.where(replayed == FILL, own_pos, replayed)
+        if self.uncaptured == "live":
+            filled = torch.where(state.uncaptured.unsqueeze(-1), output.to(torch.int64), filled)
+        out = filled.to(output.dtype)
+        self._stats.add(state, index, canonical_rows(output, state.first, Kp), replayed, ~state.uncaptured)
+        if call is not None:
+            call[index] = out
+        return out
+
+    def _wrap_checkpointing(self) -> list[tuple[torch.nn.Module, Callable]]:
+        restore = []
+        for layer in {id(ix.layer_module): ix.layer_module for ix in self._indexers}.values():
+            original = layer.__dict__.get("_gradient_checkpointing_func")
+            if original is not None:
+                layer.__dict__["_gradient_checkpointing_func"] = self._checkpointing(original)
+                restore.append((layer, original))
+        return restore
+
+    def _checkpointing(self, original: Callable) -> Callable:
+        def checkpoint_with_selections(function: Callable, *args: Any, **kwargs: Any) -> Any:
+            record: dict[int, torch.Tensor] = {}
+
+            def run(*a: Any, **k: Any) -> Any:
+                outer, self._call = self._call, record
+                try:
+                    return function(*a, **k)
+                finally:
+                    self._call = outer
+
+            return original(run, *args, **kwargs)
+
+        return checkpoint_with_selections
+
+    def _recorded_batch(self, rec: _Recorder) -> dict[str, torch.Tensor]:
+        if rec.forwards != 1 or rec.shape is None:
+            raise RuntimeError(f"record(): expected exactly one forward of the model in the block, got {rec.forwards}")
+        B, T = rec.shape
+        mask = rec.mask if rec.mask is not None else torch.zeros((B, T), dtype=torch.bool)
+        first = first_positions(mask)
+        K = self.index_topk
+        dtype = torch.int16 if T <= 1 << 15 else torch.int32
+        by_layer = {}
+        for index, own in rec.own.items():
+            by_layer[self._indexers[index].layer] = canonical_rows(own.cpu(), first, K).to(dtype)
+        out = torch.stack([by_layer[src] for src in self.sources()], dim=2)
+        out[mask] = FILL
+        return {SELECTIONS: out, SELECTION_MASK: mask.cpu()}
+
+
+class _Collector:
+    def __init__(self) -> None:
+        self.forwards = self.captured = self.live = 0
+
+    def start(self, state: _Replay) -> None:
+        self.forwards = self.captured = self.live = 0
+
+    def add(self, state: _Replay, index: int, own: torch.Tensor, replayed: torch.Tensor, rows: torch.Tensor) -> None:
+        if index == 0:
+            self.forwards += 1
+            self.captured += int(rows.sum())
+            self.live += int((~rows).sum())
+        s, n = overlap(own[rows], replayed[rows])
+        state.sums[index] = state.sums.get(index, 0.0) + s
+        state.rows[index] = state.rows.get(index, 0) + n
+
+    def finish(self, state: _Replay, layers: tuple[int, ...]) -> IndexerStats:
+        share = {layers[i]: state.sums[i] / state.rows[i] for i in state.sums if state.rows[i]}
+        return IndexerStats(share, self.captured, self.live, self.forwards)
+
+
+class DSAReplayHook:
+    """One hook for both choices of a DSA MoE model: routes in its routers, selections in its indexers.
+
+    ```python
+    hook = DSAReplayHook(model)
+    with hook.replay(batch):  # routes and selections collated into one batch
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    ```
+
+    A DSA model without MoE layers gets the indexer hook alone. `record()`
+    yields `(route Recording or None, selection Recording)`.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, uncaptured: str = "live"):
+        from torch_r3.transformers.families import family_of
+        from torch_r3.transformers.hook import ReplayHook
+
+        self.indexers = IndexerReplayHook(model, uncaptured=uncaptured)
+        has_routers = any(family_of(m) is not None for m in model.modules())
+        self.routes = ReplayHook(model, uncaptured=uncaptured) if has_routers else None
+
+    @contextlib.contextmanager
+    def replay(self, batch: Mapping[str, Any]) -> Iterator[DSAReplayHook]:
+        """Replay the batch's routes (when the model has routers) and selections inside the block."""
+        with contextlib.ExitStack() as stack:
+            if self.routes is not None:
+                stack.enter_context(self.routes.replay(batch))
+            stack.enter_context(self.indexers.replay(batch))
+            yield self
+
+    @contextlib.contextmanager
+    def record(self) -> Iterator[tuple[Recording | None, Recording]]:
+        """Record both choices of one forward (R2)."""
+        with contextlib.ExitStack() as stack:
+            routes = stack.enter_context(self.routes.record()) if self.routes is not None else None
+            yield routes, stack.enter_context(self.indexers.record())
+
+    def close(self) -> None:
+        self.indexers.close()
+        if self.routes is not None:
+            self.routes.close()
+
+    def __enter__(self) -> DSAReplayHook:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _note_inputs(rec: _Recorder, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    ids = args[0] if args else kwargs.get("input_ids")
+    if ids is None and kwargs.get("inputs_embeds") is not None:
+        ids = kwargs["inputs_embeds"][..., 0]
+    if isinstance(ids, torch.Tensor) and ids.ndim == 2:
+        rec.shape = (int(ids.shape[0]), int(ids.shape[1]))
+    attention = kwargs.get("attention_mask")
+    if isinstance(attention, torch.Tensor) and attention.ndim == 2:
+        rec.mask = (attention == 0).cpu()
+
+
+def _find_indexers(model: torch.nn.Module) -> tuple[list[_Indexer], int]:
+    found, containers = [], set()
+    for name, module in model.named_modules():
+        if not _is_indexer(module):
+            continue
+        matches = list(_LAYER.finditer(name))
+        if not matches:
+            raise ValueError(f"{name} ({type(module).__name__}): an indexer outside any decoder layer (…layers.<i>…)")
+        last = matches[-1]
+        containers.add(name[: last.start(1) - 1])
+        layer_module = model.get_submodule(name[: last.end(1)])
+        found.append(_Indexer(module, name, int(last.group(1)), layer_module, int(module.index_topk)))
+    if not found:
+        raise ValueError(
+            f"model ({type(model).__name__}): no DSA indexer found; supported: "
+            + ", ".join(cls for _, cls in INDEXER_CLASSES)
+        )
+    if len(containers) != 1:
+        raise ValueError(f"model: indexers in more than one list of decoder layers: {sorted(containers)}")
+    num_layers = len(list(model.get_submodule(containers.pop()).children()))
+    return found, num_layers
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
