@@ -47,3 +47,36 @@ def test_route_buffers_hand_back_the_same_memory_and_grow_for_a_longer_microbatc
     assert buffers.take(1, (4, 10, 1, 8), torch.int64, torch.device("cpu")).data_ptr() == wide.data_ptr()
     buffers.release()
     assert buffers.take(0, (2, 2), torch.int16, torch.device("cpu")).shape == (2, 2)
+
+
+@pytest.mark.parametrize(("uncaptured", "dtype"), [("live", torch.uint8), ("replay", torch.int64)])
+def test_the_hook_installs_its_own_copy_per_router_in_memory_it_reuses_at_the_next_step(make_model, uncaptured, dtype):
+    """One copy per microbatch, the routers' rows of it exactly `router_indices`' (the hook's only copy at
+    set-up), compact where the router call widens it (live), int64 otherwise; the next step writes into
+    the same memory, and refilling the caller's batch changes nothing installed."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from tests.megatron._models import make_batch
+    from torch_r3.megatron import ReplayHook
+
+    model = make_model()
+    replays = [m.router_replay for m in model.modules() if isinstance(m, TopKRouter)]
+    batches = [make_batch(generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    addresses = []
+    with ReplayHook(model, uncaptured=uncaptured) as hook:
+        for _ in range(2):
+            step = []
+            with hook.step(forward_only=True):
+                for batch in batches:
+                    mine = {**batch, "rollout_expert_indices": batch["rollout_expert_indices"].clone()}
+                    hook.begin_microbatch(mine)
+                    mine["rollout_expert_indices"].fill_(0)  # the caller refills its batch
+                    for layer, replay in enumerate(replays):
+                        installed = replay.target_topk_idx
+                        want = router_indices(batch["rollout_expert_indices"], layer).to(dtype)
+                        assert installed.dtype == dtype and torch.equal(installed, want)
+                    step.append([replay.target_topk_idx.data_ptr() for replay in replays])
+                    hook.end_microbatch()
+            addresses.append(step)
+    assert addresses[0] == addresses[1]
+    assert len({a for step in addresses[0] for a in step}) == len(batches) * len(replays)
