@@ -32,8 +32,8 @@ from torch_r3.errors import RemoteGenerateError
 from torch_r3.health.check import RouteHealthCheck, ZeroRoutesWarning, health_check
 from torch_r3.rollout._offload import off_loop
 from torch_r3.rollout.protocols import CHATS, PROTOCOLS, SERVERS, GenerateCall, RouteLimits, WeightVersionSpan
-from torch_r3.rollout.protocols.base import check_cache_salt
 from torch_r3.rollout.protocols.chat import check_messages
+from torch_r3.rollout.protocols.fields import check_cache_salt
 from torch_r3.rollout.protocols.native import MODEL_INFO_PATH
 from torch_r3.rollout.protocols.spans import parse_body, route_text_bytes
 from torch_r3.rollout.results import RemoteGenerateResult

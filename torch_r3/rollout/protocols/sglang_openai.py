@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from torch_r3.rollout.codec import WireFormatError, decode_sglang_routes
-from torch_r3.rollout.protocols import base
+from torch_r3.rollout.protocols import fields
 from torch_r3.rollout.protocols.base import GenerateCall, ParsedResponse, RouteLimits, ServerProtocol
 from torch_r3.rollout.protocols.chat import ChatProtocol
 from torch_r3.rollout.protocols.switches import missing_routes_hint
@@ -82,12 +82,12 @@ class SGLangCompletionsProtocol(ServerProtocol):
         return self.salted(body, call)
 
     def parse_response(self, raw: Any, call: GenerateCall, limits: RouteLimits) -> ParsedResponse:
-        choice = base.first_choice(raw)
+        choice = fields.first_choice(raw)
         ids = _ids(choice, "token_ids")
-        sent_back = base.get_field(choice, "prompt_token_ids", "choices[0]", list, required=False)
-        if sent_back is not None and list(base.token_ids(sent_back, "choices[0].prompt_token_ids")) != call.prompt:
+        sent_back = fields.get_field(choice, "prompt_token_ids", "choices[0]", list, required=False)
+        if sent_back is not None and list(fields.token_ids(sent_back, "choices[0].prompt_token_ids")) != call.prompt:
             raise WireFormatError("choices[0].prompt_token_ids is not the prompt that was sent")
-        logprobs = base.completion_logprobs(choice, len(ids))
+        logprobs = fields.completion_logprobs(choice, len(ids))
         return _parsed(raw, choice, ids, logprobs, call, limits)
 
 
@@ -113,27 +113,27 @@ class SGLangChatProtocol(ChatProtocol):
         body["messages"] = messages
         body.setdefault("logprobs", True)
         if cache_salt is not None:
-            body["cache_salt"] = base.check_cache_salt(cache_salt)
+            body["cache_salt"] = fields.check_cache_salt(cache_salt)
         return body
 
     def parse_response(
         self, raw: Any, *, return_routed_experts: bool, start: int, limits: RouteLimits
     ) -> tuple[tuple[int, ...], ParsedResponse]:
-        choice = base.first_choice(raw)
-        prompt_ids = base.get_field(choice, "prompt_token_ids", "choices[0]", list, required=False)
+        choice = fields.first_choice(raw)
+        prompt_ids = fields.get_field(choice, "prompt_token_ids", "choices[0]", list, required=False)
         if prompt_ids is None:
             raise WireFormatError(
                 "choices[0].prompt_token_ids is missing: the server rendered the messages with its chat template and "
                 "did not say into which tokens, so routes cannot be matched to positions (the client sends "
                 f"return_token_ids: true; {_TOO_OLD})"
             )
-        prompt = base.token_ids(prompt_ids, "choices[0].prompt_token_ids")
+        prompt = fields.token_ids(prompt_ids, "choices[0].prompt_token_ids")
         if start > len(prompt):
             raise WireFormatError(
                 f"routed_experts_start_len {start} is past the {len(prompt)}-token prompt the server rendered"
             )
         ids = _ids(choice, "response_token_ids")
-        logprobs = base.chat_logprobs(choice, len(ids), null_is_nan=True)
+        logprobs = fields.chat_logprobs(choice, len(ids), null_is_nan=True)
         call = GenerateCall(list(prompt), {}, return_routed_experts, start)
         return prompt, _parsed(raw, choice, ids, logprobs, call, limits)
 
@@ -154,10 +154,10 @@ def _body(params: Mapping[str, Any], want_routes: bool, start: int, model: str |
 
 
 def _ids(choice: Mapping[str, Any], key: str) -> tuple[int, ...]:
-    value = base.get_field(choice, key, "choices[0]", list, required=False)
+    value = fields.get_field(choice, key, "choices[0]", list, required=False)
     if value is None:
         raise WireFormatError(f"choices[0].{key} is missing: the server ignored return_token_ids ({_TOO_OLD})")
-    return base.token_ids(value, f"choices[0].{key}")
+    return fields.token_ids(value, f"choices[0].{key}")
 
 
 def _parsed(
@@ -168,12 +168,12 @@ def _parsed(
     call: GenerateCall,
     limits: RouteLimits,
 ) -> ParsedResponse:
-    reason = base.finish_reason(
-        base.get_field(choice, "finish_reason", "choices[0]", str, required=False), "choices[0].finish_reason"
+    reason = fields.finish_reason(
+        fields.get_field(choice, "finish_reason", "choices[0]", str, required=False), "choices[0].finish_reason"
     )
     routes = None
     if call.return_routed_experts:
-        ext = base.get_field(raw, "sglext", "response", dict, required=False)
+        ext = fields.get_field(raw, "sglext", "response", dict, required=False)
         payload = None if ext is None else ext.get("routed_experts")
         if payload is None and (reason == "abort" or not ids):
             reason = "abort"  # aborted: SGLang sends no routes
@@ -193,7 +193,7 @@ def _parsed(
                 max_bytes=limits.max_bytes,
                 name="sglext.routed_experts",
             )
-            routes = base.slice_to_start(
+            routes = fields.slice_to_start(
                 decoded,
                 call,
                 len(ids),
@@ -201,10 +201,10 @@ def _parsed(
                 start_may_be_ignored=True,
                 start_field="routed_experts_start_len",
             )
-    meta = base.get_field(raw, "metadata", "response", dict, required=False) or {}
-    version = base.weight_version(meta.get("weight_version"), "metadata.weight_version")
-    spans = base.weight_spans(meta.get("weight_versions"), "metadata.weight_versions", len(ids))
-    return ParsedResponse(ids, logprobs, reason, routes, base.newest_version(version, spans), spans)
+    meta = fields.get_field(raw, "metadata", "response", dict, required=False) or {}
+    version = fields.weight_version(meta.get("weight_version"), "metadata.weight_version")
+    spans = fields.weight_spans(meta.get("weight_versions"), "metadata.weight_versions", len(ids))
+    return ParsedResponse(ids, logprobs, reason, routes, fields.newest_version(version, spans), spans)
 
 
 PROTOCOL = SGLangCompletionsProtocol()

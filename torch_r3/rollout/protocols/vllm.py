@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from torch_r3.rollout.codec import WireFormatError, decode_vllm_routes
-from torch_r3.rollout.protocols import base
+from torch_r3.rollout.protocols import fields
 from torch_r3.rollout.protocols.base import ChoicesProtocol, GenerateCall, RouteLimits
 from torch_r3.rollout.protocols.switches import missing_routes_hint
 
@@ -58,23 +58,23 @@ class VLLMProtocol(ChoicesProtocol):
         return {"return_token_ids": True}
 
     def sampling_params(self, call: GenerateCall) -> dict[str, Any]:
-        params = base.params_with_start(call)
+        params = fields.params_with_start(call)
         params.setdefault("logprobs", 1)  # the sampled token's logprob, which RL needs
         return params
 
     def read_logprobs(self, choice: Mapping[str, Any], ids: tuple[int, ...]) -> tuple[float, ...] | None:
-        block = base.get_field(choice, "logprobs", "choices[0]", dict, required=False)
+        block = fields.get_field(choice, "logprobs", "choices[0]", dict, required=False)
         if block is None:
             return None
-        content = base.get_field(block, "content", "choices[0].logprobs", list)
+        content = fields.get_field(block, "content", "choices[0].logprobs", list)
         if len(content) != len(ids):
             raise WireFormatError(f"choices[0].logprobs.content has {len(content)} entries for {len(ids)} tokens")
         values = []
         for i, entry in enumerate(content):
             where = f"choices[0].logprobs.content[{i}]"
-            if base.get_field(entry, "token_id", where, int) != ids[i]:
+            if fields.get_field(entry, "token_id", where, int) != ids[i]:
                 raise WireFormatError(f"{where}.token_id {entry['token_id']!r} is not token_ids[{i}] = {ids[i]}")
-            values.append(base.logprob(base.get_field(entry, "logprob", where, (int, float)), f"{where}.logprob"))
+            values.append(fields.logprob(fields.get_field(entry, "logprob", where, (int, float)), f"{where}.logprob"))
         return tuple(values)
 
     def decode(self, payload: Any, limits: RouteLimits) -> np.ndarray:

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from torch_r3.rollout.codec import WireFormatError, decode_vllm_routes
-from torch_r3.rollout.protocols import base
+from torch_r3.rollout.protocols import fields
 from torch_r3.rollout.protocols.base import GenerateCall, ParsedResponse, RouteLimits, ServerProtocol
 from torch_r3.rollout.protocols.chat import ChatProtocol
 from torch_r3.rollout.protocols.switches import missing_routes_hint
@@ -56,7 +56,7 @@ _OWN_FIELDS = (
     "return_token_ids",
     "return_weight_versions",
     "cache_salt",
-    base.PROMPT_START_PARAM,
+    fields.PROMPT_START_PARAM,
 )
 
 
@@ -76,12 +76,12 @@ class VLLMCompletionsProtocol(ServerProtocol):
         return self.salted(body, call)
 
     def parse_response(self, raw: Any, call: GenerateCall, limits: RouteLimits) -> ParsedResponse:
-        choice = base.first_choice(raw)
+        choice = fields.first_choice(raw)
         ids = _generated_ids(choice)
-        sent_back = base.get_field(choice, "prompt_token_ids", "choices[0]", list, required=False)
-        if sent_back is not None and list(base.token_ids(sent_back, "choices[0].prompt_token_ids")) != call.prompt:
+        sent_back = fields.get_field(choice, "prompt_token_ids", "choices[0]", list, required=False)
+        if sent_back is not None and list(fields.token_ids(sent_back, "choices[0].prompt_token_ids")) != call.prompt:
             raise WireFormatError("choices[0].prompt_token_ids is not the prompt that was sent")
-        logprobs = base.completion_logprobs(choice, len(ids))
+        logprobs = fields.completion_logprobs(choice, len(ids))
         return _parsed(choice, ids, logprobs, call, limits)
 
 
@@ -108,7 +108,7 @@ class VLLMChatProtocol(ChatProtocol):
         body["messages"] = messages
         body.setdefault("logprobs", True)
         if cache_salt is not None:
-            body["cache_salt"] = base.check_cache_salt(cache_salt)
+            body["cache_salt"] = fields.check_cache_salt(cache_salt)
         return body
 
     def parse_response(
@@ -121,7 +121,7 @@ class VLLMChatProtocol(ChatProtocol):
                 the rows cannot be matched to tokens), breaks the format, or
                 `start` is past the rendered prompt.
         """
-        prompt_ids = base.get_field(raw, "prompt_token_ids", "response", list, required=False)
+        prompt_ids = fields.get_field(raw, "prompt_token_ids", "response", list, required=False)
         if prompt_ids is None:
             raise WireFormatError(
                 "response.prompt_token_ids is missing: the server rendered the messages with its chat template and "
@@ -129,14 +129,14 @@ class VLLMChatProtocol(ChatProtocol):
                 "return_token_ids: true; a server that ignores it is too old: send token ids to /v1/completions, "
                 "server='vllm-openai', instead)"
             )
-        prompt = base.token_ids(prompt_ids, "response.prompt_token_ids")
+        prompt = fields.token_ids(prompt_ids, "response.prompt_token_ids")
         if start > len(prompt):
             raise WireFormatError(
                 f"routed_experts_prompt_start {start} is past the {len(prompt)}-token prompt the server rendered"
             )
-        choice = base.first_choice(raw)
+        choice = fields.first_choice(raw)
         ids = _generated_ids(choice)
-        logprobs = base.chat_logprobs(choice, len(ids), null_is_nan=False)
+        logprobs = fields.chat_logprobs(choice, len(ids), null_is_nan=False)
         call = GenerateCall(list(prompt), {}, return_routed_experts, start)
         return prompt, _parsed(choice, ids, logprobs, call, limits)
 
@@ -149,19 +149,19 @@ def _body(params: Mapping[str, Any], want_routes: bool, start: int, model: str |
     body["return_token_ids"] = True
     body["return_weight_versions"] = True
     if want_routes and start:
-        body[base.PROMPT_START_PARAM] = start
+        body[fields.PROMPT_START_PARAM] = start
     if model is not None:
         body["model"] = model
     return body
 
 
 def _generated_ids(choice: Mapping[str, Any]) -> tuple[int, ...]:
-    value = base.get_field(choice, "token_ids", "choices[0]", list, required=False)
+    value = fields.get_field(choice, "token_ids", "choices[0]", list, required=False)
     if value is None:
         raise WireFormatError(
             "choices[0].token_ids is missing: the server ignored return_token_ids (a vLLM too old for this endpoint?)"
         )
-    return base.token_ids(value, "choices[0].token_ids")
+    return fields.token_ids(value, "choices[0].token_ids")
 
 
 def _parsed(
@@ -171,8 +171,8 @@ def _parsed(
     call: GenerateCall,
     limits: RouteLimits,
 ) -> ParsedResponse:
-    reason = base.finish_reason(
-        base.get_field(choice, "finish_reason", "choices[0]", str, required=False), "choices[0].finish_reason"
+    reason = fields.finish_reason(
+        fields.get_field(choice, "finish_reason", "choices[0]", str, required=False), "choices[0].finish_reason"
     )
     routes = None
     if call.return_routed_experts:
@@ -199,11 +199,11 @@ def _parsed(
                 max_bytes=limits.max_bytes,
                 name="choices[0].routed_experts",
             )
-            routes = base.slice_to_start(
+            routes = fields.slice_to_start(
                 decoded, call, len(ids), "choices[0].routed_experts", start_may_be_ignored=True
             )
-    spans = base.weight_spans(choice.get("weight_versions"), "choices[0].weight_versions", len(ids))
-    return ParsedResponse(ids, logprobs, reason, routes, base.newest_version(None, spans), spans)
+    spans = fields.weight_spans(choice.get("weight_versions"), "choices[0].weight_versions", len(ids))
+    return ParsedResponse(ids, logprobs, reason, routes, fields.newest_version(None, spans), spans)
 
 
 PROTOCOL = VLLMCompletionsProtocol()
