@@ -54,6 +54,7 @@ MOVED_MODULES: dict[str, str] = {
     "torch_r3.indexer.checks": "torch_r3.replay.selection_checks",
     "torch_r3.indexer.stats": "torch_r3.replay.selection_stats",
     "torch_r3.indexer.transformers": "torch_r3.transformers.indexer",
+    "torch_r3.integrations.skyrl.swap": "torch_r3.integrations.skyrl.install",
 }
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
