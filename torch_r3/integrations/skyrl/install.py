@@ -184,7 +184,7 @@ def install(
             SkyRL release): nothing is swapped.
         ImportError: SkyRL (or, with `worker=True`, its Megatron worker) cannot be imported.
     """
-    _, memory = from_keywords("install", "packed", memory, deprecated, memory_keywords=("buffers", "workers"))
+    _, memory = from_keywords("install", "packed", memory, deprecated, keywords=("buffers", "workers"))
     if _current:
         raise RuntimeError(f"torch_r3 is already installed in SkyRL ({_current[0]!r}); uninstall() it first")
     preprocess = importlib.import_module(controller.PREPROCESS)
