@@ -287,7 +287,7 @@ class ShardCollator:
             default="arange",
         )
         old = {k: options.pop(k) for k in list(options) if k in LAYOUT_KEYWORDS or k in MEMORY_KEYWORDS}
-        layout, memory = from_keywords("ShardCollator", layout, memory, old)
+        layout, memory = from_keywords("ShardCollator", layout, memory, old, keywords=LAYOUT_KEYWORDS + MEMORY_KEYWORDS)
         self.collator = R3Collator(layout=layout, memory=memory, keep_layers=keep_layers, filler=filler, **options)
 
     def __repr__(self) -> str:
