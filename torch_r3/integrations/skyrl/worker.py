@@ -37,10 +37,8 @@ from typing import Any
 
 import torch
 
-from torch_r3._checks import check_bool
-from torch_r3._deprecation import warn_renamed
 from torch_r3.collate.collator import R3Collator
-from torch_r3.collate.layout import Memory, Packed, Padded, check_layout, from_keywords
+from torch_r3.collate.layout import Memory, Packed, Padded, from_keywords
 from torch_r3.integrations.skyrl.controller import left_padded_lengths
 from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS, INPUT_IDS, ROUTER_MASK, ROUTES, SAMPLE_ROUTES
 
@@ -111,19 +109,10 @@ SKYRL_PADDED = Padded(side="right")
 
 def _layout(layout: Any, memory: Any, deprecated: dict[str, Any]) -> tuple[Padded | Packed, Memory]:
     """`microbatch`'s layout and memory, its old `packed=` / `pad_to_multiple_of=` / `buffers=` folded in (warned)."""
-    packed = deprecated.pop("packed", None)
-    multiple = deprecated.pop("pad_to_multiple_of", None)
-    _, memory = from_keywords("microbatch", "padded", memory, deprecated, memory_keywords=("buffers",), stacklevel=5)
-    if packed is not None or multiple is not None:
-        if layout is not SKYRL_PADDED:
-            raise TypeError("microbatch: pass packed= and pad_to_multiple_of= inside layout= only, not both")
-        base = Packed() if check_bool(packed if packed is not None else False, "packed") else SKYRL_PADDED
-        layout = dataclasses.replace(base, pad_to_multiple_of=multiple)
-        old = ", ".join(
-            f"{k}={v!r}" for k, v in (("packed", packed), ("pad_to_multiple_of", multiple)) if v is not None
-        )
-        warn_renamed(f"microbatch({old})", f"layout=torch_r3.{layout!r}", stacklevel=4)
-    value = check_layout(layout, "microbatch", (Padded, Packed))
+    keywords = ("packed", "pad_to_multiple_of", "buffers")
+    value, memory = from_keywords(
+        "microbatch", layout, memory, deprecated, keywords=keywords, allowed=(Padded, Packed), default=SKYRL_PADDED
+    )
     assert isinstance(value, (Padded, Packed))  # allowed= above
     return value, memory.with_defaults(pin_memory=False)
 
