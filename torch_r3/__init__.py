@@ -15,7 +15,7 @@ import importlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-from torch_r3._deprecation import install_module_aliases, warn_renamed
+from torch_r3._deprecation import RENAMED_NAMES, install_module_aliases, renamed_name
 from torch_r3.collate import R3Collator, collate_routes
 from torch_r3.collate._buffers import BufferPool
 from torch_r3.collate.geometry import BatchGeometry, global_geometry
@@ -76,14 +76,9 @@ __all__ = [
 ]
 
 
-# Deprecated top-level names: old name -> new name (both in `torch_r3`).
-_RENAMED = {"BatchLayout": "BatchGeometry", "global_layout": "global_geometry"}
-
-
 def __getattr__(name: str) -> Any:
-    if name in _RENAMED:
-        warn_renamed(f"torch_r3.{name}", f"torch_r3.{_RENAMED[name]}")
-        return globals()[_RENAMED[name]]
+    if f"torch_r3.{name}" in RENAMED_NAMES:  # deprecated top-level names
+        return renamed_name("torch_r3", name)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'torch_r3' has no attribute {name!r}")

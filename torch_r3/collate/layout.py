@@ -41,12 +41,11 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections.abc import Mapping
 from typing import Any, TypeAlias
 
 from torch_r3._checks import check_bool, check_choice, check_non_negative, check_positive, check_str
-from torch_r3._deprecation import RENAMED_KEYWORDS, at_old_default, warn_old_default, warn_renamed
+from torch_r3._deprecation import RENAMED_KEYWORDS, at_old_default, renamed_name, warn_old_default, warn_renamed
 from torch_r3.collate import _memory, _pool
 from torch_r3.collate._buffers import BufferPool
 from torch_r3.keys import PROMPT_LENGTH
@@ -398,14 +397,6 @@ def _fold_memory(where: str, memory: Any, old: dict[str, Any]) -> Memory:
 
 
 def __getattr__(name: str) -> Any:
-    # The module's old content: the batch geometry, renamed and moved to torch_r3.collate.geometry.
-    new = {"BatchLayout": "BatchGeometry", "global_layout": "global_geometry", "padded_length": "padded_length"}.get(
-        name
-    )
-    if new is None:
-        raise AttributeError(f"module 'torch_r3.collate.layout' has no attribute {name!r}")
-    warn_renamed(f"torch_r3.collate.layout.{name}", f"torch_r3.collate.geometry.{new}")
-    # `import torch_r3.collate.layout` runs torch_r3/__init__.py first, which imports torch_r3.collate.geometry: the alias
-    # reads the loaded module and imports nothing (an import here would close a circle, geometry reading
-    # the layout values).
-    return getattr(sys.modules["torch_r3.collate.geometry"], new)
+    # The module's old content: the batch geometry, renamed and moved to torch_r3.collate.geometry
+    # (`import torch_r3.collate.layout` runs torch_r3/__init__.py first, which imports it).
+    return renamed_name(__name__, name)

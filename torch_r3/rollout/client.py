@@ -13,7 +13,6 @@ lets the protocol build the body, and reads the answer.
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +27,7 @@ import numpy as np
 import yarl
 
 from torch_r3._checks import check_bool, check_choice, check_indices, check_int, check_positive, check_str
+from torch_r3._deprecation import warn_external
 from torch_r3.errors import RemoteGenerateError
 from torch_r3.health.check import RouteHealthCheck, ZeroRoutesWarning, health_check
 from torch_r3.rollout._offload import off_loop
@@ -197,9 +197,7 @@ class RemoteGenerateClient:
     @property
     def transport(self) -> TransportConfig:
         """Deprecated alias of `transport_config` (it returns the config, not a transport)."""
-        warnings.warn(
-            "RemoteGenerateClient.transport is deprecated: use transport_config", DeprecationWarning, stacklevel=2
-        )
+        warn_external("RemoteGenerateClient.transport is deprecated: use transport_config")
         return self.transport_config
 
     @property
@@ -445,9 +443,9 @@ class RemoteGenerateClient:
             # Row i is position start + i: the prompt, then the generated tokens.
             tokens = (prompt + list(parsed.response_ids))[start : start + routes.shape[0]]
             who = f"POST {url} ({len(prompt)}-token prompt" + (f", session {session_id}" if session_id else "") + ")"
-            check = functools.partial(self.health.check, routes, trajectory=who, token_ids=tokens, stacklevel=5)
+            check = functools.partial(self.health.check, routes, trajectory=who, token_ids=tokens)
             check = functools.partial(check, moe_layers=self.moe_layers or None, num_experts=self.limits.num_experts)
-            # "warn": inline (stacklevel counts off_loop), the warning pointing at the caller; else large on the pool.
+            # "warn": inline, the warning pointing at the caller's line; else large on the pool.
             await off_loop(0 if self.health.on_unhealthy == "warn" else routes.nbytes, check)
         return RemoteGenerateResult(
             **vars(parsed),
