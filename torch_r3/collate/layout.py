@@ -356,7 +356,11 @@ def _fold_layout(where: str, layout: Any, old: dict[str, Any], allowed: tuple[ty
             f"{where}: pass {', '.join(f'{k}=' for k in old)} inside layout= only (deprecated keywords "
             f"of the layout value), not both"
         )
-    fields = {RENAMED_KEYWORDS[k].field: v for k, v in old.items() if k != "packed"}
+    fields: dict[str, Any] = {}
+    for k, v in old.items():
+        field = RENAMED_KEYWORDS[k].field
+        if field is not None:  # `packed=` picks the class, below
+            fields[field] = v
     if "packed" in old:  # SkyRL's microbatch(packed=True): the packed layout
         base = Packed() if check_bool(old["packed"], "packed") else default
     elif isinstance(layout, str):
