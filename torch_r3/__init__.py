@@ -24,7 +24,7 @@ from torch_r3.collate.nested import as_nested
 from torch_r3.collate.shard import ShardCollator, plan_microbatches
 from torch_r3.routes import check_expert_ids, compact_routes
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 # The import paths 0.3.0 moved into the stage folders keep importing for one release, with a warning.
 _deprecation.install_module_aliases()
