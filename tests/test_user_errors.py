@@ -82,13 +82,13 @@ def test_the_advice_for_a_forgotten_prompt_start_is_a_call_that_works():
     import asyncio
     import re
 
-    from torch_r3.rollout.client import RemoteGenerateClient
+    from torch_r3.rollout.client import RemoteGenerateClient, TransportConfig
     from torch_r3.testing import LoopbackServer
 
     async def main(url):
         trace = RoutedExpertTrace()
         sampling_params = {"max_new_tokens": 3}
-        async with RemoteGenerateClient(url, retries=0) as client:
+        async with RemoteGenerateClient(url, transport_config=TransportConfig(retries=0)) as client:
             first = await client.generate([1, 2, 3, 4], sampling_params, return_routed_experts=True)
             trace.record_result(first, prompt_len=4)
             prompt_ids = [1, 2, 3, 4, *first.response_ids, 9, 10]
