@@ -640,3 +640,15 @@ def test_a_body_with_a_raw_control_character_in_a_string_is_not_json(where):
 
     with pytest.raises(RemoteGenerateError, match="not valid JSON.*Invalid control character"):
         generate_against(handler, return_routed_experts=True)
+
+
+def test_the_transport_config_checks_its_connection_options_and_keeps_headers_out_of_its_repr():
+    config = TransportConfig(headers={"Authorization": "Bearer s3cret"}, retries=1)
+    assert "s3cret" not in repr(config) and "s3cret" not in repr(
+        RemoteGenerateClient("http://h:1", transport_config=config)
+    )
+    assert config.headers == {"Authorization": "Bearer s3cret"} and hash(config) == hash(TransportConfig(retries=1))
+    with pytest.raises(TypeError, match=r"headers\['a'\] must map a string to a string, got int"):
+        TransportConfig(headers={"a": 1})
+    with pytest.raises(TypeError, match="session must be an aiohttp.ClientSession, got int"):
+        TransportConfig(session=1)
