@@ -200,10 +200,21 @@ class VLLMOutputCollector:
         """The merged samples as results, as `vllm_results` (same arguments); `raw` is the last output.
 
         Raises:
-            ValueError: Nothing was added, or the stream has not finished; otherwise as `vllm_results`.
+            ValueError: Nothing was added, or the stream has not finished (its last output's
+                `finished` is False, even where every sample seen has finished: with `n > 1` a
+                sample that has produced nothing yet is in no output), naming the request and
+                the samples seen; otherwise as `vllm_results`.
         """
         if self._prompt is None:
             raise ValueError("VLLMOutputCollector: no output was added")
+        if not self.finished:
+            # With n > 1, a sample that has produced nothing yet is in no output: only `finished` tells.
+            running = [i for i in sorted(self._samples) if self._samples[i].finish_reason is None]
+            raise ValueError(
+                f"request {self._request_id!r} has not finished (its last RequestOutput has finished=False): "
+                f"samples seen {sorted(self._samples)}, of which {running} are still running, and a sample "
+                "that has produced nothing yet is in none of the outputs; add the stream's last output first"
+            )
         reader = _Reader(
             routed_experts_prompt_start, return_routed_experts, num_layers, topk, num_experts, moe_layers, health
         )
