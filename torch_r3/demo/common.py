@@ -156,9 +156,11 @@ class SampledServedModel(ServedModel):
 
 async def check_server(url: str, cfg: DemoConfig, retries: int) -> None:
     """Stop before any rollout when the server is unreachable or serves another model."""
-    from torch_r3.rollout.client import RemoteGenerateClient, RemoteGenerateError
+    from torch_r3.rollout.client import RemoteGenerateClient, RemoteGenerateError, TransportConfig
 
-    async with RemoteGenerateClient(url, retries=retries, backoff=0.05, max_backoff=0.5, timeout=60) as client:
+    async with RemoteGenerateClient(
+        url, transport_config=TransportConfig(retries=retries, backoff=0.05, max_backoff=0.5, timeout=60)
+    ) as client:
         try:
             info = await client.model_info()
         except RemoteGenerateError as exc:
@@ -183,7 +185,7 @@ def rollout_inputs(cfg: DemoConfig) -> tuple[list[list[int]], list[list[list[int
 
 async def rollout(url: str, cfg: DemoConfig, retries: int, quiet: bool) -> list[dict[str, Any]]:
     """Multi-turn rollouts; each trajectory's routes cross the wire once per row."""
-    from torch_r3.rollout.client import RemoteGenerateClient, RemoteGenerateError
+    from torch_r3.rollout.client import RemoteGenerateClient, RemoteGenerateError, TransportConfig
 
     prompts, observations = rollout_inputs(cfg)
     done = 0
@@ -234,7 +236,9 @@ async def rollout(url: str, cfg: DemoConfig, retries: int, quiet: bool) -> list[
             "has_rollout_logprob": np.asarray(has_lp, np.float32),
         }
 
-    async with RemoteGenerateClient(url, retries=retries, backoff=0.05, max_backoff=0.5, timeout=120) as client:
+    async with RemoteGenerateClient(
+        url, transport_config=TransportConfig(retries=retries, backoff=0.05, max_backoff=0.5, timeout=120)
+    ) as client:
         try:
             return list(await asyncio.gather(*(one(i, client) for i in range(cfg.trajectories))))
         except RemoteGenerateError as exc:
