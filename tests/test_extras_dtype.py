@@ -137,8 +137,9 @@ def test_a_global_dtype_that_cannot_hold_a_value_exactly_is_refused_naming_it():
         ([2**63, -1, 1, 2], r"sample 0: extra key 'x' holds an int beyond 2\*\*53"),
         ([np.int64([2**55 + 1]), np.float32([0.5]), np.int64([1]), np.int64([2])], r"sample 0: .*beyond 2\*\*53"),
         ([2**64, 1, 2, 3], r"sample 0: extra key 'x' holds 18446744073709551616, which fits no 64-bit"),
+        ([[1, 2], [3, 4], [2**60 + 1, 0.5], [5, 6]], r"sample 2: extra key 'x' mixes ints beyond 2\*\*53 with floats"),
     ],
-    ids=["int64-and-float", "uint64-and-int64", "int64-array-and-float32", "beyond-uint64"],
+    ids=["int64-and-float", "uint64-and-int64", "int64-array-and-float32", "beyond-uint64", "within-one-list"],
 )
 def test_values_no_dtype_holds_exactly_are_refused_naming_the_sample(values, match):
     with pytest.raises(ValueError, match=match):

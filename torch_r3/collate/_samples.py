@@ -199,7 +199,21 @@ def _extra_values(samples: Sequence[Mapping[str, Any]], key: str) -> list[Any]:
     """
     values = [s[key] for s in samples]
     arrays = [_numeric_array(v) for v in values]
+    for i, (v, a) in enumerate(zip(values, arrays)):
+        # A list of floats with an int beyond 2**53 in it: NumPy rounded the int (the scan runs only then).
+        if a is not None and a.dtype.kind == "f" and a.size and np.abs(a).max() > FLOAT64_EXACT and _wide_int_in(v):
+            raise ValueError(
+                f"sample {i}: extra key {key!r} mixes ints beyond 2**53 with floats, which NumPy would round "
+                f"to float64; give the ints alone, or a NumPy array of the dtype they need"
+            )
     return [v if a is None else a for v, a in zip(values, arrays)]
+
+
+def _wide_int_in(value: Any) -> bool:
+    """A Python int beyond 2**53 anywhere in a (nested) list or tuple."""
+    if isinstance(value, (list, tuple)):
+        return any(_wide_int_in(v) for v in value)
+    return type(value) is int and abs(value) > FLOAT64_EXACT
 
 
 def _check_extra(samples: Sequence[Mapping[str, Any]], key: str) -> None:

@@ -254,7 +254,9 @@ class ShardCollator:
         ValueError: an empty or repeated micro-batch index, a bad setting, or
             `Memory(buffers=, cache_bytes=)` (give the bound to the pool); when
             iterating, a `fetch` that returns the wrong number of samples, or a
-            `pad_keys` key whose dtype differs from the first micro-batch's.
+            `pad_keys` key whose dtype differs from the first micro-batch's, or
+            an other key's (its values' promotion: pass the global batch's dtype
+            as `extra_dtypes={key: dtype}`, see `R3Collator`).
     """
 
     def __init__(
