@@ -31,6 +31,7 @@ padding only.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
