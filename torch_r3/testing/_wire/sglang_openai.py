@@ -104,33 +104,40 @@ class SGLangCompletionsWire(WireProtocol):
         self, request: GenerateRequest, generation: Generation, model: ServedModel, *, malformed: bool = False
     ) -> tuple[dict[str, Any], np.ndarray | None]:
         out = generation.token_ids
-        ids = request.options["token_ids"]
-        choice = {
-            "index": 0,
-            "text": tokens_as_text(out),
-            "logprobs": _completion_logprobs(generation) if request.options["logprobs"] else None,
-            **_finish(generation),
-            **({"token_ids": out, "prompt_token_ids": request.prompt} if ids else {}),
-        }
-        return self._response("text_completion", choice, request, generation, malformed)
+        logprobs = _completion_logprobs(generation) if request.options["logprobs"] else None
+        ids = {"token_ids": out, "prompt_token_ids": request.prompt}
+        return self._response(
+            "text_completion", {"text": tokens_as_text(out)}, logprobs, ids, request, generation, malformed
+        )
 
     def render_chat(
         self, request: GenerateRequest, generation: Generation, model: ServedModel, *, malformed: bool = False
     ) -> tuple[dict[str, Any], np.ndarray | None]:
         out = generation.token_ids
-        ids = request.options["token_ids"]
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": tokens_as_text(out), "reasoning_content": None},
-            "logprobs": _chat_logprobs(generation) if request.options["logprobs"] else None,
-            **_finish(generation),
-            **({"prompt_token_ids": request.prompt, "response_token_ids": out} if ids else {}),
-        }
-        return self._response("chat.completion", choice, request, generation, malformed)
+        message = {"role": "assistant", "content": tokens_as_text(out), "reasoning_content": None}
+        logprobs = _chat_logprobs(generation) if request.options["logprobs"] else None
+        ids = {"prompt_token_ids": request.prompt, "response_token_ids": out}
+        return self._response("chat.completion", {"message": message}, logprobs, ids, request, generation, malformed)
 
     def _response(
-        self, kind: str, choice: dict[str, Any], request: GenerateRequest, generation: Generation, malformed: bool
+        self,
+        kind: str,
+        content: dict[str, Any],
+        logprobs: dict[str, Any] | None,
+        ids: dict[str, Any],
+        request: GenerateRequest,
+        generation: Generation,
+        malformed: bool,
     ) -> tuple[dict[str, Any], np.ndarray | None]:
+        """The response around one choice: its `content` (the text or the message), `logprobs`,
+        the finish reason, and the token `ids` when the request asked for them."""
+        choice = {
+            "index": 0,
+            **content,
+            "logprobs": logprobs,
+            **_finish(generation),
+            **(ids if request.options["token_ids"] else {}),
+        }
         p, o = len(request.prompt), len(generation.token_ids)
         body: dict[str, Any] = {
             "id": uuid.uuid4().hex,
