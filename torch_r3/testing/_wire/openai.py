@@ -88,44 +88,33 @@ class VLLMCompletionsWire(WireProtocol):
     def render(
         self, request: GenerateRequest, generation: Generation, model: ServedModel, *, malformed: bool = False
     ) -> tuple[dict[str, Any], np.ndarray | None]:
-        choice, rows = self._choice(request, generation, model, malformed)
-        choice = {
-            "index": 0,
-            "text": tokens_as_text(generation.token_ids),
-            "logprobs": _completion_logprobs(generation) if request.options["logprobs"] else None,
-            **choice,
-            "prompt_token_ids": request.prompt if request.options["token_ids"] else None,
-        }
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "model": request.options["model"],
-            "choices": [choice],
-            "usage": _usage(request, generation),
-        }, rows
+        text = {"text": tokens_as_text(generation.token_ids)}
+        logprobs = _completion_logprobs(generation) if request.options["logprobs"] else None
+        choice, rows = self._choice(request, generation, model, malformed, text, logprobs)
+        choice["prompt_token_ids"] = request.prompt if request.options["token_ids"] else None
+        return _response("cmpl", "text_completion", request, generation, choice), rows
 
     def render_chat(
         self, request: GenerateRequest, generation: Generation, model: ServedModel, *, malformed: bool = False
     ) -> tuple[dict[str, Any], np.ndarray | None]:
-        choice, rows = self._choice(request, generation, model, malformed)
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": tokens_as_text(generation.token_ids)},
-            "logprobs": _chat_logprobs(generation) if request.options["logprobs"] else None,
-            **choice,
-        }
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "model": request.options["model"],
-            "choices": [choice],
-            "usage": _usage(request, generation),
-            "prompt_token_ids": request.prompt if request.options["token_ids"] else None,
-        }, rows
+        message = {"message": {"role": "assistant", "content": tokens_as_text(generation.token_ids)}}
+        logprobs = _chat_logprobs(generation) if request.options["logprobs"] else None
+        choice, rows = self._choice(request, generation, model, malformed, message, logprobs)
+        body = _response("chatcmpl", "chat.completion", request, generation, choice)
+        body["prompt_token_ids"] = request.prompt if request.options["token_ids"] else None  # top level in chat
+        return body, rows
 
     def _choice(
-        self, request: GenerateRequest, generation: Generation, model: ServedModel, malformed: bool
+        self,
+        request: GenerateRequest,
+        generation: Generation,
+        model: ServedModel,
+        malformed: bool,
+        content: dict[str, Any],
+        logprobs: dict[str, Any] | None,
     ) -> tuple[dict[str, Any], np.ndarray | None]:
+        """One choice: its `content` (the text or the message), `logprobs`, the finish reason, the
+        token ids, the routes as base64 `.npy` and the weight spans (the last three when asked for)."""
         rows = payload = None
         if self.routes_enabled and generation.routes is not None:
             dtype = np.dtype("<u1") if model.num_experts <= 256 else np.dtype("<u2")
@@ -133,6 +122,9 @@ class VLLMCompletionsWire(WireProtocol):
             claim = rows.shape[0] + 1 if malformed else None
             payload = base64.b64encode(npy_bytes(rows, claim_rows=claim)).decode("ascii")
         return {
+            "index": 0,
+            **content,
+            "logprobs": logprobs,
             "finish_reason": generation.finish_reason,
             "token_ids": generation.token_ids if request.options["token_ids"] else None,
             "routed_experts": payload,
@@ -156,6 +148,18 @@ def _chat_logprobs(generation: Generation) -> dict[str, Any]:
             {"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
             for t, lp in zip(generation.token_ids, generation.logprobs)
         ]
+    }
+
+
+def _response(
+    prefix: str, kind: str, request: GenerateRequest, generation: Generation, choice: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "id": f"{prefix}-{uuid.uuid4().hex}",
+        "object": kind,
+        "model": request.options["model"],
+        "choices": [choice],
+        "usage": _usage(request, generation),
     }
 
 
