@@ -304,6 +304,21 @@ def logprob_mismatch(outputs: StepOutputs, microbatches) -> dict[str, Any]:
     }
 
 
+def replay_figures(stats: Any) -> dict[str, Any]:
+    """A run's `stats` figures (drift per layer, live share, token counts; `None` without replay) and,
+    with replay, `metrics`: the `ReplayStats.as_dict()` the run log holds (`--run-log`)."""
+    if stats is None:
+        return {"stats": None}
+    return {
+        "stats": {
+            "route_drift": [stats.route_drift[layer] for layer in sorted(stats.route_drift)],
+            "live_fraction": stats.live_fraction,
+            "tokens": stats.tokens._asdict(),
+        },
+        "metrics": stats.as_dict(),
+    }
+
+
 def add_reference_logprobs(samples: list[dict[str, Any]], served: SampledServedModel | None) -> None:
     """Log-probs the bf16 model gives, with its own routing, to tokens whose predictor has no route.
 
