@@ -84,3 +84,15 @@ def test_first_repeated_expert_agrees_with_a_python_scan(topk):
             if expected is None and len(set(route)) < topk and any(route):
                 expected = (r, j)
     assert first_repeated_expert(routes) == expected
+
+
+def test_shard_collator_checks_ids_against_num_experts_too():
+    from torch_r3 import ShardCollator
+
+    samples = [{"input_ids": [1, 2, 3, 4], "routes": _routes(3, 2, 2, 16, s)} for s in range(4)]
+    samples[3]["routes"][1, 1, 0] = 200
+    shards = ShardCollator(lambda ids: [samples[i] for i in ids], [[0, 1], [2, 3]], pad_token_id=0, num_experts=16)
+    batches = iter(shards)
+    assert next(batches)["rollout_expert_indices"].shape[0] == 2  # the clean micro-batch collates
+    with pytest.raises(ValueError, match=r"routes\[1\] \(sample 1\): row 1, layer 1: expert id 200 is outside"):
+        next(batches)
