@@ -426,7 +426,12 @@ def _report_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     for path in args.logs:
         if not os.path.isfile(path):
             parser.error(f"{path}: no such file")
-        records += read_run_log(path)
+        try:
+            records += read_run_log(path)
+        except ValueError as e:  # main prints it as one line: say what the command reads
+            raise ValueError(
+                f"{e}; torch-r3 report reads run logs, one JSON object per line as torch_r3.runlog.RunLog writes them"
+            ) from None
     try:
         from torch_r3.report import render_report
 

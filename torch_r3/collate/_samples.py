@@ -141,6 +141,16 @@ def _check_pad_value(pad: Any, dtype: torch.dtype, key: str) -> Any:
     return int(pad)
 
 
+def _key_hint(key: str, needed: tuple[str, ...], tokens_key: str, sample: Mapping[str, Any]) -> str:
+    """How to name a missing key: the collator argument that sets it, and the keys the sample has."""
+    keys = sorted(map(str, sample))[:12]
+    if key == needed[0]:
+        return f" (the routes); the sample has keys {keys}: name its routes' key with R3Collator(routes_key=...)"
+    if key == tokens_key:
+        return f" (the token ids); the sample has keys {keys}: name its tokens' key with R3Collator(tokens_key=...)"
+    return f" (a pad_keys key); the sample has keys {keys}"
+
+
 def _check_keys(samples: Any, needed: tuple[str, ...], tokens_key: str) -> None:
     if not isinstance(samples, Sequence) or isinstance(samples, (str, bytes)):
         raise TypeError(f"expected a sequence of sample mappings, got {type(samples).__name__}")
@@ -153,7 +163,7 @@ def _check_keys(samples: Any, needed: tuple[str, ...], tokens_key: str) -> None:
             raise TypeError(f"sample {i}: expected a mapping (dict), got {type(s).__name__}")
         for k in needed:
             if k not in s:
-                raise ValueError(f"sample {i}: missing key {k!r}")
+                raise ValueError(f"sample {i}: missing key {k!r}{_key_hint(k, needed, tokens_key, s)}")
         for k in forbidden:
             if k in s:
                 what = "the tokens key's padded ids" if k == INPUT_IDS else "the collator's own"

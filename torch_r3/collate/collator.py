@@ -301,7 +301,13 @@ def collate_routes(
             themselves; a zero row is no valid route for `K > 1`, so it must
             never be replayed through Megatron's dropless dispatcher, which
             needs `K` distinct experts).
-        num_experts: the model's expert count, for `balanced`.
+        num_experts: the model's expert count: when given, every expert id
+            is checked against it (a `ValueError` naming the sample, row,
+            layer and bound; one min and max scan per sample); `balanced`
+            needs it. Without it the routes' values are trusted (the dtype
+            bounds them). Repeated experts in a route are not looked for here:
+            `compact_routes` refuses them on the sender, and the replay hooks
+            on the training device.
         out: caller-owned buffers to write into: a tensor for
             `rollout_expert_indices` or a dict with some of the output keys,
             each of exactly the output's shape and dtype.

@@ -292,6 +292,11 @@ def check_layout(layout: Any, where: str, allowed: tuple[type, ...] = LAYOUT_TYP
                     f"{where}: layout='prompt_response' needs its widths: pass "
                     f"layout=torch_r3.PromptResponse(prompt_width=P, response_width=R)"
                 )
+            if layout in PADDING_SIDES and Padded in allowed:
+                raise ValueError(
+                    f"{where}: layout={layout!r} names a padding side, not a layout: pass "
+                    f"layout=torch_r3.Padded(side={layout!r})"
+                )
             check_choice(layout, "layout", tuple(_NAMES))  # the enum rule's wording, for a string naming no layout
             raise AssertionError(layout)  # pragma: no cover - check_choice raised
         layout = cls()
