@@ -33,12 +33,12 @@ def test_the_frameworks_benchmark_runs_with_torch_r3s_deprecations_as_errors(wor
     monkeypatch.setattr(bench, "EXPERTS", 8)
     lengths = bench.rl_lengths
     monkeypatch.setattr(bench, "rl_lengths", lambda batch, prompt, response, seed=0: lengths(batch, 12, 20, seed))
-    args = argparse.Namespace(batch=4, micro_batch=2, step_batch=3, rounds=1, torch_threads=1)
+    args = argparse.Namespace(batch=4, micro_batch=2, step_batch=3, verl_micro_batch=2, rounds=1, torch_threads=1)
     args.skyrl = version("skyrl")
     cases = [bench.skyrl, bench.skyrl_worker_step]
     if installed("verl"):
         args.verl = version("verl")
-        cases += [bench.verl, bench.verl_agent_loop_step]
+        cases += [bench.verl, bench.verl_agent_loop_step, bench.verl_engine_step]
     with warnings.catch_warnings():
         warnings.filterwarnings(
             "error", message=r".*(is deprecated[:;] use | moved to torch_r3\.)", category=DeprecationWarning

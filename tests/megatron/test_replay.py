@@ -157,7 +157,7 @@ def test_route_layers_takes_numpy_integers_and_refuses_what_is_no_layer(make_mod
     recorder.close()
 
 
-def test_model_gets_the_true_padding_mask_and_indices_are_int64(make_model):
+def test_model_gets_the_true_padding_mask_and_the_routers_gather_with_int64(make_model):
     model = make_model()
     hook = ReplayHook(model)
     seen = {}
@@ -166,19 +166,27 @@ def test_model_gets_the_true_padding_mask_and_indices_are_int64(make_model):
         seen["padding_mask"] = kwargs.get("padding_mask")
         seen["targets"] = [r.replay.target_topk_idx for r in hook._routers]
 
+    def used(module, args, output):  # what each router gathered and dispatched with, after the forward
+        seen["used"] = [r.current.indices for r in hook._routers]
+
     handle = model.register_forward_pre_hook(capture, with_kwargs=True)
+    after = model.register_forward_hook(used)
     for dtype in (torch.uint8, torch.int16, torch.int32):
         batch = make_batch(dtype=dtype, padding="arange")
         run_step(hook, model, [batch], forward_only=True)
         # Megatron's padding_mask marks left padding only; real uncaptured tokens count as tokens.
         assert torch.equal(seen["padding_mask"], batch["attention_mask"] == 0)
         assert not torch.equal(seen["padding_mask"], batch["router_padding_mask"])
-        assert all(t.dtype == torch.int64 and t.shape == (32, TOPK) for t in seen["targets"])
+        # Installed in the batch's dtype (uncaptured="live": the router call widens them as it merges
+        # in its own choice); the routers gather and scatter with int64.
+        assert all(t.dtype == dtype and t.shape == (32, TOPK) for t in seen["targets"])
+        assert all(t.dtype == torch.int64 and t.shape == (32, TOPK) for t in seen["used"])
         # Without attention_mask, padding is each row's leading run of uncaptured positions.
         del batch["attention_mask"]
         run_step(hook, model, [batch], forward_only=True, step=_forward_without_attention_mask)
         assert torch.equal(seen["padding_mask"], _leading_true(batch["router_padding_mask"]))
     handle.remove()
+    after.remove()
     hook.close()
 
 

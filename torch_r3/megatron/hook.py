@@ -28,9 +28,11 @@ from torch_r3.megatron.model import (
     stage_layers,
 )
 from torch_r3.megatron.routers import (
+    RouteBuffers,
     RouterTarget,
     check_fifos_drained,
     collect_recorded,
+    copy_for_routers,
     expert_bias_mask_is_broken,
     find_routers,
 )
@@ -41,7 +43,6 @@ from torch_r3.megatron.slicing import (
     RankSlice,
     hybrid_moe_pattern,
     moe_layer_pattern,
-    router_indices,
 )
 from torch_r3.replay.checks import check_route_batch
 from torch_r3.replay.layers import route_layer_map
@@ -188,6 +189,7 @@ class ReplayHook(MicrobatchSchedule):
                     f"model: decoder layer {r.layer - stage.start} of this stage holds a router, but "
                     f"the stage has layers {stage.start}..{stage.stop - 1} only"
                 )
+        self._router_layers = tuple(r.layer for r in self._routers)  # fixed once the model is built
         self._route_layers = (
             None
             if route_layers is None
@@ -208,6 +210,7 @@ class ReplayHook(MicrobatchSchedule):
         self._last_recording: Recording | None = None
         self._last_stats: ReplayStats | None = None
         self._handle = None
+        self._buffers = RouteBuffers()  # each microbatch's routes, copied once; reused step after step
         if self._gpt is not None:
             self._handle = self._gpt.register_forward_pre_hook(self._before_model_forward, with_kwargs=True)
         fix_bias = expert_bias_mask_is_broken()
@@ -222,7 +225,7 @@ class ReplayHook(MicrobatchSchedule):
 
         Routers of multi-token prediction layers are not among them: they route live.
         """
-        return tuple(r.layer for r in self._routers)
+        return self._router_layers
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -353,6 +356,7 @@ class ReplayHook(MicrobatchSchedule):
         for r in self._routers:
             r.detach()
         self._reset()
+        self._buffers.release()
 
     def _rank(self) -> RankSlice:
         return current_rank(self.config)
@@ -399,15 +403,19 @@ class ReplayHook(MicrobatchSchedule):
             packed_balancing=self._packed_balancing,
         )
         routes = share.routes
-        # Widened to int64 because the router gathers and scatters with these indices; always
-        # a copy the hook owns, so a caller refilling its batch cannot change what recompute replays.
-        local = None if self._record else routes.to(dtype=torch.int64, copy=True)
+        # One copy the hook owns (a caller refilling its batch cannot change what recompute replays),
+        # each router's rows contiguous: compact where the router call widens them (live), else int64.
+        owned = None
+        if not self._record:
+            b, s, j, k = routes.shape
+            buffer = self._buffers.take(microbatch, (j, s, b, k), routes.dtype if live else torch.int64, routes.device)
+            owned = copy_for_routers(buffer, routes)
         self._input_shape = share.input_shape
         uncaptured = share.uncaptured
         grad = torch.is_grad_enabled()
         for j, r in enumerate(self._routers):
             target = RouterTarget(
-                indices=None if local is None else router_indices(local, j).contiguous(),
+                indices=None if owned is None else owned[j],
                 uncaptured=uncaptured,
                 live=live,
                 microbatch=microbatch,

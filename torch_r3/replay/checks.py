@@ -27,6 +27,7 @@ the expert count.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -60,6 +61,7 @@ CHUNK_IDS = 1 << 18
 """Route ids one duplicate pass compares at a time: its `K - 1` rows of flags stay in cache."""
 
 
+@functools.lru_cache(maxsize=16)
 def _pair_words(k: int, device: torch.device) -> torch.Tensor:
     """`[K - 1, 1]` int64 masks over 8 flag bytes: byte `i` of row `s - 1` is set when ids `i, i + s` share a route.
 
@@ -71,6 +73,7 @@ def _pair_words(k: int, device: torch.device) -> torch.Tensor:
     return torch.tensor(words, dtype=torch.int64, device=device).view(k - 1, 1)
 
 
+@functools.lru_cache(maxsize=16)
 def _pairs(k: int, device: torch.device) -> torch.Tensor:
     """`[K - 1, K]` bool: lane `j` of row `s - 1` is set when lanes `j, j + s` lie in one route."""
     lane = torch.arange(k, device=device)
@@ -92,7 +95,6 @@ def _repeated_ids(flat: torch.Tensor, k: int) -> torch.Tensor:
     usable = n - (k - 1)  # ids with K - 1 ids after them
     chunk = max(CHUNK_IDS // (8 * k) * 8 * k, 8 * k)
     words = _pair_words(k, flat.device) if 8 % k == 0 else None
-    pairs = _pairs(k, flat.device)
     flags = torch.empty((k - 1) * min(chunk, n), dtype=torch.bool, device=flat.device)
     for a in range(0, n, chunk):
         b = min(a + chunk, n)
@@ -107,7 +109,8 @@ def _repeated_ids(flat: torch.Tensor, k: int) -> torch.Tensor:
             bits &= words
             found.append(bits.max() > 0)
         else:
-            found.append((rows.view(k - 1, -1, k) & pairs.view(k - 1, 1, k)).view(torch.uint8).max() > 0)
+            pairs = _pairs(k, flat.device).view(k - 1, 1, k)
+            found.append((rows.view(k - 1, -1, k) & pairs).view(torch.uint8).max() > 0)
     return torch.stack(found).any()
 
 
