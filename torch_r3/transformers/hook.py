@@ -30,11 +30,12 @@ from typing import Any, cast
 
 import torch
 
-from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS_PADDED, ROUTER_MASK, ROUTES
+from torch_r3.keys import CU_SEQLENS_PADDED, ROUTER_MASK, ROUTES
 from torch_r3.replay.checks import check_input_shape, check_replayed_ids, check_route_batch, check_router_tokens
 from torch_r3.replay.layers import moe_pattern, route_layer_map
 from torch_r3.replay.lifecycle import HookLifecycle
 from torch_r3.replay.modes import check_uncaptured, recorded_route_dtype
+from torch_r3.replay.padding import padding_positions
 from torch_r3.replay.recording import Recording
 from torch_r3.replay.stats import ReplayStats, StatsCollector
 from torch_r3.transformers._modules import LayerCalls, device_of, find_in_layers, note_inputs
@@ -219,7 +220,7 @@ class ReplayHook(HookLifecycle):
         # One copy to the device, widened once: the experts index with int64.
         wide = routes.to(device=device, dtype=torch.int64)
         per_router = [wide[:, :, j].reshape(rows * positions, self._topk) for j in range(len(self._routers))]
-        padding = _padding_positions(batch, mask, cu_seqlens)
+        padding = padding_positions(batch, mask, cu_seqlens)
         self._active = _Replay(rows, positions, per_router, mask.to(device).reshape(-1), padding.to(device).reshape(-1))
         if not self._in_step:
             self._stats.reset()
@@ -356,35 +357,6 @@ class ReplayHook(HookLifecycle):
             out[:, :, self._routers[index].layer] = own.reshape(rows, positions, self._topk).to(dtype)
         mask = rec.mask if rec.mask is not None else torch.zeros((rows, positions), dtype=torch.bool)
         return {ROUTES: out.cpu(), ROUTER_MASK: mask.cpu()}
-
-
-def _padding_positions(batch: Mapping[str, Any], mask: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-    """`[rows, positions]` bool, `True` where the batch holds no real token (for the stats, which count it apart).
-
-    Padded: the batch's `attention_mask == 0`; without one, each row's leading run of
-    uncaptured positions (left padding). Packed: none, except the alignment rows between
-    sequences when the batch carries `cu_seqlens_padded`.
-    """
-    if cu_seqlens is not None:
-        aligned = batch.get(CU_SEQLENS_PADDED)
-        if aligned is None:
-            return torch.zeros_like(mask)
-        pad = torch.ones_like(mask)
-        for start, n in zip(torch.as_tensor(aligned).tolist(), cu_seqlens.diff().tolist()):
-            pad[0, start : start + n] = False
-        return pad
-    attention = batch.get(ATTENTION_MASK)
-    if attention is None:
-        return (~mask).cumsum(1) == 0
-    if not isinstance(attention, torch.Tensor) or attention.dtype.is_floating_point or attention.is_complex():
-        what = attention.dtype if isinstance(attention, torch.Tensor) else type(attention).__name__
-        raise TypeError(f"{ATTENTION_MASK}: expected an integer or bool torch.Tensor, got {what}")
-    if tuple(attention.shape) != tuple(mask.shape):
-        raise ValueError(
-            f"{ATTENTION_MASK}: shape {list(attention.shape)} differs from {ROUTER_MASK}'s {list(mask.shape)}: "
-            "the routes do not cover the tokens"
-        )
-    return attention.to(mask.device) == 0
 
 
 def _find_routers(model: torch.nn.Module) -> tuple[list[_Router], int]:

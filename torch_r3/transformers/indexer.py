@@ -34,15 +34,15 @@ import torch
 from torch_r3.collate.selections import SELECTION_MASK, SELECTIONS
 from torch_r3.replay.lifecycle import HookLifecycle
 from torch_r3.replay.modes import check_uncaptured
+from torch_r3.replay.padding import padding_positions
 from torch_r3.replay.recording import Recording
 from torch_r3.replay.selection_checks import (
     canonical_rows,
     check_selection_batch,
     check_selection_values,
     first_positions,
-    overlap,
 )
-from torch_r3.replay.selection_stats import IndexerStats
+from torch_r3.replay.selection_stats import IndexerStats, SelectionStatsCollector
 from torch_r3.selections import FILL
 from torch_r3.transformers._modules import LayerCalls, device_of, find_in_layers, note_inputs
 
@@ -80,8 +80,7 @@ class _Replay:
     first: torch.Tensor  # [B]
     columns: list[torch.Tensor]  # per indexer: [B, T, K] int64, canonical
     uncaptured: torch.Tensor  # [B, T] bool
-    sums: dict[int, float] = field(default_factory=dict)
-    rows: dict[int, int] = field(default_factory=dict)
+    padding: torch.Tensor  # [B, T] bool, True = no real token (counted apart in the stats)
 
 
 def _is_indexer(module: torch.nn.Module) -> bool:
@@ -121,7 +120,7 @@ class IndexerReplayHook(HookLifecycle):
         self._active: _Replay | None = None
         self._recording: _Recorder | None = None
         self._calls = LayerCalls(dict)  # the checkpointed layer call running now: indexer -> its selection
-        self._stats = _Collector()
+        self._stats = SelectionStatsCollector()
         self._last_stats: IndexerStats | None = None
         self._handles = [
             ix.module.register_forward_hook(functools.partial(self._on_indexer, i))
@@ -176,14 +175,19 @@ class IndexerReplayHook(HookLifecycle):
         check_selection_values(sel[:, :, columns], mask, self.indexer_layers)
         device = device_of(self._indexers[0].module)
         wide = sel.to(device=device, dtype=torch.int64)
+        padding = padding_positions(batch, mask, None, mask_key=SELECTION_MASK, payload="selections")
         self._active = _Replay(
-            (B, T), first_positions(mask).to(device), [wide[:, :, c] for c in columns], mask.to(device)
+            (B, T),
+            first_positions(mask).to(device),
+            [wide[:, :, c] for c in columns],
+            mask.to(device),
+            padding.to(device),
         )
-        self._stats.start(self._active)
+        self._stats.reset()
         restore = self._calls.wrap(ix.layer_module for ix in self._indexers)
         try:
             yield self
-            self._last_stats = self._stats.finish(self._active, self.indexer_layers)
+            self._last_stats = self._stats.finish(live=self.uncaptured == "live")
         finally:
             self._active = None
             self._calls.restore(restore, only_own=False)
@@ -256,7 +260,11 @@ class IndexerReplayHook(HookLifecycle):
         if self.uncaptured == "live":
             filled = torch.where(state.uncaptured.unsqueeze(-1), output.to(torch.int64), filled)
         out = filled.to(output.dtype)
-        self._stats.add(state, index, canonical_rows(output, state.first, Kp), replayed, ~state.uncaptured)
+        if index == 0:
+            self._stats.add_forward(state.uncaptured, state.padding)
+        captured = ~state.uncaptured
+        own = canonical_rows(output, state.first, Kp)
+        self._stats.add_overlap(self._indexers[index].layer, own[captured], replayed[captured])
         if call is not None:
             call[index] = out
         return out
@@ -275,27 +283,6 @@ class IndexerReplayHook(HookLifecycle):
         out = torch.stack([by_layer[src] for src in self.sources()], dim=2)
         out[mask] = FILL
         return {SELECTIONS: out, SELECTION_MASK: mask}
-
-
-class _Collector:
-    def __init__(self) -> None:
-        self.forwards = self.captured = self.live = 0
-
-    def start(self, state: _Replay) -> None:
-        self.forwards = self.captured = self.live = 0
-
-    def add(self, state: _Replay, index: int, own: torch.Tensor, replayed: torch.Tensor, rows: torch.Tensor) -> None:
-        if index == 0:
-            self.forwards += 1
-            self.captured += int(rows.sum())
-            self.live += int((~rows).sum())
-        s, n = overlap(own[rows], replayed[rows])
-        state.sums[index] = state.sums.get(index, 0.0) + s
-        state.rows[index] = state.rows.get(index, 0) + n
-
-    def finish(self, state: _Replay, layers: tuple[int, ...]) -> IndexerStats:
-        share = {layers[i]: state.sums[i] / state.rows[i] for i in state.sums if state.rows[i]}
-        return IndexerStats(share, self.captured, self.live, self.forwards)
 
 
 class DSAReplayHook:
