@@ -297,6 +297,47 @@ def test_begin_and_end_microbatch_replay_what_the_wrapped_forward_step_replays(d
 
 
 @needs_dsa
+@pytest.mark.parametrize("uncaptured", ["replay", "live"])
+def test_the_selections_stay_compact_until_the_attention_needs_them(dsa_model, uncaptured):
+    """The hook keeps one compact copy of the replayed layers; each layer widens only its own rows.
+
+    Counted from the tensors the hook's own code creates (`TensorMemory`), not timed.
+    """
+    from torch_r3.bench.tensor_memory import TensorMemory
+    from torch_r3.megatron.indexer import IndexerReplayHook
+
+    batch = _batch()
+    B, _, L, K = batch["rollout_indexer_topk"].shape
+    hook = IndexerReplayHook(dsa_model, uncaptured=uncaptured)
+    replayed = batch["rollout_indexer_topk"][:, :, list(hook.indexer_layers)]
+    compact = replayed.nbytes  # the replayed layers' selections, in the batch's int16
+    masks = 3 * B * T  # this rank's uncaptured mask and padding rows (bool), their split
+    meter = TensorMemory()
+    choose = hook._choose
+
+    def counted_choose(*args):
+        meter.start()
+        try:
+            return choose(*args)
+        finally:
+            meter.stop()
+
+    hook._choose = counted_choose
+    with torch.no_grad(), hook.step(forward_only=True):
+        with meter.counting():
+            hook.begin_microbatch(batch)
+        kept = meter.live
+        meter.peak = kept
+        _forward_step(iter([batch]), dsa_model)
+        per_layer = meter.peak - kept
+        hook.end_microbatch()
+    assert kept <= compact + masks  # one compact copy (int64 would be 4x)
+    one_layer = B * T * K  # slots of one layer's rows
+    assert per_layer <= 48 * one_layer  # that layer's rows at the attention's int64, its statistics' temporaries
+    assert meter.live <= meter.allocated  # the meter balances
+
+
+@needs_dsa
 def test_activation_recompute_replays_each_microbatchs_selection(cpu_megatron):
     """Gradients with full recompute equal those without it: recompute re-ran each layer with its microbatch's top-k."""
     from tests.megatron._dsa_models import build_dsa_model

@@ -101,7 +101,9 @@ class _Layer:
 @dataclass
 class _Microbatch:
     index: int
-    columns: list[torch.Tensor]  # per computing layer: [B, S, K] int64, canonical, this rank's rows
+    columns: list[
+        torch.Tensor
+    ]  # per computing layer: [B, S, K] in the batch's compact dtype, canonical, this rank's rows
     uncaptured: torch.Tensor  # [B, S] bool
     recompute: bool  # will backward recompute the recomputed layers?
 
@@ -335,7 +337,9 @@ class IndexerReplayHook(MicrobatchSchedule):
                         "model (dsa_indexer_topk_freq), but the batch's selections for the two differ"
                     )
         device = first_device(self._chunk)
-        sel = sel.to(device, non_blocking=True)[:, :, columns]
+        sel = sel.to(device, non_blocking=True)
+        if columns != list(range(L)):
+            sel = sel[:, :, columns]
         mask = mask.to(device, non_blocking=True)
         check_selection_values(sel, mask, self.indexer_layers, prefix=prefix)
         try:
@@ -406,15 +410,16 @@ class IndexerReplayHook(MicrobatchSchedule):
                 f"microbatch {mb.index}, layer {entry.layer}: the layer sees [{B}, {S}] queries but the batch "
                 f"covers [{replayed.shape[0]}, {mb.uncaptured.shape[1]}] on this rank (another batch?)"
             )
-        chosen = replayed
+        # The selections stay compact up to here: the attention's scatter gets this layer's rows in its dtype.
         if self.uncaptured == "live":
-            chosen = torch.where(uncaptured.unsqueeze(-1), own.to(torch.int64), replayed)
+            chosen = torch.where(uncaptured.unsqueeze(-1), own, replayed)
+        else:
+            chosen = replayed.to(own.dtype)
         captured = ~uncaptured
         if bool(captured.any()):
-            self._stats.add_overlap(entry.layer, own.to(torch.int64)[captured], replayed[captured])
-        chosen = chosen.to(own.dtype)
+            self._stats.add_overlap(entry.layer, own[captured], replayed[captured])
         if entry.recomputed and mb.recompute:
-            entry.queue.append(chosen)
+            entry.queue.append(chosen.to(replayed.dtype))  # compact until its recompute widens it again
         entry.pushes += 1
         return chosen
 

@@ -78,7 +78,7 @@ class _Indexer:
 class _Replay:
     shape: tuple[int, int]
     first: torch.Tensor  # [B]
-    columns: list[torch.Tensor]  # per indexer: [B, T, K] int64, canonical
+    columns: list[torch.Tensor]  # per indexer: [B, T, K] in the batch's compact dtype, canonical
     uncaptured: torch.Tensor  # [B, T] bool
     padding: torch.Tensor  # [B, T] bool, True = no real token (counted apart in the stats)
 
@@ -172,14 +172,16 @@ class IndexerReplayHook(HookLifecycle):
         if K != self.index_topk:
             raise ValueError(f"{SELECTIONS}: index_topk {K}, the model's indexers select {self.index_topk}")
         columns = self._columns(sel, L)
-        check_selection_values(sel[:, :, columns], mask, self.indexer_layers)
+        check_selection_values(sel if columns == list(range(L)) else sel[:, :, columns], mask, self.indexer_layers)
         device = device_of(self._indexers[0].module)
-        wide = sel.to(device=device, dtype=torch.int64)
+        # Kept in the batch's compact dtype (no copy on the model's device); each indexer call widens its
+        # own layer's rows to the attention's dtype, and nothing more.
+        compact = sel.to(device=device, non_blocking=True)
         padding = padding_positions(batch, mask, None, mask_key=SELECTION_MASK, payload="selections")
         self._active = _Replay(
             (B, T),
             first_positions(mask).to(device),
-            [wide[:, :, c] for c in columns],
+            [compact[:, :, c] for c in columns],
             mask.to(device),
             padding.to(device),
         )
@@ -255,11 +257,11 @@ class IndexerReplayHook(HookLifecycle):
             )
         replayed = state.columns[index][..., :Kp]
         # Unused slots point at the query itself: selected anyway, so the mask built from them is exact.
-        own_pos = torch.arange(S, device=output.device).view(1, S, 1).expand(B, S, Kp)
-        filled = torch.where(replayed == FILL, own_pos, replayed)
+        # Built in the attention's dtype: this layer's rows are the only ones widened.
+        own_pos = torch.arange(S, device=output.device, dtype=output.dtype).view(1, S, 1)
+        out = torch.where(replayed == FILL, own_pos, replayed).to(output.dtype)
         if self.uncaptured == "live":
-            filled = torch.where(state.uncaptured.unsqueeze(-1), output.to(torch.int64), filled)
-        out = filled.to(output.dtype)
+            out = torch.where(state.uncaptured.unsqueeze(-1), output, out)
         if index == 0:
             self._stats.add_forward(state.uncaptured, state.padding)
         captured = ~state.uncaptured
