@@ -430,6 +430,18 @@ def test_old_keywords_beside_transport_config_are_refused_unless_at_their_defaul
         assert RemoteGenerateClient("http://127.0.0.1:9", transport_config=config, retries=5).transport_config is config
 
 
+def test_the_table_of_renamed_keywords_holds_every_transport_option_at_its_default():
+    import dataclasses
+
+    from torch_r3._deprecation import RENAMED_KEYWORDS
+
+    table = {k: v for k, v in RENAMED_KEYWORDS.items() if v.new == "transport_config"}
+    defaults = TransportConfig()
+    assert sorted(table) == sorted(f.name for f in dataclasses.fields(TransportConfig))
+    for name, entry in table.items():
+        assert entry.field == name and entry.old_default == getattr(defaults, name)
+
+
 def test_a_keyword_the_client_never_had_is_a_type_error():
     with pytest.raises(TypeError, match="unexpected keyword argument 'retry'"):
         RemoteGenerateClient("http://127.0.0.1:9", retry=2)

@@ -72,6 +72,18 @@ RENAMED_KEYWORDS: dict[str, RenamedKeyword] = {
     "cache_bytes": RenamedKeyword("memory", "cache_bytes", None),
     "buffers": RenamedKeyword("memory", "buffers", None),
     "max_output_bytes": RenamedKeyword("memory", "max_output_bytes", None),
+    # RemoteGenerateClient's transport options, one value since 0.3.0 (the defaults are TransportConfig's).
+    "retries": RenamedKeyword("transport_config", "retries", 5),
+    "backoff": RenamedKeyword("transport_config", "backoff", 0.5),
+    "max_backoff": RenamedKeyword("transport_config", "max_backoff", 10.0),
+    "timeout": RenamedKeyword("transport_config", "timeout", 600.0),
+    "connect_timeout": RenamedKeyword("transport_config", "connect_timeout", 30.0),
+    "max_concurrency": RenamedKeyword("transport_config", "max_concurrency", 64),
+    "max_response_bytes": RenamedKeyword("transport_config", "max_response_bytes", 1 << 30),
+    "headers": RenamedKeyword("transport_config", "headers", None),
+    "session": RenamedKeyword("transport_config", "session", None),
+    "ssl": RenamedKeyword("transport_config", "ssl", True),
+    "trace_configs": RenamedKeyword("transport_config", "trace_configs", None),
 }
 
 

@@ -5,7 +5,6 @@ Bad input gets a `TypeError` or `ValueError` naming the argument and what was ex
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,13 +12,14 @@ import numpy as np
 import yarl
 
 from torch_r3._checks import check_indices, check_int, check_str
+from torch_r3._deprecation import RENAMED_KEYWORDS
 from torch_r3.rollout.protocols.fields import check_cache_salt
 from torch_r3.rollout.transport import TransportConfig
 
 # Token ids travel as int64 (torch.long).
 TOKEN_ID_END = 1 << 63
-#: The keywords `RemoteGenerateClient` took one by one before 0.3.0: every option of `TransportConfig`.
-FLAT_TRANSPORT_KEYWORDS = tuple(f.name for f in dataclasses.fields(TransportConfig))
+#: The keywords `RemoteGenerateClient` took one by one before 0.3.0 (`RENAMED_KEYWORDS`' entries for them).
+FLAT_TRANSPORT_KEYWORDS = tuple(k for k, v in RENAMED_KEYWORDS.items() if v.new == "transport_config")
 
 
 def fold_transport_config(config: Any, flat: dict[str, Any]) -> TransportConfig:
