@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from torch_r3 import Memory, PromptResponse
+from torch_r3 import Memory, Packed, PromptResponse
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integrations"))
 from frameworks import installed, load
@@ -285,8 +285,7 @@ def skyrl_worker_step(args) -> None:
             multiple = int(np.gcd.reduce(layout.padded_sequence_lengths))
             ours = microbatch(
                 {"sequences": a.long(), "attention_mask": a, "rollout_expert_indices": r, "router_padding_mask": m},
-                packed=True,
-                pad_to_multiple_of=multiple,
+                layout=Packed(pad_to_multiple_of=multiple),
             )["rollout_expert_indices"]
             assert torch.equal(theirs, ours)
         skyrl_step()

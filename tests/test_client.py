@@ -331,7 +331,7 @@ def test_an_unknown_server_is_refused():
 
 
 @pytest.mark.parametrize(
-    "module", ["torch_r3.rollout.client", "torch_r3.rollout.transport", "torch_r3.rollout.protocols.base"]
+    "module", ["torch_r3.rollout.client", "torch_r3.rollout.transport", "torch_r3.rollout.protocols.fields"]
 )
 def test_docstring_examples_of_the_client_modules_hold(module):
     import doctest
@@ -339,6 +339,21 @@ def test_docstring_examples_of_the_client_modules_hold(module):
 
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_the_readers_keep_their_path_on_protocols_base_as_the_same_objects():
+    from torch_r3.rollout.protocols import base, fields
+
+    own = [
+        n for n, v in vars(fields).items() if not n.startswith("_") and getattr(v, "__module__", "") == fields.__name__
+    ]
+    moved = [n for n in own if n not in vars(base)]
+    assert len(own) > 10
+    assert moved == [], f"protocols.base lost the path of {moved}"
+    for name in ("WeightVersionSpan", "check_cache_salt", "get_field", "token_ids", "slice_to_start", "MAX_SALT_CHARS"):
+        assert getattr(base, name) is getattr(fields, name)
+    # the contract stays in base, the readers in fields: neither module holds the other's job
+    assert base.ServerProtocol.__module__ == base.__name__ and fields.get_field.__module__ == fields.__name__
 
 
 def test_a_transport_config_object_configures_the_client_like_the_flat_keywords():

@@ -237,10 +237,11 @@ def test_health_warn_lets_an_all_zero_moe_layer_through_with_a_warning_and_count
     _vllm_payload(case, rows, "uint8")
     args = (case["call"]["prompt"], {"max_tokens": 3}, {"return_routed_experts": True})
     check = RouteHealthCheck("warn")
-    with pytest.warns(ZeroRoutesWarning, match=r"layer 2: rows 0\.\.5 of 6 are all zero"):
+    with pytest.warns(ZeroRoutesWarning, match=r"layer 2: rows 0\.\.5 of 6 are all zero") as seen:
         result = ask_recording(
             "vllm", case["response"], args, {"moe_layers": [1, 2], "health": check, **case["client"]}
         )
+    assert [w.filename for w in seen] == [__file__]  # attributed to the line that called generate
     np.testing.assert_array_equal(result.routed_experts, rows)  # warned, not altered
     assert (check.stats.zero_rows, check.stats.accepted_unhealthy, check.stats.refused) == (1, 1, 0)
 

@@ -299,7 +299,7 @@ def compact_routes(
     # hand us a view of a buffer it goes on mutating.
     out = np.array(a, dtype=target, order="C", copy=True)
     if check is not None:
-        check.check(out, trajectory=name, num_experts=num_experts, stacklevel=3)
+        check.check(out, trajectory=name, num_experts=num_experts)
         repeated = first_repeated_expert(out)
         if repeated is not None:
             row, layer = repeated

@@ -232,6 +232,41 @@ def test_the_indexer_layers_only_layout_replays_the_same(dsa_model):
 
 
 @needs_dsa
+def test_begin_and_end_microbatch_replay_what_the_wrapped_forward_step_replays(dsa_model):
+    """The routes hook's two-call contract, for a forward step that cannot be wrapped."""
+    from torch_r3.megatron.indexer import IndexerReplayHook
+
+    batches = [_batch(seed=1), _batch(seed=2)]
+    hook = IndexerReplayHook(dsa_model)
+    with torch.no_grad(), hook.step(forward_only=True):
+        wrapped = [hook.wrap_forward_step(_forward_step)(iter([b]), dsa_model)[0] for b in batches]
+    wrapped_stats = hook.last_stats
+    with torch.no_grad(), hook.step(forward_only=True):
+        opened = []
+        for b in batches:
+            hook.begin_microbatch(b)
+            opened.append(_forward_step(iter([b]), dsa_model)[0])
+            hook.end_microbatch()
+            hook.end_microbatch()  # idempotent
+    with torch.no_grad():
+        own = [_forward_step(iter([b]), dsa_model)[0] for b in batches]  # no step: Megatron's own top-k
+    for a, b, c in zip(wrapped, opened, own):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert not torch.allclose(a, c, atol=1e-4)  # the selections were replayed
+    assert hook.last_stats == wrapped_stats and hook.last_stats.forwards == 2
+    with pytest.raises(RuntimeError, match=r"begin_microbatch\(\) outside IndexerReplayHook.step\(\)"):
+        hook.begin_microbatch(batches[0])
+    with pytest.raises(RuntimeError, match="called next.. on the data iterator more than once"), hook.step():
+
+        def greedy(data_iterator, model):
+            next(data_iterator)
+            return _forward_step(data_iterator, model)
+
+        hook.wrap_forward_step(greedy)(iter(batches), dsa_model)
+    hook.close()
+
+
+@needs_dsa
 def test_activation_recompute_replays_each_microbatchs_selection(cpu_megatron):
     """Gradients with full recompute equal those without it: recompute re-ran each layer with its microbatch's top-k."""
     from tests.megatron._dsa_models import build_dsa_model

@@ -240,17 +240,13 @@ def _options(
     dtype: Any,
     keep_layers: Any,
     compact: Any,
-    layout_keywords: tuple[str, ...] = tuple(LAYOUT_KEYWORDS),
-    memory_keywords: tuple[str, ...] = MEMORY_KEYWORDS,
+    keywords: tuple[str, ...] = LAYOUT_KEYWORDS + MEMORY_KEYWORDS,
 ) -> _Options:
-    """The options of one collator, the deprecated keywords folded in (each warned, on the caller's line)."""
+    """The options of one collator, the deprecated keywords folded in (each warned, on the user's line)."""
     padding, layers = deprecated.pop("padding", None), deprecated.pop("layers", None)
-    filler = renamed_argument(padding, filler, old="padding", new="filler", where=where, default="arange", stacklevel=5)
-    keep_layers = renamed_argument(layers, keep_layers, old="layers", new="keep_layers", where=where, stacklevel=5)
-    unknown = next((k for k in deprecated if k in LAYOUT_KEYWORDS and k not in layout_keywords), None)
-    if unknown is not None:
-        raise TypeError(f"{where} got an unexpected keyword argument {unknown!r}")
-    layout, memory = from_keywords(where, layout, memory, deprecated, memory_keywords=memory_keywords, stacklevel=5)
+    filler = renamed_argument(padding, filler, old="padding", new="filler", where=where, default="arange")
+    keep_layers = renamed_argument(layers, keep_layers, old="layers", new="keep_layers", where=where)
+    layout, memory = from_keywords(where, layout, memory, deprecated, keywords=keywords)
     return _Options(
         layout=layout,
         memory=memory,
@@ -369,8 +365,10 @@ def collate_routes(
         dtype,
         keep_layers,
         compact,
-        layout_keywords=("padding_side", "prompt_width", "response_width", "pad_to_multiple_of", "seq_len"),
-        memory_keywords=("workers", "pin_memory", "buffers", "max_output_bytes"),
+        keywords=(
+            *("padding_side", "prompt_width", "response_width", "pad_to_multiple_of", "seq_len"),
+            *("workers", "pin_memory", "buffers", "max_output_bytes"),
+        ),
     )
     if opts.memory.cache_bytes is not None:
         raise ValueError(

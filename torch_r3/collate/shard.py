@@ -238,8 +238,10 @@ class ShardCollator:
             differs), lets later steps reuse the memory of earlier ones; by
             default each `ShardCollator` has its own.
         prefetch: fetch the next micro-batch in a helper thread while the
-            current one trains (fetched samples are held, not collated, so
-            the buffer bound stays two batches).
+            current one trains: the fetch starts once the current micro-batch
+            is collated (its rows copied out of what its fetch returned, so a
+            `fetch` may decode into one reused buffer), and the fetched
+            samples are held, not collated, so the buffer bound stays two batches.
         **options: the other `R3Collator` settings (`dtype` (the global route
             dtype), `keep_layers` (a pipeline stage's layers), `pad_keys`,
             `filler`, `num_experts`, `pad_token_id`, ...), and the deprecated
@@ -285,7 +287,7 @@ class ShardCollator:
             default="arange",
         )
         old = {k: options.pop(k) for k in list(options) if k in LAYOUT_KEYWORDS or k in MEMORY_KEYWORDS}
-        layout, memory = from_keywords("ShardCollator", layout, memory, old)
+        layout, memory = from_keywords("ShardCollator", layout, memory, old, keywords=LAYOUT_KEYWORDS + MEMORY_KEYWORDS)
         self.collator = R3Collator(layout=layout, memory=memory, keep_layers=keep_layers, filler=filler, **options)
 
     def __repr__(self) -> str:
@@ -332,9 +334,11 @@ class ShardCollator:
             for k in range(len(self.microbatches)):
                 assert pending is not None
                 samples = pending.result()
-                pending = pool.submit(self._fetch, k + 1) if k + 1 < len(self.microbatches) else None
                 batch = self._collate(samples, k, dtypes)
                 del samples
+                # Only now, with micro-batch k's rows copied out of what its fetch returned: a fetch
+                # that decodes into one reused buffer must not overwrite rows still being collated.
+                pending = pool.submit(self._fetch, k + 1) if k + 1 < len(self.microbatches) else None
                 yield batch
                 del batch
         finally:

@@ -44,6 +44,7 @@ import torch
 
 from torch_r3 import R3Collator, RoutedExpertTrace
 from torch_r3._checks import check_choice
+from torch_r3._deprecation import warn_external
 from torch_r3.keys import ATTENTION_MASK, ROUTER_MASK
 from torch_r3.testing.model import GenerateOutput, ServedModel
 
@@ -429,10 +430,10 @@ def collate_and_measure(
             quiet,
         )
     if sampled:
-        warnings.warn(
+        warn_external(
             f"{sampled} sampled, loss-active token(s) are predicted from positions without a captured route: "
             "the routes the server returned do not cover the rollout",
-            stacklevel=3,  # the caller of `run`
+            UserWarning,
         )
     results = {}
     for name, (mode, column) in RUNS.items():

@@ -127,7 +127,17 @@ class RouteScan:
         return any(bool(self.row_words[:, c].all()) for c in first[:4].tolist())
 
     def _linear_hashes(self) -> np.ndarray:
-        """Per row, `sum_j word_j * m_j mod 2**64` over the ids' byte planes (zero planes add nothing)."""
+        """Per row, a multilinear hash of its 32-bit halves over the ids' byte planes (zero planes add nothing).
+
+        `sum_j lo_j * a_j + hi_j * b_j mod 2**64` for the low and high 32-bit halves of each
+        64-bit word, computed as `word_j * m_j + (word_j >> 32) * n_j` (`a_j = m_j`,
+        `b_j = 2**32 m_j + n_j`): a difference `d * 2**t` (`d` odd, `t < 32`) in a half
+        keeps at least 32 random bits of its multiplier, so distinct rows collide with
+        probability about `2**-32` whatever the structure of their difference. A hash of
+        the 64-bit words alone kept only the top 8 bits of the multiplier for a difference
+        in a word's top byte (the 8th of top-8 `uint8` ids): two such differences cancelled
+        for one choice in 256.
+        """
         if self._linear is None:
             a = self.routes.reshape(self.rows, self.layers * self.topk)
             width = a.shape[1]
@@ -150,20 +160,27 @@ class RouteScan:
                         wide[:, :width] = plane
                         plane = wide
                     words = np.ascontiguousarray(plane).view("<u8")
-                    total += words @ _multipliers(words.shape[1], p)
+                    low, high = _multipliers(words.shape[1], p)
+                    # einsum: NumPy's integer matmul is slower for this matrix-vector product.
+                    total += np.einsum("ij,j->i", words, low)
+                    total += np.einsum("ij,j->i", words >> np.uint64(32), high)
             self._linear = total
         return self._linear
 
 
-_MULTIPLIERS: dict[tuple[int, int], np.ndarray] = {}
+_MULTIPLIERS: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
 
-def _multipliers(width: int, plane: int) -> np.ndarray:
-    """Odd random 64-bit multipliers for `width` words of byte plane `plane` (fixed per width and plane)."""
+def _multipliers(width: int, plane: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random 64-bit multipliers `(m, n)` for `width` words of byte plane `plane` (fixed per width and plane).
+
+    `m` (odd) multiplies each whole word, `n` its high 32-bit half: see `RouteScan._linear_hashes`.
+    """
     key = (width, plane)
     m = _MULTIPLIERS.get(key)
     if m is None:
         rng = np.random.default_rng([_SEED, width, plane])
-        m = rng.integers(0, 1 << 63, width, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
-        _MULTIPLIERS[key] = m
+        low = rng.integers(0, 1 << 63, width, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+        high = rng.integers(0, 1 << 64, width, dtype=np.uint64)
+        m = _MULTIPLIERS[key] = (low, high)
     return m

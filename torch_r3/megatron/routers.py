@@ -55,10 +55,12 @@ class RouterTarget:
     """One microbatch's routes for one router.
 
     Attributes:
-        indices: `[N, K]` int64 on the model's device, in the router's token order,
-            owned by the hook (never a view of the caller's batch); after the
-            forward call, what the router actually used (recompute reuses it).
-            `None` when recording: the forward fills in the router's own choice.
+        indices: `[N, K]` on the model's device, in the router's token order,
+            owned by the hook (never a view of the caller's batch: a buffer it
+            reuses at its next step), in the routes' own dtype or int64; after
+            the forward call, what the router actually used, int64 (recompute
+            reuses it). `None` when recording: the forward fills in the
+            router's own choice.
         uncaptured: `[N]` bool, `True` for tokens without a captured route.
         live: Whether uncaptured tokens take the router's own top-k.
         microbatch: Index of the microbatch in the step.
@@ -195,8 +197,10 @@ class ReplayedRouter:
                 self.recorded[target.microbatch] = own
             else:
                 chosen = target.indices
-                if target.live:
+                if target.live:  # widened to own's int64 in the same pass
                     chosen = torch.where(target.uncaptured.unsqueeze(-1), own, chosen)
+                else:
+                    chosen = chosen.to(own.dtype)  # no copy where the hook installed int64
                 # On captured rows `chosen` is the replayed route in either mode.
                 self.stats.add_drift(self.layer, own, chosen, ~target.uncaptured)
             target.indices = chosen  # recompute replays exactly what this forward chose

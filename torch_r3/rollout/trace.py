@@ -378,7 +378,6 @@ class RoutedExpertTrace:
                 token_ids=ids,
                 moe_layers=self._moe_layers,
                 num_experts=self._num_experts,
-                stacklevel=4,
             )
         if selections is not None or self._selections.turns:
             if selections is None or self._selections.turns != self.turns:

@@ -16,7 +16,7 @@ import numpy as np
 
 # Aliased: this module's own check_bool checks JSON request fields (no NumPy bools on the wire).
 from torch_r3._checks import check_bool as check_flag
-from torch_r3.rollout.protocols.base import MAX_SALT_CHARS, SALT_FORBIDDEN
+from torch_r3.rollout.protocols.fields import MAX_SALT_CHARS, SALT_FORBIDDEN
 from torch_r3.testing._engine import GenerateRequest, Generation
 from torch_r3.testing._wire.chat import render_messages
 from torch_r3.testing.model import ServedModel
