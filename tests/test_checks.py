@@ -208,9 +208,9 @@ def _client(**kwargs: Any) -> Any:
 
 
 def _client_config(**kwargs: Any) -> Any:
-    from torch_r3.rollout.client import RemoteGenerateClient
+    from torch_r3.rollout.client import RemoteGenerateClient, TransportConfig
 
-    return repr(RemoteGenerateClient("http://127.0.0.1:9", **kwargs).transport_config)
+    return repr(RemoteGenerateClient("http://127.0.0.1:9", transport_config=TransportConfig(**kwargs)).transport_config)
 
 
 def _transport(**kwargs: Any) -> Any:
@@ -398,10 +398,10 @@ def test_a_zero_block_size_is_refused_not_replaced_by_the_default():
 
 
 def _generate(**kwargs: Any) -> Any:
-    from torch_r3.rollout.client import RemoteGenerateClient
+    from torch_r3.rollout.client import RemoteGenerateClient, TransportConfig
 
     async def main() -> None:
-        async with RemoteGenerateClient("http://127.0.0.1:9", retries=0) as client:
+        async with RemoteGenerateClient("http://127.0.0.1:9", transport_config=TransportConfig(retries=0)) as client:
             await client.generate([1, 2], **kwargs)
 
     return asyncio.run(main())
@@ -445,7 +445,10 @@ def test_return_routed_experts_takes_a_numpy_bool_and_refuses_an_int():
 def test_seconds_follow_the_finite_float_rule_in_the_client_and_its_config(name, value, error):
     from torch_r3.rollout.client import RemoteGenerateClient, TransportConfig
 
-    for build in (TransportConfig, lambda **kw: RemoteGenerateClient("http://127.0.0.1:9", **kw).transport_config):
+    def client_config(**kw: Any) -> TransportConfig:
+        return RemoteGenerateClient("http://127.0.0.1:9", transport_config=TransportConfig(**kw)).transport_config
+
+    for build in (TransportConfig, client_config):
         if error is None:
             assert getattr(build(**{name: value}), name) == 0.5
             assert type(getattr(build(**{name: value}), name)) is float

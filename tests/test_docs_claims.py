@@ -74,9 +74,10 @@ def test_every_version_a_changelog_section_compares_against_is_an_older_release(
         found[name] = _compared_versions(body)
         for named in found[name]:
             assert named in older, f"[{name}] compares against {named}, which is no older section of the CHANGELOG"
-    # Not vacuous: the released 0.2.0 section compares against 0.1.0 twice, wrapped over lines
-    # ("... differ from\n0.1.0 ..."); a pattern that stops seeing those sees nothing at all.
-    assert found.get("0.2.0") == ["0.1.0", "0.1.0"], found
+    # Not vacuous: the 0.3.0 section compares against 0.2.0 ("the changes since 0.2.0") and the
+    # released 0.2.0 section against 0.1.0 ("bytes differ from 0.1.0"); a pattern that stops seeing
+    # those sees nothing at all (the next test reads one wrapped over lines).
+    assert found.get("0.3.0") == ["0.2.0"] and found.get("0.2.0") == ["0.1.0"], found
 
 
 def test_the_comparison_pattern_reads_a_version_of_ours_and_skips_a_dependencys():

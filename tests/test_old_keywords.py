@@ -13,6 +13,7 @@ import torch
 
 import torch_r3
 from torch_r3 import Packed, Padded, R3Collator, ShardCollator, collate_routes
+from torch_r3.health import RouteHealthCheck, RouteHealthWarning, check_route_health
 from torch_r3.integrations import skyrl
 from torch_r3.integrations.skyrl import controller
 from torch_r3.integrations.verl import agent_loop, engine
@@ -136,7 +137,15 @@ OLD_SPELLINGS = [
     (lambda: torch_r3.BufferPool().max_cached_bytes, "BufferPool.max_cached_bytes"),
     (lambda: torch_r3.global_layout, "torch_r3.global_layout"),
     (lambda: torch_r3.BatchLayout, "torch_r3.BatchLayout"),
+    (lambda: torch_r3.collate.layout.padded_length, "torch_r3.collate.layout.padded_length"),
+    (lambda: _protocols_torch_r3().GENERATE_PATH, "torch_r3.rollout.protocols.torch_r3.GENERATE_PATH"),
 ]
+
+
+def _protocols_torch_r3():
+    import importlib
+
+    return importlib.import_module("torch_r3.rollout.protocols.torch_r3")
 
 
 @pytest.mark.parametrize(("call", "named"), OLD_SPELLINGS, ids=[n for _, n in OLD_SPELLINGS])
@@ -185,3 +194,37 @@ def test_a_length_too_large_for_the_batch_offsets_is_refused_where_it_is_built(b
 def test_the_largest_bounded_values_are_accepted():
     assert Packed(pad_to_multiple_of=2**31 - 1).pad_to_multiple_of == 2**31 - 1
     assert Padded(seq_len=2**63 - 1).seq_len == 2**63 - 1
+
+
+# -- the one warning path: the package's user warnings point at the user's line too ------------------
+
+
+def _constant_routes() -> np.ndarray:
+    routes = np.tile(np.array([[3, 5]], np.uint8), (64, 2, 1))
+    routes[:, 1] = np.random.default_rng(1).integers(0, 4, (64, 1)) * 2 + [0, 1]  # layer 1 varies
+    return routes
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: check_route_health(_constant_routes(), on_unhealthy="warn"),
+        lambda: RouteHealthCheck("warn").check(_constant_routes(), trajectory="t"),
+    ],
+    ids=["check_route_health", "RouteHealthCheck.check"],
+)
+def test_a_health_warning_points_at_the_users_line(call):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        call()
+    ours = [w for w in seen if issubclass(w.category, RouteHealthWarning)]
+    assert ours and all(w.filename == __file__ for w in ours), [(w.filename, str(w.message)[:60]) for w in seen]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="pins for real where an accelerator exists")
+def test_the_pin_memory_warning_points_at_the_users_line():
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        collate_routes(ROUTES, [3, 2], memory=torch_r3.Memory(pin_memory=True))
+    ours = [w for w in seen if "no accelerator" in str(w.message)]
+    assert ours and all(w.filename == __file__ for w in ours), [(w.filename, str(w.message)) for w in seen]

@@ -459,7 +459,7 @@ def test_dtype_fixes_the_output_dtype_whatever_the_subset_holds():
 
 def test_balanced_filler_of_a_subset_matches_the_global_batch():
     routes, counts = _gap_routes()
-    kw = {"filler": "balanced", "num_experts": 7, "dtype": np.int16}
+    kw = {"filler": "balanced", "num_experts": 200, "dtype": np.int16}  # the routes' ids are < 200
     full = collate_routes(routes, counts, layout="packed", **kw)
     cu = full["cu_seqlens"].tolist()
     part = collate_routes(routes[2:], counts[2:], layout="packed", sample_ids=[2, 3], **kw)

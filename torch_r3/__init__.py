@@ -24,7 +24,7 @@ from torch_r3.collate.nested import as_nested
 from torch_r3.collate.shard import ShardCollator, plan_microbatches
 from torch_r3.routes import check_expert_ids, compact_routes
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 # The import paths 0.3.0 moved into the stage folders keep importing for one release, with a warning.
 _deprecation.install_module_aliases()
@@ -76,14 +76,9 @@ __all__ = [
 ]
 
 
-# Deprecated top-level names: old name -> new name (both in `torch_r3`).
-_RENAMED = {"BatchLayout": "BatchGeometry", "global_layout": "global_geometry"}
-
-
 def __getattr__(name: str) -> _typing.Any:
-    if name in _RENAMED:
-        _deprecation.warn_renamed(f"torch_r3.{name}", f"torch_r3.{_RENAMED[name]}")
-        return globals()[_RENAMED[name]]
+    if f"torch_r3.{name}" in _deprecation.RENAMED_NAMES:  # deprecated top-level names
+        return _deprecation.renamed_name("torch_r3", name)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'torch_r3' has no attribute {name!r}")

@@ -29,11 +29,13 @@ from typing import Any, NamedTuple
 __all__ = [
     "MOVED_MODULES",
     "RENAMED_KEYWORDS",
+    "RENAMED_NAMES",
     "RenamedKeyword",
     "at_old_default",
     "external_stacklevel",
     "install_module_aliases",
     "moved_module",
+    "renamed_name",
     "renamed_argument",
     "warn_external",
     "warn_old_default",
@@ -70,7 +72,51 @@ RENAMED_KEYWORDS: dict[str, RenamedKeyword] = {
     "cache_bytes": RenamedKeyword("memory", "cache_bytes", None),
     "buffers": RenamedKeyword("memory", "buffers", None),
     "max_output_bytes": RenamedKeyword("memory", "max_output_bytes", None),
+    # RemoteGenerateClient's transport options, one value since 0.3.0 (the defaults are TransportConfig's).
+    "retries": RenamedKeyword("transport_config", "retries", 5),
+    "backoff": RenamedKeyword("transport_config", "backoff", 0.5),
+    "max_backoff": RenamedKeyword("transport_config", "max_backoff", 10.0),
+    "timeout": RenamedKeyword("transport_config", "timeout", 600.0),
+    "connect_timeout": RenamedKeyword("transport_config", "connect_timeout", 30.0),
+    "max_concurrency": RenamedKeyword("transport_config", "max_concurrency", 64),
+    "max_response_bytes": RenamedKeyword("transport_config", "max_response_bytes", 1 << 30),
+    "headers": RenamedKeyword("transport_config", "headers", None),
+    "session": RenamedKeyword("transport_config", "session", None),
+    "ssl": RenamedKeyword("transport_config", "ssl", True),
+    "trace_configs": RenamedKeyword("transport_config", "trace_configs", None),
 }
+
+
+#: Every renamed public name: old dotted name -> new dotted name. An entry ending in `.*` covers every
+#: name of a renamed module's namespace. Read through `renamed_name` by the old module's `__getattr__`.
+RENAMED_NAMES: dict[str, str] = {
+    "torch_r3.BatchLayout": "torch_r3.BatchGeometry",
+    "torch_r3.global_layout": "torch_r3.global_geometry",
+    "torch_r3.collate.layout.BatchLayout": "torch_r3.collate.geometry.BatchGeometry",
+    "torch_r3.collate.layout.global_layout": "torch_r3.collate.geometry.global_geometry",
+    "torch_r3.collate.layout.padded_length": "torch_r3.collate.geometry.padded_length",
+    "torch_r3.rollout.protocols.torch_r3.*": "torch_r3.rollout.protocols.native.*",
+}
+
+
+def renamed_name(module: str, name: str) -> Any:
+    """The object the old name `module.name` (`RENAMED_NAMES`) stands for, after a `DeprecationWarning` naming it.
+
+    Raises:
+        AttributeError: `module.name` is no renamed name (or its new home lacks it), as a module's would.
+    """
+    old = f"{module}.{name}"
+    new = RENAMED_NAMES.get(old)
+    if new is None and not name.startswith("__"):
+        wildcard = RENAMED_NAMES.get(f"{module}.*")
+        new = None if wildcard is None else wildcard[:-1] + name
+    if new is None:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    home, _, attr = new.rpartition(".")
+    # The new home is loaded by then (importing it here could close a circle during the package's import).
+    value = getattr(sys.modules[home] if home in sys.modules else importlib.import_module(home), attr)
+    warn_renamed(old, new)
+    return value
 
 
 def at_old_default(keyword: str, value: Any) -> bool:

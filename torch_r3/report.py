@@ -32,12 +32,12 @@ import io
 import math
 import os
 import re
-import warnings
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from torch_r3._deprecation import warn_external
 from torch_r3._extras import require
 from torch_r3.runlog import RunRecord
 
@@ -85,7 +85,7 @@ def _runs(records: Sequence[RunRecord]) -> tuple[Series, dict[str, Any], list[st
             f"run {run!r}, step {step}, rank {rank}: {n} lines; the report keeps the last{more}. "
             "Was a run appended to the log twice? Give each run its own `run=` name."
         )
-        warnings.warn(notes[-1], UserWarning, stacklevel=3)
+        warn_external(notes[-1], UserWarning)
     sums: dict[str, dict[int, dict[str, list[float]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     ranks: dict[str, set[int]] = defaultdict(set)
     averaged: set[str] = set()

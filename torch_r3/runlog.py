@@ -41,12 +41,13 @@ import math
 import os
 import re
 import time
-import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 
 import numpy as np
+
+from torch_r3._deprecation import warn_external
 
 __all__ = [
     "MAX_LINE_BYTES",
@@ -227,11 +228,10 @@ def _untorn(text: str, where: str) -> str:
         torn += 1
     if torn == 0:
         return text
-    warnings.warn(
+    warn_external(
         f"{where}: a torn line (a write cut short) is skipped: {sum(map(len, pieces[:torn]))} bytes starting "
         f"{pieces[0][:40]!r}; every other line is read",
         UserWarning,
-        stacklevel=4,
     )
     return "".join(pieces[torn:])
 

@@ -41,12 +41,11 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections.abc import Mapping
 from typing import Any, TypeAlias
 
 from torch_r3._checks import check_bool, check_choice, check_non_negative, check_positive, check_str
-from torch_r3._deprecation import RENAMED_KEYWORDS, at_old_default, warn_old_default, warn_renamed
+from torch_r3._deprecation import RENAMED_KEYWORDS, at_old_default, renamed_name, warn_old_default, warn_renamed
 from torch_r3.collate import _memory, _pool
 from torch_r3.collate._buffers import BufferPool
 from torch_r3.keys import PROMPT_LENGTH
@@ -293,6 +292,11 @@ def check_layout(layout: Any, where: str, allowed: tuple[type, ...] = LAYOUT_TYP
                     f"{where}: layout='prompt_response' needs its widths: pass "
                     f"layout=torch_r3.PromptResponse(prompt_width=P, response_width=R)"
                 )
+            if layout in PADDING_SIDES and Padded in allowed:
+                raise ValueError(
+                    f"{where}: layout={layout!r} names a padding side, not a layout: pass "
+                    f"layout=torch_r3.Padded(side={layout!r})"
+                )
             check_choice(layout, "layout", tuple(_NAMES))  # the enum rule's wording, for a string naming no layout
             raise AssertionError(layout)  # pragma: no cover - check_choice raised
         layout = cls()
@@ -357,7 +361,11 @@ def _fold_layout(where: str, layout: Any, old: dict[str, Any], allowed: tuple[ty
             f"{where}: pass {', '.join(f'{k}=' for k in old)} inside layout= only (deprecated keywords "
             f"of the layout value), not both"
         )
-    fields = {RENAMED_KEYWORDS[k].field: v for k, v in old.items() if k != "packed"}
+    fields: dict[str, Any] = {}
+    for k, v in old.items():
+        field = RENAMED_KEYWORDS[k].field
+        if field is not None:  # `packed=` picks the class, below
+            fields[field] = v
     if "packed" in old:  # SkyRL's microbatch(packed=True): the packed layout
         base = Packed() if check_bool(old["packed"], "packed") else default
     elif isinstance(layout, str):
@@ -398,14 +406,6 @@ def _fold_memory(where: str, memory: Any, old: dict[str, Any]) -> Memory:
 
 
 def __getattr__(name: str) -> Any:
-    # The module's old content: the batch geometry, renamed and moved to torch_r3.collate.geometry.
-    new = {"BatchLayout": "BatchGeometry", "global_layout": "global_geometry", "padded_length": "padded_length"}.get(
-        name
-    )
-    if new is None:
-        raise AttributeError(f"module 'torch_r3.collate.layout' has no attribute {name!r}")
-    warn_renamed(f"torch_r3.collate.layout.{name}", f"torch_r3.collate.geometry.{new}")
-    # `import torch_r3.collate.layout` runs torch_r3/__init__.py first, which imports torch_r3.collate.geometry: the alias
-    # reads the loaded module and imports nothing (an import here would close a circle, geometry reading
-    # the layout values).
-    return getattr(sys.modules["torch_r3.collate.geometry"], new)
+    # The module's old content: the batch geometry, renamed and moved to torch_r3.collate.geometry
+    # (`import torch_r3.collate.layout` runs torch_r3/__init__.py first, which imports it).
+    return renamed_name(__name__, name)

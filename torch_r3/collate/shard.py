@@ -45,6 +45,7 @@ from torch_r3._deprecation import renamed_argument
 from torch_r3.collate.collator import R3Collator
 from torch_r3.collate.geometry import MAX_SAMPLE_ID, aligned_counts
 from torch_r3.collate.layout import LAYOUT_KEYWORDS, MEMORY_KEYWORDS, Layout, Memory, from_keywords
+from torch_r3.keys import OUTPUT_KEYS
 
 __all__ = ["ShardCollator", "plan_microbatches"]
 
@@ -253,7 +254,9 @@ class ShardCollator:
         ValueError: an empty or repeated micro-batch index, a bad setting, or
             `Memory(buffers=, cache_bytes=)` (give the bound to the pool); when
             iterating, a `fetch` that returns the wrong number of samples, or a
-            `pad_keys` key whose dtype differs from the first micro-batch's.
+            `pad_keys` key whose dtype differs from the first micro-batch's, or
+            an other key's (its values' promotion: pass the global batch's dtype
+            as `extra_dtypes={key: dtype}`, see `R3Collator`).
     """
 
     def __init__(
@@ -315,6 +318,19 @@ class ShardCollator:
                 raise ValueError(
                     f"micro-batch {k} ({self.microbatches[k]}): {key!r} came out {batch[key].dtype}, the first "
                     f"micro-batch's {dt}; give every sample's {key!r} one dtype"
+                )
+        # An other key's dtype is the promotion of the micro-batch's own values, which the global batch's
+        # may not be (ints here, floats elsewhere): refused unless `extra_dtypes` gives the global one.
+        for key, value in batch.items():
+            if not isinstance(value, torch.Tensor) or key in OUTPUT_KEYS or key in self.collator.pad_keys:
+                continue
+            dt = dtypes.setdefault(key, value.dtype)
+            if value.dtype != dt:
+                raise ValueError(
+                    f"micro-batch {k} ({self.microbatches[k]}): extra key {key!r} came out {value.dtype}, the "
+                    f"first micro-batch's {dt}: each promotes its own samples' values; pass the global batch's "
+                    f"dtype, extra_dtypes={{{key!r}: ...}} (NumPy's promotion of every sample's {key!r}), or give "
+                    f"every sample's {key!r} one type"
                 )
         return batch
 

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from torch_r3.collate.selections import SELECTIONS
+from torch_r3.collate.selections import SELECTION_MASK, SELECTIONS
 from torch_r3.keys import CU_SEQLENS
 from torch_r3.megatron.dsa import (
     DSA_MODULE,
@@ -66,8 +66,9 @@ from torch_r3.megatron.schedule import MicrobatchSchedule
 from torch_r3.megatron.setup_checks import check_pipeline
 from torch_r3.replay import marker
 from torch_r3.replay.modes import check_uncaptured
-from torch_r3.replay.selection_checks import check_selection_batch, check_selection_values, overlap
-from torch_r3.replay.selection_stats import IndexerStats
+from torch_r3.replay.padding import padding_positions
+from torch_r3.replay.selection_checks import check_selection_batch, check_selection_values
+from torch_r3.replay.selection_stats import IndexerStats, SelectionStatsCollector
 
 # DSA_MODULE, TOPK_FUNCTION, dsa_module and selections_for_rank are defined in torch_r3.megatron.dsa
 __all__ = [
@@ -100,7 +101,9 @@ class _Layer:
 @dataclass
 class _Microbatch:
     index: int
-    columns: list[torch.Tensor]  # per computing layer: [B, S, K] int64, canonical, this rank's rows
+    columns: list[
+        torch.Tensor
+    ]  # per computing layer: [B, S, K] in the batch's compact dtype, canonical, this rank's rows
     uncaptured: torch.Tensor  # [B, S] bool
     recompute: bool  # will backward recompute the recomputed layers?
 
@@ -177,9 +180,7 @@ class IndexerReplayHook(MicrobatchSchedule):
         self._columns = self._column_map(selection_layers)
         self._original_topk = getattr(self._dsa, TOPK_FUNCTION)
         self._current: _Microbatch | None = None
-        self._sums: dict[int, float] = {}
-        self._rows: dict[int, int] = {}
-        self._captured = self._live = self._forwards = 0
+        self._stats = SelectionStatsCollector()
         self._last_stats: IndexerStats | None = None
         self._attached = True
         for entry in self._layers:
@@ -238,8 +239,7 @@ class IndexerReplayHook(MicrobatchSchedule):
 
     def _finish_step(self) -> None:
         self._check_drained()
-        share = {layer: self._sums[layer] / self._rows[layer] for layer in self._sums if self._rows[layer]}
-        self._last_stats = IndexerStats(share, self._captured, self._live, self._forwards)
+        self._last_stats = self._stats.finish(live=self.uncaptured == "live")
 
     def _detach(self) -> None:
         # The layers get Megatron's own forward back.
@@ -337,14 +337,18 @@ class IndexerReplayHook(MicrobatchSchedule):
                         "model (dsa_indexer_topk_freq), but the batch's selections for the two differ"
                     )
         device = first_device(self._chunk)
-        sel = sel.to(device, non_blocking=True)[:, :, columns]
+        sel = sel.to(device, non_blocking=True)
+        if columns != list(range(L)):
+            sel = sel[:, :, columns]
         mask = mask.to(device, non_blocking=True)
         check_selection_values(sel, mask, self.indexer_layers, prefix=prefix)
-        wide, mask, _ = selections_for_rank(sel, mask, *context_parallel_rank(), uncaptured=self.uncaptured)
+        try:
+            padding = padding_positions(batch, mask, None, mask_key=SELECTION_MASK, payload="selections")
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"{prefix}{err}") from None
+        wide, mask, positions = selections_for_rank(sel, mask, *context_parallel_rank(), uncaptured=self.uncaptured)
         recompute = torch.is_grad_enabled() and not self._forward_only and self._chunk.training
-        self._captured += int((~mask).sum())
-        self._live += int(mask.sum()) if self.uncaptured == "live" else 0
-        self._forwards += 1
+        self._stats.add_forward(mask, padding[:, positions])
         self._current = _Microbatch(index, [wide[:, :, j] for j in range(len(columns))], mask, recompute)
 
     def _wrapped_forward(self, entry: _Layer, original: Callable) -> Callable:
@@ -406,17 +410,16 @@ class IndexerReplayHook(MicrobatchSchedule):
                 f"microbatch {mb.index}, layer {entry.layer}: the layer sees [{B}, {S}] queries but the batch "
                 f"covers [{replayed.shape[0]}, {mb.uncaptured.shape[1]}] on this rank (another batch?)"
             )
-        chosen = replayed
+        # The selections stay compact up to here: the attention's scatter gets this layer's rows in its dtype.
         if self.uncaptured == "live":
-            chosen = torch.where(uncaptured.unsqueeze(-1), own.to(torch.int64), replayed)
+            chosen = torch.where(uncaptured.unsqueeze(-1), own, replayed)
+        else:
+            chosen = replayed.to(own.dtype)
         captured = ~uncaptured
         if bool(captured.any()):
-            s, n = overlap(own.to(torch.int64)[captured], replayed[captured])
-            self._sums[entry.layer] = self._sums.get(entry.layer, 0.0) + s
-            self._rows[entry.layer] = self._rows.get(entry.layer, 0) + n
-        chosen = chosen.to(own.dtype)
+            self._stats.add_overlap(entry.layer, own[captured], replayed[captured])
         if entry.recomputed and mb.recompute:
-            entry.queue.append(chosen)
+            entry.queue.append(chosen.to(replayed.dtype))  # compact until its recompute widens it again
         entry.pushes += 1
         return chosen
 
@@ -434,8 +437,7 @@ class IndexerReplayHook(MicrobatchSchedule):
 
     def _clear(self) -> None:
         self._current = None
-        self._sums, self._rows = {}, {}
-        self._captured = self._live = self._forwards = 0
+        self._stats.reset()
         for e in self._layers:
             e.queue.clear()
             e.consults = e.pushes = e.pops = 0

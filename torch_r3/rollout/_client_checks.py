@@ -12,10 +12,35 @@ import numpy as np
 import yarl
 
 from torch_r3._checks import check_indices, check_int, check_str
+from torch_r3._deprecation import RENAMED_KEYWORDS
 from torch_r3.rollout.protocols.fields import check_cache_salt
+from torch_r3.rollout.transport import TransportConfig
 
 # Token ids travel as int64 (torch.long).
 TOKEN_ID_END = 1 << 63
+#: The keywords `RemoteGenerateClient` took one by one before 0.3.0 (`RENAMED_KEYWORDS`' entries for them).
+FLAT_TRANSPORT_KEYWORDS = tuple(k for k, v in RENAMED_KEYWORDS.items() if v.new == "transport_config")
+
+
+def fold_transport_config(config: Any, flat: dict[str, Any]) -> TransportConfig:
+    """The client's `TransportConfig`: `config` when given, else one built from the deprecated flat keywords.
+
+    Raises:
+        TypeError: `config` is not a `TransportConfig`, or a flat value is of the wrong kind.
+        ValueError: `config` together with a flat keyword away from its default, or a flat value out of range.
+    """
+    if config is None:
+        return TransportConfig(**flat)
+    if not isinstance(config, TransportConfig):
+        raise TypeError(f"transport_config must be a TransportConfig, got {type(config).__name__}")
+    defaults = TransportConfig()
+    changed = [name for name, value in flat.items() if value != getattr(defaults, name)]
+    if changed:
+        raise ValueError(
+            f"give either transport_config= or the keywords {sorted(changed)}, not both "
+            f"(they are options of TransportConfig: TransportConfig({changed[0]}=...))"
+        )
+    return config
 
 
 def check_base_url(base_url: Any) -> str:

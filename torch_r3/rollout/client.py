@@ -13,7 +13,6 @@ lets the protocol build the body, and reads the answer.
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -23,19 +22,21 @@ if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self is Python 3.11+, and the package supports 3.10
 
 require("aiohttp", "client")  # without aiohttp: name the extra that installs it
-import aiohttp
 import numpy as np
 
 from torch_r3._checks import check_bool, check_choice, check_int, check_positive, check_str
+from torch_r3._deprecation import warn_external, warn_renamed
 from torch_r3.errors import RemoteGenerateError
 from torch_r3.health.check import RouteHealthCheck, ZeroRoutesWarning, health_check
 from torch_r3.rollout._client_checks import (
+    FLAT_TRANSPORT_KEYWORDS,
     check_base_url,
     check_moe_layers,
     check_prompt,
     check_salt,
     check_sampling_params,
     check_start,
+    fold_transport_config,
 )
 from torch_r3.rollout._offload import off_loop
 from torch_r3.rollout.protocols import CHATS, PROTOCOLS, SERVERS, GenerateCall, RouteLimits, WeightVersionSpan
@@ -43,7 +44,7 @@ from torch_r3.rollout.protocols.chat import check_messages
 from torch_r3.rollout.protocols.native import MODEL_INFO_PATH
 from torch_r3.rollout.protocols.spans import parse_body, route_text_bytes
 from torch_r3.rollout.results import RemoteGenerateResult
-from torch_r3.rollout.transport import DEFAULT_MAX_RESPONSE_BYTES, HttpTransport, TransportConfig
+from torch_r3.rollout.transport import HttpTransport, TransportConfig
 
 __all__ = [
     "RemoteGenerateClient",
@@ -100,35 +101,28 @@ class RemoteGenerateClient:
             `RouteHealthCheck` of your own (shared, e.g. by every client of a
             run). Its counters are `client.health.stats` either way.
         cache_salt: Default prefix-cache salt for every call (see `generate`).
-        max_response_bytes: The most bytes one response body may have (1 GiB by
-            default); route payloads are capped at three quarters of it.
-        retries: See `TransportConfig`.
-        backoff: See `TransportConfig`.
-        max_backoff: See `TransportConfig`.
-        timeout: See `TransportConfig`.
-        connect_timeout: See `TransportConfig`.
-        max_concurrency: See `TransportConfig`.
-        transport_config: All of the above as one `TransportConfig` (e.g.
-            shared by several clients); then leave the flat keywords at
-            their defaults.
-        headers: Extra headers sent with every request (e.g. authorization).
-        session: Your own `aiohttp.ClientSession`, used on the event loop it
-            belongs to and never closed by the client.
-        ssl: Passed to the `aiohttp.TCPConnector` of the client's own sessions
-            (an `ssl.SSLContext`, or `False` to skip verification).
-        trace_configs: `aiohttp.TraceConfig`s for the client's own sessions.
+        transport_config: The transport options as one `TransportConfig`
+            (retries, backoff, timeouts, concurrency, the response body cap,
+            headers, your own `session`, `ssl`, `trace_configs`), e.g. shared by
+            several clients; the defaults without it.
+        **deprecated: The transport options as flat keywords (`retries=`,
+            `backoff=`, `max_backoff=`, `timeout=`, `connect_timeout=`,
+            `max_concurrency=`, `max_response_bytes=`, `headers=`, `session=`,
+            `ssl=`, `trace_configs=`), as before 0.3.0: each one warns
+            (`DeprecationWarning`) and means the same option of `transport_config`.
 
     Raises:
-        TypeError: An argument of the wrong kind.
+        TypeError: An argument of the wrong kind, or a keyword the client never took.
         ValueError: A bad `base_url` (one ending in `/v1` included: give the
             server root), an unknown `server`, a `cache_salt` that breaks
-            `generate`'s rules, or `session` together with `ssl`/`trace_configs`.
+            `generate`'s rules, or `transport_config` together with a flat
+            transport keyword away from its default.
 
     Examples:
         >>> import asyncio
         >>> from torch_r3.testing import LoopbackServer
         >>> async def main(url):
-        ...     async with RemoteGenerateClient(url, retries=2) as client:
+        ...     async with RemoteGenerateClient(url, transport_config=TransportConfig(retries=2)) as client:
         ...         r = await client.generate([1, 2, 3], {"max_new_tokens": 2}, return_routed_experts=True)
         ...         return len(r.response_ids), r.routed_experts.shape
         >>> with LoopbackServer() as server:
@@ -149,19 +143,15 @@ class RemoteGenerateClient:
         moe_layers: Sequence[int] | None = None,
         health: str | RouteHealthCheck = "raise",
         cache_salt: str | None = None,
-        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
-        retries: int = 5,
-        backoff: float = 0.5,
-        max_backoff: float = 10.0,
-        timeout: float | None = 600.0,
-        connect_timeout: float | None = 30.0,
-        max_concurrency: int = 64,
         transport_config: TransportConfig | None = None,
-        headers: Mapping[str, str] | None = None,
-        session: aiohttp.ClientSession | None = None,
-        ssl: Any = True,
-        trace_configs: Sequence[aiohttp.TraceConfig] | None = None,
+        **deprecated: Any,
     ) -> None:
+        unknown = [name for name in deprecated if name not in FLAT_TRANSPORT_KEYWORDS]
+        if unknown:
+            raise TypeError(f"RemoteGenerateClient() got an unexpected keyword argument {unknown[0]!r}")
+        for name in deprecated:  # here, not in a helper: the warning names the caller's line
+            warn_renamed(f"RemoteGenerateClient({name}=)", f"transport_config=TransportConfig({name}=...)")
+        config = fold_transport_config(transport_config, deprecated)
         self.base_url = check_base_url(base_url)
         self.server = check_choice(server, "server", SERVERS)
         num_layers = None if num_layers is None else check_positive(num_layers, "num_layers")
@@ -170,16 +160,6 @@ class RemoteGenerateClient:
         self.moe_layers = check_moe_layers(moe_layers, num_layers)
         self.health = health_check(health, engine=_ENGINES.get(self.server))
         self.cache_salt = check_salt(cache_salt)
-        flat = {
-            "retries": retries,
-            "backoff": backoff,
-            "max_backoff": max_backoff,
-            "timeout": timeout,
-            "connect_timeout": connect_timeout,
-            "max_concurrency": max_concurrency,
-            "max_response_bytes": max_response_bytes,
-        }
-        config = _transport_config(transport_config, flat)
         self.limits = RouteLimits(
             max_bytes=config.max_route_bytes,
             num_layers=num_layers,
@@ -189,21 +169,17 @@ class RemoteGenerateClient:
             index_topk=None if index_topk is None else check_positive(index_topk, "index_topk"),
             max_indexer_bytes=config.max_response_bytes,
         )
-        self._transport = HttpTransport(
-            self.base_url, config, headers=headers, session=session, ssl=ssl, trace_configs=trace_configs
-        )
+        self._transport = HttpTransport(self.base_url, config)
 
     @property
     def transport_config(self) -> TransportConfig:
-        """The retries, timeouts, concurrency and body cap in use."""
+        """The transport options in use: retries, timeouts, concurrency, the body cap, headers and session options."""
         return self._transport.config
 
     @property
     def transport(self) -> TransportConfig:
         """Deprecated alias of `transport_config` (it returns the config, not a transport)."""
-        warnings.warn(
-            "RemoteGenerateClient.transport is deprecated: use transport_config", DeprecationWarning, stacklevel=2
-        )
+        warn_external("RemoteGenerateClient.transport is deprecated: use transport_config")
         return self.transport_config
 
     @property
@@ -476,9 +452,9 @@ class RemoteGenerateClient:
             # Row i is position start + i: the prompt, then the generated tokens.
             tokens = (prompt + list(parsed.response_ids))[start : start + routes.shape[0]]
             who = f"POST {url} ({len(prompt)}-token prompt" + (f", session {session_id}" if session_id else "") + ")"
-            check = functools.partial(self.health.check, routes, trajectory=who, token_ids=tokens, stacklevel=5)
+            check = functools.partial(self.health.check, routes, trajectory=who, token_ids=tokens)
             check = functools.partial(check, moe_layers=self.moe_layers or None, num_experts=self.limits.num_experts)
-            # "warn": inline (stacklevel counts off_loop), the warning pointing at the caller; else large on the pool.
+            # "warn": inline, the warning pointing at the caller's line; else large on the pool.
             await off_loop(0 if self.health.on_unhealthy == "warn" else routes.nbytes, check)
         return RemoteGenerateResult(
             **vars(parsed),
@@ -529,19 +505,6 @@ _NOT_FOUND_HINTS = {
     "megatron": " (Megatron-core's dynamic inference server)",
     "skyrl": " (SkyRL's vLLM server actor)",
 }
-
-
-def _transport_config(config: Any, flat: dict[str, Any]) -> TransportConfig:
-    """`config` when given (the flat keywords must then be left at their defaults), else one built from them."""
-    if config is None:
-        return TransportConfig(**flat)
-    if not isinstance(config, TransportConfig):
-        raise TypeError(f"transport_config must be a TransportConfig, got {type(config).__name__}")
-    defaults = TransportConfig()
-    changed = sorted(name for name, value in flat.items() if value != getattr(defaults, name))
-    if changed:
-        raise ValueError(f"give either transport_config= or the keywords {changed}, not both")
-    return config
 
 
 def _read_generate(protocol: Any, call: GenerateCall, limits: RouteLimits, raw: Any) -> tuple[list[int], Any]:

@@ -306,7 +306,6 @@ class _Reader:
                 token_ids=tokens,
                 moe_layers=self.moe_layers,
                 num_experts=self.num_experts,
-                stacklevel=4,
             )
         return RemoteGenerateResult(
             ids,

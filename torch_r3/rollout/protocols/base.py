@@ -30,6 +30,7 @@ from torch_r3.rollout.protocols.fields import (
     MAX_SALT_CHARS as MAX_SALT_CHARS,
     PROMPT_START_PARAM as PROMPT_START_PARAM,
     SALT_FORBIDDEN as SALT_FORBIDDEN,
+    GenerateCall,
     WeightVersionSpan,
     chat_logprobs as chat_logprobs,
     check_cache_salt,
@@ -57,29 +58,6 @@ __all__ = [
     "WeightVersionSpan",
     "check_cache_salt",
 ]
-
-
-@dataclass(frozen=True)
-class GenerateCall:
-    """One generate call as the client checked it, before any protocol shapes it.
-
-    Attributes:
-        prompt: The prompt token ids.
-        sampling_params: The caller's sampling parameters, passed on as they are.
-        return_routed_experts: Whether routes were asked for.
-        start: First position whose route is wanted (`0`: the whole prompt).
-        cache_salt: The prefix-cache salt, a non-empty string, or `None`.
-        model: The body's `model` field, or `None`.
-        return_indexer_topk: Whether DSA indexer selections were asked for (SGLang only).
-    """
-
-    prompt: list[int]
-    sampling_params: dict[str, Any]
-    return_routed_experts: bool
-    start: int = 0
-    cache_salt: str | None = None
-    model: str | None = None
-    return_indexer_topk: bool = False
 
 
 @dataclass(frozen=True)

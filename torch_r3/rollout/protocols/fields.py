@@ -17,18 +17,16 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from torch_r3._checks import check_str
 from torch_r3.rollout.codec import WireFormatError
 
-if TYPE_CHECKING:
-    from torch_r3.rollout.protocols.base import GenerateCall
-
-# The span value is public (results carry it); the readers serve the protocol modules.
-__all__ = ["WeightVersionSpan", "check_cache_salt"]
+# The call and span values are public (the client builds one, results carry the other); the
+# readers serve the protocol modules.
+__all__ = ["GenerateCall", "WeightVersionSpan", "check_cache_salt"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +37,29 @@ MAX_SALT_CHARS = 128
 SALT_FORBIDDEN = ("@", "/", "\\", "\x00")
 # Token ids travel as int64 (torch.long) from here on.
 _TOKEN_ID_END = 1 << 63
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    """One generate call as the client checked it, before any protocol shapes it.
+
+    Attributes:
+        prompt: The prompt token ids.
+        sampling_params: The caller's sampling parameters, passed on as they are.
+        return_routed_experts: Whether routes were asked for.
+        start: First position whose route is wanted (`0`: the whole prompt).
+        cache_salt: The prefix-cache salt, a non-empty string, or `None`.
+        model: The body's `model` field, or `None`.
+        return_indexer_topk: Whether DSA indexer selections were asked for (SGLang only).
+    """
+
+    prompt: list[int]
+    sampling_params: dict[str, Any]
+    return_routed_experts: bool
+    start: int = 0
+    cache_salt: str | None = None
+    model: str | None = None
+    return_indexer_topk: bool = False
 
 
 @dataclass(frozen=True)

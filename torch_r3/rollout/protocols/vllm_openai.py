@@ -115,6 +115,14 @@ class VLLMCompletionsProtocol(CompletionsProtocol):
     parsed = staticmethod(_parsed)
     too_old = "a vLLM too old for this endpoint?"
 
+    def request_body(self, call: GenerateCall) -> dict[str, Any]:
+        body = super().request_body(call)
+        # The log-prob block names each token: as text, vLLM needs a tokenizer, and a server
+        # started with --skip-tokenizer-init refuses the request (HTTP 400). By id it needs
+        # none; the client reads only the numbers.
+        body.setdefault("return_tokens_as_token_ids", True)
+        return body
+
 
 class VLLMChatProtocol(ChatProtocol):
     """vLLM's `/v1/chat/completions` (see the module docstring); used by `RemoteGenerateClient.chat`."""
