@@ -413,7 +413,11 @@ def verl_agent_loop_step(args) -> None:
     P, R = 1024, 2048
     prompts, responses = rl_lengths(args.batch, P, R, seed=4)
     rng = np.random.default_rng(5)
-    server = [rng.integers(0, EXPERTS, (p + r - 1, L, K), dtype=np.int32) for p, r in zip(prompts, responses)]
+    stride = np.arange(K, dtype=np.int64) * (EXPERTS // K)  # K distinct experts per route, as a router picks
+    server = [
+        ((rng.integers(0, EXPERTS, (p + r - 1, L, 1)) + stride) % EXPERTS).astype(np.int32)
+        for p, r in zip(prompts, responses)
+    ]
     b = len(prompts)
     attention = torch.zeros(b, P + R, dtype=torch.long)
     response_mask = torch.zeros(b, R, dtype=torch.long)
