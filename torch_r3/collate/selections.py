@@ -194,9 +194,12 @@ def collate_selections(
 
 
 def _batch_axis(
-    value: Padded | Packed, counts: list[int], row: tuple[int, int]
+    value: Any, counts: list[int], row: tuple[int, int]
 ) -> tuple[int, list[int], dict[str, tuple[int, ...]]]:
-    """The batch axis' length, each sample's first position on it, and the output shapes (`row`: `(L, K)`)."""
+    """The batch axis' length, each sample's first position on it, and the output shapes (`row`: `(L, K)`).
+
+    `value` is the `Padded` or `Packed` layout `from_keywords` allowed.
+    """
     B = len(counts)
     if isinstance(value, Padded):
         if value.seq_len is not None:
