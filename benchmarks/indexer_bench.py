@@ -109,10 +109,7 @@ def hook_memory(seq_len: int, layers: int, topk: int) -> dict:
         model(input_ids=ids, attention_mask=att)
     batch = rec.batch
     meter = TensorMemory()
-    for m in model.modules():
-        if type(m).__name__.endswith("Indexer"):  # around the hook's own forward hook
-            m.register_forward_hook(lambda *a: meter.start(), prepend=True)
-            m.register_forward_hook(lambda *a: meter.stop())
+    meter.count_forward_hooks(m for m in model.modules() if type(m).__name__.endswith("Indexer"))  # the hook's
     block = hook.replay(batch)
     with torch.no_grad():
         with meter.counting():

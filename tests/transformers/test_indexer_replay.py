@@ -268,9 +268,7 @@ def test_the_selections_stay_compact_until_the_attention_needs_them(uncaptured):
     B, T, L, K = batch[SELECTIONS].shape
     hook = IndexerReplayHook(model, uncaptured=uncaptured)
     meter = TensorMemory()
-    for m in _indexers(model).values():  # around the hook's own forward hook on each indexer
-        m.register_forward_hook(lambda *a: meter.start(), prepend=True)
-        m.register_forward_hook(lambda *a: meter.stop())
+    meter.count_forward_hooks(_indexers(model).values())  # around the hook's own forward hook on each indexer
     block = hook.replay(batch)
     with torch.no_grad():
         with meter.counting():

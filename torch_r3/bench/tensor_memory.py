@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -66,6 +66,17 @@ class TensorMemory:
             raise RuntimeError("TensorMemory: not counting")
         mode, self._mode = self._mode, None
         mode.__exit__(None, None, None)
+
+    def count_forward_hooks(self, modules: Iterable[torch.nn.Module]) -> list[Any]:
+        """Count inside each module's forward hooks registered so far: from before the first to after the last.
+
+        Returns the handles of the two hooks added per module (`.remove()` them to stop).
+        """
+        handles = []
+        for module in modules:
+            handles.append(module.register_forward_hook(lambda *a: self.start(), prepend=True))
+            handles.append(module.register_forward_hook(lambda *a: self.stop()))
+        return handles
 
     def _add(self, storage: torch.UntypedStorage) -> None:
         key = id(storage)

@@ -59,6 +59,7 @@ from torch_r3.collate.geometry import (
     check_route_dtype,
     check_sample_ids,
     output_size,
+    packed_offsets,
     padded_length,
 )
 from torch_r3.collate.layout import (
@@ -187,11 +188,8 @@ def _collate(
         want.update({f.key: ((B, T), f.dtype) for f in fields})
     else:
         spans = counts if layout.pad_to_multiple_of is None else aligned_counts(counts, layout.pad_to_multiple_of)
-        offsets = np.zeros(B + 1, dtype=np.int64)
-        np.cumsum(spans, out=offsets[1:])
+        offsets = packed_offsets(spans)
         N = int(offsets[-1])
-        if N >= 2**31:
-            raise ValueError(f"packed batch of {N} tokens does not fit int32 cu_seqlens")
         want = {
             ROUTES: ((N,) + row_shape, tdtype),
             ROUTER_MASK: ((N,), torch.bool),

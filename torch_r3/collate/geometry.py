@@ -141,6 +141,23 @@ def check_output_size(needed: dict[str, tuple[tuple[int, ...], torch.dtype]], bo
         )
 
 
+def packed_offsets(spans: Sequence[int]) -> np.ndarray:
+    """`[B + 1]` `int64`: where each packed sequence starts, then the packed length (the `cu_seqlens` values).
+
+    Raises:
+        ValueError: When the packed length does not fit `int32` `cu_seqlens`.
+
+    Examples:
+        >>> packed_offsets([3, 1, 2]).tolist()
+        [0, 3, 4, 6]
+    """
+    offsets = np.zeros(len(spans) + 1, dtype=np.int64)
+    np.cumsum(spans, out=offsets[1:])
+    if int(offsets[-1]) >= 2**31:
+        raise ValueError(f"packed batch of {int(offsets[-1])} tokens does not fit int32 cu_seqlens")
+    return offsets
+
+
 def padded_length(token_counts: Sequence[int], pad_to_multiple_of: int | None = None) -> int:
     """`T` of the padded layout: the longest trajectory, rounded up to a multiple.
 

@@ -27,7 +27,7 @@ most 32768), else `int32`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -35,7 +35,7 @@ import torch
 
 from torch_r3._checks import check_dtype, check_int
 from torch_r3.collate import _memory, _pool
-from torch_r3.collate.geometry import check_output_size, padded_length
+from torch_r3.collate.geometry import check_output_size, packed_offsets, padded_length
 from torch_r3.collate.layout import Memory, Packed, Padded, from_keywords
 from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS
 from torch_r3.selections import FILL, IndexerSelections
@@ -171,26 +171,7 @@ def collate_selections(
         raise ValueError(f"collate_selections: a packed batch with pad_to_multiple_of is not supported, got {value!r}")
     sels, counts = _check_inputs(selections, token_counts)
     keep = _check_keep(keep_layers, sels[0].num_layers)
-    B, K, Lo = len(sels), sels[0].index_topk, len(keep)
-    if isinstance(value, Padded):
-        if value.seq_len is not None:
-            T = value.seq_len
-            for i, n in enumerate(counts):
-                if n > T:
-                    raise ValueError(f"sample {i} has {n} tokens, more than seq_len={T}")
-        else:
-            T = padded_length(counts, value.pad_to_multiple_of)
-        axis = T
-        starts = [T - n if value.side == "left" else 0 for n in counts]
-        shapes = {SELECTIONS: (B, T, Lo, K), SELECTION_MASK: (B, T), ATTENTION_MASK: (B, T)}
-    else:
-        cu = np.zeros(B + 1, dtype=np.int64)
-        np.cumsum(counts, out=cu[1:])
-        axis = int(cu[-1])
-        if axis >= 2**31:
-            raise ValueError(f"packed batch of {axis} tokens does not fit int32 cu_seqlens")
-        starts = [int(c) for c in cu[:-1]]
-        shapes = {SELECTIONS: (axis, Lo, K), SELECTION_MASK: (axis,), CU_SEQLENS: (B + 1,)}
+    axis, starts, shapes = _batch_axis(value, counts, (len(keep), sels[0].index_topk))
     out_dtype = selection_dtype(axis) if dtype is None else check_dtype(dtype, "dtype", SELECTION_DTYPES)
     if axis - 1 > np.iinfo(out_dtype).max:
         raise ValueError(f"dtype={out_dtype} cannot hold position {axis - 1} of a batch axis of {axis} tokens")
@@ -204,10 +185,49 @@ def collate_selections(
     kind = _memory.memory_kind(memory.pin_memory)
     result = {k: _memory.empty(shape, torch_dtypes[k], kind) for k, shape in shapes.items()}
     views = {k: v.numpy() for k, v in result.items()}
-    sel_out, mask_out = views[SELECTIONS], views[SELECTION_MASK]
     padded = isinstance(value, Padded)
     if not padded:
-        views[CU_SEQLENS][:] = cu
+        views[CU_SEQLENS][:-1] = starts
+        views[CU_SEQLENS][-1] = axis
+    costs, write_tasks = _writer(views, sels, counts, starts, keep, padded)
+    workers_ = _pool.default_workers() if memory.workers is None else memory.workers
+    _pool.run(costs, write_tasks, workers_, views[SELECTIONS].nbytes)
+    return result
+
+
+def _batch_axis(
+    value: Any, counts: list[int], row: tuple[int, int]
+) -> tuple[int, list[int], dict[str, tuple[int, ...]]]:
+    """The batch axis' length, each sample's first position on it, and the output shapes (`row`: `(L, K)`).
+
+    `value` is the `Padded` or `Packed` layout `from_keywords` allowed.
+    """
+    B = len(counts)
+    if isinstance(value, Padded):
+        if value.seq_len is not None:
+            T = value.seq_len
+            for i, n in enumerate(counts):
+                if n > T:
+                    raise ValueError(f"sample {i} has {n} tokens, more than seq_len={T}")
+        else:
+            T = padded_length(counts, value.pad_to_multiple_of)
+        starts = [T - n if value.side == "left" else 0 for n in counts]
+        return T, starts, {SELECTIONS: (B, T, *row), SELECTION_MASK: (B, T), ATTENTION_MASK: (B, T)}
+    cu = packed_offsets(counts)
+    axis = int(cu[-1])
+    return axis, [int(c) for c in cu[:-1]], {SELECTIONS: (axis, *row), SELECTION_MASK: (axis,), CU_SEQLENS: (B + 1,)}
+
+
+def _writer(
+    views: dict[str, np.ndarray],
+    sels: list[IndexerSelections],
+    counts: list[int],
+    starts: list[int],
+    keep: list[int],
+    padded: bool,
+) -> tuple[list[int], Callable[[int, int], None]]:
+    """The tasks' costs and the function that writes tasks `[lo, hi)`, for `torch_r3.collate._pool.run`."""
+    sel_out, mask_out = views[SELECTIONS], views[SELECTION_MASK]
 
     # One task per sample, source layer and piece of rows: it decodes once into the first output
     # layer that uses the source and copies that into the others (shared layers are decoded once);
@@ -250,7 +270,4 @@ def collate_selections(
             for k in ks[1:]:
                 dst[:, k] = dst[:, ks[0]]
 
-    costs = [(r_hi - r_lo) * len(ks) + 1 for _i, ks, r_lo, r_hi in tasks]
-    workers_ = _pool.default_workers() if memory.workers is None else memory.workers
-    _pool.run(costs, write_tasks, workers_, sel_out.nbytes)
-    return result
+    return [(r_hi - r_lo) * len(ks) + 1 for _i, ks, r_lo, r_hi in tasks], write_tasks

@@ -15,7 +15,7 @@ import torch
 
 from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS_PADDED, ROUTER_MASK
 
-__all__ = ["padding_positions"]
+__all__: list[str] = []  # the hooks' internals
 
 
 def padding_positions(
