@@ -135,14 +135,18 @@ def test_a_raw_control_character_in_a_string_is_refused_as_json_loads_refuses_it
         assert with_text(parse_body(bytearray(body), paths)) == expected
 
 
-@pytest.mark.parametrize("text", ["AA\xffAA".encode("latin-1"), "AAé=".encode()])
-def test_non_ascii_route_text_is_left_to_the_decoder_which_refuses_it(text):
-    # The view's bytes are not checked to be UTF-8 (that would be a pass over all of them):
-    # base64 is ASCII, and the decoder refuses anything else.
-    tree = parse_body(b'{"meta_info": {"routed_experts": "' + text + b'"}}', SGLANG)
-    assert bytes(tree["meta_info"]["routed_experts"]) == text
-    with pytest.raises(WireFormatError, match="routed_experts: invalid base64"):
-        decode_sglang_routes(tree["meta_info"], num_layers=1, topk=1)
+@pytest.mark.parametrize("text", ["AA\xffAA".encode("latin-1"), "AAé=".encode(), "AAAA\x80".encode("latin-1")])
+def test_non_ascii_route_text_is_left_to_json_loads_so_every_view_is_ascii(text):
+    # Invalid UTF-8 is json.loads's own error; valid UTF-8 is a str, which the decoder refuses
+    # as it refuses the same text from json.loads: no view ever holds a byte from 0x80.
+    body = b'{"meta_info": {"routed_experts": "' + text + b'"}}'
+    assert same_as_json_loads(body, SGLANG) == 0
+    try:
+        meta = json.loads(body)["meta_info"]
+    except UnicodeDecodeError:
+        return
+    with pytest.raises(WireFormatError, match="routed_experts: invalid base64 .non-ASCII characters."):
+        decode_sglang_routes(meta, num_layers=1, topk=1)
 
 
 def test_only_the_route_string_at_the_path_becomes_a_view():

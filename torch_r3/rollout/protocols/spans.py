@@ -16,10 +16,11 @@ listing its paths; nothing here changes.
 
 Why the result is the body's own JSON: each candidate is the string that
 follows `"<last key of a path>":`, up to the next quote, with no backslash in
-it and no raw control character (a string with escapes is left to
+it and nothing but printable ASCII (a string with escapes is left to
 `json.loads`, and so is one with a byte below 0x20, which `json.loads`
-refuses with its own message and position). It is replaced by a
-placeholder string holding a random token and a bare `@`, and the rest is
+refuses with its own message and position, or one from 0x80, whose UTF-8
+`json.loads` checks). It is replaced by a placeholder string holding a
+random per-process token and a bare `@`, and the rest is
 parsed. A candidate that was not a string value (say the key sat inside
 another string) makes that text invalid JSON, since the `@` lands outside a
 string; and a placeholder that parses but is not found at one of the paths
@@ -28,19 +29,20 @@ For the first case, and for a body that is not valid JSON at all, the whole
 body goes to `json.loads`, which gives the same value or the same error as
 before. So the result equals `json.loads(body)`
 with each route string at a path replaced by a view of its bytes, which are
-its text (base64 has no character JSON escapes). One difference: the bytes of
-a view are not checked to be UTF-8 (that would be one more pass over all of
-them); base64 is ASCII, and the decoder refuses any other byte.
+its text (base64 has no character JSON escapes), and every view holds ASCII
+only, so a decoder reads it exactly as it reads the `str`: the same result,
+the same error.
 
 Memory: the views are not copies; the rest, with placeholders, is one copy
 of the non-route bytes, and its parsed objects.
 
-This module needs the standard library and NumPy (for the control-character
+This module needs the standard library and NumPy (for the printable-ASCII
 check: one vectorised minimum per route string); it never imports aiohttp.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import secrets
@@ -56,12 +58,12 @@ __all__ = ["parse_body", "route_text_bytes"]
 MAX_SPANS = 64
 _KEY = re.compile(r"[A-Za-z0-9_]+")
 _WHITESPACE = rb"[ \t\n\r]*"  # JSON's four
+# The placeholders' prefix: random per process, and never sent, so no body can forge one.
+_MARKER = f"@torch_r3-route-{secrets.token_hex(8)}-"
 
 
-def _candidates(body: bytearray | bytes, keys: list[str]) -> Iterator[tuple[int, int]]:
-    """`(first, end)` of the text of each string that follows `"key":` for one of `keys`."""
-    alternatives = b"|".join(re.escape(key.encode("ascii")) for key in keys)
-    pattern = re.compile(b'"(?:' + alternatives + b')"' + _WHITESPACE + b":" + _WHITESPACE + b'"')
+def _candidates(body: bytearray | bytes, pattern: re.Pattern[bytes]) -> Iterator[tuple[int, int]]:
+    """`(first, end)` of the text of each string that follows `"key":` for one of the pattern's keys."""
     at = 0
     while True:
         match = pattern.search(body, at)
@@ -72,19 +74,34 @@ def _candidates(body: bytearray | bytes, keys: list[str]) -> Iterator[tuple[int,
         if end < 0:
             return  # unterminated: json.loads names the error
         at = end + 1
-        if body.find(b"\\", first, end) < 0 and not _has_control_character(body, first, end):
+        if body.find(b"\\", first, end) < 0 and _is_plain_ascii(body, first, end):
             yield first, end
 
 
-def _has_control_character(body: bytearray | bytes, first: int, end: int) -> bool:
-    """Whether `body[first:end]` holds a byte below 0x20, which JSON refuses raw inside a string.
+def _is_plain_ascii(body: bytearray | bytes, first: int, end: int) -> bool:
+    """Whether `body[first:end]` is printable ASCII: no byte below 0x20 (JSON refuses it raw in a
+    string) and none from 0x80 (not ASCII, so left to `json.loads`, which checks the UTF-8).
 
-    One vectorised minimum over a view (about as fast as the memchr for a
-    backslash); a regex or `bytes.translate` would be 50-200 times slower.
+    Read as `int8`, the bytes from 0x80 are negative: one vectorised minimum over a view finds
+    both (about as fast as the memchr for a backslash; a regex or `bytes.translate` would be
+    50-200 times slower).
     """
     if end == first:
-        return False
-    return int(np.frombuffer(body, dtype=np.uint8, count=end - first, offset=first).min()) < 0x20
+        return True
+    return int(np.frombuffer(body, dtype=np.int8, count=end - first, offset=first).min()) >= 0x20
+
+
+@functools.lru_cache(maxsize=64)
+def _locator(paths: tuple[tuple[str, ...], ...]) -> re.Pattern[bytes] | None:
+    """The pattern that finds `"key":` + the opening quote for the last keys of `paths` (`None`: no paths)."""
+    keys = sorted({path[-1] for path in paths})
+    for key in keys:
+        if not _KEY.fullmatch(key):
+            raise ValueError(f"route text paths must end in a plain key, got {key!r}")
+    if not keys:
+        return None
+    alternatives = b"|".join(re.escape(key.encode("ascii")) for key in keys)
+    return re.compile(b'"(?:' + alternatives + b')"' + _WHITESPACE + b":" + _WHITESPACE + b'"')
 
 
 def parse_body(body: bytearray | bytes, paths: tuple[tuple[str, ...], ...]) -> Any:
@@ -109,18 +126,15 @@ def parse_body(body: bytearray | bytes, paths: tuple[tuple[str, ...], ...]) -> A
         >>> bytes(tree["meta_info"]["routed_experts"])
         b'AAAA'
     """
-    keys = sorted({path[-1] for path in paths})
-    for key in keys:
-        if not _KEY.fullmatch(key):
-            raise ValueError(f"route text paths must end in a plain key, got {key!r}")
+    pattern = _locator(paths)
     spans = []
-    for span in _candidates(body, keys) if keys else ():
+    for span in _candidates(body, pattern) if pattern is not None else ():
         spans.append(span)
         if len(spans) == MAX_SPANS:
             break
     if not spans:
         return json.loads(body)
-    marker = f"@torch_r3-route-{secrets.token_hex(8)}-"
+    marker = _MARKER
     view = memoryview(body).toreadonly()
     pieces: list[bytes | memoryview] = []
     at = 0
@@ -134,10 +148,7 @@ def parse_body(body: bytearray | bytes, paths: tuple[tuple[str, ...], ...]) -> A
         return json.loads(body)  # not a string value, or not JSON at all: the body's own answer
     views = [view[first:end] for first, end in spans]
     if _place(tree, paths, marker, views) != len(spans):
-        try:
-            _restore(tree, marker, views)  # a key sat elsewhere too: there, the text it held
-        except UnicodeDecodeError:
-            return json.loads(body)  # which names the bytes that are not UTF-8
+        _restore(tree, marker, views)  # a key sat elsewhere too: there, the text it held
     return tree
 
 
@@ -163,7 +174,7 @@ def _restore(tree: Any, marker: str, views: list[memoryview]) -> None:
         items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
         for key, value in list(items):
             if isinstance(value, str) and value.startswith(marker):
-                node[key] = str(views[int(value[len(marker) :])], "utf-8")
+                node[key] = str(views[int(value[len(marker) :])], "ascii")
             elif isinstance(value, (dict, list)):
                 stack.append(value)
 
