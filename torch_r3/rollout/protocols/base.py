@@ -23,6 +23,7 @@ import numpy as np
 
 from torch_r3._checks import check_str
 from torch_r3.rollout.codec import WireFormatError
+from torch_r3.rollout.protocols._lists import TOKEN_ID_END, all_token_ids, entry_logprobs, plain_logprobs
 
 # The contract a protocol implements and the types the client hands it; the
 # field readers and constants below it are shared by the three protocols.
@@ -43,8 +44,6 @@ PROMPT_START_PARAM = "routed_experts_prompt_start"
 #: vLLM 0.30+ refuses (HTTP 400) a `cache_salt` longer than this or holding one of `SALT_FORBIDDEN`.
 MAX_SALT_CHARS = 128
 SALT_FORBIDDEN = ("@", "/", "\\", "\x00")
-# Token ids travel as int64 (torch.long) from here on.
-_TOKEN_ID_END = 1 << 63
 
 
 @dataclass(frozen=True)
@@ -396,8 +395,10 @@ def token_ids(value: Any, where: str) -> tuple[int, ...]:
     """
     if not isinstance(value, list):
         raise WireFormatError(f"{where}: expected a list of token ids, got {type(value).__name__}")
+    if all_token_ids(value, TOKEN_ID_END):  # a few C-level passes; else the loop names the bad id
+        return tuple(value)
     for i, t in enumerate(value):
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < _TOKEN_ID_END:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < TOKEN_ID_END:
             raise WireFormatError(f"{where}[{i}]: expected an int token id in [0, 2**63), got {t!r:.40}")
     return tuple(value)
 
@@ -425,8 +426,7 @@ def logprob(value: Any, where: str, *, null_is_nan: bool = False) -> float:
 def completion_logprobs(choice: Mapping[str, Any], generated: int) -> tuple[float, ...] | None:
     """An OpenAI completions choice's `logprobs.token_logprobs`, one per generated token (`None` without a block).
 
-    `null` is read as NaN: both engines that send this shape (vLLM, SGLang) write a
-    `-inf` or NaN log-prob as `null`.
+    `null` is read as NaN: vLLM and SGLang, which send this shape, write a `-inf` or NaN log-prob as `null`.
 
     Raises:
         WireFormatError: The block breaks the format or holds another number of entries.
@@ -437,19 +437,17 @@ def completion_logprobs(choice: Mapping[str, Any], generated: int) -> tuple[floa
     values = get_field(block, "token_logprobs", "choices[0].logprobs", list)
     if len(values) != generated:
         raise WireFormatError(f"choices[0].logprobs.token_logprobs has {len(values)} entries for {generated} tokens")
+    if (fast := plain_logprobs(values, null_is_nan=True)) is not None:  # a few C-level passes; else the loop
+        return fast
     return tuple(logprob(v, f"choices[0].logprobs.token_logprobs[{i}]", null_is_nan=True) for i, v in enumerate(values))
 
 
 def chat_logprobs(choice: Mapping[str, Any], generated: int, *, null_is_nan: bool) -> tuple[float, ...] | None:
-    """An OpenAI chat choice's `logprobs.content[i].logprob`, one per generated token.
+    """An OpenAI chat choice's `logprobs.content[i].logprob`, one per `generated` token of `choice`.
 
-    `None` when the choice has no log-prob block or its `content` is `null`.
-
-    Args:
-        choice: The answer's first choice.
-        generated: How many tokens it generated.
-        null_is_nan: Read a `null` log-prob as NaN (SGLang writes `-inf` and NaN
-            so); otherwise each entry's `logprob` must be a number.
+    `None` when the choice has no log-prob block or its `content` is `null`. With
+    `null_is_nan`, a `null` log-prob is NaN (SGLang writes `-inf` and NaN so);
+    otherwise each entry's `logprob` must be a number.
 
     Raises:
         WireFormatError: The block breaks the format or holds another number of entries.
@@ -460,6 +458,8 @@ def chat_logprobs(choice: Mapping[str, Any], generated: int, *, null_is_nan: boo
     content = get_field(block, "content", "choices[0].logprobs", list)
     if len(content) != generated:
         raise WireFormatError(f"choices[0].logprobs.content has {len(content)} entries for {generated} tokens")
+    if (fast := entry_logprobs(content, None, null_is_nan=null_is_nan)) is not None:  # a few C passes; else the loop
+        return fast
     values = []
     for i, entry in enumerate(content):
         where = f"choices[0].logprobs.content[{i}]"

@@ -33,6 +33,7 @@ import numpy as np
 
 from torch_r3.rollout.codec import WireFormatError, decode_vllm_routes
 from torch_r3.rollout.protocols import base
+from torch_r3.rollout.protocols._lists import entry_logprobs
 from torch_r3.rollout.protocols.base import ChoicesProtocol, GenerateCall, RouteLimits
 from torch_r3.rollout.protocols.switches import missing_routes_hint
 
@@ -69,6 +70,9 @@ class VLLMProtocol(ChoicesProtocol):
         content = base.get_field(block, "content", "choices[0].logprobs", list)
         if len(content) != len(ids):
             raise WireFormatError(f"choices[0].logprobs.content has {len(content)} entries for {len(ids)} tokens")
+        fast = entry_logprobs(content, ids, null_is_nan=False)  # a few C-level passes; else the loop names the entry
+        if fast is not None:
+            return fast
         values = []
         for i, entry in enumerate(content):
             where = f"choices[0].logprobs.content[{i}]"
