@@ -15,12 +15,18 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from torch_r3.rollout.codec import WireFormatError, decode_sglang_routes
-from torch_r3.rollout.protocols import PROTOCOLS
+from torch_r3.rollout.protocols import PROTOCOLS, spans
 from torch_r3.rollout.protocols.spans import MAX_SPANS, parse_body, route_text_bytes
 
 SGLANG = (("meta_info", "routed_experts"),)
 CHOICES = (("choices", "*", "routed_experts"),)
 ENVELOPE = (("choices", "*", "routed_experts", "data"),)
+
+
+@pytest.fixture(autouse=True)
+def every_body_is_read_in_place(monkeypatch):
+    """These bodies are tiny: read them as large ones are, views and all (below the size, it is json.loads)."""
+    monkeypatch.setattr(spans, "SMALL_BODY_BYTES", 0)
 
 
 def with_text(tree):

@@ -33,6 +33,11 @@ its text (base64 has no character JSON escapes), and every view holds ASCII
 only, so a decoder reads it exactly as it reads the `str`: the same result,
 the same error.
 
+A body under `SMALL_BODY_BYTES` (16 KiB) is `json.loads(body)` itself: there
+the fixed cost of locating the strings is more than copying them, and since
+a view holds exactly the text of the `str` it replaces, every decoder gives
+the same result, or the same error, for either.
+
 Memory: the views are not copies; the rest, with placeholders, is one copy
 of the non-route bytes, and its parsed objects.
 
@@ -56,6 +61,9 @@ __all__ = ["parse_body", "route_text_bytes"]
 
 #: At most this many route strings are read in place per body (more are parsed as JSON).
 MAX_SPANS = 64
+#: A body shorter than this is parsed by `json.loads` whole: copying its little route text into
+#: a `str` costs less than locating it, and a decoder reads the `str` as it reads the view.
+SMALL_BODY_BYTES = 16 << 10
 _KEY = re.compile(r"[A-Za-z0-9_]+")
 _WHITESPACE = rb"[ \t\n\r]*"  # JSON's four
 # The placeholders' prefix: random per process, and never sent, so no body can forge one.
@@ -114,7 +122,8 @@ def parse_body(body: bytearray | bytes, paths: tuple[tuple[str, ...], ...]) -> A
 
     Returns:
         The parsed JSON; where a path leads to a route string, a read-only
-        `memoryview` of its bytes in `body` instead of a `str`.
+        `memoryview` of its bytes in `body` instead of a `str` (in a body of
+        at least `SMALL_BODY_BYTES`; a smaller one is `json.loads(body)`).
 
     Raises:
         ValueError: `body` is not valid JSON (`json.JSONDecodeError`, or a
@@ -127,6 +136,8 @@ def parse_body(body: bytearray | bytes, paths: tuple[tuple[str, ...], ...]) -> A
         b'AAAA'
     """
     pattern = _locator(paths)
+    if len(body) < SMALL_BODY_BYTES:
+        return json.loads(body)
     spans = []
     for span in _candidates(body, pattern) if pattern is not None else ():
         spans.append(span)
