@@ -57,6 +57,8 @@ CHUNK_CHARS = 256 << 10
 # The canonical dtypes, narrowest first, with the exclusive bound of the ids each holds.
 _LADDER = ((np.dtype(np.uint8), 1 << 8), (np.dtype(np.int16), 1 << 15), (np.dtype(np.int32), 1 << 31))
 _STRICT = sys.version_info >= (3, 11)  # binascii strict_mode
+_UNSIGNED = {size: np.dtype(f"<u{size}") for size in (1, 2, 4, 8)}
+_MAX = np.maximum.reduce  # `ndarray.max` without its Python wrapper: a small payload pays for every call
 
 
 def decoder() -> str:
@@ -117,13 +119,14 @@ def decode_bytes(text: Any) -> bytes | None:
     A text whose padding sits inside it, not at its end, is not valid.
     """
     decode = _chunk_decoder()
-    if decode is None:
-        return None
+    return None if decode is None else _decoded(decode, text)
+
+
+def _decoded(decode: Callable[[Any], bytes], text: Any) -> bytes | None:
     try:
-        raw = decode(_as_text(text))
+        return decode(_as_text(text))
     except ValueError:  # binascii.Error, and pybase64's refusal of non-ASCII text
         return None
-    return raw
 
 
 def decode_compact(
@@ -162,7 +165,7 @@ def decode_compact(
         return None  # forced, a big-endian wire or host, or Python 3.10 without pybase64
     count = math.prod(shape)
     if len(text) <= CHUNK_CHARS:  # one chunk: decoded whole, then checked and narrowed in one pass each
-        raw = decode_bytes(text)
+        raw = _decoded(decode, text)
         if raw is None or len(raw) != start + count * size:  # not base64, or padding inside the text
             return None
         return compact_decoded(raw, shape=shape, wire=wire, start=start, keep=keep, num_experts=num_experts)
@@ -202,9 +205,9 @@ def compact_decoded(
     if sys.byteorder != "little" or (size > 1 and wire.byteorder == ">"):
         return None  # a big-endian wire or host: the reference decoder swaps the bytes
     bound = _bound(wire, keep, num_experts)
-    ids = np.frombuffer(raw, dtype=np.dtype(f"<u{size}"), offset=start)
+    ids = np.frombuffer(raw, dtype=_UNSIGNED[size], offset=start)
     # The same test as the chunked path's: a scan only where the first dtype might not hold every id.
-    high = int(ids.max()) if ids.size and min(bound, _LADDER[0][1]) < (1 << (8 * size)) else 0
+    high = int(_MAX(ids)) if ids.size and min(bound, _LADDER[0][1]) < (1 << (8 * size)) else 0
     if high >= bound:
         return None  # the unsigned view turns a negative id into a huge one
     dtype = wire.newbyteorder("=") if keep else next(d for d, end in _LADDER if high < end)

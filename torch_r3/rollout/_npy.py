@@ -38,6 +38,12 @@ _DESCR = re.compile(r"[<>|=]?[iu][1248]")
 # reads as the dict built from the groups (decimal ints without leading zeros, as Python writes them); any
 # other text is read by `ast.literal_eval` itself.
 _DIM = r"(?:0|[1-9][0-9]*)"
+_INTEGER_DTYPES = {
+    f"{order}{kind}{size}": np.dtype(f"{order}{kind}{size}")
+    for order in ("", "<", ">", "|", "=")
+    for kind in "iu"
+    for size in "1248"
+}
 _WRITTEN = re.compile(
     r"\{'descr': '([<>|=]?[iu][1248])', 'fortran_order': (True|False), "
     rf"'shape': \(((?:{_DIM}, )*{_DIM},|{_DIM}(?:, {_DIM})+)?\), \}} *\n?"
@@ -130,9 +136,12 @@ def _parse_header(header: bytes, major: int, name: str) -> tuple[np.dtype, bool,
         text = header.decode("utf-8" if major == 3 else "latin1")
         # A Python literal, never code: literal_eval builds only constants and
         # containers, and the text is at most MAX_HEADER characters.
-        meta = _as_written(text) or ast.literal_eval(text)
+        written = _as_written(text)
+        meta = written or ast.literal_eval(text)
     except (UnicodeDecodeError, SyntaxError, ValueError, TypeError, MemoryError, RecursionError) as exc:
         raise WireFormatError(f"{name}: .npy header is not a Python literal ({type(exc).__name__})") from None
+    if written is not None and len(written["shape"]) <= _MAX_DIMS:  # what the checks below accept, by its form
+        return _INTEGER_DTYPES[written["descr"]], written["fortran_order"], written["shape"]
     if not isinstance(meta, dict) or set(meta) != {"descr", "fortran_order", "shape"}:
         raise WireFormatError(f"{name}: .npy header must be a dict with exactly descr, fortran_order and shape")
     descr, fortran, shape = meta["descr"], meta["fortran_order"], meta["shape"]

@@ -444,8 +444,10 @@ def _check_cap(max_bytes: Any, name: str) -> None:
 
 
 def _check_int_arg(value: Any, what: str, name: str, *, minimum: int) -> None:
-    # Caller arguments, not wire data: the plain TypeError/ValueError.
-    check_at_least(value, f"{name}: {what}", minimum)
+    # Caller arguments, not wire data: the plain TypeError/ValueError. A plain int in range
+    # (every call the client makes) is let through before the message is even formatted.
+    if type(value) is not int or value < minimum:
+        check_at_least(value, f"{name}: {what}", minimum)
 
 
 def _check_model_counts(num_layers: Any, topk: Any, name: str) -> None:

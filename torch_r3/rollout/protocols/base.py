@@ -338,13 +338,13 @@ def get_field(container: Any, key: str, where: str, kind: type | tuple[type, ...
         WireFormatError: `container` is not an object, or the field is missing
             (when required) or of another type.
     """
-    if not isinstance(container, Mapping):
+    if type(container) is not dict and not isinstance(container, Mapping):  # a JSON object is a dict: no ABC check
         raise WireFormatError(f"{where}: expected a JSON object, got {type(container).__name__}")
-    if key not in container or container[key] is None:
+    value = container.get(key)
+    if value is None:
         if required:
             raise WireFormatError(f"{where}.{key} is missing")
         return None
-    value = container[key]
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         raise WireFormatError(f"{where}.{key}: expected {_kind_name(kind)}, got {type(value).__name__}")
