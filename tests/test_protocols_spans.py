@@ -23,10 +23,12 @@ CHOICES = (("choices", "*", "routed_experts"),)
 ENVELOPE = (("choices", "*", "routed_experts", "data"),)
 
 
-@pytest.fixture(autouse=True)
-def every_body_is_read_in_place(monkeypatch):
-    """These bodies are tiny: read them as large ones are, views and all (below the size, it is json.loads)."""
+@pytest.fixture(autouse=True, params=[3, spans.SCAN_BYTES], ids=["3-byte scans", "default scans"])
+def every_body_is_read_in_place(monkeypatch, request):
+    """These bodies are tiny: read them as large ones are, views and all (below the size, it is json.loads),
+    and scan them in pieces of a few bytes too, so that a piece ends everywhere: in the text, on its quote."""
     monkeypatch.setattr(spans, "SMALL_BODY_BYTES", 0)
+    monkeypatch.setattr(spans, "SCAN_BYTES", request.param)
 
 
 def with_text(tree):

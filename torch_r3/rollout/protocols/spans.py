@@ -61,6 +61,8 @@ __all__ = ["parse_body", "route_text_bytes"]
 
 #: At most this many route strings are read in place per body (more are parsed as JSON).
 MAX_SPANS = 64
+#: The piece of a route string scanned at once: it stays in a core's L2 cache across the three scans.
+SCAN_BYTES = 256 << 10
 #: A body shorter than this is parsed by `json.loads` whole: copying its little route text into
 #: a `str` costs less than locating it, and a decoder reads the `str` as it reads the view.
 SMALL_BODY_BYTES = 16 << 10
@@ -78,12 +80,33 @@ def _candidates(body: bytearray | bytes, pattern: re.Pattern[bytes]) -> Iterator
         if match is None:
             return
         first = match.end()
-        end = body.find(b'"', first)  # memchr: the base64 text is skipped, never scanned by the regex
+        end, plain = _string_end(body, first)
         if end < 0:
             return  # unterminated: json.loads names the error
         at = end + 1
-        if body.find(b"\\", first, end) < 0 and _is_plain_ascii(body, first, end):
+        if plain:
             yield first, end
+
+
+def _string_end(body: bytearray | bytes, first: int) -> tuple[int, bool]:
+    """The next quote from `first` (`-1`: none), and whether the text before it has no backslash and is printable ASCII.
+
+    The base64 text is skipped by memchr, never scanned by the regex. The three scans
+    (the quote, a backslash, the minimum) go a cache-sized piece at a time, so a body
+    fresh from the socket is read from memory once, not three times.
+    """
+    plain = True
+    at = first
+    while at < len(body):
+        stop = min(at + SCAN_BYTES, len(body))
+        end = body.find(b'"', at, stop)
+        upto = stop if end < 0 else end
+        if plain and (body.find(b"\\", at, upto) >= 0 or not _is_plain_ascii(body, at, upto)):
+            plain = False
+        if end >= 0:
+            return end, plain
+        at = stop
+    return -1, plain
 
 
 def _is_plain_ascii(body: bytearray | bytes, first: int, end: int) -> bool:
