@@ -21,6 +21,12 @@ Run it where the trainers are installed (`make frameworks` builds `.venv-framewo
   per-sample routes to the actor's nested `routed_experts`, verl's path against
   `install()`'s (`keep_compact` per sample, `driver_routed_experts`), per step
   and per token, and the bytes shipped from agent loop to driver.
+* verl's engine step set-up (`verl_engine_step`): what `MegatronEngine`'s
+  `forward_backward_batch` and `forward_step` do for R3 replay (its
+  `RouterReplayHelper` path: `align_r3_router_replay_data`,
+  `build_r3_replay_mask`, `set_router_replay_data`) for every micro-batch of
+  one THD step, against `install()`'s (`EngineReplay` and the hook), per step
+  and per token.
 
 Every output is checked equal to the framework's before timing counts. After
 one warm-up round the cases run in interleaved rounds (each once per round) and the table gives
@@ -40,7 +46,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from torch_r3 import Memory, PromptResponse
+from torch_r3 import Memory, Packed, PromptResponse
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integrations"))
 from frameworks import installed, load
@@ -164,7 +170,7 @@ def skyrl(args) -> None:
 # SkyRL's Megatron worker step set-up (replay alignment + installation), per step and per token
 
 
-def _skyrl_worker_model(layers: int, experts: int, topk: int):
+def _worker_model(layers: int, experts: int, topk: int):
     """A GPTModel with `layers` MoE routers (tiny widths: the set-up cost is the routes', not the model's)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -248,7 +254,7 @@ def skyrl_worker_step(args) -> None:
         (c["rollout_expert_indices"], c["router_padding_mask"], c["attention_mask"].bool()) for c in batch.chunk(1)
     ]
     with megatron_on_cpu():
-        model = _skyrl_worker_model(L, EXPERTS, K)
+        model = _worker_model(L, EXPERTS, K)
         RouterReplay.global_router_replay_instances = [
             m.router_replay for m in model.modules() if isinstance(m, TopKRouter)
         ]
@@ -285,8 +291,7 @@ def skyrl_worker_step(args) -> None:
             multiple = int(np.gcd.reduce(layout.padded_sequence_lengths))
             ours = microbatch(
                 {"sequences": a.long(), "attention_mask": a, "rollout_expert_indices": r, "router_padding_mask": m},
-                packed=True,
-                pad_to_multiple_of=multiple,
+                layout=Packed(pad_to_multiple_of=multiple),
             )["rollout_expert_indices"]
             assert torch.equal(theirs, ours)
         skyrl_step()
@@ -471,12 +476,165 @@ def verl_agent_loop_step(args) -> None:
         print(f"{name:<56} {t * 1e3:>9.1f} {t / tokens * 1e9:>9.1f} {base / t:>7.2f}x")
 
 
+def verl_engine_step(args) -> None:
+    """verl's per-micro-batch R3 set-up in `MegatronEngine.forward_step` against `install()`'s, over one step.
+
+    One step: `--step-batch` samples of verl's THD batch (the nested
+    `input_ids`, `response_mask` and `routed_experts` of `left_right_2_no_padding`,
+    int16, each sequence's last row verl's zero row), in micro-batches of
+    `--verl-micro-batch`, 40 layers x top-8 of 128 experts. verl: what
+    `forward_backward_batch` and `forward_step` do for replay around the model
+    call (the global `REPLAY_FORWARD`, per micro-batch `RouterReplayHelper`'s
+    action checks, `align_r3_router_replay_data`, `build_r3_replay_mask`,
+    `set_router_replay_data` into verl's own `RouterReplay` instances, the switch
+    to `REPLAY_BACKWARD`; then the clear). torch_r3: `install()`'s
+    `forward_backward_batch` wrapper and schedule (`EngineReplay`: each micro-batch
+    into the hook's packed batch, `ReplayHook.begin_microbatch` / `end_microbatch`,
+    the step's drain check and statistics), Megatron's schedule replaced by a loop
+    that calls the forward step once per micro-batch. No model forward runs.
+    Equality first: the rows verl replays, per router, are the hook's.
+    """
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.router import TopKRouter
+    from tensordict import TensorDict
+
+    from torch_r3.integrations.verl import microbatch as verl_microbatch
+    from torch_r3.integrations.verl.schedule import EngineReplay
+    from torch_r3.megatron._cpu import megatron_on_cpu
+
+    padding, utils, patch, tu = load(
+        "verl",
+        "verl.workers.utils.padding",
+        "verl.utils.megatron.router_replay_utils",
+        "verl.utils.megatron.router_replay_patch",
+        "verl.utils.tensordict_utils",
+    )
+    utils.device_name = "cpu"  # verl moves the packed routes to its device name, "cuda" without an accelerator
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+    P, R = 1024, 2048
+    prompts, responses = rl_lengths(args.step_batch, P, R, seed=6)
+    rng = np.random.default_rng(7)
+    stride = np.arange(K, dtype=np.int64) * (EXPERTS // K)  # K distinct experts per route
+    b = len(prompts)
+    attention = torch.zeros(b, P + R, dtype=torch.long)
+    response_mask = torch.zeros(b, R, dtype=torch.long)
+    routed = torch.zeros(b, P + R, L, K, dtype=torch.int16)  # verl's agent loop: zeros, the rollout's n - 1 rows
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        attention[i, P - p : P + r] = 1
+        response_mask[i, :r] = 1
+        rows = (rng.integers(0, EXPERTS, (p + r - 1, L, 1)) + stride) % EXPERTS
+        routed[i, P - p : P + r - 1] = torch.from_numpy(rows)
+    ids = attention.clone()
+    micro = []
+    for start in range(0, b, args.verl_micro_batch):
+        part = slice(start, start + args.verl_micro_batch)
+        data = TensorDict(
+            {
+                "input_ids": ids[part],
+                "attention_mask": attention[part],
+                "response_mask": response_mask[part],
+                "position_ids": (attention[part].cumsum(1) - 1).clamp(min=0),
+                "routed_experts": routed[part],
+            },
+            batch_size=[len(ids[part])],
+        )
+        micro.append(padding.left_right_2_no_padding(data))
+    tokens = int(attention.sum())
+    with megatron_on_cpu():
+        theirs_model = _worker_model(L, EXPERTS, K)
+        ours_model = _worker_model(L, EXPERTS, K)
+    for module in theirs_model.modules():  # verl's RouterReplay on its model's routers (its patch does this)
+        if isinstance(module, TopKRouter):
+            module.router_replay = patch.RouterReplay()
+    config = theirs_model.config
+    helper, action = utils.RouterReplayHelper, patch.RouterReplayAction
+
+    def verl_step():
+        patch.RouterReplay.set_global_router_replay_action(action.REPLAY_FORWARD)
+        for mb in micro:
+            if helper.is_replay_backward_action(config, 0, model=theirs_model):
+                utils.set_model_router_replay_action(theirs_model, action.REPLAY_FORWARD)
+            if helper.is_replay_forward_action(config, 0, model=theirs_model):
+                routes = utils.align_r3_router_replay_data(mb["routed_experts"], mb["input_ids"])
+                mask = utils.build_r3_replay_mask(mb["input_ids"], mb["response_mask"])
+                utils.set_router_replay_data(routes, None, config, 0, replay_mask=mask, model=theirs_model)
+            if helper.is_replay_forward_action(config, 0, model=theirs_model):
+                utils.set_model_router_replay_action(theirs_model, action.REPLAY_BACKWARD)
+
+    def verl_clear():
+        patch.RouterReplay.clear_global_indices()
+        patch.RouterReplay.clear_global_router_replay_action()
+
+    replay = EngineReplay()
+    engine = SimpleNamespace(
+        enable_routing_replay=True, engine_config=SimpleNamespace(router_replay=SimpleNamespace(mode="R3"))
+    )
+    step_data = TensorDict({}, batch_size=[])
+    tu.assign_non_tensor(step_data, enable_routing_replay=True)
+
+    def megatron_schedule(**kwargs):  # Megatron's schedule without the model: each micro-batch's forward step, once
+        return [kwargs["forward_step_func"](kwargs["data_iterator"], kwargs["model"]) for _ in micro]
+
+    def engine_step(engine, data, loss_function, forward_only):  # verl's forward_backward_batch, its replay part
+        schedule = replay.get_forward_backward_func(lambda: megatron_schedule)()
+        return schedule(
+            forward_step_func=lambda data_iterator, model: next(data_iterator),
+            data_iterator=iter(micro),
+            model=[ours_model],
+            num_microbatches=len(micro),
+            forward_only=forward_only,
+        )
+
+    installed_step = replay.forward_backward_batch(engine_step)
+
+    def torch_r3_step():
+        return installed_step(engine, step_data, None, False)
+
+    # Equality first (the last micro-batch): the rows verl replays, per router, are the hook's batch's captured rows.
+    verl_step()
+    theirs = [r.target_topk_idx for _, r in utils.iter_model_routers(theirs_model)]
+    their_mask = next(utils.iter_model_routers(theirs_model))[1].target_replay_mask
+    verl_clear()
+    ours = verl_microbatch(micro[-1]["routed_experts"], micro[-1]["input_ids"], layout=Packed())
+    captured = ~ours["router_padding_mask"]
+    assert torch.equal(captured, their_mask)
+    for j, rows in enumerate(theirs):
+        assert torch.equal(ours["rollout_expert_indices"][:, j][captured].long(), rows[captured])
+    torch_r3_step()
+    medians = timed(
+        {
+            f"verl {args.verl}: its R3 set-up (RouterReplayHelper path)": lambda: (verl_step(), verl_clear()),
+            "torch_r3: install(), EngineReplay": torch_r3_step,
+        },
+        args.rounds,
+    )
+    replay.close()
+    nbytes = sum(mb["routed_experts"].values().nbytes for mb in micro)
+    print(
+        f"\nverl engine step set-up: {len(micro)} micro-batches of {args.verl_micro_batch} (THD), {tokens} tokens, "
+        f"{L} layers x top-{K} of {EXPERTS} experts ({nbytes / 1e6:.0f} MB of int16 routes in)"
+    )
+    first = next(iter(medians))
+    print(f"{'':<56} {'per step ms':>12} {'per token ns':>13} {'vs verl':>8}")
+    for name, t in medians.items():
+        print(f"{name:<56} {t * 1e3:>12.1f} {t / tokens * 1e9:>13.1f} {medians[first] / t:>7.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=192)
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument(
         "--step-batch", type=int, default=16, help="trajectories in the SkyRL worker step (micro-batches of 1)"
+    )
+    ap.add_argument(
+        "--verl-micro-batch", type=int, default=4, help="samples per micro-batch in the verl engine step (THD)"
     )
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument(
@@ -502,6 +660,8 @@ def main() -> None:
         run(args)
         if name == "skyrl" and installed("megatron"):
             skyrl_worker_step(args)
+        if run is verl_agent_loop_step and installed("megatron"):
+            verl_engine_step(args)
 
 
 if __name__ == "__main__":

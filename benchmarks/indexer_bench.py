@@ -17,9 +17,16 @@ Then, on the text capture, median over interleaved rounds (the machine may be sh
   collation's pool. `x memcpy int32` divides by it;
 * `b64 floor`: `binascii.a2b_base64` of the payload alone.
 
+Last (`--hook-only`: alone), it measures the DSA replay hook
+(`torch_r3.transformers.IndexerReplayHook`) on a tiny random `transformers` DeepSeek-V3.2 model:
+the bytes of the tensors the hook's own code creates and keeps (`torch_r3.bench.tensor_memory`,
+counted op by op, not timed), against the compact bytes of the selections it replays: what it
+keeps through the block, the peak of its checks on entry, and the peak over one forward.
+
     PYTHONPATH=. python benchmarks/indexer_bench.py                 # 32k tokens, 2 layers, top-2048
     PYTHONPATH=. python benchmarks/indexer_bench.py --tokens 8192 --rounds 3 --json out.json
     PYTHONPATH=. python benchmarks/indexer_bench.py --capture cap.npy   # reuse (or save) the capture
+    PYTHONPATH=. python benchmarks/indexer_bench.py --hook-only          # the replay hook's memory only
 """
 
 from __future__ import annotations
@@ -59,6 +66,84 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
+def hook_memory(seq_len: int, layers: int, topk: int) -> dict:
+    """The transformers DSA replay hook's extra tensor memory against the compact selections' bytes."""
+    import transformers as tf
+
+    from torch_r3.bench.tensor_memory import TensorMemory
+    from torch_r3.transformers.indexer import IndexerReplayHook
+
+    config = tf.DeepseekV32Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=seq_len,
+        num_hidden_layers=layers,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=layers,  # dense layers: the indexers are what is measured
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        index_topk=topk,
+        index_n_heads=2,
+        index_head_dim=16,
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    lengths = (seq_len, seq_len * 3 // 4)
+    ids = torch.randint(3, 64, (len(lengths), seq_len))
+    att = torch.zeros_like(ids)
+    for b, n in enumerate(lengths):
+        att[b, seq_len - n :] = 1
+    hook = IndexerReplayHook(model)
+    with torch.no_grad(), hook.record() as rec:
+        model(input_ids=ids, attention_mask=att)
+    batch = rec.batch
+    meter = TensorMemory()
+    for m in model.modules():
+        if type(m).__name__.endswith("Indexer"):  # around the hook's own forward hook
+            m.register_forward_hook(lambda *a: meter.start(), prepend=True)
+            m.register_forward_hook(lambda *a: meter.stop())
+    block = hook.replay(batch)
+    with torch.no_grad():
+        with meter.counting():
+            block.__enter__()
+        kept, entry_peak = meter.live, meter.peak
+        meter.peak = kept
+        model(input_ids=ids, attention_mask=att)
+        forward_peak = meter.peak
+        block.__exit__(None, None, None)
+    compact = batch[SELECTIONS].nbytes
+    B, T, L, K = batch[SELECTIONS].shape
+    out = {
+        "shape": [B, T, L, K],
+        "dtype": str(batch[SELECTIONS].dtype),
+        "compact_bytes": compact,
+        "kept_bytes": kept,
+        "entry_peak_bytes": entry_peak,
+        "forward_peak_bytes": forward_peak,
+    }
+    print(f"\nthe DSA replay hook's extra tensor memory, selections {[B, T, L, K]} {batch[SELECTIONS].dtype}:")
+    print(f"{'':34} {'bytes':>12} {'x compact':>10}")
+    for name, value in (
+        ("compact selections", compact),
+        ("kept through the replay() block", kept),
+        ("peak on entry (checks)", entry_peak),
+        ("peak over one forward", forward_peak),
+    ):
+        print(f"{name:34} {value:12d} {value / compact:10.2f}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=32768)
@@ -70,8 +155,16 @@ def main() -> None:
     ap.add_argument(
         "--capture", type=Path, default=None, help="an .npz of the captures: read if it exists, else written"
     )
+    ap.add_argument("--hook-only", action="store_true", help="only the replay hook's memory (--hook-memory)")
+    ap.add_argument("--hook-seq-len", type=int, default=1024)
+    ap.add_argument("--hook-topk", type=int, default=64)
     args = ap.parse_args()
     n, L, K = args.tokens, args.layers, args.topk
+    if args.hook_only:
+        memory = hook_memory(args.hook_seq_len, L, args.hook_topk)
+        if args.json:
+            args.json.write_text(json.dumps({"hook_memory": memory}, indent=2))
+        return
     lm = IndexerLM(num_layers=L, index_topk=K)
     inputs = {"random": np.random.default_rng(0).integers(0, 256, n), "text": text_tokens(n)}
     report: dict = {"tokens": n, "layers": L, "index_topk": K, "compression": {}, "timings_s": {}}
@@ -157,6 +250,7 @@ def main() -> None:
         f"(payload {len(payload) / 1e6:.0f} MB of base64, compact {sel.nbytes / 1e6:.1f} MB, "
         f"int16 output {out_mb:.0f} MB)"
     )
+    report["hook_memory"] = hook_memory(args.hook_seq_len, L, args.hook_topk)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
 

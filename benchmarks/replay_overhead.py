@@ -5,13 +5,16 @@
 2. Expert load alone: what `expert_load=True` adds to one router call's
    statistics (the drift count it always makes, then the two per-expert
    scatter-adds) on a production-sized microbatch.
-3. A training step (`forward_backward`, full recompute) of a small MoE GPTModel
+3. `ReplayHook.begin_microbatch` alone on a packed micro-batch (40 layers x top-8,
+   4k tokens), per token, against plain copies of the same routes into the
+   routers' tensors (`--only begin`).
+4. A training step (`forward_backward`, full recompute) of a small MoE GPTModel
    with the Megatron hook, `uncaptured="live"` and `"replay"`, each with
    `expert_load` off and on, against the time the route check takes for the
    same microbatches.
-4. The same for the transformers hook: forward and backward of a tiny
+5. The same for the transformers hook: forward and backward of a tiny
    Qwen3-MoE (the demo's shape) inside `hook.replay(batch)`, expert load off and on.
-5. Collation: whether the collators can reach the expert-load code at all (they
+6. Collation: whether the collators can reach the expert-load code at all (they
    cannot: `torch_r3.collate` and `torch_r3.collate.shard` never import `torch_r3.replay`),
    so the collation figures of `torch-r3 bench` hold with expert load on or off.
 
@@ -279,10 +282,100 @@ def collation_reaches_no_stats() -> None:
     print(f"collation: expert-load modules loaded by collating a batch: {verdict}")
 
 
+def begin_microbatch_alone(repeat: int) -> None:
+    """`ReplayHook.begin_microbatch` on one packed micro-batch, per token, against plain copies of its routes.
+
+    40 MoE layers x top-8 of 128 experts, 4096 tokens in 4 sequences (`cu_seqlens`),
+    uint8 routes, each sequence's last token uncaptured (SkyRL's and verl's
+    layout, `uncaptured="live"`): the hook's checks (ids in range and distinct,
+    the mask against `cu_seqlens`), layer mapping, one copy per router and the
+    FIFO push, inside a forward-only step (the step's brackets are not counted).
+    The references copy the same routes into tensors the routers could take,
+    already allocated: their compact bytes (`[L, N, K]` uint8, one copy), and
+    the int64 `[N, K]` each router's `RouterReplay` gathers with (one copy per
+    router, what a plain installation such as SkyRL's or verl's writes).
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer import TransformerConfig
+
+    from torch_r3.megatron import ReplayHook
+    from torch_r3.megatron._cpu import megatron_on_cpu
+
+    layers, k, experts, sequences, tokens = 40, 8, 128, 4, 4096
+    initialised = dist.is_initialized()
+    if not initialised:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        parallel_state.initialize_model_parallel()
+    with megatron_on_cpu():
+        config = TransformerConfig(
+            num_layers=layers,
+            hidden_size=16,
+            ffn_hidden_size=16,
+            num_attention_heads=2,
+            num_moe_experts=experts,
+            moe_router_topk=k,
+            moe_token_dispatcher_type="allgather",
+            moe_enable_routing_replay=True,
+            use_cpu_initialization=True,
+            add_bias_linear=False,
+            pipeline_dtype=torch.float32,
+        )
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+        model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=64, max_sequence_length=tokens)
+    g = torch.Generator().manual_seed(0)
+    stride = torch.arange(k) * (experts // k)  # K distinct experts per route
+    routes = ((torch.randint(0, experts, (tokens, layers, 1), generator=g) + stride) % experts).to(torch.uint8)
+    cu_seqlens = torch.arange(0, tokens + 1, tokens // sequences, dtype=torch.int32)
+    mask = torch.zeros(tokens, dtype=torch.bool)
+    mask[cu_seqlens[1:] - 1] = True  # each sequence's last token has no captured route
+    routes[mask] = torch.arange(k, dtype=torch.uint8)  # its filler row
+    batch = {"rollout_expert_indices": routes, "router_padding_mask": mask, "cu_seqlens": cu_seqlens}
+    compact = torch.empty(layers, tokens, k, dtype=torch.uint8)
+    widened = [torch.empty(tokens, k, dtype=torch.int64) for _ in range(layers)]
+
+    def copy_compact():
+        compact.copy_(routes.permute(1, 0, 2))
+
+    def copy_widened():
+        for j, out in enumerate(widened):
+            out.copy_(routes[:, j])
+
+    with ReplayHook(model) as hook:
+
+        def begin():
+            with hook.step(forward_only=True):
+                start = time.perf_counter()
+                hook.begin_microbatch(batch)
+                seconds = time.perf_counter() - start
+                hook.end_microbatch()
+            return seconds
+
+        t = _paired_medians({"hook": begin, "compact": copy_compact, "widened": copy_widened}, repeat)
+    if not initialised:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+    print(
+        f"ReplayHook.begin_microbatch, packed [{tokens}, {layers}, {k}] uint8 ({routes.nbytes / 1e6:.1f} MB), "
+        f"{sequences} sequences, uncaptured='live':"
+    )
+    print(f"{'':<58} {'us':>9} {'ns/token':>9} {'hook vs it':>11}")
+    rows = (
+        ("ReplayHook.begin_microbatch (checks, layer map, copies, FIFO)", "hook"),
+        ("plain copy into [L, N, K] uint8 (the compact bytes, once)", "compact"),
+        ("plain copy into each router's int64 [N, K] (one per router)", "widened"),
+    )
+    for label, name in rows:
+        print(f"{label:<58} {t[name] * 1e6:>9.0f} {t[name] / tokens * 1e9:>9.1f} {t['hook'] / t[name]:>10.2f}x")
+
+
 PARTS = {
     "check": check_alone,
     "load": expert_load_alone,
     "megatron": step_with_hook,
+    "begin": begin_microbatch_alone,
     "transformers": transformers_step,
 }
 

@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from aiohttp import web
 
 from torch_r3 import RemoteGenerateClient
+from torch_r3.rollout.transport import TransportConfig
+
+TRANSPORT_OPTIONS = frozenset(f.name for f in dataclasses.fields(TransportConfig))
+
+
+def client_kwargs_of(kwargs: dict[str, Any], **defaults: Any) -> dict[str, Any]:
+    """Client keywords with the transport options among them (over `defaults`) as one `transport_config=`."""
+    options = {**defaults, **{k: v for k, v in kwargs.items() if k in TRANSPORT_OPTIONS}}
+    rest = {k: v for k, v in kwargs.items() if k not in TRANSPORT_OPTIONS}
+    return {**rest, "transport_config": TransportConfig(**options)}
 
 
 async def serve_routes(routes: Iterable[tuple[str, str, Any]]) -> tuple[web.AppRunner, str]:
@@ -47,7 +58,7 @@ def ask(
     async def main() -> Any:
         runner, url = await serve_routes([("POST", path, handler)])
         try:
-            kwargs = {"retries": 0, "timeout": 10.0, **client_kwargs}
+            kwargs = client_kwargs_of(client_kwargs, retries=0, timeout=10.0)
             async with RemoteGenerateClient(url, server=server, **kwargs) as client:
                 return await call(client)
         finally:

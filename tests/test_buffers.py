@@ -448,7 +448,7 @@ def test_max_cached_bytes_still_works_and_warns_that_it_is_deprecated():
     assert pool.cache_bytes == 3 << 20
     with pytest.deprecated_call(match="cache_bytes"):
         assert pool.max_cached_bytes == 3 << 20
-    with pytest.deprecated_call(), pytest.raises(TypeError, match="not both"):
+    with pytest.raises(TypeError, match="BufferPool: pass cache_bytes= only .* not both"):
         BufferPool(cache_bytes=1, max_cached_bytes=1)
 
 

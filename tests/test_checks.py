@@ -50,6 +50,7 @@ from torch_r3._checks import (
 from torch_r3.collate.geometry import padded_length
 from torch_r3.collate.shard import ShardCollator
 from torch_r3.cpu import pool_workers
+from torch_r3.replay.checks import first_bad_route
 from torch_r3.rollout.codec import decode_routes, decode_sglang_routes, decode_vllm_routes, encode_routes
 from torch_r3.rollout.trace import RoutedExpertTrace, TokenMetadataTrace
 from torch_r3.routes import canonical_dtype_for
@@ -207,9 +208,9 @@ def _client(**kwargs: Any) -> Any:
 
 
 def _client_config(**kwargs: Any) -> Any:
-    from torch_r3.rollout.client import RemoteGenerateClient
+    from torch_r3.rollout.client import RemoteGenerateClient, TransportConfig
 
-    return repr(RemoteGenerateClient("http://127.0.0.1:9", **kwargs).transport_config)
+    return repr(RemoteGenerateClient("http://127.0.0.1:9", transport_config=TransportConfig(**kwargs)).transport_config)
 
 
 def _transport(**kwargs: Any) -> Any:
@@ -397,10 +398,10 @@ def test_a_zero_block_size_is_refused_not_replaced_by_the_default():
 
 
 def _generate(**kwargs: Any) -> Any:
-    from torch_r3.rollout.client import RemoteGenerateClient
+    from torch_r3.rollout.client import RemoteGenerateClient, TransportConfig
 
     async def main() -> None:
-        async with RemoteGenerateClient("http://127.0.0.1:9", retries=0) as client:
+        async with RemoteGenerateClient("http://127.0.0.1:9", transport_config=TransportConfig(retries=0)) as client:
             await client.generate([1, 2], **kwargs)
 
     return asyncio.run(main())
@@ -444,7 +445,10 @@ def test_return_routed_experts_takes_a_numpy_bool_and_refuses_an_int():
 def test_seconds_follow_the_finite_float_rule_in_the_client_and_its_config(name, value, error):
     from torch_r3.rollout.client import RemoteGenerateClient, TransportConfig
 
-    for build in (TransportConfig, lambda **kw: RemoteGenerateClient("http://127.0.0.1:9", **kw).transport_config):
+    def client_config(**kw: Any) -> TransportConfig:
+        return RemoteGenerateClient("http://127.0.0.1:9", transport_config=TransportConfig(**kw)).transport_config
+
+    for build in (TransportConfig, client_config):
         if error is None:
             assert getattr(build(**{name: value}), name) == 0.5
             assert type(getattr(build(**{name: value}), name)) is float
@@ -515,3 +519,30 @@ def test_both_hooks_find_the_same_bad_route_with_one_framework_free_check():
         pytest.importorskip(hook_checks.rsplit(".", 1)[0])
         source = open(importlib.import_module(hook_checks).__file__, encoding="utf-8").read()
         assert "check_replayed_ids" in source and "_any_bad" not in source and ".sort(" not in source
+
+
+@pytest.mark.parametrize("chunk", [1 << 18, 40, 8])
+def test_the_whole_tensor_route_check_finds_what_a_python_scan_of_every_route_finds(monkeypatch, chunk):
+    """Range and repeats in a few whole-tensor passes (issue 44): every K, dtype and chunk boundary, against a scan."""
+    from torch_r3.replay import checks
+
+    monkeypatch.setattr(checks, "CHUNK_IDS", chunk)  # small chunks: repeats across a chunk boundary
+    rng = np.random.default_rng(7)
+    experts = 40
+    for k in (1, 2, 3, 5, 8, 9):
+        for dtype in (torch.uint8, torch.int16, torch.int32, torch.int64):
+            for m in (1, 3, 8, 13):
+                for fault in ("none", "repeat", "range", "negative"):
+                    routes = torch.from_numpy(np.stack([rng.permutation(experts)[:k] for _ in range(m)])).to(dtype)
+                    i, j = int(rng.integers(0, m)), int(rng.integers(0, k))
+                    if fault == "repeat" and k > 1:
+                        routes[i, j] = routes[i, (j + int(rng.integers(1, k))) % k]
+                    elif fault == "range":
+                        routes[i, j] = 255 if dtype == torch.uint8 else experts + 1
+                    elif fault == "negative" and dtype.is_signed:
+                        routes[i, j] = -1
+                    rows = routes.tolist()
+                    bad = [b for b, r in enumerate(rows) if len(set(r)) < k or min(r) < 0 or max(r) >= experts]
+                    want = None if not bad else (0, bad[0], 0, rows[bad[0]])
+                    got = first_bad_route(routes.view(1, m, 1, k), torch.ones(1, m, dtype=torch.bool), experts)
+                    assert got == want, (k, dtype, m, fault)

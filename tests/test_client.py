@@ -19,6 +19,7 @@ import sys
 import numpy as np
 import pytest
 
+from tests.http_stub import client_kwargs_of
 from torch_r3.rollout.client import RemoteGenerateClient, RemoteGenerateError, RemoteGenerateResult, TransportConfig
 from torch_r3.routes import compact_routes
 from torch_r3.testing import LoopbackServer, TinyMoELM
@@ -47,7 +48,7 @@ def _no_leftover_faults(request):
 
 def generate(url, *args, client_kwargs=None, **kwargs) -> RemoteGenerateResult:
     async def main():
-        async with RemoteGenerateClient(url, **{**FAST, **(client_kwargs or {})}) as client:
+        async with RemoteGenerateClient(url, **client_kwargs_of(client_kwargs or {}, **FAST)) as client:
             return await client.generate(*args, **kwargs)
 
     return asyncio.run(main())
@@ -92,7 +93,9 @@ def test_concurrency_is_bounded_by_the_semaphore(server):
     server.stats.max_in_flight = 0
 
     async def main():
-        async with RemoteGenerateClient(server.url, **{**FAST, "max_concurrency": 2}) as client:
+        async with RemoteGenerateClient(
+            server.url, transport_config=TransportConfig(**FAST, max_concurrency=2)
+        ) as client:
             await asyncio.gather(*(client.generate([i + 1], {"max_new_tokens": 1}) for i in range(6)))
 
     asyncio.run(main())
@@ -123,7 +126,7 @@ def test_bad_arguments_are_refused_before_sending(kwargs, error, words):
     kwargs = dict(kwargs)
     prompt = kwargs.pop("prompt", [1, 2, 3])
     params = kwargs.pop("sampling_params", {})
-    client = RemoteGenerateClient("http://127.0.0.1:9", retries=0)
+    client = RemoteGenerateClient("http://127.0.0.1:9", transport_config=TransportConfig(retries=0))
 
     async def main():
         async with client:
@@ -146,7 +149,9 @@ def test_bad_arguments_are_refused_before_sending(kwargs, error, words):
 )
 def test_transport_config_is_validated_up_front(kwargs, error):
     with pytest.raises(error, match=next(iter(kwargs))):
-        RemoteGenerateClient("http://127.0.0.1:9", **kwargs)
+        RemoteGenerateClient("http://127.0.0.1:9", transport_config=TransportConfig(**kwargs))
+    with pytest.warns(DeprecationWarning), pytest.raises(error, match=next(iter(kwargs))):
+        RemoteGenerateClient("http://127.0.0.1:9", **kwargs)  # the old flat keyword: checked the same
 
 
 def test_base_url_must_be_http():
@@ -217,7 +222,7 @@ def test_dead_server_fails_after_the_retry_budget_naming_url_and_cause():
 
 
 def test_one_session_per_loop_and_never_a_foreign_or_closed_one(server):
-    client = RemoteGenerateClient(server.url, **FAST)
+    client = RemoteGenerateClient(server.url, transport_config=TransportConfig(**FAST))
 
     async def use():
         await client.generate([1], {"max_new_tokens": 1})
@@ -245,7 +250,7 @@ def test_one_session_per_loop_and_never_a_foreign_or_closed_one(server):
 
 def test_async_with_closes_the_session(server):
     async def main():
-        async with RemoteGenerateClient(server.url, **FAST) as client:
+        async with RemoteGenerateClient(server.url, transport_config=TransportConfig(**FAST)) as client:
             await client.generate([1], {"max_new_tokens": 1})
             session = (await client._transport.state()).session
         return session
@@ -254,7 +259,7 @@ def test_async_with_closes_the_session(server):
 
 
 def test_pickled_client_works_in_a_new_loop_and_a_new_process(server):
-    client = RemoteGenerateClient(server.url, **FAST, max_concurrency=3)
+    client = RemoteGenerateClient(server.url, transport_config=TransportConfig(**FAST, max_concurrency=3))
 
     async def warm():
         await client.generate([1], {"max_new_tokens": 1})
@@ -292,7 +297,7 @@ def test_model_info_reports_the_served_models_routing_shape():
     with LoopbackServer(model) as srv:
 
         async def main():
-            async with RemoteGenerateClient(srv.url, retries=0) as client:
+            async with RemoteGenerateClient(srv.url, transport_config=TransportConfig(retries=0)) as client:
                 return await client.model_info()
 
         info = asyncio.run(main())
@@ -305,7 +310,9 @@ def test_model_info_of_a_dead_server_names_the_url_after_retries():
     # The server is gone: the port refuses connections.
 
     async def main():
-        async with RemoteGenerateClient(url, retries=1, backoff=0.01, connect_timeout=2) as client:
+        async with RemoteGenerateClient(
+            url, transport_config=TransportConfig(retries=1, backoff=0.01, connect_timeout=2)
+        ) as client:
             return await client.model_info()
 
     with pytest.raises(RemoteGenerateError, match=r"GET .*/v1/model_info failed after 2 attempt"):
@@ -315,7 +322,9 @@ def test_model_info_of_a_dead_server_names_the_url_after_retries():
 @pytest.mark.parametrize("server_name", ["sglang", "vllm"])
 def test_model_info_is_only_for_the_torch_r3_server(server_name):
     async def main():
-        async with RemoteGenerateClient("http://127.0.0.1:9", server=server_name, retries=0) as client:
+        async with RemoteGenerateClient(
+            "http://127.0.0.1:9", server=server_name, transport_config=TransportConfig(retries=0)
+        ) as client:
             return await client.model_info()
 
     with pytest.raises(ValueError, match="read the model's config"):
@@ -331,7 +340,7 @@ def test_an_unknown_server_is_refused():
 
 
 @pytest.mark.parametrize(
-    "module", ["torch_r3.rollout.client", "torch_r3.rollout.transport", "torch_r3.rollout.protocols.base"]
+    "module", ["torch_r3.rollout.client", "torch_r3.rollout.transport", "torch_r3.rollout.protocols.fields"]
 )
 def test_docstring_examples_of_the_client_modules_hold(module):
     import doctest
@@ -341,18 +350,112 @@ def test_docstring_examples_of_the_client_modules_hold(module):
     assert result.failed == 0 and result.attempted > 0
 
 
-def test_a_transport_config_object_configures_the_client_like_the_flat_keywords():
-    config = TransportConfig(retries=2, backoff=0.1, max_backoff=1.0, timeout=5.0, max_concurrency=3)
-    by_object = RemoteGenerateClient("http://127.0.0.1:9", transport_config=config)
-    by_keywords = RemoteGenerateClient(
-        "http://127.0.0.1:9", retries=2, backoff=0.1, max_backoff=1.0, timeout=5.0, max_concurrency=3
-    )
-    assert by_object.transport_config is config and by_object.transport_config == by_keywords.transport_config
-    assert by_object.limits == by_keywords.limits
-    with pytest.raises(ValueError, match=r"either transport_config= or the keywords \['retries'\]"):
-        RemoteGenerateClient("http://127.0.0.1:9", transport_config=config, retries=1)
+def test_the_readers_keep_their_path_on_protocols_base_as_the_same_objects():
+    from torch_r3.rollout.protocols import base, fields
+
+    own = [
+        n for n, v in vars(fields).items() if not n.startswith("_") and getattr(v, "__module__", "") == fields.__name__
+    ]
+    moved = [n for n in own if n not in vars(base)]
+    assert len(own) > 10
+    assert moved == [], f"protocols.base lost the path of {moved}"
+    for name in ("WeightVersionSpan", "check_cache_salt", "get_field", "token_ids", "slice_to_start", "MAX_SALT_CHARS"):
+        assert getattr(base, name) is getattr(fields, name)
+    # the contract stays in base, the readers in fields: neither module holds the other's job
+    assert base.ServerProtocol.__module__ == base.__name__ and fields.get_field.__module__ == fields.__name__
+
+
+OLD_TRANSPORT_KEYWORDS = {
+    "retries": 2,
+    "backoff": 0.1,
+    "max_backoff": 1.0,
+    "timeout": 5.0,
+    "connect_timeout": 3.0,
+    "max_concurrency": 3,
+    "max_response_bytes": 1 << 20,
+    "headers": {"X-Api-Key": "k"},
+    "ssl": False,
+    "trace_configs": None,
+}
+
+
+def test_a_transport_config_object_configures_the_client():
+    config = TransportConfig(retries=2, backoff=0.1, max_backoff=1.0, timeout=5.0, max_response_bytes=1 << 20)
+    client = RemoteGenerateClient("http://127.0.0.1:9", transport_config=config)
+    assert client.transport_config is config
+    assert client.limits.max_bytes == (1 << 20) // 4 * 3 and client.limits.max_indexer_bytes == 1 << 20
     with pytest.raises(TypeError, match="TransportConfig"):
         RemoteGenerateClient("http://127.0.0.1:9", transport_config={"retries": 2})
+
+
+@pytest.mark.parametrize("name", sorted(OLD_TRANSPORT_KEYWORDS))
+def test_an_old_flat_transport_keyword_warns_on_the_callers_line_and_still_works(name):
+    value = OLD_TRANSPORT_KEYWORDS[name]
+    with pytest.warns(DeprecationWarning) as seen:
+        client = RemoteGenerateClient("http://127.0.0.1:9", **{name: value})
+    assert [str(w.message) for w in seen] == [
+        f"RemoteGenerateClient({name}=) is deprecated; use transport_config=TransportConfig({name}=...) instead "
+        "(same meaning)"
+    ]
+    assert [w.filename for w in seen] == [__file__]
+    # the very config the new keyword builds
+    assert client.transport_config == TransportConfig(**{name: value})
+    assert (
+        client.limits
+        == RemoteGenerateClient("http://127.0.0.1:9", transport_config=TransportConfig(**{name: value})).limits
+    )
+
+
+def test_the_old_session_keyword_warns_and_uses_the_session():
+    import aiohttp
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            with pytest.warns(DeprecationWarning, match=r"RemoteGenerateClient\(session=\)"):
+                client = RemoteGenerateClient("http://127.0.0.1:9", session=session)
+            assert client.transport_config.session is session
+            assert (await client._transport.state()).session is session
+
+    asyncio.run(main())
+
+
+def test_old_keywords_beside_transport_config_are_refused_unless_at_their_defaults():
+    config = TransportConfig(retries=2)
+    with (
+        pytest.warns(DeprecationWarning),
+        pytest.raises(ValueError, match=r"either transport_config= or the keywords \['retries'\]"),
+    ):
+        RemoteGenerateClient("http://127.0.0.1:9", transport_config=config, retries=1)
+    with pytest.warns(DeprecationWarning):  # at its old default: warned, and the config is used
+        assert RemoteGenerateClient("http://127.0.0.1:9", transport_config=config, retries=5).transport_config is config
+
+
+def test_the_table_of_renamed_keywords_holds_every_transport_option_at_its_default():
+    import dataclasses
+
+    from torch_r3._deprecation import RENAMED_KEYWORDS
+
+    table = {k: v for k, v in RENAMED_KEYWORDS.items() if v.new == "transport_config"}
+    defaults = TransportConfig()
+    assert sorted(table) == sorted(f.name for f in dataclasses.fields(TransportConfig))
+    for name, entry in table.items():
+        assert entry.field == name and entry.old_default == getattr(defaults, name)
+
+
+def test_a_keyword_the_client_never_had_is_a_type_error():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'retry'"):
+        RemoteGenerateClient("http://127.0.0.1:9", retry=2)
+
+
+def test_the_client_and_the_collator_take_at_most_twelve_parameters():
+    import inspect
+
+    from torch_r3 import R3Collator
+
+    for cls in (RemoteGenerateClient, R3Collator):
+        parameters = inspect.signature(cls).parameters
+        assert len(parameters) <= 12, f"{cls.__name__} takes {len(parameters)}: {list(parameters)}"
+    assert "transport_config" in inspect.signature(RemoteGenerateClient).parameters
 
 
 def test_the_old_transport_property_is_a_deprecated_alias():
@@ -369,7 +472,7 @@ def _rollout_results(url, turns=3, **client_kwargs):
         from torch_r3.rollout.trace import RoutedExpertTrace
 
         trace, conversation, results = RoutedExpertTrace(), [11, 12, 13], []
-        async with RemoteGenerateClient(url, **FAST, **client_kwargs) as client:
+        async with RemoteGenerateClient(url, **client_kwargs_of(client_kwargs, **FAST)) as client:
             for _ in range(turns):
                 result = await client.generate(
                     conversation,

@@ -21,7 +21,7 @@ import pytest
 from aiohttp import web
 
 from tests.http_stub import serve_routes
-from torch_r3.rollout.client import RemoteGenerateClient, RemoteGenerateError
+from torch_r3.rollout.client import RemoteGenerateClient, RemoteGenerateError, TransportConfig
 from torch_r3.rollout.codec import WireFormatError
 from torch_r3.rollout.protocols import PROTOCOLS, GenerateCall, RouteLimits, WeightVersionSpan
 from torch_r3.rollout.trace import RoutedExpertTrace
@@ -55,7 +55,9 @@ def ask(server, response, *, status=200, params=None, **generate_kwargs):
     async def main():
         runner, url = await serve(server, handler)
         try:
-            async with RemoteGenerateClient(url, server=server, retries=0, **RECORDED["client"]) as client:
+            async with RemoteGenerateClient(
+                url, server=server, **RECORDED["client"], transport_config=TransportConfig(retries=0)
+            ) as client:
                 return await client.generate(PROMPT, params or {}, return_routed_experts=True, **generate_kwargs)
         finally:
             await runner.cleanup()
@@ -145,7 +147,9 @@ def test_a_one_version_span_is_the_turns_version_and_conflicts_with_another_turn
 @pytest.mark.parametrize("server", ["torch_r3", "sglang", "vllm"])
 def test_n_above_one_is_refused_before_sending(server):
     async def main():
-        async with RemoteGenerateClient("http://127.0.0.1:9", server=server, retries=0, num_layers=3, topk=2) as c:
+        async with RemoteGenerateClient(
+            "http://127.0.0.1:9", server=server, num_layers=3, topk=2, transport_config=TransportConfig(retries=0)
+        ) as c:
             await c.generate([1, 2], {"n": 2}, return_routed_experts=True)
 
     with pytest.raises(ValueError, match=r"sampling_params\['n'\] = 2.*one sample per call"):
@@ -206,7 +210,7 @@ def test_a_response_token_id_outside_int64_or_negative_is_refused(bad):
 @pytest.mark.parametrize("prompt", [[1, 2**63], [1, -1], np.array([1, 2**63], dtype=np.uint64)])
 def test_a_prompt_token_id_outside_int64_or_negative_is_refused_before_sending(prompt):
     async def main():
-        async with RemoteGenerateClient("http://127.0.0.1:9", retries=0) as client:
+        async with RemoteGenerateClient("http://127.0.0.1:9", transport_config=TransportConfig(retries=0)) as client:
             await client.generate(prompt, {})
 
     with pytest.raises(ValueError, match=r"prompt_token_ids\[1\].*\[0, 2\*\*63\)"):
@@ -238,7 +242,7 @@ def test_a_salt_vllm_would_refuse_is_refused_at_construction_and_at_call(salt):
         RemoteGenerateClient("http://127.0.0.1:9", server="vllm", cache_salt=salt)
 
     async def main():
-        async with RemoteGenerateClient("http://127.0.0.1:9", retries=0) as client:
+        async with RemoteGenerateClient("http://127.0.0.1:9", transport_config=TransportConfig(retries=0)) as client:
             await client.generate([1, 2], {}, cache_salt=salt)
 
     with pytest.raises(ValueError, match="cache_salt"):
@@ -268,7 +272,9 @@ def test_a_404_names_the_url_tried_and_what_to_check(server):
         await site.start()
         url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
         try:
-            async with RemoteGenerateClient(url, server=server, retries=0, num_layers=3, topk=2) as client:
+            async with RemoteGenerateClient(
+                url, server=server, num_layers=3, topk=2, transport_config=TransportConfig(retries=0)
+            ) as client:
                 with pytest.raises(RemoteGenerateError) as info:
                     await client.generate(PROMPT, {}, return_routed_experts=True)
                 return client.url, info.value

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.http_stub import client_kwargs_of
 from torch_r3.rollout.client import RemoteGenerateClient, RemoteGenerateError
 from torch_r3.rollout.protocols import SERVERS
 from torch_r3.rollout.trace import RoutedExpertTrace
@@ -41,7 +42,7 @@ def model() -> TinyMoELM:
 
 def client_for(server: LoopbackServer, **kwargs) -> RemoteGenerateClient:
     shape = {"num_layers": 3, "topk": 2, "num_experts": 8, "moe_layers": [1, 2]}
-    return RemoteGenerateClient(server.url, server=server.protocol, **{**shape, **FAST, **kwargs})
+    return RemoteGenerateClient(server.url, server=server.protocol, **client_kwargs_of({**shape, **kwargs}, **FAST))
 
 
 def params(protocol: str, n: int) -> dict:

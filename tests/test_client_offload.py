@@ -21,7 +21,7 @@ from aiohttp import web
 from tests.http_stub import serve_routes
 from torch_r3.health.check import RouteHealthCheck, RouteHealthError, RouteHealthWarning
 from torch_r3.rollout import _offload
-from torch_r3.rollout.client import RemoteGenerateClient
+from torch_r3.rollout.client import RemoteGenerateClient, TransportConfig
 from torch_r3.rollout.protocols import PROTOCOLS
 
 LAYERS, TOPK = 4, 2
@@ -53,7 +53,9 @@ async def generate(server: str, body: dict, prompt_len: int, generated: int):
     path = PROTOCOLS[server].generate_path
     runner, url = await serve_routes([("POST", path, handler)])
     try:
-        async with RemoteGenerateClient(url, server=server, num_layers=LAYERS, topk=TOPK, retries=0) as client:
+        async with RemoteGenerateClient(
+            url, server=server, num_layers=LAYERS, topk=TOPK, transport_config=TransportConfig(retries=0)
+        ) as client:
             params = {"max_new_tokens": generated} if server == "sglang" else {"max_tokens": generated}
             return await client.generate(list(range(prompt_len)), params, return_routed_experts=True)
     finally:
@@ -175,7 +177,12 @@ def test_large_routes_are_health_checked_on_the_pool_and_warn_mode_on_the_loop(m
         runner, url = await serve_routes([("POST", path, handler)])
         try:
             async with RemoteGenerateClient(
-                url, server="vllm", num_layers=LAYERS, topk=TOPK, retries=0, health=mode
+                url,
+                server="vllm",
+                num_layers=LAYERS,
+                topk=TOPK,
+                health=mode,
+                transport_config=TransportConfig(retries=0),
             ) as client:
                 good = await client.generate(list(range(rows - 10)), {"max_tokens": 11}, return_routed_experts=True)
                 if mode == "raise":

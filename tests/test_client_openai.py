@@ -165,3 +165,15 @@ def test_missing_routes_name_the_vllm_switches():
 
     with pytest.raises(RemoteGenerateError, match=r"--aux-output-config.*Model Runner V2.*pipeline parallelism"):
         ask("/v1/completions", [answer], call)
+
+
+def test_completions_ask_for_log_prob_tokens_by_id_so_a_server_without_a_tokenizer_answers():
+    # vLLM names each log-prob's token as text unless asked for ids; with --skip-tokenizer-init
+    # it cannot, and refuses the request (tests/engines/test_vllm_no_tokenizer.py runs the server).
+    from torch_r3.rollout.protocols import PROTOCOLS, GenerateCall
+
+    protocol = PROTOCOLS["vllm-openai"]
+    body = protocol.request_body(GenerateCall([1, 2, 3], {"max_tokens": 2}, True))
+    assert body["logprobs"] == 1 and body["return_tokens_as_token_ids"] is True
+    own = protocol.request_body(GenerateCall([1, 2, 3], {"return_tokens_as_token_ids": False}, True))
+    assert own["return_tokens_as_token_ids"] is False  # the caller's own choice is sent as given

@@ -23,8 +23,9 @@ import pytest
 from aiohttp import web
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from tests.http_stub import client_kwargs_of
 from torch_r3.health.check import RouteHealthCheck, RouteHealthError
-from torch_r3.rollout.client import RemoteGenerateClient, RemoteGenerateError, ZeroRoutesWarning
+from torch_r3.rollout.client import RemoteGenerateClient, RemoteGenerateError, TransportConfig, ZeroRoutesWarning
 from torch_r3.rollout.codec import WireFormatError
 from torch_r3.rollout.protocols import PROTOCOLS, GenerateCall, RouteLimits
 
@@ -63,7 +64,7 @@ def ask_recording(server, response, generate_args, client_kwargs, seen=None):
         await site.start()
         url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
         try:
-            async with RemoteGenerateClient(url, server=server, **client_kwargs, **FAST) as client:
+            async with RemoteGenerateClient(url, server=server, **client_kwargs_of(client_kwargs, **FAST)) as client:
                 return await client.generate(*generate_args[:2], **generate_args[2])
         finally:
             await runner.cleanup()
@@ -237,17 +238,20 @@ def test_health_warn_lets_an_all_zero_moe_layer_through_with_a_warning_and_count
     _vllm_payload(case, rows, "uint8")
     args = (case["call"]["prompt"], {"max_tokens": 3}, {"return_routed_experts": True})
     check = RouteHealthCheck("warn")
-    with pytest.warns(ZeroRoutesWarning, match=r"layer 2: rows 0\.\.5 of 6 are all zero"):
+    with pytest.warns(ZeroRoutesWarning, match=r"layer 2: rows 0\.\.5 of 6 are all zero") as seen:
         result = ask_recording(
             "vllm", case["response"], args, {"moe_layers": [1, 2], "health": check, **case["client"]}
         )
+    assert [w.filename for w in seen] == [__file__]  # attributed to the line that called generate
     np.testing.assert_array_equal(result.routed_experts, rows)  # warned, not altered
     assert (check.stats.zero_rows, check.stats.accepted_unhealthy, check.stats.refused) == (1, 1, 0)
 
 
 def test_sglang_routes_need_the_model_shape_before_anything_is_sent():
     async def main():
-        async with RemoteGenerateClient("http://127.0.0.1:9", server="sglang", retries=0) as client:
+        async with RemoteGenerateClient(
+            "http://127.0.0.1:9", server="sglang", transport_config=TransportConfig(retries=0)
+        ) as client:
             await client.generate([1, 2], {}, return_routed_experts=True)
 
     with pytest.raises(ValueError, match="num_layers= .*topk="):

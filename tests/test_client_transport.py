@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from tests.http_stub import serve_routes
+from tests.http_stub import client_kwargs_of, serve_routes
 from torch_r3.rollout.client import RemoteGenerateClient, RemoteGenerateError, TransportConfig
 from torch_r3.rollout.codec import encode_routes
 from torch_r3.rollout.protocols.native import GENERATE_PATH
@@ -39,7 +39,7 @@ def generate_result(handler, **client_kwargs):
     async def main():
         runner, url = await serve_routes([("POST", GENERATE_PATH, handler)])
         try:
-            async with RemoteGenerateClient(url, **{**FAST, **client_kwargs}) as client:
+            async with RemoteGenerateClient(url, **client_kwargs_of(client_kwargs, **FAST)) as client:
                 return await client.generate([1, 2, 3], {"max_new_tokens": 2})
         finally:
             await runner.cleanup()
@@ -66,7 +66,9 @@ def test_a_stalled_body_declaring_256_mib_does_not_make_the_client_allocate_it()
 
         runner, url = await serve_routes([("POST", GENERATE_PATH, handler)])
         try:
-            async with RemoteGenerateClient(url, retries=0, timeout=1.0, max_response_bytes=512 << 20) as client:
+            async with RemoteGenerateClient(
+                url, transport_config=TransportConfig(retries=0, timeout=1.0, max_response_bytes=512 << 20)
+            ) as client:
                 tracemalloc.start()
                 try:
                     with pytest.raises(RemoteGenerateError, match="TimeoutError"):
@@ -120,7 +122,9 @@ def test_a_redirect_is_an_error_naming_the_url_and_the_location_and_is_not_follo
 
         runner, url = await serve_routes([("POST", GENERATE_PATH, handler)])
         try:
-            async with RemoteGenerateClient(url, headers={"X-Api-Key": "secret"}, **FAST) as client:
+            async with RemoteGenerateClient(
+                url, transport_config=TransportConfig(**FAST, headers={"X-Api-Key": "secret"})
+            ) as client:
                 with pytest.raises(RemoteGenerateError) as info:
                     await client.generate([1, 2, 3], {"max_new_tokens": 2})
             return url, location, info.value
@@ -145,7 +149,7 @@ def test_an_unbounded_or_negative_backoff_is_refused(name, value):
     with pytest.raises(ValueError, match=name):
         TransportConfig(**{name: value})
     with pytest.raises(ValueError, match=name):
-        RemoteGenerateClient("http://127.0.0.1:9", **{name: value})
+        RemoteGenerateClient("http://127.0.0.1:9", transport_config=TransportConfig(**{name: value}))
 
 
 @pytest.mark.parametrize("value", [math.inf, math.nan, -1.0, 0.0])
@@ -224,7 +228,7 @@ def run_against(handler, call, *, path=GENERATE_PATH, client_kwargs=None):
     async def main():
         runner, url = await serve(handler, path)
         try:
-            async with RemoteGenerateClient(url, **{**FAST, **(client_kwargs or {})}) as client:
+            async with RemoteGenerateClient(url, **client_kwargs_of(client_kwargs or {}, **FAST)) as client:
                 return url, await call(client)
         finally:
             await runner.cleanup()
@@ -369,9 +373,9 @@ def test_a_route_envelope_declaring_terabytes_is_a_remote_generate_error():
 
 def test_max_response_bytes_is_validated():
     with pytest.raises(ValueError, match="max_response_bytes"):
-        RemoteGenerateClient("http://127.0.0.1:9", max_response_bytes=0)
+        RemoteGenerateClient("http://127.0.0.1:9", transport_config=TransportConfig(max_response_bytes=0))
     with pytest.raises(TypeError, match="max_response_bytes"):
-        RemoteGenerateClient("http://127.0.0.1:9", max_response_bytes=1.5)
+        RemoteGenerateClient("http://127.0.0.1:9", transport_config=TransportConfig(max_response_bytes=1.5))
 
 
 @pytest.mark.parametrize(
@@ -383,7 +387,7 @@ def test_max_response_bytes_is_validated():
 )
 def test_sampling_params_json_cannot_carry_are_refused_before_sending(params, error, words):
     async def main():
-        async with RemoteGenerateClient("http://127.0.0.1:9", retries=0) as client:
+        async with RemoteGenerateClient("http://127.0.0.1:9", transport_config=TransportConfig(retries=0)) as client:
             await client.generate([1], params)
 
     with pytest.raises(error, match=words) as info:
@@ -456,10 +460,14 @@ def test_a_users_session_is_used_and_never_closed():
         runner, url = await serve(handler)
         try:
             async with aiohttp.ClientSession(headers={"X-From-Session": "mine"}) as session:
-                async with RemoteGenerateClient(url, session=session, **FAST) as client:
+                async with RemoteGenerateClient(
+                    url, transport_config=TransportConfig(**FAST, session=session)
+                ) as client:
                     result = await client.generate([1], {})
                 assert not session.closed  # the client left it open
-                async with RemoteGenerateClient(url, session=session, **FAST) as again:
+                async with RemoteGenerateClient(
+                    url, transport_config=TransportConfig(**FAST, session=session)
+                ) as again:
                     await again.generate([2], {})
                 return result
         finally:
@@ -473,7 +481,9 @@ def test_a_closed_users_session_is_a_remote_generate_error():
     async def main():
         session = aiohttp.ClientSession()
         await session.close()
-        async with RemoteGenerateClient("http://127.0.0.1:9", session=session, retries=0) as client:
+        async with RemoteGenerateClient(
+            "http://127.0.0.1:9", transport_config=TransportConfig(session=session, retries=0)
+        ) as client:
             await client.generate([1], {})
 
     with pytest.raises(RemoteGenerateError, match="session is closed"):
@@ -517,7 +527,7 @@ def test_a_client_with_a_users_session_refuses_to_pickle():
 
     async def main():
         async with aiohttp.ClientSession() as session:
-            client = RemoteGenerateClient("http://127.0.0.1:9", session=session)
+            client = RemoteGenerateClient("http://127.0.0.1:9", transport_config=TransportConfig(session=session))
             with pytest.raises(TypeError, match="session"):
                 pickle.dumps(client)
 
@@ -528,7 +538,10 @@ def test_session_and_connection_options_are_exclusive():
     async def main():
         async with aiohttp.ClientSession() as session:
             with pytest.raises(ValueError, match="trace_configs"):
-                RemoteGenerateClient("http://127.0.0.1:9", session=session, trace_configs=[aiohttp.TraceConfig()])
+                RemoteGenerateClient(
+                    "http://127.0.0.1:9",
+                    transport_config=TransportConfig(session=session, trace_configs=[aiohttp.TraceConfig()]),
+                )
 
     asyncio.run(main())
 
@@ -582,7 +595,7 @@ def test_an_empty_or_non_string_cache_salt_is_refused_before_sending(salt):
         RemoteGenerateClient("http://127.0.0.1:9", cache_salt=salt)
 
     async def main():
-        async with RemoteGenerateClient("http://127.0.0.1:9", retries=0) as client:
+        async with RemoteGenerateClient("http://127.0.0.1:9", transport_config=TransportConfig(retries=0)) as client:
             await client.generate([1], {}, cache_salt=salt)
 
     with pytest.raises(error, match="cache_salt"):
@@ -627,3 +640,15 @@ def test_a_body_with_a_raw_control_character_in_a_string_is_not_json(where):
 
     with pytest.raises(RemoteGenerateError, match="not valid JSON.*Invalid control character"):
         generate_against(handler, return_routed_experts=True)
+
+
+def test_the_transport_config_checks_its_connection_options_and_keeps_headers_out_of_its_repr():
+    config = TransportConfig(headers={"Authorization": "Bearer s3cret"}, retries=1)
+    assert "s3cret" not in repr(config) and "s3cret" not in repr(
+        RemoteGenerateClient("http://h:1", transport_config=config)
+    )
+    assert config.headers == {"Authorization": "Bearer s3cret"} and hash(config) == hash(TransportConfig(retries=1))
+    with pytest.raises(TypeError, match=r"headers\['a'\] must map a string to a string, got int"):
+        TransportConfig(headers={"a": 1})
+    with pytest.raises(TypeError, match="session must be an aiohttp.ClientSession, got int"):
+        TransportConfig(session=1)

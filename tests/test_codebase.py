@@ -286,3 +286,66 @@ def test_the_top_level_holds_only_public_modules_subpackages_and_the_named_excep
             if f"torch_r3.{name}" in imports_of(path) and _module_name(path).count(".") >= 1
         }
         assert len(users) >= 3, f"torch_r3.{name} is used by {sorted(users)} only: move it beside them"
+
+
+# ---------------------------------------------------------------------------
+# Sizes: no module over 600 lines, no function body over 80 (issue 42 item 5)
+# ---------------------------------------------------------------------------
+
+MAX_MODULE_LINES = 600
+MAX_BODY_LINES = 80
+
+
+def body_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """The lines a function's body spans, from its first statement after the docstring to its last line."""
+    body = node.body
+    if len(body) > 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        if isinstance(body[0].value.value, str):
+            body = body[1:]
+    return (body[-1].end_lineno or body[-1].lineno) - body[0].lineno + 1
+
+
+def oversized(path: Path) -> list[str]:
+    """`path`'s module if it is over `MAX_MODULE_LINES` lines, and each function whose body is over `MAX_BODY_LINES`."""
+    text = path.read_text(encoding="utf-8")
+    found = []
+    lines = len(text.splitlines())
+    if lines > MAX_MODULE_LINES:
+        found.append(f"{path.name}: {lines} lines")
+    scopes: list[tuple[str, ast.AST]] = [("", ast.parse(text))]
+    while scopes:
+        prefix, scope = scopes.pop()
+        for node in ast.iter_child_nodes(scope):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{node.name}"
+                if not isinstance(node, ast.ClassDef) and body_lines(node) > MAX_BODY_LINES:
+                    found.append(f"{path.name}: {name} body {body_lines(node)} lines (line {node.lineno})")
+                scopes.append((f"{name}.", node))
+            elif not isinstance(node, (ast.expr, ast.Import, ast.ImportFrom)):
+                scopes.append((prefix, node))  # functions defined under an `if`, `try` or `with`
+    return found
+
+
+def test_the_size_scanner_counts_bodies_without_docstrings_nested_and_module_lines(tmp_path: Path) -> None:
+    def function(name: str, statements: int, indent: str = "") -> str:
+        inner = indent + "    "
+        return f'{indent}def {name}():\n{inner}"""Doc\n{inner}string."""\n' + f"{inner}x = 1\n" * statements
+
+    path = tmp_path / "m.py"
+    path.write_text(function("fits", 80) + function("over", 81) + "class C:\n" + function("method", 81, "    "))
+    assert sorted(oversized(path)) == ["m.py: C.method body 81 lines (line 169)", "m.py: over body 81 lines (line 84)"]
+    # under an `if`, and nested: the outer body holds the inner function's 84 lines and its own one
+    nested = "if True:\n    def outer():\n" + function("inner", 81, "        ") + "        return inner\n"
+    path.write_text(nested + "x = 1\n" * (MAX_MODULE_LINES - nested.count("\n") + 1))
+    assert sorted(oversized(path)) == [
+        "m.py: 601 lines",
+        "m.py: outer body 85 lines (line 2)",
+        "m.py: outer.inner body 81 lines (line 3)",
+    ]
+
+
+def test_no_module_is_over_600_lines_and_no_function_body_over_80() -> None:
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}: {hit.split(': ', 1)[1]}" for path in _modules() for hit in oversized(path)
+    ]
+    assert not found, "split these along their seams (no joined statements):\n" + "\n".join(found)

@@ -50,7 +50,7 @@ def test_matches_reference_for_every_layout_padding_and_dtype_mix(layout, paddin
     counts = [5, 9, 1]
     rows = [4, 9, 0]  # uncaptured tail, fully captured, nothing captured
     routes = [router_routes(rng, r, 3, 2, num_experts=EXPERTS_IN[d], dtype=d) for r, d in zip(rows, dtypes)]
-    kw = dict(layout=layout, filler=padding, num_experts=5 if padding == "balanced" else None)
+    kw = dict(layout=layout, filler=padding, num_experts=300 if padding == "balanced" else None)  # every id < 300
     got = collate_routes(routes, counts, **kw)
     assert_batch_equal(
         got, reference_collate_routes(routes, counts, layout=layout, filler=padding, num_experts=kw["num_experts"])
@@ -152,7 +152,9 @@ def test_property_random_batches_match_reference(data):
         dtype = data.draw(st.sampled_from(ORDER))
         seed = data.draw(st.integers(0, 2**16))
         counts.append(n)
-        routes.append(router_routes(np.random.default_rng(seed), r, L, K, num_experts=EXPERTS_IN[dtype], dtype=dtype))
+        experts = E if padding == "balanced" else EXPERTS_IN[dtype]  # num_experts=E checks every id against E
+        routes.append(router_routes(np.random.default_rng(seed), r, L, K, num_experts=experts, dtype=dtype))
+    E = E if padding == "balanced" else None
     got = collate_routes(
         routes, counts, **torch_r3_options(layout=layout, pad_to_multiple_of=pad_to), filler=padding, num_experts=E
     )
@@ -364,7 +366,7 @@ def test_collator_refuses_an_empty_batch():
 def test_collator_is_picklable():
     import pickle
 
-    c = R3Collator(pad_keys={"loss_mask": 0.0}, filler="balanced", num_experts=8, pad_token_id=0)
+    c = R3Collator(pad_keys={"loss_mask": 0.0}, filler="balanced", num_experts=256, pad_token_id=0)
     c2 = pickle.loads(pickle.dumps(c))
     samples = make_samples()
     assert_batch_equal(c2(samples), {k: v.numpy() for k, v in c(samples).items()})
@@ -549,7 +551,7 @@ def test_numpy_integers_are_accepted_wherever_python_ints_are():
     samples = make_samples(n_samples=4)
     kwargs = dict(
         filler="balanced",
-        num_experts=np.int64(8),
+        num_experts=np.int64(256),  # the samples' ids are < 256
         layout=Padded(pad_to_multiple_of=np.int32(4)),
         memory=Memory(workers=np.int64(2)),
     )
@@ -559,7 +561,7 @@ def test_numpy_integers_are_accepted_wherever_python_ints_are():
         pad_token_id=5,
         pad_keys={"loss_mask": (0.5, np.float32)},
         filler="balanced",
-        num_experts=8,
+        num_experts=256,
         pad_to_multiple_of=4,
     )
     assert_batch_equal(got, want)

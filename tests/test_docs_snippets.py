@@ -8,7 +8,9 @@ are discovered, not listed: a new page is covered without an edit here.
 A block that ends in a run of whole-line comments after a `print(...)` states its output
 there; what it prints must be that text (compared with runs of whitespace collapsed, so a
 long line may wrap). A page passes when every block ran without an exception, printed what
-it states, and nothing it started is still running afterwards: no non-daemon thread, no
+it states, raised no deprecation warning (the project's own `filterwarnings` of pyproject.toml
+apply, as in the test run: a page never teaches a deprecated spelling), and nothing it
+started is still running afterwards: no non-daemon thread, no
 child process, and no listening socket (a loopback server left open, whose thread may be a
 daemon). The routes a page builds must be ones a router could make: every array it gives
 `compact_routes` and every captured row that `collate_routes`, `R3Collator` or
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<ticks>`{3,}|~{3,})[ \t]*(?P<info>[^`\s]*)[^`]*$")
@@ -114,6 +117,12 @@ def stated_output(body: list[str]) -> str | None:
     if k == len(body) or "print(" not in "\n".join(body[:k]):
         return None
     return "\n".join(line.lstrip()[1:].removeprefix(" ") for line in body[k:])
+
+
+def warning_filters() -> list[str]:
+    """The test run's `filterwarnings` (pyproject.toml): deprecations are errors, a few third-party ones ignored."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["tool"]["pytest"]["ini_options"]["filterwarnings"]
 
 
 def _name(page: Path) -> str:
@@ -205,8 +214,16 @@ RUNNER = textwrap.dedent(
         torch_r3.R3Collator.__call__ = wrap(torch_r3.R3Collator.__call__, "R3Collator")
         torch_r3.ShardCollator.__iter__ = iterating(torch_r3.ShardCollator.__iter__)
 
+    def error_on_deprecations(filters):
+        # pyproject.toml's filterwarnings, applied as pytest applies them (a later entry wins).
+        import builtins, warnings
+        for entry in filters:
+            action, message, category, module = (entry.split(":", 4) + [""] * 4)[:4]
+            warnings.filterwarnings(action, message, getattr(builtins, category or "Warning"), module)
+
     spec = json.load(sys.stdin)
     verdict = {"ran": 0, "error": None}
+    error_on_deprecations(spec["filterwarnings"])
     namespace = {"__name__": "__main__"}
     try:
         audit_routes()
@@ -261,7 +278,11 @@ RUNNER = textwrap.dedent(
 def run_blocks(name: str, blocks: list[Block], workdir: Path, timeout_s: float = PAGE_TIMEOUT_S) -> dict:
     """Run `blocks` in a fresh interpreter in `workdir`; returns {"ran", "error", "output"}."""
     verdict_path = workdir / ".snippet-verdict.json"
-    spec = {"page": name, "blocks": [{"line": b.line, "code": b.code, "stated": b.stated_output} for b in blocks]}
+    spec = {
+        "page": name,
+        "blocks": [{"line": b.line, "code": b.code, "stated": b.stated_output} for b in blocks],
+        "filterwarnings": warning_filters(),
+    }
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path, "MPLBACKEND": "Agg"}
     try:
@@ -399,6 +420,10 @@ def test_parse_refuses_a_marker_without_reason_a_stray_marker_and_an_open_fence(
         ),
         ("import multiprocessing, time\nmultiprocessing.Process(target=time.sleep, args=(60,)).start()\n", "child"),
         ("print(1 + 1)\n# 3\n", "states that it prints"),
+        (  # a page that teaches a deprecated spelling fails, as the test run's own code would
+            "from torch_r3 import R3Collator\nR3Collator(pad_token_id=0, workers=2)\n",
+            "DeprecationWarning: R3Collator(workers=) is deprecated",
+        ),
         ("from torch_r3.testing import LoopbackServer\nserver = LoopbackServer().start()\n", "still listening"),
         (  # routes no router makes: expert 3 twice in one token, compacted or collated
             "import numpy as np\nfrom torch_r3 import compact_routes\ncompact_routes(np.array([[[3, 3]]]))\n",

@@ -290,3 +290,23 @@ def test_import_torch_r3_and_its_engine_adapters_import_no_engine():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("kind", ["DELTA", "CUMULATIVE"])
+def test_a_stream_stopped_before_its_second_sample_produced_anything_is_refused_naming_it(kind):
+    # Issue 43.4: with n=2, a stream cut off after sample 0 finished but before sample 1 produced
+    # any output gave one result and no error, although the stream never finished.
+    case = next(c for c in CASES if c["kind"] == kind and c["n"] == 2 and not c["name"].endswith("-update"))
+    outputs = [o for o in stream(case) if all(c.index == 0 for c in o.outputs)]
+    assert outputs[-1].outputs[0].finish_reason is not None  # sample 0 ran to its end
+    for o in outputs:
+        o.finished = False  # sample 1 has not: vLLM's request is not finished
+    collector = VLLMOutputCollector(delta=kind == "DELTA")
+    for o in outputs:
+        collector.add(o)
+    assert not collector.finished
+    request = case["request_outputs"][0]["request_id"]
+    with pytest.raises(
+        ValueError, match=rf"request {request!r} has not finished.*samples seen \[0\], of which \[\] are"
+    ):
+        collector.results(**kwargs(case))

@@ -45,6 +45,7 @@ def test_r3collator_has_at_most_12_parameters_that_are_not_deprecated():
         "keep_layers",
         "compact",
         "memory",
+        "extra_dtypes",
     ]
     assert len(_named(R3Collator)) <= 12
     assert len(_named(collate_routes)) <= 14  # + routes, token_counts and the per-call prompt_lengths, sample_ids, out

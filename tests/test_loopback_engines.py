@@ -18,6 +18,7 @@ import pytest
 
 from torch_r3 import RemoteGenerateClient, RoutedExpertTrace
 from torch_r3.errors import RemoteGenerateError
+from torch_r3.rollout.transport import TransportConfig
 from torch_r3.testing import LoopbackServer, TinyMoELM
 from torch_r3.testing._wire.chat import ROLES, START
 
@@ -61,7 +62,9 @@ def test_a_multi_turn_rollout_matches_one_request_over_the_conversation(protocol
 )
 def test_a_server_without_routes_gets_the_engines_own_advice(protocol, advice):
     async def main(url):
-        async with RemoteGenerateClient(url, server=protocol, retries=0, num_layers=2, topk=2) as client:
+        async with RemoteGenerateClient(
+            url, server=protocol, num_layers=2, topk=2, transport_config=TransportConfig(retries=0)
+        ) as client:
             await client.generate([3, 4, 5], {"max_tokens": 2}, return_routed_experts=True)
 
     with LoopbackServer(protocol=protocol, routes_enabled=False) as server:

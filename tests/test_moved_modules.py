@@ -34,6 +34,7 @@ EXPECTED = {
     "torch_r3.indexer.checks": "torch_r3.replay.selection_checks",
     "torch_r3.indexer.stats": "torch_r3.replay.selection_stats",
     "torch_r3.indexer.transformers": "torch_r3.transformers.indexer",
+    "torch_r3.integrations.skyrl.swap": "torch_r3.integrations.skyrl.install",
 }
 
 

@@ -9,6 +9,7 @@ colour limits instead of their pixels.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -186,3 +187,48 @@ needs_chromium = pytest.mark.skipif(chromium() is None, reason="chromium is not 
 def test_the_page_opens_in_headless_chromium_at_one_two_and_two_hundred_steps(tmp_path, steps):
     render_report(_log(tmp_path, steps), tmp_path / "r.html")
     assert console_errors(tmp_path / "r.html") == []
+
+
+def _two_ranks(tmp_path, values):
+    """One step per pair of values: rank 0 logs the first, rank 1 the second (run "on"); run "off" logs 0.2."""
+    for rank in (0, 1):
+        with RunLog(tmp_path / "run-{rank}.jsonl", rank=rank) as log:
+            for step, pair in enumerate(values):
+                log.write(step, {"k3_kl": pair[rank], "route_drift/mean": 0.1}, run="on", replay=True)
+                log.write(step, {"k3_kl": 0.2, "route_drift/mean": 0.1}, run="off", replay=False)
+    return [tmp_path / "run-0.jsonl", tmp_path / "run-1.jsonl"]
+
+
+def _cell(page, run, step, metric):
+    return re.search(rf"<td>{run}</td><td>{step}</td><td>{metric}</td><td>([^<]*)</td>", page)[1]
+
+
+@pytest.mark.parametrize(
+    "last, mean",
+    [
+        ((math.inf, -math.inf), "nan"),  # inf + -inf has no value: the mean is NaN
+        ((math.inf, 1.0), "inf"),
+        ((1e308, 1e308), "1e+308"),  # the sum overflows, the mean does not
+        ((-1e308, -1.7e308), "-1.35e+308"),
+        ((1e308, -1e308), "0"),
+    ],
+)
+def test_ranks_whose_sum_is_not_finite_are_averaged_and_the_page_is_drawn(tmp_path, drawn, capsys, last, mean):
+    from torch_r3.cli import main
+
+    paths = _two_ranks(tmp_path, [(0.1, 0.3), last])
+    records = read_run_log(paths[0]) + read_run_log(paths[1])
+    pngs = render_report(records, tmp_path / "r.html")
+    assert set(pngs) == {"curves", "on_off"}
+    page = (tmp_path / "r.html").read_text()
+    assert _cell(page, "on", 1, "k3_kl") == mean and _cell(page, "off", 1, "k3_kl") == "0.2"
+    # the on/off panel of k3_kl: step 0 is the ranks' mean; a non-finite mean is left out of the plot
+    (ax,) = _plot_axes(drawn[-1])
+    (on,) = [line for line in ax.lines if "on" in line.get_label() and "off" not in line.get_label()]
+    ys = list(on.get_ydata())
+    assert ys[0] == pytest.approx(0.2)
+    assert ys[1] == float(mean) if math.isfinite(float(mean)) else math.isnan(ys[1])
+    assert all(math.isfinite(v) for v in ax.get_ylim())
+    # and the command draws the page too (it exited 2 on inf/-inf and 1 on 1e308 before)
+    assert main(["report", str(paths[0]), str(paths[1]), "-o", str(tmp_path / "cli.html")]) == 0
+    assert _cell((tmp_path / "cli.html").read_text(), "on", 1, "k3_kl") == mean

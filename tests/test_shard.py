@@ -174,6 +174,58 @@ def test_prefetch_fetches_the_next_microbatch_while_the_current_one_is_held():
     assert [b["input_ids"][0, -1].item() for b in [first, *rest]] == [s["input_ids"][-1] for s in samples[:3]]
 
 
+class _WaitingSample(dict):
+    """A sample whose routes are read only after `written` is set (or a second passed).
+
+    On the main thread the collator reads a sample's routes while it collates it: this
+    holds that read until the prefetched `fetch` of the next micro-batch has written the
+    shared buffer, if that fetch runs during the collation at all.
+    """
+
+    written: threading.Event | None = None
+
+    def __getitem__(self, key):
+        if key == "routes" and self.written is not None:
+            self.written.wait(timeout=1)
+        return super().__getitem__(key)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_prefetch_never_runs_a_fetch_into_one_reused_buffer_while_the_current_microbatch_is_collated(layout):
+    # Issue 43.2: prefetch=True began fetch(k + 1) before collating micro-batch k; a fetch that
+    # decodes into one reused buffer then overwrote k's rows while they were copied.
+    store = make_global(9, wide=False)
+    plan = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    buffer = np.empty((2 * 23, L, K), np.uint8)  # one micro-batch's rows, reused by every fetch
+    written = threading.Event()
+
+    def fetch(indices):
+        out, start = [], 0
+        for i in indices:
+            routes = store[i]["routes"]
+            view = buffer[start : start + len(routes)]
+            view[...] = routes
+            start += len(routes)
+            out.append(_WaitingSample(store[i], routes=view))
+            out[-1].written = written if indices == plan[0] else None
+        if indices == plan[1]:
+            written.set()
+        return out
+
+    def fresh(indices):
+        return [{**store[i], "routes": store[i]["routes"].copy()} for i in indices]
+
+    options = dict(layout=layout, pad_keys=["loss_mask"], pad_token_id=0)
+    serial = [{k: v.clone() for k, v in b.items()} for b in ShardCollator(fresh, plan, prefetch=False, **options)]
+    got = [{k: v.clone() for k, v in b.items()} for b in ShardCollator(fetch, plan, prefetch=True, **options)]
+    assert written.is_set()
+    assert len(got) == len(serial)
+    for k, (a, b) in enumerate(zip(got, serial)):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]), (k, key)
+
+
 def test_prefetch_raises_the_fetch_s_error_and_leaves_no_thread_behind():
     samples = make_global(6, wide=False)
 
@@ -407,7 +459,7 @@ def test_dtype_fixes_the_output_dtype_whatever_the_subset_holds():
 
 def test_balanced_filler_of_a_subset_matches_the_global_batch():
     routes, counts = _gap_routes()
-    kw = {"filler": "balanced", "num_experts": 7, "dtype": np.int16}
+    kw = {"filler": "balanced", "num_experts": 200, "dtype": np.int16}  # the routes' ids are < 200
     full = collate_routes(routes, counts, layout="packed", **kw)
     cu = full["cu_seqlens"].tolist()
     part = collate_routes(routes[2:], counts[2:], layout="packed", sample_ids=[2, 3], **kw)

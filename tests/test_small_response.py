@@ -29,7 +29,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from torch_r3.rollout import _base64, _npy
-from torch_r3.rollout.protocols import PROTOCOLS, GenerateCall, RouteLimits, base, sglang, spans, vllm
+from torch_r3.rollout.protocols import PROTOCOLS, GenerateCall, RouteLimits, _choices, fields, sglang, spans
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FUZZ = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -47,6 +47,11 @@ def _cases() -> list[tuple[str, dict, GenerateCall, RouteLimits]]:
         call = GenerateCall(case["prompt"], {}, True, case["start"])
         limits = RouteLimits(1 << 20, openai["num_layers"], openai["topk"], case["num_experts"])
         cases.append(("vllm-openai", case["response"], call, limits))
+    skyrl = json.loads((FIXTURES / "skyrl_generate.json").read_text())
+    for case in skyrl["cases"]:
+        call = GenerateCall(case["prompt"], {}, True, case["start"])
+        limits = RouteLimits(1 << 20, skyrl["num_layers"], skyrl["topk"], case["num_experts"])
+        cases.append(("skyrl", case["response"], call, limits))
     return cases
 
 
@@ -69,11 +74,11 @@ def _ways():
     """The four ways to read a body: (name, the settings that make it)."""
     never = 1 << 40
     shortcuts_off = (
-        (base, "all_token_ids", lambda values, end: False),
-        (base, "plain_logprobs", lambda values, **kw: None),
-        (base, "entry_logprobs", lambda *a, **kw: None),
+        (fields, "all_token_ids", lambda values, end: False),
+        (fields, "plain_logprobs", lambda values, **kw: None),
+        (fields, "entry_logprobs", lambda *a, **kw: None),
         (sglang, "sglang_logprobs", lambda *a: None),
-        (vllm, "entry_logprobs", lambda *a, **kw: None),
+        (_choices, "entry_logprobs", lambda *a, **kw: None),
         (_npy, "_as_written", lambda text: None),
         (_base64, "CHUNK_CHARS", 32),
     )
@@ -178,7 +183,8 @@ HOSTILE = [b"\xe9", "é".encode(), b"\x00", b"\x1f", b"\\/", b"\\u0041", b'"', b
 def _route_text(response: dict) -> str | None:
     if "meta_info" in response:
         return response["meta_info"].get("routed_experts")
-    return response["choices"][0].get("routed_experts")
+    routes = response["choices"][0].get("routed_experts")
+    return routes.get("data") if isinstance(routes, dict) else routes  # SkyRL's envelope holds the text in `data`
 
 
 @FUZZ
@@ -210,14 +216,14 @@ def test_token_ids_and_logprobs_take_or_refuse_what_the_per_item_loop_does(ids, 
     # The whole-list checks alone, against the loops they stand in front of.
     def loop(fn, *args):
         try:
-            return ("ok", _exact(fn(*args)) if fn is not base.token_ids else fn(*args))
+            return ("ok", _exact(fn(*args)) if fn is not fields.token_ids else fn(*args))
         except ValueError as exc:
             return ("refused", str(exc))
 
     choice = {"logprobs": {"token_logprobs": values}}
-    fast = (loop(base.token_ids, ids, "ids"), loop(base.completion_logprobs, choice, len(values)))
+    fast = (loop(fields.token_ids, ids, "ids"), loop(fields.completion_logprobs, choice, len(values)))
     with _patched(*_ways()["small, as it was"][1:-2]):
-        slow = (loop(base.token_ids, ids, "ids"), loop(base.completion_logprobs, choice, len(values)))
+        slow = (loop(fields.token_ids, ids, "ids"), loop(fields.completion_logprobs, choice, len(values)))
     assert fast == slow
     if fast[1][0] == "ok":
         assert all((v is None and math.isnan(float(r))) or float(r) == v for v, r in zip(values, fast[1][1]))

@@ -24,7 +24,8 @@ def test_a_turn_sent_without_the_prompt_start_is_told_to_send_it():
         trace.record(prompt_len=9, generated_len=2, routes=router_routes(10, 10, L, K))
     message = str(e.value)
     assert message.startswith("turn 1: expected prompt_len - prompt_start + generated_len - 1 = 9 - 6 + 2 - 1 = 4")
-    assert "sampling_params['routed_experts_prompt_start'] = trace.prompt_start (6)" in message
+    assert "rows from the trace's start (6): client.generate(" in message
+    assert "routed_experts_prompt_start=trace.prompt_start)" in message
     # A row count that is simply wrong gets no such hint.
     with pytest.raises(ValueError) as e:
         trace.record(prompt_len=9, generated_len=2, routes=router_routes(5, 5, L, K))
@@ -74,3 +75,36 @@ def test_put_trajectory_names_the_key_of_a_bfloat16_tensor(key, value, words):
     with pytest.raises(TypeError) as e:
         ray_module.put_trajectory(sample)
     assert str(e.value).startswith(words) and ".float()" in str(e.value)
+
+
+def test_the_advice_for_a_forgotten_prompt_start_is_a_call_that_works():
+    # Follow the refusal's advice to the letter: its client.generate(...) call, run as written, is accepted.
+    import asyncio
+    import re
+
+    from torch_r3.rollout.client import RemoteGenerateClient, TransportConfig
+    from torch_r3.testing import LoopbackServer
+
+    async def main(url):
+        trace = RoutedExpertTrace()
+        sampling_params = {"max_new_tokens": 3}
+        async with RemoteGenerateClient(url, transport_config=TransportConfig(retries=0)) as client:
+            first = await client.generate([1, 2, 3, 4], sampling_params, return_routed_experts=True)
+            trace.record_result(first, prompt_len=4)
+            prompt_ids = [1, 2, 3, 4, *first.response_ids, 9, 10]
+            # Turn 2 without the start: rows from position 0, refused with the advice.
+            forgot = await client.generate(prompt_ids, sampling_params, return_routed_experts=True)
+            with pytest.raises(ValueError) as e:
+                trace.record_result(forgot, prompt_len=len(prompt_ids))
+            advice = re.search(r"client\.generate\(.*?\)(?= \()", str(e.value))
+            assert advice is not None, str(e.value)
+            result = await eval(advice.group(0), {"client": client, "trace": trace}, locals())
+            trace.record_result(result, prompt_len=len(prompt_ids))
+            return trace, result, forgot
+
+    with LoopbackServer() as server:
+        trace, result, forgot = asyncio.run(main(server.url))
+    assert trace.turns == 2
+    start = 4 + 3 - 1
+    # The rows recorded for turn 2 are the full answer's rows from the trace's start on.
+    np.testing.assert_array_equal(result.routed_experts, forgot.routed_experts[start:])

@@ -11,11 +11,11 @@ which extra installs it (`pip install 'torch_r3[megatron]'`, `'torch_r3[client]'
 
 from __future__ import annotations
 
-import importlib
-import logging
-from typing import TYPE_CHECKING, Any
+import importlib as _importlib
+import logging as _logging
+import typing as _typing
 
-from torch_r3._deprecation import install_module_aliases, warn_renamed
+from torch_r3 import _deprecation
 from torch_r3.collate import R3Collator, collate_routes
 from torch_r3.collate._buffers import BufferPool
 from torch_r3.collate.geometry import BatchGeometry, global_geometry
@@ -24,12 +24,12 @@ from torch_r3.collate.nested import as_nested
 from torch_r3.collate.shard import ShardCollator, plan_microbatches
 from torch_r3.routes import check_expert_ids, compact_routes
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 # The import paths 0.3.0 moved into the stage folders keep importing for one release, with a warning.
-install_module_aliases()
+_deprecation.install_module_aliases()
 
-logging.getLogger(__name__).addHandler(logging.NullHandler())  # silent unless the application configures logging
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())  # silent unless the application configures logging
 
 # name -> module that defines it; imported lazily (PEP 562) so that the core
 # import never pulls in aiohttp. Like the eager names above, these are the names
@@ -76,27 +76,24 @@ __all__ = [
 ]
 
 
-# Deprecated top-level names: old name -> new name (both in `torch_r3`).
-_RENAMED = {"BatchLayout": "BatchGeometry", "global_layout": "global_geometry"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _RENAMED:
-        warn_renamed(f"torch_r3.{name}", f"torch_r3.{_RENAMED[name]}")
-        return globals()[_RENAMED[name]]
+def __getattr__(name: str) -> _typing.Any:
+    if f"torch_r3.{name}" in _deprecation.RENAMED_NAMES:  # deprecated top-level names
+        return _deprecation.renamed_name("torch_r3", name)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'torch_r3' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(_importlib.import_module(module), name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    """The public face: the names of `__all__`, the public submodules loaded so far and the module's dunders."""
+    names = set(globals()) | set(_LAZY)
+    return sorted(n for n in names if not n.startswith("_") or (n.startswith("__") and n.endswith("__")))
 
 
-if TYPE_CHECKING:  # pragma: no cover
+if _typing.TYPE_CHECKING:  # pragma: no cover
     from torch_r3.errors import RemoteGenerateError, WireFormatError
     from torch_r3.rollout.client import RemoteGenerateClient, RemoteGenerateResult, ZeroRoutesWarning
     from torch_r3.rollout.codec import (
@@ -106,3 +103,5 @@ if TYPE_CHECKING:  # pragma: no cover
         encode_routes,
     )
     from torch_r3.rollout.trace import RoutedExpertTrace
+
+del annotations  # the `from __future__` flag: no name of the package

@@ -205,7 +205,8 @@ _SHAPE_KEYS = (
 )
 
 
-def _bench_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def _bench_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The `BenchConfig` keywords: the preset's, overridden by the shape options given."""
     from torch_r3 import bench
 
     settings: dict[str, Any] = dict(bench.PRESETS[args.preset])
@@ -216,22 +217,41 @@ def _bench_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             settings["dtype"] = "int16"  # the widest sender's dtype
     if args.num_experts is not None and args.dtype is None:
         settings.pop("dtype", None)  # derived from the expert count
-    targets_module = None
-    if args.check_targets:
-        from torch_r3.bench.checkout import TargetsUnavailableError, load_targets
+    return settings
 
-        try:
-            targets_module = load_targets()  # registers the peers the targets compare with
-        except TargetsUnavailableError as e:
-            parser.error(str(e))
+
+def _bench_targets(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
+    """The checkout's targets module for `--check-targets` (it registers the peers they compare with), else None."""
+    if not args.check_targets:
+        return None
+    from torch_r3.bench.checkout import TargetsUnavailableError, load_targets
+
+    try:
+        return load_targets()
+    except TargetsUnavailableError as e:
+        parser.error(str(e))
+
+
+def _bench_strategies(args: argparse.Namespace, parser: argparse.ArgumentParser, targets: Any) -> tuple[list[str], str]:
+    """The strategies to time and the one speedups are over: the options', else the targets' or the defaults."""
+    from torch_r3 import bench
+
     known = list(bench.registered())
-    strategies = args.strategies or list(targets_module.STRATEGIES if targets_module else bench.STRATEGIES)
+    strategies = args.strategies or list(targets.STRATEGIES if targets else bench.STRATEGIES)
     unknown = [s for s in strategies if s not in known]
     if unknown:
         parser.error(f"--strategies: unknown {unknown}; choose from {', '.join(known)}")
     if args.speedup_over is not None and args.speedup_over not in known:
         parser.error(f"--speedup-over: unknown {args.speedup_over!r}; choose from {', '.join(known)}")
-    speedup_over = args.speedup_over or (targets_module.SPEEDUP_OVER if targets_module else bench.SERIAL)
+    return strategies, args.speedup_over or (targets.SPEEDUP_OVER if targets else bench.SERIAL)
+
+
+def _bench_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from torch_r3 import bench
+
+    settings = _bench_settings(args)
+    targets_module = _bench_targets(args, parser)
+    strategies, speedup_over = _bench_strategies(args, parser, targets_module)
     if args.sweep and not args.plot:
         parser.error("--sweep only applies with --plot")
     _check_writable(parser, "--json", args.json)
@@ -406,7 +426,12 @@ def _report_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     for path in args.logs:
         if not os.path.isfile(path):
             parser.error(f"{path}: no such file")
-        records += read_run_log(path)
+        try:
+            records += read_run_log(path)
+        except ValueError as e:  # main prints it as one line: say what the command reads
+            raise ValueError(
+                f"{e}; torch-r3 report reads run logs, one JSON object per line as torch_r3.runlog.RunLog writes them"
+            ) from None
     try:
         from torch_r3.report import render_report
 

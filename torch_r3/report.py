@@ -18,7 +18,8 @@ mathtext. A NaN or infinite value is left out of the plots and shown in the tabl
 
 A run is the `run` meta of a line (one unnamed run without it). Lines of several ranks
 for one step are averaged, and the page says so (write one rank's line after
-`reduce_stats` for exact figures). Two lines of one run, step and rank (a run appended to
+`reduce_stats` for exact figures); the mean of `inf` and `-inf` is NaN, and finite values whose
+sum overflows still have their finite mean. Two lines of one run, step and rank (a run appended to
 a log twice) are not averaged: the last is kept, with a `UserWarning` and a note on the page.
 Needs matplotlib (`pip install 'torch_r3[bench]'`).
 """
@@ -31,12 +32,12 @@ import io
 import math
 import os
 import re
-import warnings
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from torch_r3._deprecation import warn_external
 from torch_r3._extras import require
 from torch_r3.runlog import RunRecord
 
@@ -84,7 +85,7 @@ def _runs(records: Sequence[RunRecord]) -> tuple[Series, dict[str, Any], list[st
             f"run {run!r}, step {step}, rank {rank}: {n} lines; the report keeps the last{more}. "
             "Was a run appended to the log twice? Give each run its own `run=` name."
         )
-        warnings.warn(notes[-1], UserWarning, stacklevel=3)
+        warn_external(notes[-1], UserWarning)
     sums: dict[str, dict[int, dict[str, list[float]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     ranks: dict[str, set[int]] = defaultdict(set)
     averaged: set[str] = set()
@@ -102,12 +103,26 @@ def _runs(records: Sequence[RunRecord]) -> tuple[Series, dict[str, Any], list[st
             "(write one line per step after reduce_stats for exact figures)."
         )
     series: Series = {
-        run: {step: {k: math.fsum(v) / len(v) for k, v in metrics.items()} for step, metrics in sorted(steps.items())}
+        run: {step: {k: _mean(v) for k, v in metrics.items()} for step, metrics in sorted(steps.items())}
         for run, steps in sums.items()
     }
     if any(not math.isfinite(v) for steps in series.values() for m in steps.values() for v in m.values()):
         notes.append("Some values are NaN or infinite: the plots leave them out; the table shows them.")
     return series, replay, notes
+
+
+def _mean(values: Sequence[float]) -> float:
+    """The ranks' mean of one metric: NaN with a NaN or with both infinities, the infinity with one.
+
+    Finite values whose sum overflows (two ranks at 1e308) are averaged as shares of the
+    sum, which cannot overflow: their mean lies between their least and greatest value.
+    """
+    if any(math.isnan(v) for v in values) or (math.inf in values and -math.inf in values):
+        return math.nan
+    try:
+        return math.fsum(values) / len(values)
+    except OverflowError:
+        return math.fsum(v / len(values) for v in values)
 
 
 def _finite(value: float) -> float:

@@ -156,21 +156,65 @@ def check_expert_ids(routes: np.ndarray, num_experts: int | None = None, *, name
         got = routes.dtype if isinstance(routes, np.ndarray) else type(routes).__name__
         raise TypeError(f"{name}: expected an integer NumPy array, got {got}")
     _check_num_experts(num_experts, name)
+    index = first_bad_id(routes, num_experts)
+    if index is not None:
+        raise ValueError(
+            f"{name}: expert ids must be in [0, num_experts), found {int(routes[index])} at index {index}"
+            + (f" (num_experts={num_experts})" if num_experts is not None else "")
+        )
+    return routes
+
+
+def first_bad_id(routes: np.ndarray, num_experts: int | None) -> tuple[int, ...] | None:
+    """The index of the first id outside `[0, num_experts)` (negative only, without `num_experts`), or `None`.
+
+    One min and one max scan, each only where the dtype leaves it open (a `uint8` array is never
+    negative; a `num_experts` above the dtype's largest value needs no upper scan).
+
+    Examples:
+        >>> first_bad_id(np.array([[[0, 7]], [[9, 1]]], np.uint8), 8)
+        (1, 0, 0)
+    """
     if routes.size == 0:
-        return routes
+        return None
     bad = None
     if routes.dtype.kind == "i" and int(routes.min()) < 0:
         bad = routes < 0
     elif num_experts is not None and int(num_experts) <= int(np.iinfo(routes.dtype).max):
         if int(routes.max()) >= num_experts:
             bad = routes >= num_experts
-    if bad is not None:
-        index = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), routes.shape))
-        raise ValueError(
-            f"{name}: expert ids must be in [0, num_experts), found {int(routes[index])} at index {index}"
-            + (f" (num_experts={num_experts})" if num_experts is not None else "")
-        )
-    return routes
+    if bad is None:
+        return None
+    return tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), routes.shape))
+
+
+def first_repeated_expert(routes: np.ndarray) -> tuple[int, int] | None:
+    """`(row, layer)` of the first route `[rows, layers, topk]` that names one expert twice, or `None`.
+
+    A route whose ids are all zero is left to the engine-health check: that is what a dense
+    layer, or a layer the engine did not capture, sends (`torch_r3.health`). Whole-array
+    comparisons of the `topk` columns, pair by pair, over one transposed copy: no loop per row.
+
+    Examples:
+        >>> first_repeated_expert(np.array([[[0, 1], [0, 0]], [[2, 3], [5, 5]]], np.uint8))
+        (1, 1)
+    """
+    k = routes.shape[-1]
+    if k < 2 or routes.size == 0:
+        return None
+    columns = np.ascontiguousarray(routes.reshape(-1, k).T)  # [topk, rows * layers]
+    repeated = np.zeros(columns.shape[1], bool)
+    equal = np.empty_like(repeated)
+    for a in range(k - 1):
+        for b in range(a + 1, k):
+            repeated |= np.equal(columns[a], columns[b], out=equal)
+    if not repeated.any():
+        return None
+    hits = np.flatnonzero(repeated & columns.any(axis=0))
+    if hits.size == 0:
+        return None
+    row, layer = divmod(int(hits[0]), routes.shape[1])
+    return row, layer
 
 
 def _check_num_experts(num_experts: Any, name: str) -> None:
@@ -192,7 +236,11 @@ def compact_routes(
     the routes for the engines' capture-bug signatures that are decidable
     without the model's layer map or the tokens (`torch_r3.health`): rows
     that are zero in every layer (with `topk >= 2`, impossible for real
-    routes) and a layer stuck on one non-zero row over many tokens.
+    routes) and a layer stuck on one non-zero row over many tokens; and it
+    refuses a route that names one expert twice, naming its row and layer.
+    The collator does not rescan values for that (with `num_experts=` it
+    checks the range only); the replay hooks refuse repeated experts again on
+    the training device, before a router sees them.
 
     Args:
         array: A NumPy array, a CPU/GPU `torch.Tensor` or a tensor-like object
@@ -204,14 +252,17 @@ def compact_routes(
         health: What to do with routes that carry a capture-bug signature:
             `"raise"` (the default, `RouteHealthError`), `"warn"`, `"count"`,
             a `RouteHealthCheck` of your own (its `stats` count every call), or
-            `None` for no check (routes a check has already seen).
+            `None` for no check (routes a check has already seen). Unless
+            `None`, a route that names one expert twice (`[5, 5]`, not all
+            zero) is refused whatever the mode: a router never makes one.
 
     Returns:
         A new C-contiguous, writable array of `uint8`, `int16` or `int32`.
 
     Raises:
         TypeError: not an array/tensor, or a float, bool or complex dtype.
-        ValueError: not 3-D, `layers` or `topk` zero, a negative id, or an id >= 2**31.
+        ValueError: not 3-D, `layers` or `topk` zero, a negative id, an id >= 2**31, or
+            (with a health check) a route naming one expert twice, with its row and layer.
         RouteHealthError: A capture-bug signature, with `health="raise"` (a `ValueError`).
 
     Examples:
@@ -248,5 +299,13 @@ def compact_routes(
     # hand us a view of a buffer it goes on mutating.
     out = np.array(a, dtype=target, order="C", copy=True)
     if check is not None:
-        check.check(out, trajectory=name, num_experts=num_experts, stacklevel=3)
+        check.check(out, trajectory=name, num_experts=num_experts)
+        repeated = first_repeated_expert(out)
+        if repeated is not None:
+            row, layer = repeated
+            route = out[row, layer].tolist()
+            raise ValueError(
+                f"{name}: row {row}, layer {layer}: route {route} names an expert twice; the topk={len(route)} "
+                "experts of a token are distinct (a router never repeats one): check how the routes were made"
+            )
     return out

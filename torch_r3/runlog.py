@@ -21,6 +21,13 @@ a meta value's NaN or infinity is the string `"nan"`, `"inf"` or `"-inf"`, and t
 `"nonfinite_meta"` lists those keys (so `run="inf"` stays a string). `read_run_log` gives
 back the floats.
 
+A crash mid-write leaves a torn last line (a line's first bytes, no newline). A `RunLog`
+that resumes the file starts its first line on a fresh line, and `read_run_log` skips a
+torn line with a `UserWarning` naming it, wherever it sits: only a proper prefix of a line
+the writer writes counts as torn (it begins `{"step": ` and is valid JSON up to where it
+stops); any other line that is no JSON is refused, as before. A torn line that 0.2.0's
+writer appended the next record onto gives that record back.
+
 `read_routing_trace` reads the `router_trace_rank<r>.jsonl` files that Megatron-core
 0.19's router tracer writes under `--moe-routing-trace-path` (one line per step, block
 and layer, with the layer's `top_indices`), and `trace_expert_load` counts its tokens
@@ -32,12 +39,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 
 import numpy as np
+
+from torch_r3._deprecation import warn_external
 
 __all__ = [
     "MAX_LINE_BYTES",
@@ -122,7 +132,7 @@ class RunLog:
         self._file: IO[str] | None = None
 
     def write(self, step: int, metrics: Any, **meta: Any) -> None:
-        """Append the step's line.
+        """Append the step's line (the first on a fresh line, after a torn one a crash left).
 
         Args:
             step: The training step (an int >= 0).
@@ -158,8 +168,7 @@ class RunLog:
         if self.path is None:
             return
         if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", encoding="utf-8")
+            self._file = _open_fresh_line(self.path)
         line: dict[str, Any] = {"step": step, "rank": self.rank, "time": time.time(), "metrics": out, "meta": kept}
         if nonfinite:
             line["nonfinite_meta"] = nonfinite
@@ -179,7 +188,55 @@ class RunLog:
         self.close()
 
 
-def _lines(path: str | os.PathLike[str], limit: int) -> Iterator[tuple[int, dict[str, Any]]]:
+def _open_fresh_line(path: Path) -> IO[str]:
+    """The log opened for appending, on a line of its own: a crash mid-write left its last line without a newline."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as file:
+        if file.tell() > 0:
+            file.seek(-1, os.SEEK_END)
+            if file.read(1) != b"\n":
+                file.write(b"\n")  # the torn bytes stay a line of their own; the reader skips it
+    return open(path, "a", encoding="utf-8")
+
+
+_RECORD_START = '{"step": '  # how every line `RunLog.write` writes begins (json.dumps, ASCII)
+# what a cut can leave of a number or literal at the end of a line
+_PARTIAL_TOKEN = re.compile(r"(?:-?\d*\.?\d*(?:[eE][-+]?\d*)?|t(?:r(?:ue?)?)?|f(?:a(?:l(?:se?)?)?)?|n(?:u(?:ll?)?)?)\Z")
+
+
+def _is_torn(text: str) -> bool:
+    """Whether `text` is a proper prefix of a line the writer writes: a write cut short."""
+    if not (text.startswith(_RECORD_START) or _RECORD_START.startswith(text)) or not text:
+        return False
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as e:
+        if e.msg.startswith("Unterminated string") or e.pos >= len(text):
+            return True
+        if e.msg.startswith("Invalid \\uXXXX escape"):  # cut inside or right after a \u escape
+            return re.fullmatch(r"[0-9a-fA-F]{0,4}", text[text.rfind("\\u") + 2 :]) is not None
+        return _PARTIAL_TOKEN.match(text, e.pos) is not None
+    return False  # a whole JSON value
+
+
+def _untorn(text: str, where: str) -> str:
+    """The line without the torn writes it begins with (a crash, then a 0.2.0 writer appending on), warned about."""
+    starts = [0] + [i for i in range(1, len(text)) if text.startswith(_RECORD_START, i)]
+    pieces = [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)])]
+    torn = 0
+    while torn < len(pieces) and _is_torn(pieces[torn].rstrip("\r\n")):
+        torn += 1
+    if torn == 0:
+        return text
+    warn_external(
+        f"{where}: a torn line (a write cut short) is skipped: {sum(map(len, pieces[:torn]))} bytes starting "
+        f"{pieces[0][:40]!r}; every other line is read",
+        UserWarning,
+    )
+    return "".join(pieces[torn:])
+
+
+def _lines(path: str | os.PathLike[str], limit: int, *, torn: bool = False) -> Iterator[tuple[int, dict[str, Any]]]:
     with open(path, "rb") as f:
         number = 0
         while True:
@@ -189,6 +246,8 @@ def _lines(path: str | os.PathLike[str], limit: int) -> Iterator[tuple[int, dict
             number += 1
             if len(raw) > limit and not raw.endswith(b"\n"):
                 raise ValueError(f"{path}:{number}: line longer than {limit} bytes")
+            if torn and raw.isascii():
+                raw = _untorn(raw.decode("ascii"), f"{path}:{number}").encode("ascii")
             if not raw.strip():
                 continue
             try:
@@ -213,12 +272,16 @@ def read_run_log(path: str | os.PathLike[str]) -> list[RunRecord]:
     NaN and infinities come back as the floats `RunLog.write` was given (a metric's `null`,
     `"inf"` and `"-inf"`; the meta keys listed in `"nonfinite_meta"`).
 
+    Warns:
+        UserWarning: For each torn line (a write that a crash cut short), which is skipped;
+            the message names the file and the line.
+
     Raises:
-        ValueError: When a line is not JSON, longer than `MAX_LINE_BYTES`, or lacks a field
-            (the message names the file, the line and the field).
+        ValueError: When a line is not JSON (and no torn write), longer than `MAX_LINE_BYTES`,
+            or lacks a field (the message names the file, the line and the field).
     """
     records = []
-    for number, value in _lines(path, MAX_LINE_BYTES):
+    for number, value in _lines(path, MAX_LINE_BYTES, torn=True):
         where = f"{path}:{number}"
         step, rank = _int_field(value, "step", where), _int_field(value, "rank", where)
         stamp = value.get("time", 0.0)

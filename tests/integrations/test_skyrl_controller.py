@@ -263,3 +263,60 @@ def test_lengths_that_are_not_in_range_integers_are_refused_saying_what_they_are
     attention = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
     with pytest.raises((TypeError, ValueError), match=message):
         integration.make_router_padding_mask(attention, lengths)
+
+
+def test_an_aliased_binding_is_swapped_and_restored_whether_imported_before_or_after_install(
+    skyrl, tmp_path, monkeypatch
+):
+    """Defect (issue 43.5): `from ...preprocess import make_router_padding_mask as mask_fn` kept torch_r3's
+    function after `uninstall()` (and, imported before `install()`, was never swapped)."""
+    import importlib
+    import sys
+
+    preprocess, _, _, integration = skyrl
+    original = preprocess.make_router_padding_mask
+    line = "from skyrl.train.dataset.preprocess import make_router_padding_mask as mask_fn\n"
+    (tmp_path / "alias_before_r3.py").write_text(line)
+    (tmp_path / "alias_after_r3.py").write_text(line)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("alias_before_r3", "alias_after_r3"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    before = importlib.import_module("alias_before_r3")
+    handle = integration.install()
+    try:
+        after = importlib.import_module("alias_after_r3")
+        assert before.mask_fn is integration.make_router_padding_mask
+        assert after.mask_fn is integration.make_router_padding_mask
+    finally:
+        handle.uninstall()
+    assert before.mask_fn is original and after.mask_fn is original
+    assert preprocess.make_router_padding_mask is original
+
+
+@pytest.mark.parametrize("error", [AttributeError, KeyboardInterrupt])
+def test_an_install_refused_half_way_leaves_every_module_as_it_was(skyrl, monkeypatch, error):
+    """Defect (issue 43.6): one loaded module refused the assignment (a read-only module object, or any
+    exception, KeyboardInterrupt included); the names swapped before it kept torch_r3's functions."""
+    import sys
+    import types
+
+    preprocess, _, _, integration = skyrl
+    collate, mask = preprocess._collate_rollout_expert_indices, preprocess.make_router_padding_mask
+
+    class Frozen(types.ModuleType):
+        def __setattr__(self, name, value):
+            raise error(f"{self.__name__} is read-only")
+
+    frozen = Frozen("frozen_trainer_r3")
+    frozen.__dict__["make_router_padding_mask"] = mask  # bound at its import, before it was frozen
+    user = types.ModuleType("user_trainer_r3")
+    user.collate = collate
+    monkeypatch.setitem(sys.modules, frozen.__name__, frozen)
+    monkeypatch.setitem(sys.modules, user.__name__, user)
+    with pytest.raises(error, match="read-only"):
+        integration.install(worker=False)
+    assert preprocess._collate_rollout_expert_indices is collate and user.collate is collate
+    assert preprocess.make_router_padding_mask is mask and frozen.make_router_padding_mask is mask
+    monkeypatch.delitem(sys.modules, frozen.__name__)
+    integration.install(worker=False).uninstall()  # nothing was left installed: a later install() is not refused
+    assert preprocess._collate_rollout_expert_indices is collate and user.collate is collate

@@ -306,3 +306,46 @@ def test_packed_routes_shorter_than_their_segments_are_refused_naming_the_trajec
         match=rf"rollout_expert_indices: trajectory {first_cut}'s segment \[{ends[first_cut]}, {ends[first_cut + 1]}\) ends past the {ends[-1] - short} value rows",
     ):
         microbatch(batch)
+
+
+def test_packed_view_is_skyrls_own_routes_equal_to_its_alignment_and_to_microbatch(skyrl):
+    """SkyRL's default packed layout (TP = CP = 1): the hook's batch is SkyRL's tensor, checked, not a copy (issue 44)."""
+    from torch_r3.integrations.skyrl import microbatch
+    from torch_r3.integrations.skyrl.worker import packed_view
+
+    batch = skyrl_batch(skyrl, seed=3)
+    for size in (1, 3):
+        for chunk in batch.chunk(size):
+            view = packed_view(chunk)
+            assert view is not None
+            values = chunk["rollout_expert_indices"].values
+            assert view["rollout_expert_indices"].data_ptr() == values.data_ptr()  # no second collation
+            layout = skyrl_layout(skyrl, chunk["attention_mask"], packed=True, align=1)
+            filler = skyrl["replay"].replay_padding_row(TOPK, dtype=values.dtype)
+            theirs = skyrl["metadata"].align_packed_token_metadata(chunk["rollout_expert_indices"], layout, filler)[0]
+            mask = skyrl["metadata"].align_token_metadata(chunk["router_padding_mask"], layout, True)[0]
+            assert torch.equal(view["rollout_expert_indices"], theirs)
+            assert torch.equal(view["router_padding_mask"], mask)
+            ours = microbatch(chunk, layout=Packed())
+            assert list(view) == list(ours)
+            for key in ours:
+                assert view[key].dtype == ours[key].dtype and torch.equal(view[key], ours[key]), key
+
+
+def test_packed_view_leaves_a_batch_with_another_filler_to_microbatch_and_checks_the_mask(skyrl):
+    from torch_r3.integrations.skyrl import microbatch
+    from torch_r3.integrations.skyrl.worker import packed_view
+
+    chunk = skyrl_batch(skyrl, seed=5, n=2)
+    fields = {k: chunk[k] for k in ("sequences", "attention_mask", "rollout_expert_indices", "router_padding_mask")}
+    packed = fields["rollout_expert_indices"]
+    tail = int(packed.cu_seqlens[1]) - 1  # trajectory 0's last token: uncaptured, filler 0..K-1
+    assert bool(fields["router_padding_mask"][0, -1])
+    packed.values[tail] = packed.values[tail].flip(-1)  # still K distinct experts, not the filler
+    assert packed_view(fields) is None
+    assert torch.equal(microbatch(fields, layout=Packed())["rollout_expert_indices"][tail, 0], torch.arange(TOPK))
+    mask = fields["router_padding_mask"].clone()
+    start = int((~fields["attention_mask"].bool()[1]).sum())
+    mask[1, start] = True  # a gap before captured tokens
+    with pytest.raises(ValueError, match=r"router_padding_mask\[1\]: its captured tokens are not a prefix"):
+        packed_view({**fields, "router_padding_mask": mask})

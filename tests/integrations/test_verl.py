@@ -314,3 +314,36 @@ def test_layouts_the_hook_cannot_slice_are_refused_with_the_reason(world_of_one,
         thd_alignment(types.SimpleNamespace(fp8=None, experimental_attention_variant="dsv4_hybrid"))
     with pytest.raises(InterleavedPipelineError, match="2 virtual-pipeline chunks"):
         EngineReplay().hook_for([torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)])
+
+
+@pytest.mark.parametrize("error", [AttributeError, KeyboardInterrupt])
+def test_the_swap_verls_install_makes_is_undone_in_every_module_when_one_refuses(verl, monkeypatch, error):
+    """`install()`'s mechanism (`torch_r3.integrations.swap.Swaps`) on verl 0.9.1's own padding module
+    (`install()` itself needs verl with its dependencies: tests/integrations/test_verl_engine.py): a
+    module that bound `left_right_2_no_padding` under another name is swapped, one that refuses the
+    assignment is left alone, and `undo()` puts verl's function back everywhere (issue 43.6)."""
+    import sys
+
+    from torch_r3.integrations.swap import Swaps
+
+    padding = verl[0]
+    original, pad_mask = padding.left_right_2_no_padding, padding.no_padding_2_padding
+
+    class Frozen(types.ModuleType):
+        def __setattr__(self, name, value):
+            raise error(f"{self.__name__} is read-only")
+
+    user = types.ModuleType("verl_user_alias")
+    exec("from verl.workers.utils.padding import left_right_2_no_padding as to_nested", user.__dict__)
+    frozen = Frozen("verl_user_frozen_padding")
+    frozen.__dict__["back"] = pad_mask
+    monkeypatch.setitem(sys.modules, user.__name__, user)
+    monkeypatch.setitem(sys.modules, frozen.__name__, frozen)
+    swaps = Swaps()
+    with pytest.raises(error, match="read-only"):
+        swaps.everywhere(padding, "left_right_2_no_padding", lambda data: data)
+        swaps.everywhere(padding, "no_padding_2_padding", lambda *a: a)
+    assert user.to_nested is padding.left_right_2_no_padding is not original  # half-way
+    swaps.undo()
+    assert padding.left_right_2_no_padding is original and user.to_nested is original
+    assert padding.no_padding_2_padding is pad_mask and frozen.back is pad_mask

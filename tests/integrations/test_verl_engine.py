@@ -281,6 +281,44 @@ def test_uninstall_restores_verls_names_bound_before_and_after_install():
         sys.modules.pop("verl_user_after", None)
 
 
+@pytest.mark.parametrize("error", [AttributeError, KeyboardInterrupt])
+def test_an_install_refused_half_way_leaves_every_module_as_it_was(error):
+    """Defect (issue 43.6): one loaded module refused the assignment (a read-only module object, or any
+    exception, KeyboardInterrupt included); what was swapped before it kept torch_r3's functions."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+    from verl.utils.megatron import router_replay_patch
+    from verl.workers.engine.megatron import transformer_impl
+    from verl.workers.utils import padding
+
+    import torch_r3.integrations.verl as r3_verl
+
+    originals = {
+        "apply_router_replay_patch": router_replay_patch.apply_router_replay_patch,
+        "left_right_2_no_padding": padding.left_right_2_no_padding,
+        "_agent_loop_postprocess": AgentLoopWorker.__dict__["_agent_loop_postprocess"],
+    }
+
+    class Frozen(types.ModuleType):
+        def __setattr__(self, name, value):
+            raise error(f"{self.__name__} is read-only")
+
+    frozen = Frozen("verl_user_frozen")  # bound verl's patch at its import, then was frozen
+    frozen.__dict__["patch"] = originals["apply_router_replay_patch"]
+    sys.modules[frozen.__name__] = frozen
+    try:
+        with pytest.raises(error, match="read-only"):
+            r3_verl.install()
+        assert padding.left_right_2_no_padding is originals["left_right_2_no_padding"]
+        assert AgentLoopWorker.__dict__["_agent_loop_postprocess"] is originals["_agent_loop_postprocess"]
+        assert router_replay_patch.apply_router_replay_patch is originals["apply_router_replay_patch"]
+        assert transformer_impl.apply_router_replay_patch is originals["apply_router_replay_patch"]
+        assert frozen.patch is originals["apply_router_replay_patch"]
+        assert not hasattr(padding, "_torch_r3_installed") and not hasattr(transformer_impl, "_torch_r3_installed")
+    finally:
+        sys.modules.pop(frozen.__name__, None)
+    r3_verl.install().uninstall()  # nothing was left installed: a later install() is not refused
+
+
 def test_install_after_verls_router_patch_is_refused(megatron_classes_restored):
     from verl.utils.megatron.router_replay_patch import apply_router_replay_patch
 

@@ -172,6 +172,36 @@ def test_replay_is_exact_against_a_dense_attention_forced_to_the_selection(dsa_m
 
 
 @needs_dsa
+@pytest.mark.parametrize("uncaptured", ["replay", "live"])
+@pytest.mark.parametrize("with_attention_mask", [True, False])
+def test_padding_rows_are_counted_apart_as_the_routes_statistics_count_them(dsa_model, uncaptured, with_attention_mask):
+    """Left padding is neither a live nor a replayed query row: `live_fraction` is over the real rows only."""
+    from torch_r3.megatron.indexer import IndexerReplayHook
+
+    batches = [_batch(seed=1), _batch(seed=2)]
+    if with_attention_mask:  # otherwise padding is each row's leading run of uncaptured rows
+        att = torch.zeros(len(REAL), T, dtype=torch.long)
+        for b, n in enumerate(REAL):
+            att[b, T - n :] = 1
+        batches = [{**b, "attention_mask": att} for b in batches]
+    hook = IndexerReplayHook(dsa_model, uncaptured=uncaptured)
+    _run(hook, dsa_model, batches)
+    stats = hook.last_stats
+    padding = sum(T - n for n in REAL) * len(batches)
+    last = len(REAL) * len(batches)  # each sample's last token has no selection
+    live = last if uncaptured == "live" else 0
+    assert stats.live_rows == live  # padding rows are not live queries
+    assert (stats.captured_rows, stats.live_rows, stats.filler_rows, stats.padding_rows) == (
+        sum(REAL) * len(batches) - last,
+        live,
+        last - live,
+        padding,
+    )
+    assert stats.live_fraction == live / (sum(REAL) * len(batches))
+    assert stats.forwards == len(batches)
+
+
+@needs_dsa
 def test_the_indexer_loss_path_attends_with_the_replayed_selection(cpu_megatron):
     """In training with dsa_indexer_loss_coeff > 0 Megatron computes the top-k inside its indexer-loss function."""
     from tests.megatron._dsa_models import build_dsa_model
@@ -229,6 +259,82 @@ def test_the_indexer_layers_only_layout_replays_the_same(dsa_model):
         hook.close()
         outs.append(out)
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
+@needs_dsa
+def test_begin_and_end_microbatch_replay_what_the_wrapped_forward_step_replays(dsa_model):
+    """The routes hook's two-call contract, for a forward step that cannot be wrapped."""
+    from torch_r3.megatron.indexer import IndexerReplayHook
+
+    batches = [_batch(seed=1), _batch(seed=2)]
+    hook = IndexerReplayHook(dsa_model)
+    with torch.no_grad(), hook.step(forward_only=True):
+        wrapped = [hook.wrap_forward_step(_forward_step)(iter([b]), dsa_model)[0] for b in batches]
+    wrapped_stats = hook.last_stats
+    with torch.no_grad(), hook.step(forward_only=True):
+        opened = []
+        for b in batches:
+            hook.begin_microbatch(b)
+            opened.append(_forward_step(iter([b]), dsa_model)[0])
+            hook.end_microbatch()
+            hook.end_microbatch()  # idempotent
+    with torch.no_grad():
+        own = [_forward_step(iter([b]), dsa_model)[0] for b in batches]  # no step: Megatron's own top-k
+    for a, b, c in zip(wrapped, opened, own):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert not torch.allclose(a, c, atol=1e-4)  # the selections were replayed
+    assert hook.last_stats == wrapped_stats and hook.last_stats.forwards == 2
+    with pytest.raises(RuntimeError, match=r"begin_microbatch\(\) outside IndexerReplayHook.step\(\)"):
+        hook.begin_microbatch(batches[0])
+    with pytest.raises(RuntimeError, match="called next.. on the data iterator more than once"), hook.step():
+
+        def greedy(data_iterator, model):
+            next(data_iterator)
+            return _forward_step(data_iterator, model)
+
+        hook.wrap_forward_step(greedy)(iter(batches), dsa_model)
+    hook.close()
+
+
+@needs_dsa
+@pytest.mark.parametrize("uncaptured", ["replay", "live"])
+def test_the_selections_stay_compact_until_the_attention_needs_them(dsa_model, uncaptured):
+    """The hook keeps one compact copy of the replayed layers; each layer widens only its own rows.
+
+    Counted from the tensors the hook's own code creates (`TensorMemory`), not timed.
+    """
+    from torch_r3.bench.tensor_memory import TensorMemory
+    from torch_r3.megatron.indexer import IndexerReplayHook
+
+    batch = _batch()
+    B, _, L, K = batch["rollout_indexer_topk"].shape
+    hook = IndexerReplayHook(dsa_model, uncaptured=uncaptured)
+    replayed = batch["rollout_indexer_topk"][:, :, list(hook.indexer_layers)]
+    compact = replayed.nbytes  # the replayed layers' selections, in the batch's int16
+    masks = 3 * B * T  # this rank's uncaptured mask and padding rows (bool), their split
+    meter = TensorMemory()
+    choose = hook._choose
+
+    def counted_choose(*args):
+        meter.start()
+        try:
+            return choose(*args)
+        finally:
+            meter.stop()
+
+    hook._choose = counted_choose
+    with torch.no_grad(), hook.step(forward_only=True):
+        with meter.counting():
+            hook.begin_microbatch(batch)
+        kept = meter.live
+        meter.peak = kept
+        _forward_step(iter([batch]), dsa_model)
+        per_layer = meter.peak - kept
+        hook.end_microbatch()
+    assert kept <= compact + masks  # one compact copy (int64 would be 4x)
+    one_layer = B * T * K  # slots of one layer's rows
+    assert per_layer <= 48 * one_layer  # that layer's rows at the attention's int64, its statistics' temporaries
+    assert meter.live <= meter.allocated  # the meter balances
 
 
 @needs_dsa

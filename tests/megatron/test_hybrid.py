@@ -77,7 +77,7 @@ def test_under_sequence_parallelism_the_hook_cuts_padding_mask_only_for_models_t
     hook._rank = lambda: RankSlice(tp_size=2, tp_rank=1, sequence_parallel=True)
     batch = make_batch()
     with hook.step(forward_only=True):
-        hook._install(batch)
+        hook.begin_microbatch(batch)
         handed = hook._active_mask
         targets = [r.current for r in hook._routers]
     padding = batch["attention_mask"] == 0

@@ -67,19 +67,25 @@ def test_full_recompute_drains_every_fifo_with_the_matching_microbatch(make_mode
     g = torch.Generator().manual_seed(1)
     batches = [make_batch(generator=g, dtype=torch.int16) for _ in range(3)]
     recorder = RouteRecorder(model)
+    assert sorted(recorder.calls) == list(hook.layers) == [0, 1]  # the recorder sees every MoE router
     for _ in range(2):  # two steps: nothing stale carries over
-        for calls in recorder.calls.values():
-            calls.clear()
+        recorder.clear()
         run_step(hook, model, batches)
         for r in hook._routers:
             assert r.replay.replay_backward_list == []
             assert r.pushes == 0 and r.replay.router_replay_action is None
         for layer, calls in recorder.calls.items():
-            recomputed = [m for action, m in calls if action == RouterReplayAction.REPLAY_BACKWARD]
-            assert len(recomputed) == len(batches)
-            for routing_map, batch in zip(recomputed, batches):
-                # padding routes are replayed too: every row matches
-                assert torch.equal(routing_map, expected_map(batch["rollout_expert_indices"][:, :, layer]))
+            # Each microbatch routes twice per layer: its forward, then its recompute in backward.
+            actions = [action for action, _ in calls]
+            assert actions.count(RouterReplayAction.REPLAY_FORWARD) == len(batches), actions
+            assert actions.count(RouterReplayAction.REPLAY_BACKWARD) == len(batches), actions
+            assert len(actions) == 2 * len(batches), actions
+            for action in (RouterReplayAction.REPLAY_FORWARD, RouterReplayAction.REPLAY_BACKWARD):
+                maps = [m for a, m in calls if a == action]
+                for routing_map, batch in zip(maps, batches, strict=True):
+                    # padding routes are replayed too: every row matches, in microbatch order
+                    want = expected_map(batch["rollout_expert_indices"][:, :, layer])
+                    assert torch.equal(routing_map, want), (layer, action)
     recorder.close()
 
 
@@ -151,7 +157,7 @@ def test_route_layers_takes_numpy_integers_and_refuses_what_is_no_layer(make_mod
     recorder.close()
 
 
-def test_model_gets_the_true_padding_mask_and_indices_are_int64(make_model):
+def test_model_gets_the_true_padding_mask_and_the_routers_gather_with_int64(make_model):
     model = make_model()
     hook = ReplayHook(model)
     seen = {}
@@ -160,19 +166,27 @@ def test_model_gets_the_true_padding_mask_and_indices_are_int64(make_model):
         seen["padding_mask"] = kwargs.get("padding_mask")
         seen["targets"] = [r.replay.target_topk_idx for r in hook._routers]
 
+    def used(module, args, output):  # what each router gathered and dispatched with, after the forward
+        seen["used"] = [r.current.indices for r in hook._routers]
+
     handle = model.register_forward_pre_hook(capture, with_kwargs=True)
+    after = model.register_forward_hook(used)
     for dtype in (torch.uint8, torch.int16, torch.int32):
         batch = make_batch(dtype=dtype, padding="arange")
         run_step(hook, model, [batch], forward_only=True)
         # Megatron's padding_mask marks left padding only; real uncaptured tokens count as tokens.
         assert torch.equal(seen["padding_mask"], batch["attention_mask"] == 0)
         assert not torch.equal(seen["padding_mask"], batch["router_padding_mask"])
-        assert all(t.dtype == torch.int64 and t.shape == (32, TOPK) for t in seen["targets"])
+        # Installed in the batch's dtype (uncaptured="live": the router call widens them as it merges
+        # in its own choice); the routers gather and scatter with int64.
+        assert all(t.dtype == dtype and t.shape == (32, TOPK) for t in seen["targets"])
+        assert all(t.dtype == torch.int64 and t.shape == (32, TOPK) for t in seen["used"])
         # Without attention_mask, padding is each row's leading run of uncaptured positions.
         del batch["attention_mask"]
         run_step(hook, model, [batch], forward_only=True, step=_forward_without_attention_mask)
         assert torch.equal(seen["padding_mask"], _leading_true(batch["router_padding_mask"]))
     handle.remove()
+    after.remove()
     hook.close()
 
 
@@ -261,9 +275,19 @@ def test_refuses_more_than_one_model_chunk(make_model):
         ReplayHook([make_model(), make_model()])
 
 
-def test_accepts_a_list_of_one_chunk_and_vpp_one(make_model):
+def test_accepts_a_list_of_one_chunk_and_vpp_one_and_replays_on_it(make_model):
+    """A one-chunk list with `virtual_pipeline_model_parallel_size=1` is no interleaving: the hook replays."""
     model = make_model()
-    ReplayHook([model], dataclasses.replace(model.config, virtual_pipeline_model_parallel_size=1)).close()
+    config = dataclasses.replace(model.config, virtual_pipeline_model_parallel_size=1)
+    batch = make_batch()
+    recorder = RouteRecorder(model)
+    with ReplayHook([model], config) as hook:
+        assert hook.layers == (0, 1)
+        run_step(hook, model, [batch], forward_only=True)
+    assert sorted(recorder.calls) == [0, 1]
+    for layer, ((_, routing_map),) in recorder.calls.items():
+        assert _real_rows_match(routing_map, batch["rollout_expert_indices"][:, :, layer], batch["router_padding_mask"])
+    recorder.close()
 
 
 @pytest.mark.parametrize(

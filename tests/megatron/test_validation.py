@@ -140,7 +140,7 @@ def test_an_exhausted_data_iterator_raises_valueerror_never_stopiteration(make_m
     batches = _two_microbatches()
     finished = []
     for _ in range(1):  # a StopIteration escaping would silently end this loop
-        with pytest.raises(ValueError, match="asked for 3 microbatches, 2 arrived"):
+        with pytest.raises(ValueError, match="asked for microbatch 3 of 3, 2 arrived"):
             run_step(hook, model, batches, num_microbatches=3)
         finished.append(True)
     assert finished == [True]

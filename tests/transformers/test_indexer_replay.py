@@ -227,6 +227,64 @@ def test_a_shared_layer_whose_capture_differs_from_its_source_is_refused():
             pass
 
 
+@pytest.mark.parametrize("uncaptured", ["live", "replay"])
+@pytest.mark.parametrize("with_attention_mask", [True, False])
+def test_padding_rows_are_counted_apart_as_the_routes_statistics_count_them(uncaptured, with_attention_mask):
+    """Left padding is neither a live nor a replayed query row: `live_fraction` is over the real rows only."""
+    model = build("deepseek_v32")
+    ids, att = _inputs()
+    batch = _batch(_capture(model, ids, att), ids, att)
+    if not with_attention_mask:  # padding is then each row's leading run of uncaptured rows
+        batch.pop("attention_mask")
+    T = ids.shape[1]
+    padding = sum(T - n for n in LENGTHS)
+    last = len(LENGTHS)  # each sample's last token has no selection (seqlen - 1 rows)
+    with torch.no_grad(), IndexerReplayHook(model, uncaptured=uncaptured).replay(batch) as hook:
+        model(input_ids=ids, attention_mask=att)
+    stats = hook.last_stats
+    live = last if uncaptured == "live" else 0
+    assert stats.live_rows == live  # padding rows are not live queries
+    assert (stats.captured_rows, stats.live_rows, stats.filler_rows, stats.padding_rows) == (
+        sum(LENGTHS) - last,
+        live,
+        last - live,
+        padding,
+    )
+    assert stats.live_fraction == live / sum(LENGTHS)
+    assert stats.captured_rows + stats.live_rows + stats.filler_rows + stats.padding_rows == ids.numel()
+
+
+@pytest.mark.parametrize("uncaptured", ["live", "replay"])
+def test_the_selections_stay_compact_until_the_attention_needs_them(uncaptured):
+    """The hook keeps no copy of the selections (int64 would be 4x); each indexer call widens its own layer only.
+
+    Counted from the tensors the hook's own code creates (`TensorMemory`), not timed.
+    """
+    from torch_r3.bench.tensor_memory import TensorMemory
+
+    model = build("deepseek_v32")
+    ids, att = _inputs()
+    batch = _batch(_capture(model, ids, att), ids, att)
+    B, T, L, K = batch[SELECTIONS].shape
+    hook = IndexerReplayHook(model, uncaptured=uncaptured)
+    meter = TensorMemory()
+    for m in _indexers(model).values():  # around the hook's own forward hook on each indexer
+        m.register_forward_hook(lambda *a: meter.start(), prepend=True)
+        m.register_forward_hook(lambda *a: meter.stop())
+    block = hook.replay(batch)
+    with torch.no_grad():
+        with meter.counting():
+            block.__enter__()
+        kept = meter.live
+        meter.peak = kept
+        model(input_ids=ids, attention_mask=att)
+        per_layer = meter.peak - kept
+        block.__exit__(None, None, None)
+    assert kept <= B * T + 8 * B < batch[SELECTIONS].nbytes  # the padding rows and first positions only
+    assert per_layer <= 32 * B * T * K  # one layer's rows at the attention's int32, its statistics' temporaries
+    assert hook.last_stats.forwards == 1
+
+
 def test_misuse_is_refused():
     model = build("deepseek_v32")
     ids, att = _inputs()

@@ -46,7 +46,6 @@ import math
 import mmap
 import os
 import threading
-import warnings
 import weakref
 from typing import Any
 
@@ -54,6 +53,7 @@ import numpy as np
 import torch
 
 from torch_r3._checks import check_non_negative
+from torch_r3._deprecation import renamed_argument, warn_renamed
 from torch_r3.collate import _memory
 
 __all__ = ["BufferPool"]
@@ -187,21 +187,16 @@ class BufferPool:
     def __init__(self, cache_bytes: int | None = None, *, max_cached_bytes: int | None = None) -> None:
         if max_cached_bytes is not None:
             # The old name of the keyword: `Memory(cache_bytes=)` names the same setting.
-            warnings.warn(
-                "BufferPool(max_cached_bytes=) is deprecated: use BufferPool(cache_bytes=)",
-                DeprecationWarning,
-                stacklevel=2,
+            cache_bytes = renamed_argument(
+                max_cached_bytes, cache_bytes, old="max_cached_bytes", new="cache_bytes", where="BufferPool"
             )
-            if cache_bytes is not None:
-                raise TypeError("BufferPool: pass cache_bytes or max_cached_bytes (deprecated), not both")
-            cache_bytes = max_cached_bytes
         self.cache_bytes = None if cache_bytes is None else check_non_negative(cache_bytes, "cache_bytes")
         self._state = _State()
 
     @property
     def max_cached_bytes(self) -> int | None:
         """Deprecated: the old name of `cache_bytes`."""
-        warnings.warn("BufferPool.max_cached_bytes is deprecated: use .cache_bytes", DeprecationWarning, stacklevel=2)
+        warn_renamed("BufferPool.max_cached_bytes", "BufferPool.cache_bytes")
         return self.cache_bytes
 
     def __getstate__(self) -> dict[str, Any]:

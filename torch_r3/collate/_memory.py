@@ -30,13 +30,14 @@ import functools
 import math
 import mmap
 import os
-import warnings
 import weakref
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from torch_r3._deprecation import warn_external
 
 
 def accelerator_available() -> bool:
@@ -79,7 +80,7 @@ def memory_kind(pin_memory: bool | None) -> str:
     if accelerator_available():
         return "pinned"
     if pin_memory:
-        warnings.warn("pin_memory=True but no accelerator is available; using plain memory", stacklevel=4)
+        warn_external("pin_memory=True but no accelerator is available; using plain memory", UserWarning)
     return "plain"
 
 

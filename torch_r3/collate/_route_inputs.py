@@ -18,7 +18,7 @@ import torch
 from torch_r3._checks import check_positive
 from torch_r3.collate._samples import SeqField
 from torch_r3.keys import ROUTES
-from torch_r3.routes import CANONICAL_DTYPES, canonical_dtype_for, compact_routes, widest
+from torch_r3.routes import CANONICAL_DTYPES, canonical_dtype_for, compact_routes, first_bad_id, widest
 
 __all__ = ["check_aliasing", "check_batch", "check_out", "output_dtype"]
 
@@ -75,8 +75,9 @@ def check_batch(
 ) -> tuple[list[np.ndarray], list[int]]:
     """Each sample's routes as a canonical `[rows, L, K]` array and its token count, all checked together.
 
-    `compact=True` compacts integer arrays (and nested lists) that are not canonical yet, range-checking
-    their ids below `num_experts` when it is known.
+    `compact=True` compacts integer arrays (and nested lists) that are not canonical yet. With
+    `num_experts`, every id is checked against it (a min and a max scan per sample, where the dtype
+    leaves them open); without it the values are trusted.
     """
     if isinstance(routes, (np.ndarray, torch.Tensor)) or not isinstance(routes, Sequence):
         raise TypeError(f"routes: expected a sequence of per-trajectory arrays, got {type(routes).__name__}")
@@ -99,15 +100,49 @@ def check_batch(
     _, num_layers, topk = arrays[0].shape
     if num_layers == 0 or topk == 0:
         raise ValueError(f"routes[0]: layers and topk must be > 0, got shape {arrays[0].shape}")
+    transposed = _layer_major_hint(arrays, counts)
     for i, (a, n) in enumerate(zip(arrays, counts)):
         if a.shape[1:] != (num_layers, topk):
-            raise ValueError(f"routes[{i}]: expected [rows, {num_layers}, {topk}] like routes[0], got shape {a.shape}")
+            raise ValueError(
+                f"routes[{i}]: expected [rows, {num_layers}, {topk}] like routes[0], got shape {a.shape}{transposed}"
+            )
         if a.shape[0] > n:
             raise ValueError(
                 f"routes[{i}]: {a.shape[0]} route rows for {n} tokens; captured rows must be a prefix "
-                f"of the trajectory's tokens (rows <= tokens)"
+                f"of the trajectory's tokens (rows <= tokens){transposed}"
             )
+        if num_experts is not None:
+            _check_ids(a, i, num_experts)
     return arrays, counts
+
+
+def _layer_major_hint(arrays: Sequence[np.ndarray], counts: Sequence[int]) -> str:
+    """The hint for arrays that read as `[layers, rows, topk]`: each second axis its trajectory's row count.
+
+    A layer-major array of a trajectory of `n` tokens has `n - 1` (or `n`) on its second axis; the
+    hint is added to a shape refusal where every non-empty sample fits that reading and the layer
+    axes agree. It never refuses on its own: a batch of equal lengths whose arrays fit both readings
+    (rows of a partial capture, as many layers as tokens) is valid as `[rows, layers, topk]`.
+    """
+    shaped = [(a, n) for a, n in zip(arrays, counts) if a.shape[0] > 0]
+    if not shaped or len({(a.shape[0], a.shape[2]) for a, _ in shaped}) != 1:
+        return ""
+    if not all(a.shape[1] in (n - 1, n) for a, n in shaped):
+        return ""
+    return (
+        "; is the array [layers, rows, topk]? Its second axis matches the token count: routes are "
+        "[rows, layers, topk], e.g. routes.transpose(1, 0, 2) (or np.moveaxis(routes, 0, 1))"
+    )
+
+
+def _check_ids(routes: np.ndarray, i: int, num_experts: int) -> None:
+    index = first_bad_id(routes, num_experts)
+    if index is not None:
+        row, layer, _ = index
+        raise ValueError(
+            f"routes[{i}] (sample {i}): row {row}, layer {layer}: expert id {int(routes[index])} is outside "
+            f"[0, num_experts={num_experts})"
+        )
 
 
 def output_dtype(

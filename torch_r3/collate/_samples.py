@@ -16,14 +16,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from torch_r3.collate._extra_keys import FLOAT64_EXACT, numeric_dtypes, stack_numbers
 from torch_r3.keys import INPUT_IDS, OUTPUT_KEYS
 
 __all__ = ["SeqField", "batch_samples", "check_pad_number", "collate_extra", "prompt_lengths_of"]
 
 # Token ids become torch.long: anything at or past 2**63 would wrap negative.
 _INT64_END = 2**63
-# Python ints beyond this lose precision when NumPy makes a mixed list float64.
-_FLOAT64_EXACT = 2**53
 
 
 class SeqField:
@@ -45,7 +44,7 @@ def _list_to_numpy(value: list | tuple, i: int, key: str, integer: bool) -> np.n
         raise ValueError(f"sample {i}: {key!r} is not a flat list of numbers: {e}") from None
     if arr.dtype == object:  # an int beyond 64 bits, or mixed kinds
         raise ValueError(f"sample {i}: {key!r} holds values that fit no 64-bit dtype (an int >= 2**64 or < -2**63?)")
-    if arr.dtype.kind == "f" and any(type(v) is int and abs(v) >= _FLOAT64_EXACT for v in value):
+    if arr.dtype.kind == "f" and any(type(v) is int and abs(v) >= FLOAT64_EXACT for v in value):
         raise ValueError(
             f"sample {i}: {key!r} mixes ints beyond 2**53 with other values, which NumPy would round to float64"
             + ("; token ids must be < 2**63" if integer else "")
@@ -142,6 +141,16 @@ def _check_pad_value(pad: Any, dtype: torch.dtype, key: str) -> Any:
     return int(pad)
 
 
+def _key_hint(key: str, needed: tuple[str, ...], tokens_key: str, sample: Mapping[str, Any]) -> str:
+    """How to name a missing key: the collator argument that sets it, and the keys the sample has."""
+    keys = sorted(map(str, sample))[:12]
+    if key == needed[0]:
+        return f" (the routes); the sample has keys {keys}: name its routes' key with R3Collator(routes_key=...)"
+    if key == tokens_key:
+        return f" (the token ids); the sample has keys {keys}: name its tokens' key with R3Collator(tokens_key=...)"
+    return f" (a pad_keys key); the sample has keys {keys}"
+
+
 def _check_keys(samples: Any, needed: tuple[str, ...], tokens_key: str) -> None:
     if not isinstance(samples, Sequence) or isinstance(samples, (str, bytes)):
         raise TypeError(f"expected a sequence of sample mappings, got {type(samples).__name__}")
@@ -154,7 +163,7 @@ def _check_keys(samples: Any, needed: tuple[str, ...], tokens_key: str) -> None:
             raise TypeError(f"sample {i}: expected a mapping (dict), got {type(s).__name__}")
         for k in needed:
             if k not in s:
-                raise ValueError(f"sample {i}: missing key {k!r}")
+                raise ValueError(f"sample {i}: missing key {k!r}{_key_hint(k, needed, tokens_key, s)}")
         for k in forbidden:
             if k in s:
                 what = "the tokens key's padded ids" if k == INPUT_IDS else "the collator's own"
@@ -200,7 +209,21 @@ def _extra_values(samples: Sequence[Mapping[str, Any]], key: str) -> list[Any]:
     """
     values = [s[key] for s in samples]
     arrays = [_numeric_array(v) for v in values]
+    for i, (v, a) in enumerate(zip(values, arrays)):
+        # A list of floats with an int beyond 2**53 in it: NumPy rounded the int (the scan runs only then).
+        if a is not None and a.dtype.kind == "f" and a.size and np.abs(a).max() > FLOAT64_EXACT and _wide_int_in(v):
+            raise ValueError(
+                f"sample {i}: extra key {key!r} mixes ints beyond 2**53 with floats, which NumPy would round "
+                f"to float64; give the ints alone, or a NumPy array of the dtype they need"
+            )
     return [v if a is None else a for v, a in zip(values, arrays)]
+
+
+def _wide_int_in(value: Any) -> bool:
+    """A Python int beyond 2**53 anywhere in a (nested) list or tuple."""
+    if isinstance(value, (list, tuple)):
+        return any(_wide_int_in(v) for v in value)
+    return type(value) is int and abs(value) > FLOAT64_EXACT
 
 
 def _check_extra(samples: Sequence[Mapping[str, Any]], key: str) -> None:
@@ -222,27 +245,43 @@ def _check_extra(samples: Sequence[Mapping[str, Any]], key: str) -> None:
             )
 
 
-def collate_extra(samples: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> dict[str, Any]:
+def collate_extra(
+    samples: Sequence[Mapping[str, Any]], keys: Sequence[str], dtypes: Mapping[str, np.dtype] | None = None
+) -> dict[str, Any]:
     """`default_collate` of each extra key, its failures naming the key.
 
     A Python list or tuple of numbers is collated as the NumPy array NumPy makes of it
     (ints `int64`, floats `float64`), so lists and arrays follow one rule: equal shapes are
     stacked into a tensor `[B, ...]`, different shapes are refused (`_check_extra`; a
-    per-token key belongs in `pad_keys`). A key whose values are lists that are not all
-    numbers (strings, mixed objects) is returned as a list with each sample's own value:
-    `default_collate` would transpose lists of equal length.
+    per-token key belongs in `pad_keys`). A key whose values are all numbers, numeric
+    arrays or tensors gets one dtype, NumPy's promotion of theirs, or the key's entry of
+    `dtypes` (`torch_r3.collate._extra_keys`), the same in a DataLoader worker. A key whose
+    values are lists that are not all numbers (strings, mixed objects) is returned as a list
+    with each sample's own value: `default_collate` would transpose lists of equal length.
 
     Args:
         samples: the samples, already checked by `batch_samples`.
         keys: the extra keys `batch_samples` returned.
+        dtypes: `R3Collator(extra_dtypes=)`: the global batch's dtype of some keys.
 
     Returns:
         `{key: collated value}`.
     """
+    dtypes = dtypes or {}
+    unknown = sorted(set(dtypes) - set(keys))
+    if unknown:
+        raise ValueError(
+            f"extra_dtypes names {unknown[0]!r}, which the samples do not hold as an other key (theirs: {list(keys)})"
+        )
     batch = {}
     for key in keys:
         values = _extra_values(samples, key)
-        if all(isinstance(v, (list, tuple)) for v in values):
+        kinds = numeric_dtypes(values, key)
+        if kinds is not None:
+            values = stack_numbers(values, kinds, key, dtypes.get(key))
+        elif key in dtypes:
+            raise ValueError(f"extra_dtypes[{key!r}]: the samples' values of {key!r} are not all numbers or arrays")
+        elif all(isinstance(v, (list, tuple)) for v in values):
             batch[key] = values
             continue
         try:

@@ -45,6 +45,7 @@ from torch_r3._checks import check_bool, check_int
 from torch_r3._deprecation import renamed_argument
 from torch_r3.collate import _memory, _pool
 from torch_r3.collate._buffers import BufferPool
+from torch_r3.collate._extra_keys import check_extra_dtypes
 from torch_r3.collate._filler import FillerWriter, check_filler, padding_rows
 from torch_r3.collate._route_inputs import check_aliasing, check_batch, check_out, output_dtype
 from torch_r3.collate._samples import SeqField, batch_samples, check_pad_number, collate_extra, prompt_lengths_of
@@ -240,17 +241,13 @@ def _options(
     dtype: Any,
     keep_layers: Any,
     compact: Any,
-    layout_keywords: tuple[str, ...] = tuple(LAYOUT_KEYWORDS),
-    memory_keywords: tuple[str, ...] = MEMORY_KEYWORDS,
+    keywords: tuple[str, ...] = LAYOUT_KEYWORDS + MEMORY_KEYWORDS,
 ) -> _Options:
-    """The options of one collator, the deprecated keywords folded in (each warned, on the caller's line)."""
+    """The options of one collator, the deprecated keywords folded in (each warned, on the user's line)."""
     padding, layers = deprecated.pop("padding", None), deprecated.pop("layers", None)
-    filler = renamed_argument(padding, filler, old="padding", new="filler", where=where, default="arange", stacklevel=5)
-    keep_layers = renamed_argument(layers, keep_layers, old="layers", new="keep_layers", where=where, stacklevel=5)
-    unknown = next((k for k in deprecated if k in LAYOUT_KEYWORDS and k not in layout_keywords), None)
-    if unknown is not None:
-        raise TypeError(f"{where} got an unexpected keyword argument {unknown!r}")
-    layout, memory = from_keywords(where, layout, memory, deprecated, memory_keywords=memory_keywords, stacklevel=5)
+    filler = renamed_argument(padding, filler, old="padding", new="filler", where=where, default="arange")
+    keep_layers = renamed_argument(layers, keep_layers, old="layers", new="keep_layers", where=where)
+    layout, memory = from_keywords(where, layout, memory, deprecated, keywords=keywords)
     return _Options(
         layout=layout,
         memory=memory,
@@ -304,7 +301,13 @@ def collate_routes(
             themselves; a zero row is no valid route for `K > 1`, so it must
             never be replayed through Megatron's dropless dispatcher, which
             needs `K` distinct experts).
-        num_experts: the model's expert count, for `balanced`.
+        num_experts: the model's expert count: when given, every expert id
+            is checked against it (a `ValueError` naming the sample, row,
+            layer and bound; one min and max scan per sample); `balanced`
+            needs it. Without it the routes' values are trusted (the dtype
+            bounds them). Repeated experts in a route are not looked for here:
+            `compact_routes` refuses them on the sender, and the replay hooks
+            on the training device.
         out: caller-owned buffers to write into: a tensor for
             `rollout_expert_indices` or a dict with some of the output keys,
             each of exactly the output's shape and dtype.
@@ -363,8 +366,10 @@ def collate_routes(
         dtype,
         keep_layers,
         compact,
-        layout_keywords=("padding_side", "prompt_width", "response_width", "pad_to_multiple_of", "seq_len"),
-        memory_keywords=("workers", "pin_memory", "buffers", "max_output_bytes"),
+        keywords=(
+            *("padding_side", "prompt_width", "response_width", "pad_to_multiple_of", "seq_len"),
+            *("workers", "pin_memory", "buffers", "max_output_bytes"),
+        ),
     )
     if opts.memory.cache_bytes is not None:
         raise ValueError(
@@ -390,8 +395,12 @@ class R3Collator:
     the same way with their pad value; every other key is collated by
     `torch.utils.data.default_collate`, a Python list of numbers exactly as
     the NumPy array of the same numbers: equal shapes are stacked into a
-    tensor `[B, ...]` (ints `int64`, floats `float64`), different shapes
-    are refused naming the sample (a per-token key belongs in `pad_keys`).
+    tensor `[B, ...]`, different shapes are refused naming the sample (a
+    per-token key belongs in `pad_keys`). A key of numbers, numeric arrays
+    or tensors gets NumPy's promotion of the samples' values (`np.result_type`:
+    a Python int `int64`, a float `float64`, so `[0, 0.1]` is `float64`), in the
+    main process and in DataLoader workers alike, or its `extra_dtypes` entry;
+    64-bit ints beyond 2**53 that would become `float64` are refused.
     Only lists that are not all numbers (strings) come back as a list per
     sample. A sample may not carry a key the collator computes
     (`attention_mask` from a tokenizer, for instance).
@@ -431,6 +440,10 @@ class R3Collator:
             collator's own pool keeps (`None`: twice the largest batch served,
             `0`: fresh memory every batch); with `buffers=` the given pool's
             own bound applies instead.
+        extra_dtypes: `{key: dtype}` (torch or NumPy) for other keys: the
+            global batch's dtype of a key, for a subset of it (a micro-batch,
+            whose own values may promote narrower); each value must cast to
+            it exactly, and the samples must hold the key.
         **deprecated: the old keywords, each with a `DeprecationWarning`
             naming its new spelling: `padding=`, `layers=`, the layout's
             (`padding_side=`, `prompt_width=`, `response_width=`,
@@ -474,6 +487,7 @@ class R3Collator:
         keep_layers: Sequence[int] | None = None,
         compact: bool = False,
         memory: Memory | None = None,
+        extra_dtypes: Mapping[str, Any] | None = None,
         **deprecated: Any,
     ) -> None:
         self._options = _options(
@@ -497,6 +511,8 @@ class R3Collator:
             raise ValueError(f"pad_keys may not include the routes/tokens/output keys {sorted(clash)}")
         self.routes_key = routes_key
         self.tokens_key = tokens_key
+        reserved = {routes_key, tokens_key} | OUTPUT_KEYS | set(self.pad_keys)
+        self.extra_dtypes = check_extra_dtypes(extra_dtypes, reserved)
         memory = self._options.memory
         # The collator's own pool, bounded by cache_bytes, unless the memory names a shared one.
         self.buffers = memory.buffers if memory.buffers is not None else BufferPool(memory.cache_bytes)
@@ -537,7 +553,7 @@ class R3Collator:
         prompts = None
         if isinstance(opts.layout, PromptResponse):
             prompts = prompt_lengths_of(samples, opts.layout.prompt_length_key)
-        extra_batch = collate_extra(samples, extra)
+        extra_batch = collate_extra(samples, extra, self.extra_dtypes)
         batch: dict[str, Any] = _collate(
             arrays,
             counts,

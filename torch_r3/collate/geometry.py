@@ -239,10 +239,9 @@ def global_geometry(
         raise ValueError("dtypes: expected at least one route dtype, got none")
     padding = deprecated.pop("padding", None)
     filler = renamed_argument(padding, filler, old="padding", new="filler", where="global_geometry", default="arange")
-    unknown = sorted(set(deprecated) - {"pad_to_multiple_of"})
-    if unknown:
-        raise TypeError(f"global_geometry got an unexpected keyword argument {unknown[0]!r}")
-    value, _ = from_keywords("global_geometry", layout, None, deprecated, allowed=(Padded, Packed), memory_keywords=())
+    value, _ = from_keywords(
+        "global_geometry", layout, None, deprecated, keywords=("pad_to_multiple_of",), allowed=(Padded, Packed)
+    )
     if isinstance(value, Padded) and value.seq_len is not None:
         raise ValueError(f"global_geometry computes seq_len: pass a Padded without it, got layout={value!r}")
     assert isinstance(value, (Padded, Packed))  # allowed= above

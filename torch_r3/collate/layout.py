@@ -41,12 +41,11 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections.abc import Mapping
 from typing import Any, TypeAlias
 
-from torch_r3._checks import check_choice, check_non_negative, check_positive, check_str
-from torch_r3._deprecation import warn_renamed
+from torch_r3._checks import check_bool, check_choice, check_non_negative, check_positive, check_str
+from torch_r3._deprecation import RENAMED_KEYWORDS, at_old_default, renamed_name, warn_old_default, warn_renamed
 from torch_r3.collate import _memory, _pool
 from torch_r3.collate._buffers import BufferPool
 from torch_r3.keys import PROMPT_LENGTH
@@ -62,9 +61,23 @@ def check_padding_side(side: Any, name: str = "side") -> str:
     return check_choice(side, name, PADDING_SIDES)
 
 
+#: The longest padded length: a tensor dimension (int64).
+MAX_PADDED_LENGTH = 2**63 - 1
+#: The largest packed alignment: the packed batch's offsets (`cu_seqlens`, `cu_seqlens_padded`) are int32.
+MAX_PACKED_LENGTH = 2**31 - 1
+
+
+def _length(value: Any, name: str, maximum: int, why: str) -> int:
+    """A positive int at most `maximum`, refused naming `name` and `why` the bound holds."""
+    out = check_positive(value, name)
+    if out > maximum:
+        raise ValueError(f"{name} must be <= {maximum} ({why}), got {out}")
+    return out
+
+
 def check_seq_len(seq_len: Any, name: str = "seq_len") -> int:
-    """A fixed batch length `T`: a positive int."""
-    return check_positive(seq_len, name)
+    """A fixed batch length `T`: a positive int, a tensor dimension."""
+    return _length(seq_len, name, MAX_PADDED_LENGTH, "a tensor dimension")
 
 
 def check_max_output_bytes(value: Any, name: str = "max_output_bytes") -> int | None:
@@ -72,8 +85,8 @@ def check_max_output_bytes(value: Any, name: str = "max_output_bytes") -> int | 
     return None if value is None else check_positive(value, name)
 
 
-def _multiple(value: Any, name: str) -> int | None:
-    return None if value is None else check_positive(value, name)
+def _multiple(value: Any, name: str, maximum: int, why: str) -> int | None:
+    return None if value is None else _length(value, name, maximum, why)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +96,8 @@ class Padded:
     Args:
         side: `"left"` (the real tokens end at `T`, as a generation batch is
             padded) or `"right"` (they start at 0).
-        pad_to_multiple_of: round `T`, the longest sample, up to a multiple.
+        pad_to_multiple_of: round `T`, the longest sample, up to a multiple
+            (at most `2**63 - 1`, as `seq_len`: a tensor dimension).
         seq_len: pad to exactly this `T` (a multiple of `pad_to_multiple_of`
             when both are given); a sample with more tokens is refused. Give the
             global batch's `T` (`torch_r3.global_geometry`) to collate a subset
@@ -100,7 +114,9 @@ class Padded:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "side", check_padding_side(self.side, "Padded.side"))
-        multiple = _multiple(self.pad_to_multiple_of, "Padded.pad_to_multiple_of")
+        multiple = _multiple(
+            self.pad_to_multiple_of, "Padded.pad_to_multiple_of", MAX_PADDED_LENGTH, "a tensor dimension"
+        )
         object.__setattr__(self, "pad_to_multiple_of", multiple)
         if self.seq_len is not None:
             seq_len = check_seq_len(self.seq_len, "Padded.seq_len")
@@ -117,7 +133,7 @@ class Packed:
         pad_to_multiple_of: pad each sequence on its own to a multiple
             (Transformer Engine's THD and context parallelism need it), adding
             `cu_seqlens_padded` (the aligned offsets; `cu_seqlens` stays the
-            real lengths' sums).
+            real lengths' sums); at most `2**31 - 1`, as the int32 offsets.
 
     Raises:
         TypeError: an option of the wrong kind, naming it.
@@ -127,7 +143,9 @@ class Packed:
     pad_to_multiple_of: int | None = None
 
     def __post_init__(self) -> None:
-        multiple = _multiple(self.pad_to_multiple_of, "Packed.pad_to_multiple_of")
+        multiple = _multiple(
+            self.pad_to_multiple_of, "Packed.pad_to_multiple_of", MAX_PACKED_LENGTH, "the offsets are int32"
+        )
         object.__setattr__(self, "pad_to_multiple_of", multiple)
 
 
@@ -152,8 +170,9 @@ class PromptResponse:
     prompt_length_key: str = PROMPT_LENGTH
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "prompt_width", check_positive(self.prompt_width, "PromptResponse.prompt_width"))
-        object.__setattr__(self, "response_width", check_positive(self.response_width, "PromptResponse.response_width"))
+        for name in ("prompt_width", "response_width"):
+            width = _length(getattr(self, name), f"PromptResponse.{name}", MAX_PADDED_LENGTH, "a tensor dimension")
+            object.__setattr__(self, name, width)
         check_str(self.prompt_length_key, "PromptResponse.prompt_length_key")
 
     @property
@@ -226,21 +245,13 @@ class Memory:
         return dataclasses.replace(self, **{k: v for k, v in fields.items() if getattr(self, k) is None})
 
 
-#: The old keyword arguments of a layout: keyword -> the layout field it became (None: the layout itself).
-LAYOUT_KEYWORDS = {
-    "padding_side": "side",
-    "pad_to_multiple_of": "pad_to_multiple_of",
-    "seq_len": "seq_len",
-    "prompt_width": "prompt_width",
-    "response_width": "response_width",
-    "prompt_length_key": "prompt_length_key",
-}
-#: The old keyword arguments of the memory options (each the `Memory` field of its name).
-MEMORY_KEYWORDS = ("workers", "pin_memory", "cache_bytes", "buffers", "max_output_bytes")
+#: The old keyword arguments of a layout and of the memory options (`RENAMED_KEYWORDS`' entries for them).
+LAYOUT_KEYWORDS = tuple(k for k, v in RENAMED_KEYWORDS.items() if v.new == "layout" and v.field is not None)
+MEMORY_KEYWORDS = tuple(k for k, v in RENAMED_KEYWORDS.items() if v.new == "memory")
 
 
-def _layout_of(name: Any, fields: Mapping[str, Any], where: str, allowed: tuple[type, ...]) -> type:
-    """The layout class an old `layout=` string with the old keywords `fields` meant."""
+def _layout_of(name: Any, where: str, allowed: tuple[type, ...]) -> type:
+    """The layout class an old `layout=` string meant."""
     cls = (
         {"padded": Padded, "packed": Packed, "prompt_response": PromptResponse}.get(name)
         if isinstance(name, str)
@@ -249,12 +260,16 @@ def _layout_of(name: Any, fields: Mapping[str, Any], where: str, allowed: tuple[
     if cls is None:
         check_layout(name, where, allowed)  # the error for a string that names no layout
         raise AssertionError(name)  # pragma: no cover - check_layout raised
+    return cls
+
+
+def _check_fields(cls: type, fields: Mapping[str, Any], where: str, layout: Any) -> None:
+    """Refuse an old keyword whose field the layout class `cls` lacks, naming the layouts that have it."""
     wanted = {f.name for f in dataclasses.fields(cls)}
     for field in fields:
         if field not in wanted:
-            old = next(k for k, v in LAYOUT_KEYWORDS.items() if v == field)
-            raise ValueError(f"{where}: {old}= applies to {_owners(field)} only, got layout={name!r}")
-    return cls
+            old = next(k for k in LAYOUT_KEYWORDS if RENAMED_KEYWORDS[k].field == field)
+            raise ValueError(f"{where}: {old}= applies to {_owners(field)} only, got layout={layout!r}")
 
 
 def _owners(field: str) -> str:
@@ -277,6 +292,11 @@ def check_layout(layout: Any, where: str, allowed: tuple[type, ...] = LAYOUT_TYP
                     f"{where}: layout='prompt_response' needs its widths: pass "
                     f"layout=torch_r3.PromptResponse(prompt_width=P, response_width=R)"
                 )
+            if layout in PADDING_SIDES and Padded in allowed:
+                raise ValueError(
+                    f"{where}: layout={layout!r} names a padding side, not a layout: pass "
+                    f"layout=torch_r3.Padded(side={layout!r})"
+                )
             check_choice(layout, "layout", tuple(_NAMES))  # the enum rule's wording, for a string naming no layout
             raise AssertionError(layout)  # pragma: no cover - check_choice raised
         layout = cls()
@@ -296,70 +316,96 @@ def from_keywords(
     memory: Any,
     old: dict[str, Any],
     *,
+    keywords: tuple[str, ...],
     allowed: tuple[type, ...] = LAYOUT_TYPES,
-    memory_keywords: tuple[str, ...] = MEMORY_KEYWORDS,
-    stacklevel: int = 4,
+    default: Layout | None = None,
 ) -> tuple[Layout, Memory]:
-    """`layout=` and `memory=` as values, folding in the old keyword arguments `old` (each warned).
+    """`layout=` and `memory=` as values, folding in the old keyword arguments `old`: the one place they are read.
 
     `old` holds the keywords the caller passed that are not parameters any
-    more; it is emptied of the layout and memory ones, and anything left in it
-    is the caller's mistake (a `TypeError`, as Python gives for an unknown
-    keyword). An old keyword given together with a layout (or memory) value is
-    refused: the value already says it.
+    more (it is emptied). Each of `keywords`, the old keywords `where` really
+    took (`torch_r3._deprecation.RENAMED_KEYWORDS`), warns on the user's line
+    and means what it meant; any other keyword is a `TypeError`, as Python
+    gives for an unknown keyword. One passed at its old default value warns and
+    changes nothing. An old keyword next to a layout (or memory) value is
+    refused: the value already says it. `default` is `where`'s own default
+    layout value, which the old keywords refine (SkyRL's right-padded
+    micro-batch); a string `layout=` is refined into its class.
 
     Raises:
         TypeError: an unknown keyword, a layout or memory of the wrong kind, or
             an old keyword next to a value that holds it.
         ValueError: a layout option the layout does not have, or a bad option.
     """
-    layout_old = {k: old.pop(k) for k in list(old) if k in LAYOUT_KEYWORDS}
-    memory_old = {k: old.pop(k) for k in list(old) if k in memory_keywords}
-    if old:
-        raise TypeError(f"{where} got an unexpected keyword argument {next(iter(old))!r}")
+    unknown = next((k for k in old if k not in keywords), None)
+    if unknown is not None:
+        raise TypeError(f"{where} got an unexpected keyword argument {unknown!r}")
+    given = {}
+    for k, v in old.items():
+        if at_old_default(k, v):
+            warn_old_default(where, k, v)
+        else:
+            given[k] = v
+    old.clear()
+    layout_old = {k: v for k, v in given.items() if RENAMED_KEYWORDS[k].new == "layout"}
+    memory_old = {k: v for k, v in given.items() if RENAMED_KEYWORDS[k].new == "memory"}
     if layout_old:
-        if not isinstance(layout, str):
-            raise TypeError(
-                f"{where}: pass {', '.join(f'{k}=' for k in layout_old)} inside layout= only (deprecated keywords "
-                f"of the layout value), not both"
-            )
-        fields = {LAYOUT_KEYWORDS[k]: v for k, v in layout_old.items()}
-        cls = _layout_of(layout, fields, where, allowed)
-        for k, field in zip(layout_old, fields):
-            warn_renamed(f"{where}({k}=)", f"layout={_spelled(cls, {field: fields[field]})}", stacklevel=stacklevel)
-        if cls is PromptResponse and not {"prompt_width", "response_width"} <= set(fields):
-            raise ValueError(
-                f"{where}: layout='prompt_response' needs prompt_width= and response_width=: pass "
-                f"layout=torch_r3.PromptResponse(prompt_width=P, response_width=R)"
-            )
-        layout = cls(**fields)
-    layout = check_layout(layout, where, allowed)
+        layout = _fold_layout(where, layout, layout_old, allowed, default)
+    return check_layout(layout, where, allowed), _fold_memory(where, memory, memory_old)
+
+
+def _fold_layout(where: str, layout: Any, old: dict[str, Any], allowed: tuple[type, ...], default: Any) -> Layout:
+    """The layout value the old layout keywords `old` (none at its old default) spell, each warned."""
+    if not isinstance(layout, str) and (default is None or layout is not default):
+        raise TypeError(
+            f"{where}: pass {', '.join(f'{k}=' for k in old)} inside layout= only (deprecated keywords "
+            f"of the layout value), not both"
+        )
+    fields: dict[str, Any] = {}
+    for k, v in old.items():
+        field = RENAMED_KEYWORDS[k].field
+        if field is not None:  # `packed=` picks the class, below
+            fields[field] = v
+    if "packed" in old:  # SkyRL's microbatch(packed=True): the packed layout
+        base = Packed() if check_bool(old["packed"], "packed") else default
+    elif isinstance(layout, str):
+        base = _layout_of(layout, where, allowed)
+    else:
+        base = layout
+    cls = base if isinstance(base, type) else type(base)
+    _check_fields(cls, fields, where, layout)
+    if cls is PromptResponse and not {"prompt_width", "response_width"} <= set(fields):
+        raise ValueError(
+            f"{where}: layout='prompt_response' needs prompt_width= and response_width=: pass "
+            f"layout=torch_r3.PromptResponse(prompt_width=P, response_width=R)"
+        )
+    value = cls(**fields) if isinstance(base, type) else dataclasses.replace(base, **fields)
+    for k, v in old.items():
+        field = RENAMED_KEYWORDS[k].field
+        warn_renamed(f"{where}({k}=)", f"layout={_spelled(cls, {} if field is None else {field: v})}")
+    return value
+
+
+def _fold_memory(where: str, memory: Any, old: dict[str, Any]) -> Memory:
+    """The memory value `memory=` and the old memory keywords `old` (none at its old default) spell, each warned."""
     if memory is None:
         memory = Memory()
     elif not isinstance(memory, Memory):
         raise TypeError(f"{where}: memory must be a torch_r3.Memory, got {type(memory).__name__}")
-    if memory_old:
-        if memory != Memory():
-            raise TypeError(
-                f"{where}: pass {', '.join(f'{k}=' for k in memory_old)} inside memory= only (deprecated keywords "
-                f"of the memory value), not both"
-            )
-        for k, v in memory_old.items():
-            shown = repr(v) if v is None or isinstance(v, (bool, int)) else "..."
-            warn_renamed(f"{where}({k}=)", f"memory=torch_r3.Memory({k}={shown})", stacklevel=stacklevel)
-        memory = Memory(**memory_old)
-    return layout, memory
+    if not old:
+        return memory
+    if memory != Memory():
+        raise TypeError(
+            f"{where}: pass {', '.join(f'{k}=' for k in old)} inside memory= only (deprecated keywords "
+            f"of the memory value), not both"
+        )
+    for k, v in old.items():
+        shown = repr(v) if v is None or isinstance(v, (bool, int)) else "..."
+        warn_renamed(f"{where}({k}=)", f"memory=torch_r3.Memory({k}={shown})")
+    return Memory(**old)
 
 
 def __getattr__(name: str) -> Any:
-    # The module's old content: the batch geometry, renamed and moved to torch_r3.collate.geometry.
-    new = {"BatchLayout": "BatchGeometry", "global_layout": "global_geometry", "padded_length": "padded_length"}.get(
-        name
-    )
-    if new is None:
-        raise AttributeError(f"module 'torch_r3.collate.layout' has no attribute {name!r}")
-    warn_renamed(f"torch_r3.collate.layout.{name}", f"torch_r3.collate.geometry.{new}")
-    # `import torch_r3.collate.layout` runs torch_r3/__init__.py first, which imports torch_r3.collate.geometry: the alias
-    # reads the loaded module and imports nothing (an import here would close a circle, geometry reading
-    # the layout values).
-    return getattr(sys.modules["torch_r3.collate.geometry"], new)
+    # The module's old content: the batch geometry, renamed and moved to torch_r3.collate.geometry
+    # (`import torch_r3.collate.layout` runs torch_r3/__init__.py first, which imports it).
+    return renamed_name(__name__, name)

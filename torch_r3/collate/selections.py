@@ -157,11 +157,13 @@ def collate_selections(
         >>> batch["indexer_padding_mask"][0].tolist()
         [True, True, False, False, False, True]
     """
-    for key in deprecated:
-        if key not in ("padding_side", "pad_to_multiple_of", "seq_len", "workers"):
-            raise TypeError(f"collate_selections got an unexpected keyword argument {key!r}")
     value, memory = from_keywords(
-        "collate_selections", layout, memory, dict(deprecated), allowed=(Padded, Packed), memory_keywords=("workers",)
+        "collate_selections",
+        layout,
+        memory,
+        dict(deprecated),
+        keywords=("padding_side", "pad_to_multiple_of", "seq_len", "workers"),
+        allowed=(Padded, Packed),
     )
     if memory.buffers is not None or memory.cache_bytes is not None:
         raise ValueError("collate_selections: Memory.buffers and Memory.cache_bytes are not supported (fresh memory)")

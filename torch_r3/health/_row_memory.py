@@ -5,7 +5,9 @@ stale padded capture slots, sgl-project/sglang#36404: the slots a new request
 reuses still hold an earlier request's rows) returns a run of rows copied
 verbatim from that earlier response, behind other tokens. `RowMemory` keeps
 fingerprints of aligned `block`-row blocks of the responses it has seen (a
-64-bit polynomial hash of their full rows, every layer) with the tokens behind
+64-bit polynomial hash of their full rows' hashes, every layer; the row hash,
+`RouteScan.row_hashes`, is multilinear over 32-bit halves, so rows that differ
+in any structured way collide for about one pair in 2**32) with the tokens behind
 each, at most `max_blocks` of them, oldest dropped first. `replays` looks up
 every `block`-row window of a new response (a rolling hash over the row
 hashes of `torch_r3.health._scan`, so `O(rows)` after one pass over the ids),

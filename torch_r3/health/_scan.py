@@ -15,9 +15,11 @@ per row instead of byte-wide passes with full-width boolean temporaries:
   and only equal hashes checked row against row.
 
 Every answer is exact: the hashes only pick candidates, which are confirmed on
-the words themselves. `row_hashes` is also the replayed-rows memory's per-row
-fingerprint (`torch_r3.health._row_memory`): a function of the ids alone, so a row
-hashes alike in a `uint8` and an `int16` array. NumPy only.
+the words themselves. `row_hashes` is the replayed-rows memory's per-row
+fingerprint (`torch_r3.health._row_memory`), which no row data confirms: the word
+hash plus a term for the words' high halves, so that rows differing in any
+structured way collide for about one pair in 2**32. Both are functions of the ids
+alone, so a row hashes alike in a `uint8` and an `int16` array. NumPy only.
 """
 
 from __future__ import annotations
@@ -62,13 +64,27 @@ class RouteScan:
         self._row_zero: np.ndarray | None = None
         self._row_hashes: np.ndarray | None = None
         self._linear: np.ndarray | None = None
+        self._planes: list[np.ndarray] | None = None
 
     def row_hashes(self) -> np.ndarray:
-        """A 64-bit hash of each full row (every layer), `uint64 [rows]`; zero for a zero row."""
+        """The replayed-rows memory's fingerprint of each full row (every layer), `uint64 [rows]`; zero for a zero row.
+
+        A multilinear hash of the row's 32-bit halves, `sum_j lo_j * a_j + hi_j * b_j mod 2**64`
+        over the ids' byte planes, computed as the word hash `sum_j word_j * m_j` (`a_j = m_j`)
+        plus `sum_j (word_j >> 32) * n_j` (`b_j = 2**32 m_j + n_j`), then mixed. A difference
+        `d * 2**t` (`d` odd, `t < 32`) in a half keeps at least 32 random bits of its
+        multiplier, so rows that differ collide for about one pair in 2**32, whatever the
+        structure of the difference. The word hash alone kept only the top 8 bits of the
+        multiplier for a difference in a word's top byte (the 8th of top-8 `uint8` ids): two
+        such differences cancelled for one choice in 256. The other passes, whose candidates
+        are confirmed on the words, use the word hash alone.
+        """
         if self._row_hashes is None:
-            linear = self._linear_hashes()
+            total = self._linear_hashes().copy()
             with np.errstate(over="ignore"):
-                self._row_hashes = (linear ^ (linear >> np.uint64(29))) * _MIX
+                for words, (_, high) in zip(self._plane_words(), self._plane_multipliers()):
+                    total += np.einsum("ij,j->i", words >> np.uint64(32), high)
+                self._row_hashes = (total ^ (total >> np.uint64(29))) * _MIX
         return self._row_hashes
 
     def zero_rows(self) -> np.ndarray:
@@ -113,7 +129,7 @@ class RouteScan:
 
     def repeats(self) -> np.ndarray:
         """Whether row `i + 1` equals row `i`, `bool [rows - 1]`."""
-        h = self.row_hashes()
+        h = self._linear_hashes()
         out = np.zeros(max(self.rows - 1, 0), bool)
         candidates = np.flatnonzero(h[1:] == h[:-1])
         if candidates.size:
@@ -127,8 +143,23 @@ class RouteScan:
         return any(bool(self.row_words[:, c].all()) for c in first[:4].tolist())
 
     def _linear_hashes(self) -> np.ndarray:
-        """Per row, `sum_j word_j * m_j mod 2**64` over the ids' byte planes (zero planes add nothing)."""
+        """Per row, `sum_j word_j * m_j mod 2**64` over the ids' byte planes (zero planes add nothing).
+
+        Equal rows hash alike and a zero row hashes to zero: the candidates of `repeats` and
+        `zero_rows`, confirmed on the words (`row_hashes` adds what the memory needs).
+        """
         if self._linear is None:
+            total = np.zeros(self.rows, np.uint64)
+            with np.errstate(over="ignore"):
+                for words, (low, _) in zip(self._plane_words(), self._plane_multipliers()):
+                    # einsum: NumPy's integer matmul is slower for this matrix-vector product.
+                    total += np.einsum("ij,j->i", words, low)
+            self._linear = total
+        return self._linear
+
+    def _plane_words(self) -> list[np.ndarray]:
+        """The ids' byte planes (low byte first, while any id has more), each row as `uint64` words."""
+        if self._planes is None:
             a = self.routes.reshape(self.rows, self.layers * self.topk)
             width = a.shape[1]
             padded = -(-width // 8) * 8
@@ -142,28 +173,33 @@ class RouteScan:
                     planes.append((v & np.uint64(0xFF)).astype(np.uint8))
                     v = v >> np.uint64(8)
                     shift += 8
-            total = np.zeros(self.rows, np.uint64)
-            with np.errstate(over="ignore"):
-                for p, plane in enumerate(planes):
-                    if padded != width:
-                        wide = np.zeros((self.rows, padded), np.uint8)
-                        wide[:, :width] = plane
-                        plane = wide
-                    words = np.ascontiguousarray(plane).view("<u8")
-                    total += words @ _multipliers(words.shape[1], p)
-            self._linear = total
-        return self._linear
+            out = []
+            for plane in planes:
+                if padded != width:
+                    wide = np.zeros((self.rows, padded), np.uint8)
+                    wide[:, :width] = plane
+                    plane = wide
+                out.append(np.ascontiguousarray(plane).view("<u8"))
+            self._planes = out
+        return self._planes
+
+    def _plane_multipliers(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        return [_multipliers(words.shape[1], p) for p, words in enumerate(self._plane_words())]
 
 
-_MULTIPLIERS: dict[tuple[int, int], np.ndarray] = {}
+_MULTIPLIERS: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
 
-def _multipliers(width: int, plane: int) -> np.ndarray:
-    """Odd random 64-bit multipliers for `width` words of byte plane `plane` (fixed per width and plane)."""
+def _multipliers(width: int, plane: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random 64-bit multipliers `(m, n)` for `width` words of byte plane `plane` (fixed per width and plane).
+
+    `m` (odd) multiplies each whole word, `n` its high 32-bit half: see `RouteScan.row_hashes`.
+    """
     key = (width, plane)
     m = _MULTIPLIERS.get(key)
     if m is None:
         rng = np.random.default_rng([_SEED, width, plane])
-        m = rng.integers(0, 1 << 63, width, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
-        _MULTIPLIERS[key] = m
+        low = rng.integers(0, 1 << 63, width, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+        high = rng.integers(0, 1 << 64, width, dtype=np.uint64)
+        m = _MULTIPLIERS[key] = (low, high)
     return m

@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import math
 import threading
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -70,6 +69,7 @@ from typing import Any
 import numpy as np
 
 from torch_r3._checks import check_at_least, check_choice, check_int, check_positive, check_str
+from torch_r3._deprecation import warn_external
 from torch_r3.health._hints import CONSTANT_HINT, REPLAY_HINT, STALE_HINT, ZERO_HINTS
 from torch_r3.health._row_memory import RowMemory, window_hashes
 from torch_r3.health._scan import RouteScan
@@ -289,7 +289,7 @@ class RouteHealthCheck:
         moe_layers: Sequence[int] | None = None,
         engine: str | None = None,
         num_experts: int | None = None,
-        stacklevel: int = 2,
+        stacklevel: int | None = None,
     ) -> tuple[RouteHealthFinding, ...]:
         """Check one trajectory's (or one turn's) routes `[rows, layers, topk]`.
 
@@ -302,7 +302,8 @@ class RouteHealthCheck:
             moe_layers: Overrides the check's `moe_layers` for this call.
             engine: Overrides the check's `engine` for this call.
             num_experts: Overrides the check's `num_experts` for this call.
-            stacklevel: For the warning, as `warnings.warn`'s.
+            stacklevel: For the warning, as `warnings.warn`'s; by default the
+                first line outside torch_r3 (the user's call).
 
         Returns:
             The findings (empty for healthy routes) when they were accepted.
@@ -359,7 +360,7 @@ class RouteHealthCheck:
             )
         if self.on_unhealthy == "warn":
             category = ZeroRoutesWarning if findings[0].kind == "zero_rows" else RouteHealthWarning
-            warnings.warn(text, category, stacklevel=stacklevel + 1)
+            warn_external(text, category, stacklevel=None if stacklevel is None else stacklevel + 1)
         return tuple(findings)
 
     def _findings(
@@ -491,7 +492,7 @@ def check_route_health(
         'all 64 rows are [3, 5] although the hidden states vary'
     """
     check = RouteHealthCheck(on_unhealthy, moe_layers=moe_layers, engine=engine, num_experts=num_experts)
-    return check.check(routes, trajectory=trajectory, token_ids=token_ids, stacklevel=3)
+    return check.check(routes, trajectory=trajectory, token_ids=token_ids)
 
 
 def health_check(value: Any, name: str = "health", *, engine: str | None = None) -> RouteHealthCheck:

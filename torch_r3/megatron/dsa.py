@@ -22,6 +22,7 @@ from torch_r3.selections import FILL
 __all__ = [
     "DSA_MODULE",
     "TOPK_FUNCTION",
+    "canonical_order",
     "check_dsa_config",
     "context_parallel_rank",
     "dsa_module",
@@ -35,8 +36,6 @@ DSA_MODULE = "megatron.core.transformer.experimental_attention_variant.dsa"
 
 TOPK_FUNCTION = "fused_qk_topk_naive"
 """The module-level function of `DSA_MODULE` through which every unfused DSA top-k is computed."""
-
-_BIG = torch.iinfo(torch.int64).max
 
 
 def dsa_module() -> Any:
@@ -76,7 +75,8 @@ def selections_for_rank(
     the values are kept, since the positions name keys of the whole sequence,
     which Megatron's allgather DSA gathers on every rank. Each row is sorted,
     `-1` after; with `uncaptured="replay"` an uncaptured row selects its own
-    position only.
+    position only. The result is a new tensor in `sel`'s dtype: the memory it
+    adds is the compact selections' bytes, plus one layer's sort temporaries.
 
     Args:
         sel: `[B, T, L, K]` selections in batch positions, checked.
@@ -86,8 +86,10 @@ def selections_for_rank(
         uncaptured: `"live"` or `"replay"` (see `IndexerReplayHook`).
 
     Returns:
-        `(selections [B, T / cp_size, L, K] int64, mask [B, T / cp_size], positions [T / cp_size])`:
-        the batch position of each kept row in `positions`.
+        `(selections [B, T / cp_size, L, K], mask [B, T / cp_size], positions [T / cp_size])`:
+        the selections in `sel`'s own (compact) dtype, widened only by the layer
+        that hands them to the attention; the batch position of each kept row in
+        `positions`.
 
     Examples:
         >>> sel = torch.tensor([[[[0, -1]], [[1, 0]], [[2, 1]], [[1, 3]]]])  # B=1, T=4, L=1, K=2
@@ -101,14 +103,31 @@ def selections_for_rank(
     positions = context_parallel_positions(T, cp_size, cp_rank).to(sel.device)
     if cp_size > 1:
         sel, mask = sel[:, positions], mask[:, positions]
-    wide = sel.to(torch.int64)
-    wide = torch.where(wide == FILL, _BIG, wide).sort(dim=-1).values
-    wide = torch.where(wide == _BIG, FILL, wide)
+    local = torch.empty_like(sel)
+    for layer in range(sel.shape[2]):  # one layer's sort temporaries at a time
+        local[:, :, layer] = canonical_order(sel[:, :, layer])
     if uncaptured == "replay":
-        itself = torch.full_like(wide, FILL)
+        itself = torch.full_like(local, FILL)
         itself[..., 0] = positions.view(1, -1, 1)
-        wide = torch.where(mask.view(B, -1, 1, 1), itself, wide)
-    return wide, mask, positions
+        local = torch.where(mask.view(B, -1, 1, 1), itself, local)
+    return local, mask, positions
+
+
+def canonical_order(sel: torch.Tensor) -> torch.Tensor:
+    """Each row of `sel` (`[..., K]`) sorted, its `-1` slots after the positions, in `sel`'s own dtype.
+
+    The unused slots sort last under the dtype's largest value; they are then set
+    back to `-1` by their count, so a real position equal to that value stays.
+
+    Examples:
+        >>> canonical_order(torch.tensor([[3, -1, 1], [-1, 32767, 0]], dtype=torch.int16)).tolist()
+        [[1, 3, -1], [0, 32767, -1]]
+    """
+    unused = sel == FILL
+    K = sel.shape[-1]
+    ordered = sel.masked_fill(unused, torch.iinfo(sel.dtype).max).sort(dim=-1).values
+    tail = torch.arange(K, device=sel.device) >= K - unused.sum(-1, keepdim=True)
+    return ordered.masked_fill_(tail, FILL)
 
 
 def topk_sharing(config: Any) -> tuple[int, int]:

@@ -10,33 +10,39 @@ what the hook looks up in the model (`model`).
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from torch_r3._checks import check_indices
 from torch_r3.megatron.batch_checks import check_model_input, check_record_microbatch, check_route_values
 from torch_r3.megatron.microbatch import current_rank, prepare_microbatch, rank_share
-from torch_r3.megatron.model import as_chunks, find_hybrid_pattern, find_padding_mask_module, first_device
+from torch_r3.megatron.model import (
+    as_chunks,
+    find_hybrid_pattern,
+    find_padding_mask_module,
+    first_device,
+    model_config,
+    stage_layers,
+)
 from torch_r3.megatron.routers import (
+    RouteBuffers,
     RouterTarget,
     check_fifos_drained,
     collect_recorded,
+    copy_for_routers,
     expert_bias_mask_is_broken,
     find_routers,
 )
+from torch_r3.megatron.schedule import MicrobatchSchedule
 from torch_r3.megatron.setup_checks import InterleavedPipelineError, check_config, check_pipeline
 from torch_r3.megatron.slicing import (
     PACKED_BALANCING,
     RankSlice,
     hybrid_moe_pattern,
     moe_layer_pattern,
-    router_indices,
-    stage_layer_range,
 )
 from torch_r3.replay.checks import check_route_batch
 from torch_r3.replay.layers import route_layer_map
@@ -47,7 +53,7 @@ from torch_r3.replay.stats import ReplayStats, StatsCollector
 __all__ = ["InterleavedPipelineError", "ReplayHook"]
 
 
-class ReplayHook:
+class ReplayHook(MicrobatchSchedule):
     """Replays captured routes in one Megatron model's MoE routers, microbatch by microbatch.
 
     Construct once per model, after the model is built; the set-up is checked
@@ -64,6 +70,14 @@ class ReplayHook:
     A trainer whose forward step cannot be wrapped (it is a closure of the
     trainer's) calls `begin_microbatch(batch)` before its model call and
     `end_microbatch()` after it, inside `step()`.
+
+    Opening a microbatch checks its routes and installs them into this model's
+    routers with `REPLAY_FORWARD`; closing it switches the routers to
+    `REPLAY_BACKWARD`, so that recompute pops the matching routes. While it is
+    open, the model's `forward` gets `padding_mask` (`True` at padding only:
+    the batch's `attention_mask == 0`, sliced to this rank) unless the call
+    passes one; `router_padding_mask` is read by the routers only. `close()`
+    gives the routers Megatron's own methods back.
 
     Every pipeline stage's `data_iterator` must yield the microbatch dicts (with
     `rollout_expert_indices` and `router_padding_mask`, and `cu_seqlens` for
@@ -124,11 +138,9 @@ class ReplayHook:
         packed_balancing: str = "per_document",
         expert_load: bool = False,
     ):
+        super().__init__()
         chunks = as_chunks(model)
-        if config is None:
-            config = getattr(chunks[0], "config", None)
-            if config is None:
-                raise TypeError("config: the model has no .config; pass its TransformerConfig as config=")
+        config = model_config(chunks, config)
         check_uncaptured(uncaptured)
         if packed_balancing not in PACKED_BALANCING:
             raise ValueError(
@@ -156,7 +168,8 @@ class ReplayHook:
         else:
             self._pattern = moe_layer_pattern(config)
         self._num_experts = config.num_moe_experts
-        stage = self._stage_layers(config)
+        # One stage for a HybridModel (refused otherwise): every layer of its pattern.
+        stage = range(len(self._pattern)) if self._hybrid is not None else stage_layers(self._chunk, config)
         measure_drops = getattr(config, "moe_expert_capacity_factor", None) is not None
         if not isinstance(expert_load, bool):
             raise TypeError(f"expert_load: expected True or False, got {expert_load!r}")
@@ -176,6 +189,7 @@ class ReplayHook:
                     f"model: decoder layer {r.layer - stage.start} of this stage holds a router, but "
                     f"the stage has layers {stage.start}..{stage.stop - 1} only"
                 )
+        self._router_layers = tuple(r.layer for r in self._routers)  # fixed once the model is built
         self._route_layers = (
             None
             if route_layers is None
@@ -191,16 +205,12 @@ class ReplayHook:
         self._model_scatters_mask = self._pre_process and self._hybrid is None
         self._input_shape: tuple[int, int] | None = None
         self._active_mask: torch.Tensor | None = None
-        self._open: Mapping[str, Any] | None = None  # the microbatch begin_microbatch installed
-        self._microbatch = 0
-        self._num_microbatches: int | None = None
-        self._in_step = False
-        self._forward_only = False
         self._record = False
         self._recorded_shapes: list[tuple[int, int, bool, torch.Tensor]] = []  # (B, T, packed, padding)
         self._last_recording: Recording | None = None
         self._last_stats: ReplayStats | None = None
         self._handle = None
+        self._buffers = RouteBuffers()  # each microbatch's routes, copied once; reused step after step
         if self._gpt is not None:
             self._handle = self._gpt.register_forward_pre_hook(self._before_model_forward, with_kwargs=True)
         fix_bias = expert_bias_mask_is_broken()
@@ -215,7 +225,7 @@ class ReplayHook:
 
         Routers of multi-token prediction layers are not among them: they route live.
         """
-        return tuple(r.layer for r in self._routers)
+        return self._router_layers
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -267,19 +277,7 @@ class ReplayHook:
         Returns:
             Whatever the schedule returns (the per-microbatch loss reductions).
         """
-        if "forward_step_func" not in kwargs:
-            raise TypeError("forward_backward: forward_step_func= is required")
-        if forward_backward_func is None:
-            from megatron.core.pipeline_parallel import get_forward_backward_func
-
-            forward_backward_func = get_forward_backward_func()
-        kwargs["forward_step_func"] = self.wrap_forward_step(kwargs["forward_step_func"])
-        with self.step(
-            forward_only=bool(kwargs.get("forward_only", False)),
-            num_microbatches=kwargs.get("num_microbatches"),
-            record=record,
-        ):
-            return forward_backward_func(**kwargs)
+        return self._run_schedule(forward_backward_func, kwargs, record=record)
 
     def record(self, *, num_microbatches: int | None = None) -> contextlib.AbstractContextManager[ReplayHook]:
         """A forward-only step that records the routers' own routes instead of replaying (R2).
@@ -321,176 +319,49 @@ class ReplayHook:
             ValueError: When recording is asked for a training step, or under
                 context or sequence parallelism.
         """
-        if self._in_step:
-            raise RuntimeError("ReplayHook.step() is already active; steps do not nest")
-        if self._handle is None and self._gpt is not None:
-            raise RuntimeError("ReplayHook.step(): the hook is closed; build a new ReplayHook for this model")
+        self._check_can_step()
         if record:
             self._check_can_record(forward_only)
-        self._in_step = True
-        self._forward_only = forward_only
         self._record = record
-        self._num_microbatches = num_microbatches
-        self._clear()
         try:
-            yield self
-            self._check_drained()
-            self._last_stats = self._stats.finish(self.router_layers)
-            if record:
-                self._last_recording = Recording(
-                    collect_recorded(self._routers, self._recorded_shapes, self._num_experts)
-                )
+            with self._stepping(forward_only=forward_only, num_microbatches=num_microbatches):
+                yield self
         finally:
-            self._clear()
-            self._in_step = False
             self._record = False
 
-    def wrap_forward_step(self, forward_step_func: Callable) -> Callable:
-        """Wrap a Megatron `forward_step_func(data_iterator, model)` to replay routes.
+    # --------------------------------------------------------------- internals
 
-        For each microbatch the wrapper takes the next dict from
-        `data_iterator`, checks its routes, installs them into this model's
-        routers with `REPLAY_FORWARD`, calls `forward_step_func` with an
-        iterator that yields that dict once, and switches the routers to
-        `REPLAY_BACKWARD` as soon as it returns, so that recompute pops the
-        matching routes. While it runs, the model's `forward` gets
-        `padding_mask` (`True` at padding only: the batch's `attention_mask == 0`,
-        sliced to this rank) unless the call passes one; `router_padding_mask`
-        is read by the routers only.
+    @property
+    def _closed(self) -> bool:
+        return self._handle is None and self._gpt is not None
 
-        Args:
-            forward_step_func: Your forward step, Megatron's signature.
-
-        Returns:
-            The wrapped forward step; its signature looks like yours to Megatron.
-
-        Raises:
-            ValueError: When the data iterator runs out before the schedule's
-                last microbatch, or a microbatch's routes are invalid.
-            RuntimeError: When `forward_step_func` reads more than one
-                microbatch from its iterator.
-        """
-        if not callable(forward_step_func):
-            raise TypeError(f"forward_step_func: expected a callable, got {type(forward_step_func).__name__}")
-
-        @functools.wraps(forward_step_func)
-        def replaying_forward_step(data_iterator: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
-            if not self._in_step:
-                raise RuntimeError(
-                    "the replaying forward step ran outside ReplayHook.step(); use "
-                    "hook.forward_backward(...) or `with hook.step(): ...`"
-                )
-            if data_iterator is None:
-                raise TypeError(
-                    "data_iterator is None on this pipeline stage; with ReplayHook every "
-                    "stage's data_iterator must yield the microbatch dicts (they carry the routes)"
-                )
-            if isinstance(data_iterator, (list, tuple)):
-                raise TypeError(
-                    "data_iterator: expected one iterator, got a list (interleaved schedules are not supported)"
-                )
-            batch = self._next_microbatch(data_iterator)
-            self.begin_microbatch(batch)
-            try:
-                return forward_step_func(iter((batch,)), model, *args, **kwargs)
-            except StopIteration as err:  # would silently end a caller's for loop
-                raise RuntimeError(
-                    f"forward_step_func called next() on the data iterator more than once for "
-                    f"microbatch {self._microbatch - 1}; with ReplayHook it yields exactly the one "
-                    "microbatch whose routes are installed"
-                ) from err
-            finally:
-                self.end_microbatch()
-
-        return replaying_forward_step
-
-    def begin_microbatch(self, batch: Mapping[str, Any]) -> None:
-        """Install one microbatch's routes, for a trainer whose forward step cannot be wrapped.
-
-        What `wrap_forward_step` does around your forward step, in two calls: this
-        one (checks, installs with `REPLAY_FORWARD`, arms the model's `padding_mask`)
-        before the model runs, `end_microbatch` after. Inside `step()` only; a
-        microbatch still open is ended first.
-        """
-        if not self._in_step:
-            raise RuntimeError("ReplayHook.begin_microbatch() outside ReplayHook.step()")
-        self.end_microbatch()
-        self._install(batch)
-        self._open = batch
-
-    def end_microbatch(self) -> None:
-        """The open microbatch's forward is done: recompute pops its routes (`REPLAY_BACKWARD`). Idempotent."""
-        if self._open is None:
-            return
-        self._open = None
+    def _finish_microbatch(self) -> None:
+        # Recompute pops the routes this microbatch's forward used.
         self._active_mask = None
         for r in self._routers:
             r.replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
             r.current = None
 
-    def __enter__(self) -> ReplayHook:
-        return self
+    def _finish_step(self) -> None:
+        self._check_drained()
+        self._last_stats = self._stats.finish(self.router_layers)
+        if self._record:
+            self._last_recording = Recording(collect_recorded(self._routers, self._recorded_shapes, self._num_experts))
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Remove the hook from the model and clear this model's replay state.
-
-        The routers get Megatron's own methods back. The hook is also a context
-        manager: `with ReplayHook(model) as hook:` closes it on exit.
-
-        Raises:
-            RuntimeError: During a step (inside `step()` or `forward_backward`):
-                the routers would route live for the rest of it.
-        """
-        if self._in_step:
-            raise RuntimeError(
-                "ReplayHook.close() during a step: the routers would route with their own top-k for the "
-                "rest of it; close the hook after forward_backward returns"
-            )
+    def _detach(self) -> None:
+        # The routers get Megatron's own methods back.
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
         for r in self._routers:
             r.detach()
-        self._clear()
-
-    # --------------------------------------------------------------- internals
-
-    def _stage_layers(self, config: Any) -> range:
-        if self._hybrid is not None:  # one stage (refused otherwise): every layer of the pattern
-            return range(len(self._pattern))
-        pp_size = getattr(config, "pipeline_model_parallel_size", 1) or 1
-        vp_stage = getattr(self._chunk, "vp_stage", None)
-        if parallel_state.model_parallel_is_initialized():
-            return stage_layer_range(config, vp_stage=vp_stage)
-        if pp_size > 1:
-            raise ValueError(
-                f"config.pipeline_model_parallel_size={pp_size} but Megatron's parallel_state is "
-                "not initialized; cannot tell which layers this pipeline stage holds"
-            )
-        return stage_layer_range(config, vp_stage=vp_stage, pp_rank=0)
-
-    def _next_microbatch(self, data_iterator: Iterator[Any]) -> Any:
-        try:
-            return next(data_iterator)
-        except StopIteration:
-            arrived = self._microbatch
-            if self._num_microbatches is not None:
-                raise ValueError(
-                    f"data_iterator ran out: the schedule asked for {self._num_microbatches} "
-                    f"microbatches, {arrived} arrived"
-                ) from None
-            which = f"{arrived + 1} (the first), none arrived" if arrived == 0 else f"{arrived + 1}, {arrived} arrived"
-            raise ValueError(f"data_iterator ran out: the schedule asked for microbatch {which}") from None
+        self._reset()
+        self._buffers.release()
 
     def _rank(self) -> RankSlice:
         return current_rank(self.config)
 
-    def _install(self, batch: Mapping[str, Any]) -> None:
-        microbatch = self._microbatch
-        self._microbatch += 1
+    def _install(self, batch: Mapping[str, Any], microbatch: int) -> None:
         live = self.uncaptured == "live"
         # Each tensor goes to the model's device once, as the batch holds it (non-blocking:
         # asynchronous from pinned memory); the checks, layer selection and slicing run there.
@@ -532,15 +403,19 @@ class ReplayHook:
             packed_balancing=self._packed_balancing,
         )
         routes = share.routes
-        # Widened to int64 because the router gathers and scatters with these indices; always
-        # a copy the hook owns, so a caller refilling its batch cannot change what recompute replays.
-        local = None if self._record else routes.to(dtype=torch.int64, copy=True)
+        # One copy the hook owns (a caller refilling its batch cannot change what recompute replays),
+        # each router's rows contiguous: compact where the router call widens them (live), else int64.
+        owned = None
+        if not self._record:
+            b, s, j, k = routes.shape
+            buffer = self._buffers.take(microbatch, (j, s, b, k), routes.dtype if live else torch.int64, routes.device)
+            owned = copy_for_routers(buffer, routes)
         self._input_shape = share.input_shape
         uncaptured = share.uncaptured
         grad = torch.is_grad_enabled()
         for j, r in enumerate(self._routers):
             target = RouterTarget(
-                indices=None if local is None else router_indices(local, j).contiguous(),
+                indices=None if owned is None else owned[j],
                 uncaptured=uncaptured,
                 live=live,
                 microbatch=microbatch,
@@ -590,8 +465,6 @@ class ReplayHook:
 
     def _clear(self) -> None:
         self._active_mask = None
-        self._open = None
-        self._microbatch = 0
         self._recorded_shapes = []
         self._stats.reset()
         for r in self._routers:

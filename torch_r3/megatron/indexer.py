@@ -22,8 +22,10 @@ function's call during that layer's forward, and the hook does exactly that:
 * a layer that ran its forward without consulting the function (a fused
   kernel, a changed Megatron) raises instead of silently attending live.
 
-The microbatch contract is `torch_r3.megatron.ReplayHook`'s: `step()` /
-`wrap_forward_step()` / `forward_backward()`, every stage's data iterator
+The microbatch contract is `torch_r3.megatron.ReplayHook`'s, written once in
+`torch_r3.megatron.schedule`: `step()` / `wrap_forward_step()` /
+`forward_backward()` (or `begin_microbatch()` / `end_microbatch()` around a
+forward step that cannot be wrapped), every stage's data iterator
 yields the collated microbatch dicts, the selections are checked before the
 model runs (positions causal and in range, distinct, `min(index_topk, seen)`
 of them), activation recompute replays what the forward used, and the
@@ -46,9 +48,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from megatron.core import parallel_state
 
-from torch_r3.collate.selections import SELECTIONS
+from torch_r3.collate.selections import SELECTION_MASK, SELECTIONS
 from torch_r3.keys import CU_SEQLENS
 from torch_r3.megatron.dsa import (
     DSA_MODULE,
@@ -60,12 +61,14 @@ from torch_r3.megatron.dsa import (
     selections_for_rank,
     topk_sharing,
 )
+from torch_r3.megatron.model import as_chunks, first_device, model_config, stage_layers
+from torch_r3.megatron.schedule import MicrobatchSchedule
 from torch_r3.megatron.setup_checks import check_pipeline
-from torch_r3.megatron.slicing import stage_layer_range
 from torch_r3.replay import marker
 from torch_r3.replay.modes import check_uncaptured
-from torch_r3.replay.selection_checks import check_selection_batch, check_selection_values, overlap
-from torch_r3.replay.selection_stats import IndexerStats
+from torch_r3.replay.padding import padding_positions
+from torch_r3.replay.selection_checks import check_selection_batch, check_selection_values
+from torch_r3.replay.selection_stats import IndexerStats, SelectionStatsCollector
 
 # DSA_MODULE, TOPK_FUNCTION, dsa_module and selections_for_rank are defined in torch_r3.megatron.dsa
 __all__ = [
@@ -98,12 +101,14 @@ class _Layer:
 @dataclass
 class _Microbatch:
     index: int
-    columns: list[torch.Tensor]  # per computing layer: [B, S, K] int64, canonical, this rank's rows
+    columns: list[
+        torch.Tensor
+    ]  # per computing layer: [B, S, K] in the batch's compact dtype, canonical, this rank's rows
     uncaptured: torch.Tensor  # [B, S] bool
     recompute: bool  # will backward recompute the recomputed layers?
 
 
-class IndexerReplayHook:
+class IndexerReplayHook(MicrobatchSchedule):
     """Replays captured DSA indexer selections in one Megatron model's `DSAttention` layers.
 
     ```python
@@ -155,17 +160,10 @@ class IndexerReplayHook:
         uncaptured: str = "live",
         selection_layers: Sequence[int] | None = None,
     ):
+        super().__init__()
         self._dsa = dsa_module()
-        chunks: list[torch.nn.Module] = list(model) if isinstance(model, (list, tuple)) else [model]  # type: ignore[list-item]
-        if not chunks:
-            raise ValueError("model: got an empty list of model chunks")
-        for i, chunk in enumerate(chunks):
-            if not isinstance(chunk, torch.nn.Module):
-                raise TypeError(f"model[{i}]: expected a torch.nn.Module, got {type(chunk).__name__}")
-        if config is None:
-            config = getattr(chunks[0], "config", None)
-            if config is None:
-                raise TypeError("config: the model has no .config; pass its TransformerConfig as config=")
+        chunks = as_chunks(model)
+        config = model_config(chunks, config)
         self.uncaptured = check_uncaptured(uncaptured)
         check_pipeline(config, len(chunks))
         check_dsa_config(config, self._dsa)
@@ -181,16 +179,10 @@ class IndexerReplayHook:
             marker.check_free(entry.module, entry.name)
         self._columns = self._column_map(selection_layers)
         self._original_topk = getattr(self._dsa, TOPK_FUNCTION)
-        self._in_step = False
-        self._forward_only = False
         self._current: _Microbatch | None = None
-        self._microbatch = 0
-        self._num_microbatches: int | None = None
-        self._sums: dict[int, float] = {}
-        self._rows: dict[int, int] = {}
-        self._captured = self._live = self._forwards = 0
+        self._stats = SelectionStatsCollector()
         self._last_stats: IndexerStats | None = None
-        self._open = True
+        self._attached = True
         for entry in self._layers:
             marker.claim(entry.module, entry.name)
             if entry.computes:
@@ -223,17 +215,7 @@ class IndexerReplayHook:
 
     def forward_backward(self, forward_backward_func: Callable | None = None, **kwargs: Any) -> Any:
         """Run one step of Megatron's schedule with replay (`ReplayHook.forward_backward`'s contract)."""
-        if "forward_step_func" not in kwargs:
-            raise TypeError("forward_backward: forward_step_func= is required")
-        if forward_backward_func is None:
-            from megatron.core.pipeline_parallel import get_forward_backward_func
-
-            forward_backward_func = get_forward_backward_func()
-        kwargs["forward_step_func"] = self.wrap_forward_step(kwargs["forward_step_func"])
-        with self.step(
-            forward_only=bool(kwargs.get("forward_only", False)), num_microbatches=kwargs.get("num_microbatches")
-        ):
-            return forward_backward_func(**kwargs)
+        return self._run_schedule(forward_backward_func, kwargs)
 
     @contextlib.contextmanager
     def step(self, *, forward_only: bool = False, num_microbatches: int | None = None) -> Iterator[IndexerReplayHook]:
@@ -243,83 +225,32 @@ class IndexerReplayHook:
             RuntimeError: A recomputed layer was re-run another number of times
                 than its microbatches, steps nest, or the hook is closed.
         """
-        if not self._open:
-            raise RuntimeError("IndexerReplayHook.step(): the hook is closed; build a new one for this model")
-        if self._in_step:
-            raise RuntimeError("IndexerReplayHook.step() is already active; steps do not nest")
-        self._in_step, self._forward_only, self._num_microbatches = True, forward_only, num_microbatches
-        self._clear()
-        try:
+        with self._stepping(forward_only=forward_only, num_microbatches=num_microbatches):
             yield self
-            self._check_drained()
-            share = {layer: self._sums[layer] / self._rows[layer] for layer in self._sums if self._rows[layer]}
-            self._last_stats = IndexerStats(share, self._captured, self._live, self._forwards)
-        finally:
-            self._clear()
-            self._in_step = False
-
-    def wrap_forward_step(self, forward_step_func: Callable) -> Callable:
-        """Wrap a Megatron `forward_step_func(data_iterator, model)` to replay each microbatch's selections.
-
-        Raises:
-            ValueError: The data iterator runs out, or a microbatch's selections are invalid.
-            RuntimeError: Outside `step()`.
-        """
-        if not callable(forward_step_func):
-            raise TypeError(f"forward_step_func: expected a callable, got {type(forward_step_func).__name__}")
-
-        @functools.wraps(forward_step_func)
-        def replaying_forward_step(data_iterator: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
-            if not self._in_step:
-                raise RuntimeError(
-                    "the replaying forward step ran outside IndexerReplayHook.step(); use "
-                    "hook.forward_backward(...) or `with hook.step(): ...`"
-                )
-            if data_iterator is None or isinstance(data_iterator, (list, tuple)):
-                raise TypeError(
-                    "data_iterator: expected one iterator yielding the microbatch dicts on every pipeline stage "
-                    f"(they carry the selections), got {type(data_iterator).__name__}"
-                )
-            try:
-                batch = next(data_iterator)
-            except StopIteration:
-                want = f" of {self._num_microbatches}" if self._num_microbatches is not None else ""
-                raise ValueError(
-                    f"data_iterator ran out: the schedule asked for microbatch {self._microbatch + 1}{want}, "
-                    f"{self._microbatch} arrived"
-                ) from None
-            self._current = self._install(batch)
-            try:
-                return forward_step_func(iter((batch,)), model, *args, **kwargs)
-            finally:
-                self._current = None
-
-        return replaying_forward_step
-
-    def close(self) -> None:
-        """Give the layers Megatron's own `forward` back.
-
-        Raises:
-            RuntimeError: During a step.
-        """
-        if self._in_step:
-            raise RuntimeError("IndexerReplayHook.close() during a step; close it after forward_backward returns")
-        if self._open:
-            for entry in self._layers:
-                vars(entry.module).pop("forward", None)
-                marker.release(entry.module)
-        self._open = False
-
-    def __enter__(self) -> IndexerReplayHook:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # --------------------------------------------------------------- internals
 
+    @property
+    def _closed(self) -> bool:
+        return not self._attached
+
+    def _finish_microbatch(self) -> None:
+        self._current = None
+
+    def _finish_step(self) -> None:
+        self._check_drained()
+        self._last_stats = self._stats.finish(live=self.uncaptured == "live")
+
+    def _detach(self) -> None:
+        # The layers get Megatron's own forward back.
+        if self._attached:
+            for entry in self._layers:
+                vars(entry.module).pop("forward", None)
+                marker.release(entry.module)
+        self._attached = False
+
     def _find_layers(self, config: Any) -> list[_Layer]:
-        stage = _stage(self._chunk, config)
+        stage = stage_layers(self._chunk, config)
         granularity = getattr(config, "recompute_granularity", None)
         method = getattr(config, "recompute_method", None)
         found = []
@@ -383,9 +314,7 @@ class IndexerReplayHook:
         )
         raise ValueError(f"{SELECTIONS} has {L} layers; expected {expect}")
 
-    def _install(self, batch: Mapping[str, Any]) -> _Microbatch:
-        index = self._microbatch
-        self._microbatch += 1
+    def _install(self, batch: Mapping[str, Any], index: int) -> None:
         prefix = f"microbatch {index}, "
         if isinstance(batch, Mapping) and CU_SEQLENS in batch:
             raise ValueError(
@@ -407,16 +336,20 @@ class IndexerReplayHook:
                         f"{prefix}{SELECTIONS}: layer {entry.layer} reuses layer {entry.source}'s top-k in this "
                         "model (dsa_indexer_topk_freq), but the batch's selections for the two differ"
                     )
-        device = _first_device(self._chunk)
-        sel = sel.to(device, non_blocking=True)[:, :, columns]
+        device = first_device(self._chunk)
+        sel = sel.to(device, non_blocking=True)
+        if columns != list(range(L)):
+            sel = sel[:, :, columns]
         mask = mask.to(device, non_blocking=True)
         check_selection_values(sel, mask, self.indexer_layers, prefix=prefix)
-        wide, mask, _ = selections_for_rank(sel, mask, *context_parallel_rank(), uncaptured=self.uncaptured)
+        try:
+            padding = padding_positions(batch, mask, None, mask_key=SELECTION_MASK, payload="selections")
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"{prefix}{err}") from None
+        wide, mask, positions = selections_for_rank(sel, mask, *context_parallel_rank(), uncaptured=self.uncaptured)
         recompute = torch.is_grad_enabled() and not self._forward_only and self._chunk.training
-        self._captured += int((~mask).sum())
-        self._live += int(mask.sum()) if self.uncaptured == "live" else 0
-        self._forwards += 1
-        return _Microbatch(index, [wide[:, :, j] for j in range(len(columns))], mask, recompute)
+        self._stats.add_forward(mask, padding[:, positions])
+        self._current = _Microbatch(index, [wide[:, :, j] for j in range(len(columns))], mask, recompute)
 
     def _wrapped_forward(self, entry: _Layer, original: Callable) -> Callable:
         j = [e for e in self._layers if e.computes].index(entry)
@@ -477,17 +410,16 @@ class IndexerReplayHook:
                 f"microbatch {mb.index}, layer {entry.layer}: the layer sees [{B}, {S}] queries but the batch "
                 f"covers [{replayed.shape[0]}, {mb.uncaptured.shape[1]}] on this rank (another batch?)"
             )
-        chosen = replayed
+        # The selections stay compact up to here: the attention's scatter gets this layer's rows in its dtype.
         if self.uncaptured == "live":
-            chosen = torch.where(uncaptured.unsqueeze(-1), own.to(torch.int64), replayed)
+            chosen = torch.where(uncaptured.unsqueeze(-1), own, replayed)
+        else:
+            chosen = replayed.to(own.dtype)
         captured = ~uncaptured
         if bool(captured.any()):
-            s, n = overlap(own.to(torch.int64)[captured], replayed[captured])
-            self._sums[entry.layer] = self._sums.get(entry.layer, 0.0) + s
-            self._rows[entry.layer] = self._rows.get(entry.layer, 0) + n
-        chosen = chosen.to(own.dtype)
+            self._stats.add_overlap(entry.layer, own[captured], replayed[captured])
         if entry.recomputed and mb.recompute:
-            entry.queue.append(chosen)
+            entry.queue.append(chosen.to(replayed.dtype))  # compact until its recompute widens it again
         entry.pushes += 1
         return chosen
 
@@ -505,24 +437,7 @@ class IndexerReplayHook:
 
     def _clear(self) -> None:
         self._current = None
-        self._microbatch = 0
-        self._sums, self._rows = {}, {}
-        self._captured = self._live = self._forwards = 0
+        self._stats.reset()
         for e in self._layers:
             e.queue.clear()
             e.consults = e.pushes = e.pops = 0
-
-
-def _stage(chunk: torch.nn.Module, config: Any) -> range:
-    vp_stage = getattr(chunk, "vp_stage", None)
-    if parallel_state.model_parallel_is_initialized():
-        return stage_layer_range(config, vp_stage=vp_stage)
-    if (getattr(config, "pipeline_model_parallel_size", 1) or 1) > 1:
-        raise ValueError("config.pipeline_model_parallel_size > 1 but parallel_state is not initialized")
-    return stage_layer_range(config, vp_stage=vp_stage, pp_rank=0)
-
-
-def _first_device(chunk: torch.nn.Module) -> torch.device:
-    for p in chunk.parameters():
-        return p.device
-    return torch.device("cpu")

@@ -1,4 +1,5 @@
-"""What `ReplayHook` finds in the model it wraps: its chunks, its hybrid pattern, its padding-mask module, its device.
+"""What the Megatron hooks find in the model they wrap: its chunks and config, its stage's layers, its hybrid
+pattern, its padding-mask module, its device.
 
 DDP and Float16Module keep the wrapped model in `.module`; each search walks at
 most eight such wrappers down.
@@ -10,6 +11,9 @@ import inspect
 from typing import Any
 
 import torch
+from megatron.core import parallel_state
+
+from torch_r3.megatron.slicing import stage_layer_range
 
 __all__: list[str] = []  # the hook's internals
 
@@ -67,3 +71,34 @@ def first_device(chunk: torch.nn.Module) -> torch.device:
     for p in chunk.parameters():
         return p.device
     return torch.device("cpu")
+
+
+def model_config(chunks: list[torch.nn.Module], config: Any | None) -> Any:
+    """`config`, or by default the first chunk's `.config` (its `TransformerConfig`).
+
+    Raises:
+        TypeError: When `config` is `None` and the chunk has no `.config`.
+    """
+    if config is None:
+        config = getattr(chunks[0], "config", None)
+        if config is None:
+            raise TypeError("config: the model has no .config; pass its TransformerConfig as config=")
+    return config
+
+
+def stage_layers(chunk: torch.nn.Module, config: Any) -> range:
+    """The global layers (0-based) this pipeline stage's chunk holds.
+
+    Raises:
+        ValueError: Under pipeline parallelism before Megatron's `parallel_state` is initialized.
+    """
+    vp_stage = getattr(chunk, "vp_stage", None)
+    if parallel_state.model_parallel_is_initialized():
+        return stage_layer_range(config, vp_stage=vp_stage)
+    pp_size = getattr(config, "pipeline_model_parallel_size", 1) or 1
+    if pp_size > 1:
+        raise ValueError(
+            f"config.pipeline_model_parallel_size={pp_size} but Megatron's parallel_state is "
+            "not initialized; cannot tell which layers this pipeline stage holds"
+        )
+    return stage_layer_range(config, vp_stage=vp_stage, pp_rank=0)

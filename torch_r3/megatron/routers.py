@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -55,10 +56,12 @@ class RouterTarget:
     """One microbatch's routes for one router.
 
     Attributes:
-        indices: `[N, K]` int64 on the model's device, in the router's token order,
-            owned by the hook (never a view of the caller's batch); after the
-            forward call, what the router actually used (recompute reuses it).
-            `None` when recording: the forward fills in the router's own choice.
+        indices: `[N, K]` on the model's device, in the router's token order,
+            owned by the hook (never a view of the caller's batch: a buffer it
+            reuses at its next step), in the routes' own dtype or int64; after
+            the forward call, what the router actually used, int64 (recompute
+            reuses it). `None` when recording: the forward fills in the
+            router's own choice.
         uncaptured: `[N]` bool, `True` for tokens without a captured route.
         live: Whether uncaptured tokens take the router's own top-k.
         microbatch: Index of the microbatch in the step.
@@ -195,8 +198,10 @@ class ReplayedRouter:
                 self.recorded[target.microbatch] = own
             else:
                 chosen = target.indices
-                if target.live:
+                if target.live:  # widened to own's int64 in the same pass
                     chosen = torch.where(target.uncaptured.unsqueeze(-1), own, chosen)
+                else:
+                    chosen = chosen.to(own.dtype)  # no copy where the hook installed int64
                 # On captured rows `chosen` is the replayed route in either mode.
                 self.stats.add_drift(self.layer, own, chosen, ~target.uncaptured)
             target.indices = chosen  # recompute replays exactly what this forward chose
@@ -255,6 +260,60 @@ class ReplayedRouter:
                 if padding_mask is not None:
                     routing_map = routing_map & ~padding_mask.reshape(-1, 1)
                 self.module.local_tokens_per_expert += routing_map.sum(dim=0)
+
+
+class RouteBuffers:
+    """The hook's own copy of each microbatch's routes, one buffer per microbatch of a step, reused step after step.
+
+    A step's routes stay queued for activation recompute until the step ends,
+    so each microbatch of the step has its buffer; the next step writes into
+    the same memory (a buffer grows when a microbatch needs more), so a steady
+    run allocates nothing per microbatch.
+    """
+
+    def __init__(self) -> None:
+        self._bytes: list[torch.Tensor] = []
+
+    def take(self, microbatch: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An uninitialised `shape` tensor of `dtype` on `device`, microbatch `microbatch`'s buffer of this step."""
+        need = math.prod(shape) * dtype.itemsize
+        while len(self._bytes) <= microbatch:
+            self._bytes.append(torch.empty(0, dtype=torch.uint8))
+        buffer = self._bytes[microbatch]
+        if buffer.numel() < need or buffer.device != device:
+            buffer = torch.empty(need + need // 4, dtype=torch.uint8, device=device)  # room for a longer one
+            self._bytes[microbatch] = buffer
+        return buffer[:need].view(dtype).view(shape)
+
+    def release(self) -> None:
+        """Free every buffer (the hook is closed)."""
+        self._bytes = []
+
+
+def copy_for_routers(out: torch.Tensor, routes: torch.Tensor) -> torch.Tensor:
+    """This rank's routes `[B, S, J, K]` into `out` `[J, S, B, K]`, once: row `j` is router `j`'s `[S * B, K]`.
+
+    Each router reads its tokens sequence-first (`router_indices`' order). Where
+    one route is 8 bytes (`K = 8` uint8, `K = 4` int16) and the dtype stays,
+    the copy moves whole routes as 8-byte words; otherwise element by element
+    (widening to `out`'s dtype).
+
+    Returns:
+        `out` viewed as `[J, S * B, K]`.
+    """
+    b, s, j, k = routes.shape
+    source = routes.permute(2, 1, 0, 3)
+    words = None
+    if routes.dtype == out.dtype and k * routes.element_size() == 8:
+        try:
+            words = source.view(torch.int64)
+        except RuntimeError:  # a route not contiguous in memory: element by element
+            words = None
+    if words is not None:
+        out.view(torch.int64).copy_(words)
+    else:
+        out.copy_(source)
+    return out.view(j, s * b, k)
 
 
 def collect_recorded(

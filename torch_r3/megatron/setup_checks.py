@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 from megatron.core import parallel_state
+
+from torch_r3._deprecation import warn_external
 
 # `check_config` and `check_pipeline` are the hook's internals, shared with `hook.py` under plain names.
 __all__ = ["InterleavedPipelineError"]
@@ -124,24 +125,22 @@ def check_config(config: Any) -> None:
             )
     factor = getattr(config, "moe_expert_capacity_factor", None)
     if factor is not None:
-        warnings.warn(
+        warn_external(
             f"config.moe_expert_capacity_factor={factor}: experts drop tokens beyond their "
             "capacity, and which tokens are dropped depends on the whole microbatch (padding "
             "and other sequences included), so training drops different (token, expert) "
             "assignments than inference did even with every route replayed; watch "
             "ReplayStats.dropped_fraction, or set moe_expert_capacity_factor=None",
             UserWarning,
-            stacklevel=3,
         )
     rank_factor = getattr(config, "moe_expert_rank_capacity_factor", None)
     if rank_factor is not None:
-        warnings.warn(
+        warn_external(
             f"config.moe_expert_rank_capacity_factor={rank_factor}: each expert-parallel rank drops "
             "tokens beyond its token budget, and which tokens are dropped depends on the whole "
             "microbatch, so training drops (token, expert) assignments that inference routed even "
             "with every route replayed; set moe_expert_rank_capacity_factor=None",
             UserWarning,
-            stacklevel=3,
         )
 
 

@@ -27,6 +27,7 @@ the expert count.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -56,17 +57,84 @@ def _fits(view: torch.Tensor, num_experts: int) -> bool:
     return num_experts <= torch.iinfo(view.dtype).max
 
 
+CHUNK_IDS = 1 << 18
+"""Route ids one duplicate pass compares at a time: its `K - 1` rows of flags stay in cache."""
+
+
+@functools.lru_cache(maxsize=16)
+def _pair_words(k: int, device: torch.device) -> torch.Tensor:
+    """`[K - 1, 1]` int64 masks over 8 flag bytes: byte `i` of row `s - 1` is set when ids `i, i + s` share a route.
+
+    Only for `8 % k == 0`, where every 8 consecutive ids hold whole routes.
+    """
+    words = []
+    for s in range(1, k):
+        words.append(sum(0xFF << (8 * i) for i in range(8) if i % k + s < k))
+    return torch.tensor(words, dtype=torch.int64, device=device).view(k - 1, 1)
+
+
+@functools.lru_cache(maxsize=16)
+def _pairs(k: int, device: torch.device) -> torch.Tensor:
+    """`[K - 1, K]` bool: lane `j` of row `s - 1` is set when lanes `j, j + s` lie in one route."""
+    lane = torch.arange(k, device=device)
+    return (lane.view(1, k) + torch.arange(1, k, device=device).view(k - 1, 1)) < k
+
+
+def _repeated_ids(flat: torch.Tensor, k: int) -> torch.Tensor:
+    """Whether any route of `flat` (`[M * K]`, contiguous, routes back to back) repeats an id, as a 0-d bool.
+
+    Id `i` is compared with ids `i + 1 .. i + K - 1` in one broadcast `eq` over
+    the flat ids (an overlapping strided view, so the inner loop is contiguous);
+    pairs that cross into the next route are masked off afterwards, per 8 flag
+    bytes at a time when `K` divides 8, else per route. No loop over layers or
+    experts: a chunk loop bounds the scratch, `K - 1` flag bytes per id.
+    """
+    n = flat.numel()
+    last = flat[n - k :]  # the last route's later ids have no K - 1 ids after them: compared on their own
+    found = [(last.unsqueeze(0) == last.unsqueeze(1)).sum() > k]
+    usable = n - (k - 1)  # ids with K - 1 ids after them
+    chunk = max(CHUNK_IDS // (8 * k) * 8 * k, 8 * k)
+    words = _pair_words(k, flat.device) if 8 % k == 0 else None
+    flags = torch.empty((k - 1) * min(chunk, n), dtype=torch.bool, device=flat.device)
+    for a in range(0, n, chunk):
+        b = min(a + chunk, n)
+        width = min(b, usable) - a
+        rows = flags[: (k - 1) * (b - a)].view(k - 1, b - a)  # contiguous: the kernels' fast path
+        if width > 0:
+            ahead = flat.as_strided((k - 1, width), (1, 1), flat.storage_offset() + a + 1)
+            torch.eq(ahead, flat[a : a + width], out=rows[:, :width])
+        rows[:, max(width, 0) :] = False
+        if words is not None and (b - a) % 8 == 0:
+            bits = rows.view(torch.uint8).view(torch.int64)
+            bits &= words
+            found.append(bits.max() > 0)
+        else:
+            pairs = _pairs(k, flat.device).view(k - 1, 1, k)
+            found.append((rows.view(k - 1, -1, k) & pairs).view(torch.uint8).max() > 0)
+    return torch.stack(found).any()
+
+
 def _any_bad(view: torch.Tensor, num_experts: int) -> bool:
     """Fast path over the whole tensor: any id out of range or repeated in a route, anywhere?
 
-    Whole-tensor reductions, no per-row masks (reducing over a short last
-    dimension is several times slower); K - 1 shifted comparisons find a repeated
-    id without sorting.
+    A few whole-tensor passes over the compact ids, one host sync: the range
+    from one `max` (`aminmax` for signed dtypes), repeats from `_repeated_ids`.
+    Filler rows are checked too; a batch whose filler would fail (`filler="zeros"`)
+    takes the exact per-route path, which honours `checked`.
     """
-    flags = [view.max() >= num_experts] if _fits(view, num_experts) else []
-    if view.dtype.is_signed:  # uint8 routes cannot be negative
-        flags.append(view.min() < 0)
-    flags += [(view[..., shift:] == view[..., :-shift]).any() for shift in range(1, view.shape[-1])]
+    if view.numel() == 0:
+        return False
+    flat = view.reshape(-1)  # a view of a contiguous batch; a copy of a layer subset
+    flags = []
+    if view.dtype.is_signed:
+        low, high = torch.aminmax(flat)
+        flags.append(low < 0)
+    else:  # uint8 routes cannot be negative
+        high = flat.max()
+    if _fits(view, num_experts):
+        flags.append(high >= num_experts)
+    if view.shape[-1] > 1:
+        flags.append(_repeated_ids(flat, view.shape[-1]))
     return bool(torch.stack(flags).any()) if flags else False
 
 

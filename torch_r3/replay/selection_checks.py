@@ -160,16 +160,16 @@ def _faults(
 
 
 def canonical_rows(own: torch.Tensor, first: torch.Tensor, topk: int) -> torch.Tensor:
-    """A model's own top-k `[B, T, K']` as checked selections `[B, T, topk]` `int64`.
+    """A model's own top-k `[B, T, K']` as checked selections `[B, T, topk]`, in its dtype (at least `int32`).
 
     Positions outside `[first[b], t]` are dropped (the attention mask hides
     them: future positions and left padding), the rest sorted, `-1` after.
     """
     B, T, Kp = own.shape
-    v = own.to(torch.int64)
+    v = own.to(torch.promote_types(own.dtype, torch.int32))
     t = torch.arange(T, device=own.device).view(1, T, 1)
     ok = (v >= first.view(B, 1, 1)) & (v <= t)
-    big = torch.iinfo(torch.int64).max
+    big = torch.iinfo(v.dtype).max
     srt = torch.where(ok, v, big).sort(dim=-1).values
     srt = torch.where(srt == big, FILL, srt)
     if Kp < topk:
@@ -180,11 +180,13 @@ def canonical_rows(own: torch.Tensor, first: torch.Tensor, topk: int) -> torch.T
 def overlap(own: torch.Tensor, replayed: torch.Tensor) -> tuple[float, int]:
     """Sum over rows of the share of `replayed`'s positions that `own` also holds, and the row count.
 
-    Both are `[N, K]` canonical rows (sorted, `-1` after); rows of `replayed`
+    Both are `[N, K]` canonical rows (sorted, `-1` after), of any integer dtypes
+    (compared in the wider of the two, at least `int32`); rows of `replayed`
     without any position are not counted.
     """
-    big = torch.iinfo(torch.int64).max
-    rep = torch.where(replayed == FILL, big, replayed)
+    dtype = torch.promote_types(torch.promote_types(own.dtype, replayed.dtype), torch.int32)
+    own = own.to(dtype)
+    rep = replayed.to(dtype).masked_fill(replayed == FILL, torch.iinfo(dtype).max)
     idx = torch.searchsorted(rep, own.contiguous()).clamp(max=rep.shape[-1] - 1)
     hit = (rep.gather(-1, idx) == own) & (own != FILL)
     n = (replayed != FILL).sum(-1)

@@ -17,7 +17,7 @@ __all__ = [
     "load_imbalance",
     "merge_stats",
     "reduce_stats",
-]  # `StatsCollector` is the hooks' accumulator
+]  # `StatsCollector`, `split_tokens` and `token_counts` are the hooks' accumulators
 
 
 class TokenCounts(NamedTuple):
@@ -171,6 +171,37 @@ def load_entropy(load: Sequence[int]) -> float:
     return h / math.log(len(load))
 
 
+def split_tokens(uncaptured: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
+    """One microbatch's `[captured real, uncaptured real, padding]` positions, a 3-vector on the masks' device.
+
+    Positions without a real token (`padding` True) are counted apart, however they were
+    routed or selected, so that the real tokens' shares do not move with how much padding a
+    batch needed. The routes' and the indexer selections' statistics both count this way.
+
+    Args:
+        uncaptured: `True` where a position has no captured route (or selection).
+        padding: `True` where a position holds no real token; `None`: every position is real.
+
+    Examples:
+        >>> uncaptured = torch.tensor([True, True, False, True])
+        >>> split_tokens(uncaptured, torch.tensor([True, False, False, False])).tolist()
+        [1, 2, 1]
+    """
+    real = ~padding if padding is not None else torch.ones_like(uncaptured)
+    return torch.stack([(~uncaptured & real).sum(), (uncaptured & real).sum(), (~real).sum()])
+
+
+def token_counts(captured: int, uncaptured: int, padding: int, *, live: bool) -> TokenCounts:
+    """`TokenCounts` from `split_tokens`' sums: the uncaptured real tokens are live or filler, as the hook ran.
+
+    Examples:
+        >>> token_counts(90, 10, 4, live=True)
+        TokenCounts(captured=90, live=10, filler=0, padding=4)
+    """
+    live_tokens = uncaptured if live else 0
+    return TokenCounts(captured, live_tokens, uncaptured - live_tokens, padding)
+
+
 class StatsCollector:
     """Accumulates counts on the routes' device during a step; one host sync at the end."""
 
@@ -190,9 +221,7 @@ class StatsCollector:
 
     def add_microbatch(self, uncaptured: torch.Tensor, *, live: bool, padding: torch.Tensor | None = None) -> None:
         """Count one microbatch's tokens from the router-view masks (`True` = uncaptured; `True` = no real token)."""
-        real = ~padding if padding is not None else torch.ones_like(uncaptured)
-        # [captured real, uncaptured real, padding]: padding is counted apart, however it is routed
-        self._tokens.append(torch.stack([(~uncaptured & real).sum(), (uncaptured & real).sum(), (~real).sum()]))
+        self._tokens.append(split_tokens(uncaptured, padding))
         self._live = live
 
     @property
@@ -256,14 +285,14 @@ class StatsCollector:
                 drift[layer] = differ / captured if captured else 0.0
         captured_tokens, uncaptured, padding, lost = counts[-4:]
         assignments = self._assignments
-        live = uncaptured if self._live else 0
-        total = captured_tokens + uncaptured
+        tokens = token_counts(captured_tokens, uncaptured, padding, live=self._live)
+        total = tokens.real
         measured = [i for i, layer in enumerate(layers) if layer in self._differ]
         return ReplayStats(
             microbatches=self.microbatches,
             route_drift=drift,
-            live_fraction=live / total if total else 0.0,
-            tokens=TokenCounts(captured_tokens, live, uncaptured - live, padding),
+            live_fraction=tokens.live / total if total else 0.0,
+            tokens=tokens,
             dropped_fraction=(lost / assignments if assignments else 0.0) if self._measure_drops else None,
             counts=StepCounts(
                 differ={layers[i]: counts[2 * i] for i in measured},

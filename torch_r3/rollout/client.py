@@ -13,8 +13,7 @@ lets the protocol build the body, and reads the answer.
 from __future__ import annotations
 
 import functools
-import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch_r3._extras import require
@@ -23,21 +22,29 @@ if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self is Python 3.11+, and the package supports 3.10
 
 require("aiohttp", "client")  # without aiohttp: name the extra that installs it
-import aiohttp
 import numpy as np
-import yarl
 
-from torch_r3._checks import check_bool, check_choice, check_indices, check_int, check_positive, check_str
+from torch_r3._checks import check_bool, check_choice, check_int, check_positive, check_str
+from torch_r3._deprecation import warn_external, warn_renamed
 from torch_r3.errors import RemoteGenerateError
 from torch_r3.health.check import RouteHealthCheck, ZeroRoutesWarning, health_check
+from torch_r3.rollout._client_checks import (
+    FLAT_TRANSPORT_KEYWORDS,
+    check_base_url,
+    check_moe_layers,
+    check_prompt,
+    check_salt,
+    check_sampling_params,
+    check_start,
+    fold_transport_config,
+)
 from torch_r3.rollout._offload import off_loop
 from torch_r3.rollout.protocols import CHATS, PROTOCOLS, SERVERS, GenerateCall, RouteLimits, WeightVersionSpan
-from torch_r3.rollout.protocols.base import check_cache_salt
 from torch_r3.rollout.protocols.chat import check_messages
 from torch_r3.rollout.protocols.native import MODEL_INFO_PATH
 from torch_r3.rollout.protocols.spans import parse_body, route_text_bytes
 from torch_r3.rollout.results import RemoteGenerateResult
-from torch_r3.rollout.transport import DEFAULT_MAX_RESPONSE_BYTES, HttpTransport, TransportConfig
+from torch_r3.rollout.transport import HttpTransport, TransportConfig
 
 __all__ = [
     "RemoteGenerateClient",
@@ -48,8 +55,6 @@ __all__ = [
     "ZeroRoutesWarning",
 ]
 
-# Token ids travel as int64 (torch.long).
-_TOKEN_ID_END = 1 << 63
 # The engine behind each server= name, whose settings the health hints name.
 _ENGINES = {"vllm": "vllm", "vllm-openai": "vllm", "skyrl": "vllm", "sglang": "sglang", "sglang-openai": "sglang"}
 
@@ -96,35 +101,28 @@ class RemoteGenerateClient:
             `RouteHealthCheck` of your own (shared, e.g. by every client of a
             run). Its counters are `client.health.stats` either way.
         cache_salt: Default prefix-cache salt for every call (see `generate`).
-        max_response_bytes: The most bytes one response body may have (1 GiB by
-            default); route payloads are capped at three quarters of it.
-        retries: See `TransportConfig`.
-        backoff: See `TransportConfig`.
-        max_backoff: See `TransportConfig`.
-        timeout: See `TransportConfig`.
-        connect_timeout: See `TransportConfig`.
-        max_concurrency: See `TransportConfig`.
-        transport_config: All of the above as one `TransportConfig` (e.g.
-            shared by several clients); then leave the flat keywords at
-            their defaults.
-        headers: Extra headers sent with every request (e.g. authorization).
-        session: Your own `aiohttp.ClientSession`, used on the event loop it
-            belongs to and never closed by the client.
-        ssl: Passed to the `aiohttp.TCPConnector` of the client's own sessions
-            (an `ssl.SSLContext`, or `False` to skip verification).
-        trace_configs: `aiohttp.TraceConfig`s for the client's own sessions.
+        transport_config: The transport options as one `TransportConfig`
+            (retries, backoff, timeouts, concurrency, the response body cap,
+            headers, your own `session`, `ssl`, `trace_configs`), e.g. shared by
+            several clients; the defaults without it.
+        **deprecated: The transport options as flat keywords (`retries=`,
+            `backoff=`, `max_backoff=`, `timeout=`, `connect_timeout=`,
+            `max_concurrency=`, `max_response_bytes=`, `headers=`, `session=`,
+            `ssl=`, `trace_configs=`), as before 0.3.0: each one warns
+            (`DeprecationWarning`) and means the same option of `transport_config`.
 
     Raises:
-        TypeError: An argument of the wrong kind.
+        TypeError: An argument of the wrong kind, or a keyword the client never took.
         ValueError: A bad `base_url` (one ending in `/v1` included: give the
             server root), an unknown `server`, a `cache_salt` that breaks
-            `generate`'s rules, or `session` together with `ssl`/`trace_configs`.
+            `generate`'s rules, or `transport_config` together with a flat
+            transport keyword away from its default.
 
     Examples:
         >>> import asyncio
         >>> from torch_r3.testing import LoopbackServer
         >>> async def main(url):
-        ...     async with RemoteGenerateClient(url, retries=2) as client:
+        ...     async with RemoteGenerateClient(url, transport_config=TransportConfig(retries=2)) as client:
         ...         r = await client.generate([1, 2, 3], {"max_new_tokens": 2}, return_routed_experts=True)
         ...         return len(r.response_ids), r.routed_experts.shape
         >>> with LoopbackServer() as server:
@@ -145,37 +143,23 @@ class RemoteGenerateClient:
         moe_layers: Sequence[int] | None = None,
         health: str | RouteHealthCheck = "raise",
         cache_salt: str | None = None,
-        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
-        retries: int = 5,
-        backoff: float = 0.5,
-        max_backoff: float = 10.0,
-        timeout: float | None = 600.0,
-        connect_timeout: float | None = 30.0,
-        max_concurrency: int = 64,
         transport_config: TransportConfig | None = None,
-        headers: Mapping[str, str] | None = None,
-        session: aiohttp.ClientSession | None = None,
-        ssl: Any = True,
-        trace_configs: Sequence[aiohttp.TraceConfig] | None = None,
+        **deprecated: Any,
     ) -> None:
-        self.base_url = _check_base_url(base_url)
+        unknown = [name for name in deprecated if name not in FLAT_TRANSPORT_KEYWORDS]
+        if unknown:
+            raise TypeError(f"RemoteGenerateClient() got an unexpected keyword argument {unknown[0]!r}")
+        for name in deprecated:  # here, not in a helper: the warning names the caller's line
+            warn_renamed(f"RemoteGenerateClient({name}=)", f"transport_config=TransportConfig({name}=...)")
+        config = fold_transport_config(transport_config, deprecated)
+        self.base_url = check_base_url(base_url)
         self.server = check_choice(server, "server", SERVERS)
         num_layers = None if num_layers is None else check_positive(num_layers, "num_layers")
         topk = None if topk is None else check_positive(topk, "topk")
         num_experts = None if num_experts is None else check_positive(num_experts, "num_experts")
-        self.moe_layers = _check_moe_layers(moe_layers, num_layers)
+        self.moe_layers = check_moe_layers(moe_layers, num_layers)
         self.health = health_check(health, engine=_ENGINES.get(self.server))
-        self.cache_salt = _check_salt(cache_salt)
-        flat = {
-            "retries": retries,
-            "backoff": backoff,
-            "max_backoff": max_backoff,
-            "timeout": timeout,
-            "connect_timeout": connect_timeout,
-            "max_concurrency": max_concurrency,
-            "max_response_bytes": max_response_bytes,
-        }
-        config = _transport_config(transport_config, flat)
+        self.cache_salt = check_salt(cache_salt)
         self.limits = RouteLimits(
             max_bytes=config.max_route_bytes,
             num_layers=num_layers,
@@ -185,21 +169,17 @@ class RemoteGenerateClient:
             index_topk=None if index_topk is None else check_positive(index_topk, "index_topk"),
             max_indexer_bytes=config.max_response_bytes,
         )
-        self._transport = HttpTransport(
-            self.base_url, config, headers=headers, session=session, ssl=ssl, trace_configs=trace_configs
-        )
+        self._transport = HttpTransport(self.base_url, config)
 
     @property
     def transport_config(self) -> TransportConfig:
-        """The retries, timeouts, concurrency and body cap in use."""
+        """The transport options in use: retries, timeouts, concurrency, the body cap, headers and session options."""
         return self._transport.config
 
     @property
     def transport(self) -> TransportConfig:
         """Deprecated alias of `transport_config` (it returns the config, not a transport)."""
-        warnings.warn(
-            "RemoteGenerateClient.transport is deprecated: use transport_config", DeprecationWarning, stacklevel=2
-        )
+        warn_external("RemoteGenerateClient.transport is deprecated: use transport_config")
         return self.transport_config
 
     @property
@@ -275,13 +255,13 @@ class RemoteGenerateClient:
                 cap, a response that breaks the server's format. It names the URL.
         """
         protocol = PROTOCOLS[self.server]
-        prompt = _token_list(prompt_token_ids)
-        params = _sampling_params(sampling_params)
+        prompt = check_prompt(prompt_token_ids)
+        params = check_sampling_params(sampling_params)
         # Not check_bool: a test pins this wording ("must be a bool"); the rule (NumPy bools accepted) is the same.
         if not isinstance(return_routed_experts, (bool, np.bool_)):
             raise TypeError(f"return_routed_experts must be a bool, got {type(return_routed_experts).__name__}")
         return_routed_experts = bool(return_routed_experts)
-        start = _check_start(routed_experts_prompt_start, len(prompt), return_routed_experts)
+        start = check_start(routed_experts_prompt_start, len(prompt), return_routed_experts)
         self._check_route_shape(return_routed_experts)
         return_indexer_topk = check_bool(return_indexer_topk, "return_indexer_topk")
         if return_indexer_topk:
@@ -296,37 +276,24 @@ class RemoteGenerateClient:
                 )
         if model is not None:
             check_str(model, "model")
-        headers = {}
         if session_id is not None:
-            headers["X-Session-ID"] = check_str(session_id, "session_id")
-        salt = _check_salt(cache_salt) if cache_salt is not None else self.cache_salt
+            check_str(session_id, "session_id")
+        salt = check_salt(cache_salt) if cache_salt is not None else self.cache_salt
         call = GenerateCall(prompt, params, return_routed_experts, start, salt, model, return_indexer_topk)
-        body = protocol.request_body(call)
-        url = self.url
-        try:
-            # The route text stays in the body as views; the rest is parsed as JSON.
-            parse = functools.partial(parse_body, paths=protocol.route_text_paths)
-            raw = await self._transport.request("POST", protocol.generate_path, body, headers, parse=parse)
-        except RemoteGenerateError as exc:
-            if exc.status != 404:
-                raise
-            raise RemoteGenerateError(
-                f"{exc} -- nothing answers POST {url}: check base_url (the server root, e.g. "
-                f"http://host:port, with no /v1) and server={self.server!r}, which sends "
-                f"{protocol.generate_path}{_NOT_FOUND_HINTS.get(self.server, '')}",
-                url=url,
-                status=404,
-                attempts=exc.attempts,
-            ) from exc
-        try:
-            # Large payloads decode on the pool, with the GIL released: the loop keeps serving.
-            size = route_text_bytes(raw, protocol.route_text_paths)
-            parsed = await off_loop(size, protocol.parse_response, raw, call, self.limits)
-        except (TypeError, ValueError, MemoryError, OverflowError) as exc:
-            raise RemoteGenerateError(
-                f"POST {url}: response breaks the {self.server} format: {exc}", url=url, status=200
-            ) from exc
-        return await self._result(parsed, prompt, start, raw, protocol.without_routes, url, session_id)
+        not_found = (
+            f"check base_url (the server root, e.g. http://host:port, with no /v1) and server={self.server!r}, "
+            f"which sends {protocol.generate_path}{_NOT_FOUND_HINTS.get(self.server, '')}"
+        )
+        return await self._send(
+            protocol.generate_path,
+            protocol.request_body(call),
+            protocol.route_text_paths,
+            functools.partial(_read_generate, protocol, call, self.limits),
+            start=start,
+            session_id=session_id,
+            answer=f"the {self.server} format",
+            not_found=not_found,
+        )
 
     async def chat(
         self,
@@ -382,7 +349,7 @@ class RemoteGenerateClient:
             )
         self._check_route_shape(bool(return_routed_experts))
         body_messages = check_messages(messages)
-        params = _sampling_params(sampling_params)
+        params = check_sampling_params(sampling_params)
         if not isinstance(return_routed_experts, (bool, np.bool_)):
             raise TypeError(f"return_routed_experts must be a bool, got {type(return_routed_experts).__name__}")
         want = bool(return_routed_experts)
@@ -395,25 +362,65 @@ class RemoteGenerateClient:
             raise ValueError("routed_experts_prompt_start must be >= 0 and requires return_routed_experts=True")
         if model is not None:
             check_str(model, "model")
-        salt = _check_salt(cache_salt) if cache_salt is not None else self.cache_salt
-        headers = {"X-Session-ID": check_str(session_id, "session_id")} if session_id is not None else {}
+        salt = check_salt(cache_salt) if cache_salt is not None else self.cache_salt
+        if session_id is not None:
+            check_str(session_id, "session_id")
         body = chat.request_body(
             body_messages, params, return_routed_experts=want, start=start, cache_salt=salt, model=model
         )
-        url = self.base_url + chat.path
-        parse = functools.partial(parse_body, paths=chat.route_text_paths)
-        raw = await self._transport.request("POST", chat.path, body, headers, parse=parse)
+        read = functools.partial(chat.parse_response, return_routed_experts=want, start=start, limits=self.limits)
+        return await self._send(
+            chat.path,
+            body,
+            chat.route_text_paths,
+            read,
+            start=start,
+            session_id=session_id,
+            answer=f"the {self.server} chat format",
+        )
+
+    async def _send(
+        self,
+        path: str,
+        body: dict[str, Any],
+        route_text_paths: tuple[tuple[str, ...], ...],
+        read: Callable[[Any], tuple[Sequence[int], Any]],
+        *,
+        start: int,
+        session_id: str | None,
+        answer: str,
+        not_found: str | None = None,
+    ) -> RemoteGenerateResult:
+        """POST `body` to `path` and return its health-checked result: the one send path of `generate` and `chat`.
+
+        Args:
+            path: The endpoint, appended to the base URL.
+            body: The JSON body the protocol built.
+            route_text_paths: Where the answer's base64 route text sits (read in place).
+            read: Turns the parsed answer into (the prompt's token ids, the protocol's parsed response).
+            start: The first position whose route was asked for.
+            session_id: Sent as the `X-Session-ID` header (already checked).
+            answer: The format the answer must keep, for the error when it does not.
+            not_found: What to check when nothing answers the path (HTTP 404), or `None`.
+        """
+        url = self.base_url + path
+        headers = {"X-Session-ID": session_id} if session_id is not None else {}
         try:
-            size = route_text_bytes(raw, chat.route_text_paths)
-            prompt, parsed = await off_loop(
-                size,
-                functools.partial(chat.parse_response, return_routed_experts=want, start=start, limits=self.limits),
-                raw,
-            )
-        except (TypeError, ValueError, MemoryError, OverflowError) as exc:
+            # The route text stays in the body as views; the rest is parsed as JSON.
+            parse = functools.partial(parse_body, paths=route_text_paths)
+            raw = await self._transport.request("POST", path, body, headers, parse=parse)
+        except RemoteGenerateError as exc:
+            if exc.status != 404 or not_found is None:
+                raise
             raise RemoteGenerateError(
-                f"POST {url}: response breaks the {self.server} chat format: {exc}", url=url, status=200
+                f"{exc} -- nothing answers POST {url}: {not_found}", url=url, status=404, attempts=exc.attempts
             ) from exc
+        try:
+            # Large payloads decode on the pool, with the GIL released: the loop keeps serving.
+            size = route_text_bytes(raw, route_text_paths)
+            prompt, parsed = await off_loop(size, read, raw)
+        except (TypeError, ValueError, MemoryError, OverflowError) as exc:
+            raise RemoteGenerateError(f"POST {url}: response breaks {answer}: {exc}", url=url, status=200) from exc
         return await self._result(
             parsed, list(prompt), start, raw, PROTOCOLS[self.server].without_routes, url, session_id
         )
@@ -445,9 +452,9 @@ class RemoteGenerateClient:
             # Row i is position start + i: the prompt, then the generated tokens.
             tokens = (prompt + list(parsed.response_ids))[start : start + routes.shape[0]]
             who = f"POST {url} ({len(prompt)}-token prompt" + (f", session {session_id}" if session_id else "") + ")"
-            check = functools.partial(self.health.check, routes, trajectory=who, token_ids=tokens, stacklevel=5)
+            check = functools.partial(self.health.check, routes, trajectory=who, token_ids=tokens)
             check = functools.partial(check, moe_layers=self.moe_layers or None, num_experts=self.limits.num_experts)
-            # "warn": inline (stacklevel counts off_loop), the warning pointing at the caller; else large on the pool.
+            # "warn": inline, the warning pointing at the caller's line; else large on the pool.
             await off_loop(0 if self.health.on_unhealthy == "warn" else routes.nbytes, check)
         return RemoteGenerateResult(
             **vars(parsed),
@@ -500,100 +507,6 @@ _NOT_FOUND_HINTS = {
 }
 
 
-def _transport_config(config: Any, flat: dict[str, Any]) -> TransportConfig:
-    """`config` when given (the flat keywords must then be left at their defaults), else one built from them."""
-    if config is None:
-        return TransportConfig(**flat)
-    if not isinstance(config, TransportConfig):
-        raise TypeError(f"transport_config must be a TransportConfig, got {type(config).__name__}")
-    defaults = TransportConfig()
-    changed = sorted(name for name, value in flat.items() if value != getattr(defaults, name))
-    if changed:
-        raise ValueError(f"give either transport_config= or the keywords {changed}, not both")
-    return config
-
-
-def _check_base_url(base_url: Any) -> str:
-    check_str(base_url, "base_url")
-    try:
-        url = yarl.URL(base_url)
-        port = url.port
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"base_url {base_url!r} is not a valid URL (bad port?): {exc}") from None
-    if url.scheme not in ("http", "https"):
-        raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
-    if not url.host:
-        raise ValueError(f"base_url has no host: {base_url!r}")
-    if url.user is not None or url.password is not None:
-        raise ValueError("base_url must not hold credentials (user:password@); send them with headers= instead")
-    if url.query_string:
-        raise ValueError(
-            f"base_url must not have a query string ({url.query_string!r}): the endpoint path is appended to it"
-        )
-    if url.fragment:
-        raise ValueError(f"base_url must not have a fragment ({url.fragment!r})")
-    if port is None:  # pragma: no cover - yarl fills the scheme's default
-        raise ValueError(f"base_url has no port: {base_url!r}")
-    if url.path.rstrip("/").endswith("/v1"):
-        # An OpenAI-style base URL: the endpoint paths below already hold their
-        # version, so /v1 + /inference/v1/generate would be a path no server has.
-        raise ValueError(
-            f"base_url {base_url!r} ends in /v1, an OpenAI-style base URL; give the server root "
-            f"without /v1 (e.g. {str(url.with_path(url.path.rstrip('/')[:-3] or '/')).rstrip('/')!r}): "
-            "the client appends the endpoint's full path"
-        )
-    return base_url.rstrip("/")
-
-
-def _check_moe_layers(moe_layers: Any, num_layers: int | None) -> tuple[int, ...]:
-    if moe_layers is None:
-        return ()
-    return check_indices(moe_layers, "moe_layers", limit=num_layers, what="layer")
-
-
-def _check_salt(salt: Any) -> str | None:
-    return None if salt is None else check_cache_salt(salt)
-
-
-def _check_start(start: Any, prompt_len: int, want_routes: bool) -> int:
-    if start is None:
-        return 0
-    start = check_int(start, "routed_experts_prompt_start")
-    if not 0 <= start <= prompt_len:
-        raise ValueError(f"routed_experts_prompt_start must be in [0, len(prompt)={prompt_len}], got {start}")
-    if not want_routes:
-        raise ValueError("routed_experts_prompt_start requires return_routed_experts=True")
-    return start
-
-
-def _token_list(tokens: Any) -> list[int]:
-    if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):  # a torch.Tensor, without importing torch
-        tokens = tokens.detach().cpu().numpy()
-    if isinstance(tokens, np.ndarray):
-        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
-            raise TypeError(f"prompt_token_ids: expected a 1-D integer array, got {tokens.ndim}-D {tokens.dtype}")
-        out = tokens.tolist()
-    elif isinstance(tokens, (list, tuple)):
-        out = [check_int(t, f"prompt_token_ids[{i}]") for i, t in enumerate(tokens)]
-    else:
-        raise TypeError(f"prompt_token_ids: expected a list of ints, got {type(tokens).__name__}")
-    for i, t in enumerate(out):
-        if not 0 <= t < _TOKEN_ID_END:
-            raise ValueError(f"prompt_token_ids[{i}] = {t}: token ids must be in [0, 2**63)")
-    return out
-
-
-def _sampling_params(params: Any) -> dict[str, Any]:
-    if params is None:
-        return {}
-    if not isinstance(params, Mapping):
-        raise TypeError(f"sampling_params: expected a mapping, got {type(params).__name__}")
-    n = params.get("n", 1)
-    if n is not None and n != 1:
-        # SGLang answers n > 1 with a JSON list and vLLM with one choice per
-        # sample: a result holds one sample, so the others would be lost.
-        raise ValueError(
-            f"sampling_params['n'] = {n!r}: the client asks for one sample per call; "
-            "call generate once per sample (with distinct seeds)"
-        )
-    return dict(params)
+def _read_generate(protocol: Any, call: GenerateCall, limits: RouteLimits, raw: Any) -> tuple[list[int], Any]:
+    """The prompt that was sent and the protocol's reading of the answer to it."""
+    return call.prompt, protocol.parse_response(raw, call, limits)

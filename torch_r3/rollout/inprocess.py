@@ -40,7 +40,7 @@ import numpy as np
 
 from torch_r3._checks import check_bool, check_non_negative, check_positive
 from torch_r3.health.check import RouteHealthCheck, health_check
-from torch_r3.rollout.protocols import base
+from torch_r3.rollout.protocols import fields
 from torch_r3.rollout.protocols.switches import missing_routes_hint
 from torch_r3.rollout.results import RemoteGenerateResult
 from torch_r3.routes import as_host_array, compact_routes
@@ -200,10 +200,21 @@ class VLLMOutputCollector:
         """The merged samples as results, as `vllm_results` (same arguments); `raw` is the last output.
 
         Raises:
-            ValueError: Nothing was added, or the stream has not finished; otherwise as `vllm_results`.
+            ValueError: Nothing was added, or the stream has not finished (its last output's
+                `finished` is False, even where every sample seen has finished: with `n > 1` a
+                sample that has produced nothing yet is in no output), naming the request and
+                the samples seen; otherwise as `vllm_results`.
         """
         if self._prompt is None:
             raise ValueError("VLLMOutputCollector: no output was added")
+        if not self.finished:
+            # With n > 1, a sample that has produced nothing yet is in no output: only `finished` tells.
+            running = [i for i in sorted(self._samples) if self._samples[i].finish_reason is None]
+            raise ValueError(
+                f"request {self._request_id!r} has not finished (its last RequestOutput has finished=False): "
+                f"samples seen {sorted(self._samples)}, of which {running} are still running, and a sample "
+                "that has produced nothing yet is in none of the outputs; add the stream's last output first"
+            )
         reader = _Reader(
             routed_experts_prompt_start, return_routed_experts, num_layers, topk, num_experts, moe_layers, health
         )
@@ -254,7 +265,7 @@ class _Reader:
             ) from None
         if prompt is None:
             raise ValueError(f"request {request_id!r}: prompt_token_ids is None (a prompt given as embeddings?)")
-        return list(base.token_ids(list(prompt), f"request {request_id!r}: prompt_token_ids")), request_id
+        return list(fields.token_ids(list(prompt), f"request {request_id!r}: prompt_token_ids")), request_id
 
     def results(
         self, prompt: list[int], request_id: Any, samples: dict[int, _Sample], raw: Any, prompt_routes: Any = None
@@ -271,13 +282,13 @@ class _Reader:
         )
 
     def _one(self, prompt: list[int], who: str, sample: _Sample, raw: Any, prompt_routes: Any) -> RemoteGenerateResult:
-        ids = base.token_ids(sample.token_ids, f"{who}: token_ids")
+        ids = fields.token_ids(sample.token_ids, f"{who}: token_ids")
         if sample.finish_reason is None:
             raise ValueError(
                 f"{who} has not finished (finish_reason is None): vLLM sends a sample's routes with its final "
                 "output; pass the finished RequestOutput (collect a stream with VLLMOutputCollector)"
             )
-        reason = base.finish_reason(str(sample.finish_reason), f"{who}: finish_reason")
+        reason = fields.finish_reason(str(sample.finish_reason), f"{who}: finish_reason")
         logprobs = None if sample.logprobs is None else _logprobs(sample.logprobs, ids, who)
         routes = None
         if self.want_routes:
@@ -295,14 +306,13 @@ class _Reader:
                 token_ids=tokens,
                 moe_layers=self.moe_layers,
                 num_experts=self.num_experts,
-                stacklevel=4,
             )
         return RemoteGenerateResult(
             ids,
             logprobs,
             reason,
             routes,
-            base.newest_version(None, spans),
+            fields.newest_version(None, spans),
             spans,
             self.num_experts,
             raw,
@@ -327,10 +337,10 @@ class _Reader:
             if want is not None and host.shape[axis] != want:
                 raise ValueError(f"{who}: routed_experts has shape {host.shape}, expected {what}={want} on axis {axis}")
         routes = compact_routes(host, name=f"{who}: routed_experts", num_experts=self.num_experts, health=None)
-        want = base.expected_rows(len(prompt), len(ids), self.start)
+        want = fields.expected_rows(len(prompt), len(ids), self.start)
         if routes.shape[0] == want:
             return routes
-        full = base.expected_rows(len(prompt), len(ids), 0)
+        full = fields.expected_rows(len(prompt), len(ids), 0)
         if self.start and routes.shape[0] == full and _ignores_prompt_start(raw):
             # A vLLM without routed_experts_prompt_start (before 0.22) sends every row: keep the asked-for ones.
             # Only then: a DELTA stream's last output with start = generated - last tokens has as many rows.
@@ -404,7 +414,7 @@ def _ignores_prompt_start(output: Any) -> bool:
     return match is not None and (int(match[1]), int(match[2])) < (0, 22)
 
 
-def _weight_spans(spans: Any, who: str, generated: int) -> tuple[base.WeightVersionSpan, ...]:
+def _weight_spans(spans: Any, who: str, generated: int) -> tuple[fields.WeightVersionSpan, ...]:
     """The sample's `weight_versions`, checked; spans past its tokens name the DELTA stream they come from."""
     dicts = _span_dicts(spans, who)
     ends = [d["end"] for d in dicts or () if isinstance(d["end"], int)]
@@ -412,7 +422,7 @@ def _weight_spans(spans: Any, who: str, generated: int) -> tuple[base.WeightVers
         raise ValueError(
             f"{who}: weight_versions cover {max(ends)} generated tokens, the output holds {generated}; {_DELTA_HINT}"
         )
-    return base.weight_spans(dicts, f"{who}: weight_versions", generated)
+    return fields.weight_spans(dicts, f"{who}: weight_versions", generated)
 
 
 def _prompt_routes(output: Any) -> Any:
@@ -449,7 +459,7 @@ def _logprobs(positions: list[Any], ids: tuple[int, ...], who: str) -> tuple[flo
         entry = position.get(token) if hasattr(position, "get") else None
         if entry is None:
             raise ValueError(f"{who}: logprobs[{i}] has no entry for the sampled token {token}")
-        out.append(base.logprob(getattr(entry, "logprob", entry), f"{who}: logprobs[{i}][{token}]"))
+        out.append(fields.logprob(getattr(entry, "logprob", entry), f"{who}: logprobs[{i}][{token}]"))
     return tuple(out)
 
 

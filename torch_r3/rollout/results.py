@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from torch_r3.rollout.protocols.base import WeightVersionSpan
+from torch_r3.rollout.protocols.fields import WeightVersionSpan
 
 __all__ = ["RemoteGenerateResult"]
 

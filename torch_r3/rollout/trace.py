@@ -361,7 +361,13 @@ class RoutedExpertTrace:
             raise ValueError(f"{label}: routes must be [rows, layers, topk], got shape {array.shape}")
         if array.shape[0] != expected:
             # Rows from position 0 on a later turn: the request sent no prompt start.
-            resend = f"; send sampling_params['routed_experts_prompt_start'] = trace.prompt_start ({start})"
+            resend = (
+                f"; ask for the rows from the trace's start ({start}): client.generate(prompt_ids, sampling_params, "
+                "return_routed_experts=True, routed_experts_prompt_start=trace.prompt_start) (a keyword argument of "
+                "generate and chat, not a sampling parameter; an in-process vLLM takes "
+                f"SamplingParams(routed_experts_prompt_start={start}) and vllm_results(output, "
+                f"routed_experts_prompt_start={start}))"
+            )
             raise ValueError(
                 f"{turn}: expected prompt_len - prompt_start + generated_len - 1 = {prompt_len} - {start} + "
                 f"{generated_len} - 1 = {expected} rows, got {array.shape[0]}"
@@ -380,7 +386,6 @@ class RoutedExpertTrace:
                 token_ids=ids,
                 moe_layers=self._moe_layers,
                 num_experts=self._num_experts,
-                stacklevel=4,
             )
         if selections is not None or self._selections.turns:
             if selections is None or self._selections.turns != self.turns:

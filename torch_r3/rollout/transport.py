@@ -39,7 +39,7 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -83,6 +83,19 @@ class TransportConfig:
             body is refused while it is read (from its `Content-Length` when
             declared). Route payloads are capped at three quarters of it (what
             base64 text of that size can decode to).
+        headers: Extra headers sent with every request (e.g. authorization);
+            left out of the `repr`.
+        session: Your own `aiohttp.ClientSession`, used on the event loop it
+            belongs to and never closed by the client (which then cannot be pickled).
+        ssl: Passed to the `aiohttp.TCPConnector` of the client's own sessions
+            (an `ssl.SSLContext`, or `False` to skip verification).
+        trace_configs: `aiohttp.TraceConfig`s for the client's own sessions.
+
+    Raises:
+        TypeError: A value of the wrong kind (`headers` not a mapping of
+            strings, `session` not an `aiohttp.ClientSession`).
+        ValueError: A value out of range, or `session` together with
+            `ssl`/`trace_configs` (set those on your session).
     """
 
     retries: int = 5
@@ -92,8 +105,13 @@ class TransportConfig:
     connect_timeout: float | None = 30.0
     max_concurrency: int = 64
     max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
+    headers: Mapping[str, str] | None = field(default=None, repr=False, hash=False)
+    session: aiohttp.ClientSession | None = field(default=None, repr=False, hash=False)
+    ssl: Any = field(default=True, hash=False)
+    trace_configs: Sequence[aiohttp.TraceConfig] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
+        self._check_connection()
         # Frozen: the checked values (NumPy scalars become int/float) are set through object.__setattr__.
         checked: dict[str, Any] = {
             "retries": check_non_negative(self.retries, "retries"),
@@ -109,6 +127,24 @@ class TransportConfig:
                 checked[name] = check_finite_float(value, name, allow_zero=False, note="None for no limit")
         for name, value in checked.items():
             object.__setattr__(self, name, value)
+
+    def _check_connection(self) -> None:
+        if self.headers is not None:
+            if not isinstance(self.headers, Mapping):
+                raise TypeError(f"headers must be a mapping of strings, got {type(self.headers).__name__}")
+            for key, value in self.headers.items():
+                if not isinstance(key, str) or not isinstance(value, str):
+                    raise TypeError(f"headers[{key!r}] must map a string to a string, got {type(value).__name__}")
+            object.__setattr__(self, "headers", dict(self.headers))  # a copy: later edits of yours do not leak in
+        if self.trace_configs is not None:
+            object.__setattr__(self, "trace_configs", tuple(self.trace_configs))
+        if self.session is not None:
+            if not isinstance(self.session, aiohttp.ClientSession):
+                raise TypeError(f"session must be an aiohttp.ClientSession, got {type(self.session).__name__}")
+            if self.ssl is not True or self.trace_configs is not None:
+                raise ValueError(
+                    "ssl and trace_configs configure the client's own sessions; set them on your session instead"
+                )
 
     @property
     def max_route_bytes(self) -> int:
@@ -197,36 +233,17 @@ class HttpTransport:
 
     Args:
         base_url: The validated server URL, without a trailing slash.
-        config: Retries, timeouts, concurrency and the body cap.
-        headers: Headers sent with every request.
-        session: A user's session to use instead of the transport's own.
-        ssl: Passed to the `aiohttp.TCPConnector` of the transport's own sessions.
-        trace_configs: Passed to the transport's own sessions.
+        config: Retries, timeouts, concurrency, the body cap, headers and
+            the session options (`TransportConfig`, checked there).
     """
 
-    def __init__(
-        self,
-        base_url: str,
-        config: TransportConfig,
-        *,
-        headers: Mapping[str, str] | None = None,
-        session: aiohttp.ClientSession | None = None,
-        ssl: Any = True,
-        trace_configs: Sequence[aiohttp.TraceConfig] | None = None,
-    ) -> None:
-        if session is not None:
-            if not isinstance(session, aiohttp.ClientSession):
-                raise TypeError(f"session must be an aiohttp.ClientSession, got {type(session).__name__}")
-            if ssl is not True or trace_configs is not None:
-                raise ValueError(
-                    "ssl and trace_configs configure the client's own sessions; set them on your session instead"
-                )
+    def __init__(self, base_url: str, config: TransportConfig) -> None:
         self.base_url = base_url
         self.config = config
-        self.headers = dict(headers or {})
-        self.ssl = ssl
-        self.trace_configs = list(trace_configs) if trace_configs is not None else None
-        self._user_session = session
+        self.headers = dict(config.headers or {})
+        self.ssl = config.ssl
+        self.trace_configs = list(config.trace_configs) if config.trace_configs is not None else None
+        self._user_session = config.session
         self._init_loop_state()
 
     def _init_loop_state(self) -> None:

@@ -95,60 +95,98 @@ def make_app(
     wire = make_protocol(protocol)
     # Engine refuses anything that does not implement ServedModel.
     engine = model if isinstance(model, Engine) else Engine(model, PrefixCache(wire.default_block_size))
-    served = engine.model
-    faults = faults if faults is not None else Faults()
-    stats = stats if stats is not None else ServerStats()
+    handlers = _Handlers(
+        wire, engine, faults if faults is not None else Faults(), stats if stats is not None else ServerStats()
+    )
+    app = web.Application()
+    app.router.add_post(wire.generate_path, handlers.generate)
+    if wire.chat_path:
+        app.router.add_post(wire.chat_path, handlers.chat)
+    if wire.name == "torch_r3":
+        app.router.add_get(MODEL_INFO_PATH, handlers.model_info)
+    if wire.flush_cache_path:
+        app.router.add_post(wire.flush_cache_path, handlers.flush_cache)
+    return app
 
-    def error(status: int, message: str) -> web.Response:
-        return web.json_response(wire.error(status, message), status=status)
 
-    async def generate(request: web.Request) -> web.StreamResponse:
-        return await counted(request, wire.parse, wire.render)
+class _Handlers:
+    """The routes of one application: each request counted, faulted, parsed, generated, rendered, sent."""
 
-    async def chat(request: web.Request) -> web.StreamResponse:
-        return await counted(request, wire.parse_chat, wire.render_chat)
+    def __init__(self, wire: WireProtocol, engine: Engine, faults: Faults, stats: ServerStats) -> None:
+        self.wire, self.engine, self.faults, self.stats = wire, engine, faults, stats
+        self.served = engine.model
 
-    async def counted(request: web.Request, parse: Any, render: Any) -> web.StreamResponse:
+    def error(self, status: int, message: str) -> web.Response:
+        return web.json_response(self.wire.error(status, message), status=status)
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        return await self._counted(request, self.wire.parse, self.wire.render)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._counted(request, self.wire.parse_chat, self.wire.render_chat)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        # What a trainer checks before replaying these routes in its own model.
+        served = self.served
+        moe_layers = [i for i, moe in enumerate(served.moe_layer_pattern) if moe]
+        info = {"num_layers": served.num_layers, "num_experts": served.num_experts, "topk": served.topk}
+        return web.json_response({**info, "moe_layers": moe_layers})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        self.engine.flush_cache()
+        return web.Response(text="Cache flushed.")
+
+    async def _counted(self, request: web.Request, parse: Any, render: Any) -> web.StreamResponse:
+        stats = self.stats
         stats.requests += 1
         stats.in_flight += 1
         stats.max_in_flight = max(stats.max_in_flight, stats.in_flight)
         try:
-            return await _generate(request, parse, render)
+            return await self._generate(request, parse, render)
         finally:
             stats.in_flight -= 1
 
-    async def _generate(request: web.Request, parse: Any, render: Any) -> web.StreamResponse:
-        fault = faults.next_fault()
+    async def _generate(self, request: web.Request, parse: Any, render: Any) -> web.StreamResponse:
+        fault = self.faults.next_fault()
         kind, args = fault if fault else (None, {})
         if kind == "stall":
             await asyncio.sleep(args["seconds"])
         elif kind == "status":
             if args["json_error"]:
-                return error(args["code"], args["message"])
+                return self.error(args["code"], args["message"])
             return web.Response(text=args["message"], status=args["code"], content_type="text/plain")
         try:
             body = await request.json()
         except ValueError as exc:
-            return error(400, f"request body is not JSON: {exc}")
+            return self.error(400, f"request body is not JSON: {exc}")
         try:
-            parsed = parse(body, served)
+            parsed = parse(body, self.served)
             samples = parsed.options.get("samples", 1)
+            engine = self.engine
             generations = [engine.aborted() if kind == "abort" else engine.generate(parsed) for _ in range(samples)]
         except ModelOutputError as exc:  # a broken ServedModel, not a client error
-            return error(500, str(exc))
+            return self.error(500, str(exc))
         except (TypeError, ValueError) as exc:
-            return error(400, str(exc))
-        rendered = [render(parsed, g, served, malformed=kind == "malformed") for g in generations]
+            return self.error(400, str(exc))
+        rendered = [render(parsed, g, self.served, malformed=kind == "malformed") for g in generations]
         # One sample: the server's object; several (SGLang's n > 1): a JSON list of them.
         payload = rendered[0][0] if samples == 1 else [body for body, _ in rendered]
-        text = json.dumps(payload).encode()
+        self._count(request, generations, [rows for _, rows in rendered])
+        return await self._send(request, json.dumps(payload).encode(), kind)
+
+    def _count(self, request: web.Request, generations: list[Any], rows: list[Any]) -> None:
+        stats = self.stats
         stats.generations += 1
         stats.session_ids.append(request.headers.get("X-Session-ID"))
-        for generation, (_, rows) in zip(generations, rendered):
+        for generation, routes in zip(generations, rows):
             stats.cached_tokens += generation.cached_tokens
-            if rows is not None:
-                stats.route_rows += rows.shape[0]
-                stats.route_bytes += rows.nbytes
+            if routes is not None:
+                stats.route_rows += routes.shape[0]
+                stats.route_bytes += routes.nbytes
+
+    @staticmethod
+    async def _send(request: web.Request, text: bytes, kind: str | None) -> web.StreamResponse:
+        """The answer as sent: whole, or cut by a `truncate` or `disconnect` fault."""
         if kind == "truncate":
             return web.Response(body=text[: len(text) // 2], content_type="application/json")
         if kind == "disconnect":
@@ -159,26 +197,6 @@ def make_app(
             _reset(request.transport)
             return response
         return web.Response(body=text, content_type="application/json")
-
-    async def model_info(request: web.Request) -> web.Response:
-        # What a trainer checks before replaying these routes in its own model.
-        moe_layers = [i for i, moe in enumerate(served.moe_layer_pattern) if moe]
-        info = {"num_layers": served.num_layers, "num_experts": served.num_experts, "topk": served.topk}
-        return web.json_response({**info, "moe_layers": moe_layers})
-
-    async def flush_cache(request: web.Request) -> web.Response:
-        engine.flush_cache()
-        return web.Response(text="Cache flushed.")
-
-    app = web.Application()
-    app.router.add_post(wire.generate_path, generate)
-    if wire.chat_path:
-        app.router.add_post(wire.chat_path, chat)
-    if wire.name == "torch_r3":
-        app.router.add_get(MODEL_INFO_PATH, model_info)
-    if wire.flush_cache_path:
-        app.router.add_post(wire.flush_cache_path, flush_cache)
-    return app
 
 
 def _reset(transport: asyncio.BaseTransport | None) -> None:

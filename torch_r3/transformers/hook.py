@@ -24,26 +24,25 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS_PADDED, ROUTER_MASK, ROUTES
+from torch_r3.keys import CU_SEQLENS_PADDED, ROUTER_MASK, ROUTES
 from torch_r3.replay.checks import check_input_shape, check_replayed_ids, check_route_batch, check_router_tokens
 from torch_r3.replay.layers import moe_pattern, route_layer_map
 from torch_r3.replay.lifecycle import HookLifecycle
 from torch_r3.replay.modes import check_uncaptured, recorded_route_dtype
+from torch_r3.replay.padding import padding_positions
 from torch_r3.replay.recording import Recording
 from torch_r3.replay.stats import ReplayStats, StatsCollector
+from torch_r3.transformers._modules import LayerCalls, device_of, find_in_layers, note_inputs
 from torch_r3.transformers.families import Family, family_of, supported_families
 
 __all__ = ["Recording", "ReplayHook"]
 
-# `<anything>.layers.<i>` names decoder layer i in every supported family (also under DDP's `module.`).
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?=\.|$)")
 # The child name torch.distributed's checkpoint_wrapper gives the module it wraps.
 _CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module"
 
@@ -143,7 +142,7 @@ class ReplayHook(HookLifecycle):
         self._stats = StatsCollector(measure_drops=False, num_experts=self._num_experts if expert_load else None)
         self._active: _Replay | None = None
         self._recording: _Recorder | None = None
-        self._call: _Call | None = None  # the checkpointed layer call running now
+        self._calls = LayerCalls(_Call)  # the checkpointed layer call running now
         self._last_stats: ReplayStats | None = None
         self._in_step = False
         self._handles = [
@@ -217,11 +216,11 @@ class ReplayHook(HookLifecycle):
         offsets = batch.get(CU_SEQLENS_PADDED, cu_seqlens) if cu_seqlens is not None else None
         check_replayed_ids(routes, checked, self.router_layers, self._num_experts, cu_seqlens=offsets, uncaptured=mask)
         rows, positions = mask.shape
-        device = _device_of(self._routers[0].module)
+        device = device_of(self._routers[0].module)
         # One copy to the device, widened once: the experts index with int64.
         wide = routes.to(device=device, dtype=torch.int64)
         per_router = [wide[:, :, j].reshape(rows * positions, self._topk) for j in range(len(self._routers))]
-        padding = _padding_positions(batch, mask, cu_seqlens)
+        padding = padding_positions(batch, mask, cu_seqlens)
         self._active = _Replay(rows, positions, per_router, mask.to(device).reshape(-1), padding.to(device).reshape(-1))
         if not self._in_step:
             self._stats.reset()
@@ -276,7 +275,7 @@ class ReplayHook(HookLifecycle):
         self._check_idle()
         rec = _Recorder(Recording())
         self._recording = rec
-        handle = self._model.register_forward_pre_hook(functools.partial(_note_inputs, rec), with_kwargs=True)
+        handle = self._model.register_forward_pre_hook(functools.partial(note_inputs, rec), with_kwargs=True)
         try:
             yield rec.recording
         finally:
@@ -288,9 +287,7 @@ class ReplayHook(HookLifecycle):
 
     def _restore(self) -> None:
         # Closing also hands each checkpointed layer its own checkpointing function back.
-        for layer, original in self._wrapped:
-            if getattr(layer.__dict__.get("_gradient_checkpointing_func"), "_torch_r3_hook", None) is self:
-                layer.__dict__["_gradient_checkpointing_func"] = original
+        self._calls.restore(self._wrapped)
         self._wrapped = []
 
     def _before_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -306,7 +303,7 @@ class ReplayHook(HookLifecycle):
 
     def _on_router(self, index: int, module: torch.nn.Module, args: Any, output: Any) -> Any:
         r = self._routers[index]
-        call = self._call
+        call: _Call | None = self._calls.current
         if call is not None and index in call.experts:  # activation recompute: exactly the first forward's experts
             experts = call.experts[index]
             if index in call.live and torch.equal(output[2], experts):
@@ -344,28 +341,7 @@ class ReplayHook(HookLifecycle):
 
     def _wrap_checkpointing(self) -> None:
         """Wrap each router layer's checkpointing function (set by transformers, maybe since the last forward)."""
-        for layer in {id(r.layer_module): r.layer_module for r in self._routers}.values():
-            original = layer.__dict__.get("_gradient_checkpointing_func")
-            if original is not None and getattr(original, "_torch_r3_hook", None) is not self:
-                wrapper = self._checkpointing(original)
-                layer.__dict__["_gradient_checkpointing_func"] = wrapper
-                self._wrapped.append((layer, original))
-
-    def _checkpointing(self, original: Callable) -> Callable:
-        def checkpoint_with_routes(function: Callable, *args: Any, **kwargs: Any) -> Any:
-            record = _Call()  # filled by the first run, replayed by the recompute
-
-            def run(*a: Any, **k: Any) -> Any:
-                outer, self._call = self._call, record
-                try:
-                    return function(*a, **k)
-                finally:
-                    self._call = outer
-
-            return original(run, *args, **kwargs)
-
-        checkpoint_with_routes._torch_r3_hook = self  # type: ignore[attr-defined]
-        return checkpoint_with_routes
+        self._wrapped.extend(self._calls.wrap(r.layer_module for r in self._routers))
 
     def _recorded_batch(self, rec: _Recorder) -> dict[str, torch.Tensor]:
         if rec.forwards != 1 or rec.shape is None:
@@ -383,75 +359,30 @@ class ReplayHook(HookLifecycle):
         return {ROUTES: out.cpu(), ROUTER_MASK: mask.cpu()}
 
 
-def _padding_positions(batch: Mapping[str, Any], mask: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-    """`[rows, positions]` bool, `True` where the batch holds no real token (for the stats, which count it apart).
-
-    Padded: the batch's `attention_mask == 0`; without one, each row's leading run of
-    uncaptured positions (left padding). Packed: none, except the alignment rows between
-    sequences when the batch carries `cu_seqlens_padded`.
-    """
-    if cu_seqlens is not None:
-        aligned = batch.get(CU_SEQLENS_PADDED)
-        if aligned is None:
-            return torch.zeros_like(mask)
-        pad = torch.ones_like(mask)
-        for start, n in zip(torch.as_tensor(aligned).tolist(), cu_seqlens.diff().tolist()):
-            pad[0, start : start + n] = False
-        return pad
-    attention = batch.get(ATTENTION_MASK)
-    if attention is None:
-        return (~mask).cumsum(1) == 0
-    if not isinstance(attention, torch.Tensor) or attention.dtype.is_floating_point or attention.is_complex():
-        what = attention.dtype if isinstance(attention, torch.Tensor) else type(attention).__name__
-        raise TypeError(f"{ATTENTION_MASK}: expected an integer or bool torch.Tensor, got {what}")
-    if tuple(attention.shape) != tuple(mask.shape):
-        raise ValueError(
-            f"{ATTENTION_MASK}: shape {list(attention.shape)} differs from {ROUTER_MASK}'s {list(mask.shape)}: "
-            "the routes do not cover the tokens"
-        )
-    return attention.to(mask.device) == 0
-
-
-def _note_inputs(rec: _Recorder, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    ids = args[0] if args else kwargs.get("input_ids")
-    if ids is None and kwargs.get("inputs_embeds") is not None:
-        ids = kwargs["inputs_embeds"][..., 0]
-    if isinstance(ids, torch.Tensor) and ids.ndim == 2:
-        rec.shape = (int(ids.shape[0]), int(ids.shape[1]))
-    attention = kwargs.get("attention_mask")
-    if isinstance(attention, torch.Tensor) and attention.ndim == 2:
-        rec.mask = attention == 0
-
-
 def _find_routers(model: torch.nn.Module) -> tuple[list[_Router], int]:
-    routers = []
-    containers = set()
-    for name, module in model.named_modules():
-        family = family_of(module)
-        if family is None:
-            _refuse_unknown_router(name, module)
-            continue
-        matches = list(_LAYER.finditer(name))
-        if not matches:
-            raise ValueError(f"{name} ({type(module).__name__}): a router outside any decoder layer (…layers.<i>…)")
-        if _CHECKPOINT_WRAPPED in name.split("."):
-            raise ValueError(
-                f"{name}: the router sits inside torch's checkpoint_wrapper, whose recompute the hook cannot "
-                "follow (it would route with the router's own choice); unwrap it and use the model's "
-                "activation_checkpointing_enable() instead, which ReplayHook replays exactly"
-            )
-        last = matches[-1]
-        containers.add(name[: last.start(1) - 1])
-        layer_name = name[: last.end(1)]
-        routers.append(_Router(module, name, int(last.group(1)), model.get_submodule(layer_name), family))
-    if not routers:
+    found, num_layers = find_in_layers(model, _is_router, "a router")
+    if not found:
         raise ValueError(
             f"model ({type(model).__name__}): no MoE router found; supported families: {supported_families()}"
         )
-    if len(containers) != 1:
-        raise ValueError(f"model: routers in more than one list of decoder layers: {sorted(containers)}")
-    num_layers = len(list(model.get_submodule(containers.pop()).children()))
+    routers = []
+    for f in found:
+        if _CHECKPOINT_WRAPPED in f.name.split("."):
+            raise ValueError(
+                f"{f.name}: the router sits inside torch's checkpoint_wrapper, whose recompute the hook cannot "
+                "follow (it would route with the router's own choice); unwrap it and use the model's "
+                "activation_checkpointing_enable() instead, which ReplayHook replays exactly"
+            )
+        family = cast(Family, family_of(f.module))  # picked for having one
+        routers.append(_Router(f.module, f.name, f.layer, f.layer_module, family))
     return routers, num_layers
+
+
+def _is_router(name: str, module: torch.nn.Module) -> bool:
+    if family_of(module) is not None:
+        return True
+    _refuse_unknown_router(name, module)
+    return False
 
 
 def _refuse_unknown_router(name: str, module: torch.nn.Module) -> None:
@@ -474,9 +405,3 @@ def _refuse_unknown_router(name: str, module: torch.nn.Module) -> None:
 def _router_sizes(r: _Router) -> tuple[int, int]:
     module: Any = r.module  # plain attributes nn.Module's typing cannot see
     return int(module.top_k), int(module.num_experts)
-
-
-def _device_of(module: torch.nn.Module) -> torch.device:
-    for p in module.parameters():
-        return p.device
-    return torch.device("cpu")

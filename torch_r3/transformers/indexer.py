@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,16 +34,17 @@ import torch
 from torch_r3.collate.selections import SELECTION_MASK, SELECTIONS
 from torch_r3.replay.lifecycle import HookLifecycle
 from torch_r3.replay.modes import check_uncaptured
+from torch_r3.replay.padding import padding_positions
 from torch_r3.replay.recording import Recording
 from torch_r3.replay.selection_checks import (
     canonical_rows,
     check_selection_batch,
     check_selection_values,
     first_positions,
-    overlap,
 )
-from torch_r3.replay.selection_stats import IndexerStats
+from torch_r3.replay.selection_stats import IndexerStats, SelectionStatsCollector
 from torch_r3.selections import FILL
+from torch_r3.transformers._modules import LayerCalls, device_of, find_in_layers, note_inputs
 
 __all__ = ["DSAReplayHook", "IndexerReplayHook", "IndexerStats"]
 
@@ -53,8 +53,6 @@ INDEXER_CLASSES = (
     ("transformers.models.glm_moe_dsa.modeling_glm_moe_dsa", "GlmMoeDsaIndexer"),
 )
 """The indexer classes the hook replays (module, class name), checked against `transformers` 5.24."""
-
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?=\.|$)")
 
 
 @dataclass
@@ -80,10 +78,9 @@ class _Indexer:
 class _Replay:
     shape: tuple[int, int]
     first: torch.Tensor  # [B]
-    columns: list[torch.Tensor]  # per indexer: [B, T, K] int64, canonical
+    columns: list[torch.Tensor]  # per indexer: [B, T, K] in the batch's compact dtype, canonical
     uncaptured: torch.Tensor  # [B, T] bool
-    sums: dict[int, float] = field(default_factory=dict)
-    rows: dict[int, int] = field(default_factory=dict)
+    padding: torch.Tensor  # [B, T] bool, True = no real token (counted apart in the stats)
 
 
 def _is_indexer(module: torch.nn.Module) -> bool:
@@ -122,8 +119,8 @@ class IndexerReplayHook(HookLifecycle):
         self._hold((ix.module, ix.name) for ix in self._indexers)  # a refused hook claims nothing
         self._active: _Replay | None = None
         self._recording: _Recorder | None = None
-        self._call: dict[int, torch.Tensor] | None = None
-        self._stats = _Collector()
+        self._calls = LayerCalls(dict)  # the checkpointed layer call running now: indexer -> its selection
+        self._stats = SelectionStatsCollector()
         self._last_stats: IndexerStats | None = None
         self._handles = [
             ix.module.register_forward_hook(functools.partial(self._on_indexer, i))
@@ -175,21 +172,27 @@ class IndexerReplayHook(HookLifecycle):
         if K != self.index_topk:
             raise ValueError(f"{SELECTIONS}: index_topk {K}, the model's indexers select {self.index_topk}")
         columns = self._columns(sel, L)
-        check_selection_values(sel[:, :, columns], mask, self.indexer_layers)
-        device = _device_of(self._indexers[0].module)
-        wide = sel.to(device=device, dtype=torch.int64)
+        check_selection_values(sel if columns == list(range(L)) else sel[:, :, columns], mask, self.indexer_layers)
+        device = device_of(self._indexers[0].module)
+        # Kept in the batch's compact dtype (no copy on the model's device); each indexer call widens its
+        # own layer's rows to the attention's dtype, and nothing more.
+        compact = sel.to(device=device, non_blocking=True)
+        padding = padding_positions(batch, mask, None, mask_key=SELECTION_MASK, payload="selections")
         self._active = _Replay(
-            (B, T), first_positions(mask).to(device), [wide[:, :, c] for c in columns], mask.to(device)
+            (B, T),
+            first_positions(mask).to(device),
+            [compact[:, :, c] for c in columns],
+            mask.to(device),
+            padding.to(device),
         )
-        self._stats.start(self._active)
-        restore = self._wrap_checkpointing()
+        self._stats.reset()
+        restore = self._calls.wrap(ix.layer_module for ix in self._indexers)
         try:
             yield self
-            self._last_stats = self._stats.finish(self._active, self.indexer_layers)
+            self._last_stats = self._stats.finish(live=self.uncaptured == "live")
         finally:
             self._active = None
-            for layer, original in restore:
-                layer.__dict__["_gradient_checkpointing_func"] = original
+            self._calls.restore(restore, only_own=False)
 
     @contextlib.contextmanager
     def record(self) -> Iterator[Recording]:
@@ -208,7 +211,7 @@ class IndexerReplayHook(HookLifecycle):
         self._check_idle()
         rec, seen = Recording(), _Recorder()
         self._recording = seen
-        handle = self._model.register_forward_pre_hook(functools.partial(_note_inputs, seen), with_kwargs=True)
+        handle = self._model.register_forward_pre_hook(functools.partial(note_inputs, seen), with_kwargs=True)
         try:
             yield rec
         finally:
@@ -235,7 +238,7 @@ class IndexerReplayHook(HookLifecycle):
         return list(self.indexer_layers)
 
     def _on_indexer(self, index: int, module: torch.nn.Module, args: Any, output: torch.Tensor) -> Any:
-        call = self._call
+        call: dict[int, torch.Tensor] | None = self._calls.current
         if call is not None and index in call:  # activation recompute: exactly the first forward's
             return call[index]
         if self._recording is not None:
@@ -254,45 +257,25 @@ class IndexerReplayHook(HookLifecycle):
             )
         replayed = state.columns[index][..., :Kp]
         # Unused slots point at the query itself: selected anyway, so the mask built from them is exact.
-        own_pos = torch.arange(S, device=output.device).view(1, S, 1).expand(B, S, Kp)
-        filled = torch.where(replayed == FILL, own_pos, replayed)
+        # Built in the attention's dtype: this layer's rows are the only ones widened.
+        own_pos = torch.arange(S, device=output.device, dtype=output.dtype).view(1, S, 1)
+        out = torch.where(replayed == FILL, own_pos, replayed).to(output.dtype)
         if self.uncaptured == "live":
-            filled = torch.where(state.uncaptured.unsqueeze(-1), output.to(torch.int64), filled)
-        out = filled.to(output.dtype)
-        self._stats.add(state, index, canonical_rows(output, state.first, Kp), replayed, ~state.uncaptured)
+            out = torch.where(state.uncaptured.unsqueeze(-1), output, out)
+        if index == 0:
+            self._stats.add_forward(state.uncaptured, state.padding)
+        captured = ~state.uncaptured
+        own = canonical_rows(output, state.first, Kp)
+        self._stats.add_overlap(self._indexers[index].layer, own[captured], replayed[captured])
         if call is not None:
             call[index] = out
         return out
-
-    def _wrap_checkpointing(self) -> list[tuple[torch.nn.Module, Callable]]:
-        restore = []
-        for layer in {id(ix.layer_module): ix.layer_module for ix in self._indexers}.values():
-            original = layer.__dict__.get("_gradient_checkpointing_func")
-            if original is not None:
-                layer.__dict__["_gradient_checkpointing_func"] = self._checkpointing(original)
-                restore.append((layer, original))
-        return restore
-
-    def _checkpointing(self, original: Callable) -> Callable:
-        def checkpoint_with_selections(function: Callable, *args: Any, **kwargs: Any) -> Any:
-            record: dict[int, torch.Tensor] = {}
-
-            def run(*a: Any, **k: Any) -> Any:
-                outer, self._call = self._call, record
-                try:
-                    return function(*a, **k)
-                finally:
-                    self._call = outer
-
-            return original(run, *args, **kwargs)
-
-        return checkpoint_with_selections
 
     def _recorded_batch(self, rec: _Recorder) -> dict[str, torch.Tensor]:
         if rec.forwards != 1 or rec.shape is None:
             raise RuntimeError(f"record(): expected exactly one forward of the model in the block, got {rec.forwards}")
         B, T = rec.shape
-        mask = rec.mask if rec.mask is not None else torch.zeros((B, T), dtype=torch.bool)
+        mask = rec.mask.cpu() if rec.mask is not None else torch.zeros((B, T), dtype=torch.bool)
         first = first_positions(mask)
         K = self.index_topk
         dtype = torch.int16 if T <= 1 << 15 else torch.int32
@@ -301,28 +284,7 @@ class IndexerReplayHook(HookLifecycle):
             by_layer[self._indexers[index].layer] = canonical_rows(own.cpu(), first, K).to(dtype)
         out = torch.stack([by_layer[src] for src in self.sources()], dim=2)
         out[mask] = FILL
-        return {SELECTIONS: out, SELECTION_MASK: mask.cpu()}
-
-
-class _Collector:
-    def __init__(self) -> None:
-        self.forwards = self.captured = self.live = 0
-
-    def start(self, state: _Replay) -> None:
-        self.forwards = self.captured = self.live = 0
-
-    def add(self, state: _Replay, index: int, own: torch.Tensor, replayed: torch.Tensor, rows: torch.Tensor) -> None:
-        if index == 0:
-            self.forwards += 1
-            self.captured += int(rows.sum())
-            self.live += int((~rows).sum())
-        s, n = overlap(own[rows], replayed[rows])
-        state.sums[index] = state.sums.get(index, 0.0) + s
-        state.rows[index] = state.rows.get(index, 0) + n
-
-    def finish(self, state: _Replay, layers: tuple[int, ...]) -> IndexerStats:
-        share = {layers[i]: state.sums[i] / state.rows[i] for i in state.sums if state.rows[i]}
-        return IndexerStats(share, self.captured, self.live, self.forwards)
+        return {SELECTIONS: out, SELECTION_MASK: mask}
 
 
 class DSAReplayHook:
@@ -374,41 +336,16 @@ class DSAReplayHook:
         self.close()
 
 
-def _note_inputs(rec: _Recorder, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    ids = args[0] if args else kwargs.get("input_ids")
-    if ids is None and kwargs.get("inputs_embeds") is not None:
-        ids = kwargs["inputs_embeds"][..., 0]
-    if isinstance(ids, torch.Tensor) and ids.ndim == 2:
-        rec.shape = (int(ids.shape[0]), int(ids.shape[1]))
-    attention = kwargs.get("attention_mask")
-    if isinstance(attention, torch.Tensor) and attention.ndim == 2:
-        rec.mask = (attention == 0).cpu()
-
-
 def _find_indexers(model: torch.nn.Module) -> tuple[list[_Indexer], int]:
-    found, containers = [], set()
-    for name, module in model.named_modules():
-        if not _is_indexer(module):
-            continue
-        matches = list(_LAYER.finditer(name))
-        if not matches:
-            raise ValueError(f"{name} ({type(module).__name__}): an indexer outside any decoder layer (…layers.<i>…)")
-        last = matches[-1]
-        containers.add(name[: last.start(1) - 1])
-        layer_module = model.get_submodule(name[: last.end(1)])
-        found.append(_Indexer(module, name, int(last.group(1)), layer_module, int(module.index_topk)))
+    found, num_layers = find_in_layers(model, lambda name, module: _is_indexer(module), "an indexer")
     if not found:
         raise ValueError(
             f"model ({type(model).__name__}): no DSA indexer found; supported: "
             + ", ".join(cls for _, cls in INDEXER_CLASSES)
         )
-    if len(containers) != 1:
-        raise ValueError(f"model: indexers in more than one list of decoder layers: {sorted(containers)}")
-    num_layers = len(list(model.get_submodule(containers.pop()).children()))
-    return found, num_layers
+    indexers = [_Indexer(f.module, f.name, f.layer, f.layer_module, _index_topk(f.module)) for f in found]
+    return indexers, num_layers
 
 
-def _device_of(module: torch.nn.Module) -> torch.device:
-    for p in module.parameters():
-        return p.device
-    return torch.device("cpu")
+def _index_topk(module: Any) -> int:  # a plain attribute nn.Module's typing cannot see
+    return int(module.index_topk)

@@ -21,9 +21,8 @@ from __future__ import annotations
 
 from torch_r3.integrations.skyrl.cluster import put_rollouts, shard_batches
 from torch_r3.integrations.skyrl.controller import collate_rollout_expert_indices, make_router_padding_mask
-from torch_r3.integrations.skyrl.install import Installed, install
+from torch_r3.integrations.skyrl.install import Installed, UnsupportedSkyRL, install
 from torch_r3.integrations.skyrl.replay import SkyRLWorkerReplay
-from torch_r3.integrations.skyrl.swap import UnsupportedSkyRL
 from torch_r3.integrations.skyrl.worker import microbatch, microbatches
 
 __all__ = [

@@ -97,7 +97,7 @@ def collate_rollout_expert_indices(
             f"rollout_expert_indices: expected a list of per-trajectory arrays, got {type(rollout_expert_indices).__name__}"
         )
     _, memory = from_keywords(
-        "collate_rollout_expert_indices", "packed", memory, deprecated, memory_keywords=("buffers", "workers")
+        "collate_rollout_expert_indices", "packed", memory, deprecated, keywords=("buffers", "workers")
     )
     batch = collate_routes(
         list(rollout_expert_indices),

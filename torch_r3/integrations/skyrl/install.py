@@ -10,15 +10,17 @@
   (`get_forward_backward_func` in `megatron_model_wrapper.py`) runs each
   replaying schedule as one `torch_r3.megatron.ReplayHook` step.
 
-Every name is replaced in SkyRL's module and in each module that imported it
-by name, before or after `install()`; `Installed.uninstall()` restores all of
-them (`swap.Swap`).
+Every name is replaced in SkyRL's module and in each module that imported it,
+under any name, before or after `install()`; `Installed.uninstall()` restores
+all of them, and an `install()` that fails part-way leaves every module as it
+was (`torch_r3.integrations.swap.Swaps`).
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -26,9 +28,9 @@ import numpy as np
 from torch_r3.collate.layout import Memory, from_keywords
 from torch_r3.integrations.skyrl import controller
 from torch_r3.integrations.skyrl.replay import MODEL_WRAPPER, REPLAY_UTILS, SCHEDULE_LOOKUP, SkyRLWorkerReplay
-from torch_r3.integrations.skyrl.swap import Swap
+from torch_r3.integrations.swap import Swaps
 
-__all__ = ["WORKER_NAMES", "Installed", "install"]
+__all__ = ["WORKER_NAMES", "Installed", "Swap", "UnsupportedSkyRL", "install", "skyrl_version"]
 
 WORKER_NAMES = (
     "setup_per_microbatch_replay_forward",
@@ -39,6 +41,58 @@ WORKER_NAMES = (
 """The functions of SkyRL's `replay_utils` that `install(worker=True)` replaces."""
 
 _current: list[Installed] = []  # the handle installed now, if any: a second install() is refused
+
+
+class UnsupportedSkyRL(RuntimeError):
+    """SkyRL's module lacks a function the integration replaces: another SkyRL release than the one tested."""
+
+
+def skyrl_version() -> str:
+    """The installed SkyRL distribution's version, or `"unknown"`."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("skyrl")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+class Swap(Swaps):
+    """Replace functions of one SkyRL module, and every binding of them in other loaded modules, until `restore()`.
+
+    Args:
+        module: SkyRL's module that defines the functions.
+        replacements: name -> replacement. Every name must exist in `module`.
+        follow_imports: Also replace every other binding of the same object
+            (any module, any name; and restore those made later). `False`:
+            `module`'s own name only.
+
+    Raises:
+        UnsupportedSkyRL: `module` lacks one of the names (nothing is swapped).
+        BaseException: whatever a module's assignment raises, after every
+            binding this swap replaced was put back.
+    """
+
+    def __init__(self, module: ModuleType, replacements: Mapping[str, Any], *, follow_imports: bool = True) -> None:
+        super().__init__()
+        missing = [name for name in replacements if name not in vars(module)]
+        if missing:
+            raise UnsupportedSkyRL(
+                f"{module.__name__} has no {', '.join(missing)}: torch_r3.integrations.skyrl replaces SkyRL "
+                f"0.4.0's functions of that name, and the installed SkyRL is {skyrl_version()}; nothing was swapped"
+            )
+        self.module = module
+        self.names = tuple(replacements)
+        try:
+            for name, value in replacements.items():
+                (self.everywhere if follow_imports else self.owned)(module, name, value)
+        except BaseException:
+            self.undo()
+            raise
+
+    def restore(self) -> None:
+        """Put the originals back wherever the replacements are bound now; a second call does nothing."""
+        self.undo()
 
 
 class Installed:
@@ -62,7 +116,7 @@ class Installed:
     @property
     def names(self) -> tuple[str, ...]:
         """Every replaced function, as `module.name`."""
-        return tuple(f"{s.module.__name__}.{n}" for s in self._swaps or () for n in s.names)
+        return tuple(name for s in self._swaps or () for name in s.swapped)
 
     @property
     def last_stats(self) -> Any:
@@ -130,7 +184,7 @@ def install(
             SkyRL release): nothing is swapped.
         ImportError: SkyRL (or, with `worker=True`, its Megatron worker) cannot be imported.
     """
-    _, memory = from_keywords("install", "packed", memory, deprecated, memory_keywords=("buffers", "workers"))
+    _, memory = from_keywords("install", "packed", memory, deprecated, keywords=("buffers", "workers"))
     if _current:
         raise RuntimeError(f"torch_r3 is already installed in SkyRL ({_current[0]!r}); uninstall() it first")
     preprocess = importlib.import_module(controller.PREPROCESS)

@@ -18,10 +18,13 @@ called by `MegatronPolicyWorker` before the model is built, becomes a no-op:
 the hook maps layers from the model's own routers), and wraps the wrapper
 module's `get_forward_backward_func` so that each schedule SkyRL runs with
 replay is one `ReplayHook.step` of the model it runs (forward-only or not, as
-SkyRL passes it). Per micro-batch the routes are collated by
-`torch_r3.integrations.skyrl.worker.microbatch` into the layout SkyRL's model
-call gets (SkyRL's own `TokenMetadataLayout` decides the alignment, and is
-checked against) and installed with `ReplayHook.begin_microbatch`; the returned
+SkyRL passes it). Per micro-batch the routes are brought into the layout
+SkyRL's model call gets (SkyRL's own `TokenMetadataLayout` decides the
+alignment, and is checked against): where that layout is SkyRL's packed one
+as it stands (no sequence aligned further), they are taken as they are, checked
+(`torch_r3.integrations.skyrl.worker.packed_view`), else collated by
+`torch_r3.integrations.skyrl.worker.microbatch`; then they are installed with
+`ReplayHook.begin_microbatch`; the returned
 keyword arguments are empty, and the hook hands the model its `padding_mask`
 (true padding only). SkyRL's forward-step closure, VLM inputs, FP8, MTP and the
 fused LM head run unchanged.
@@ -37,7 +40,7 @@ from typing import Any
 import torch
 
 from torch_r3.collate.layout import Packed, Padded
-from torch_r3.integrations.skyrl.worker import microbatch
+from torch_r3.integrations.skyrl.worker import microbatch, packed_view
 from torch_r3.keys import ATTENTION_MASK, ROUTER_MASK, ROUTES
 
 __all__ = ["MODEL_WRAPPER", "REPLAY_UTILS", "SkyRLWorkerReplay"]
@@ -195,6 +198,12 @@ class SkyRLWorkerReplay:
         if layout is None:
             raise ValueError("metadata_layout: SkyRL builds one for every replayed micro-batch; got None")
         lengths = attention.sum(1).tolist()
+        fields = {
+            "sequences": torch.zeros_like(attention, dtype=torch.long),
+            ATTENTION_MASK: attention,
+            ROUTES: routes,
+            ROUTER_MASK: router_mask,
+        }
         if packed:
             padded = list(getattr(layout, "padded_sequence_lengths", None) or [])
             if len(padded) != len(lengths):
@@ -202,18 +211,15 @@ class SkyRLWorkerReplay:
                     f"metadata_layout: remove_microbatch_padding=True but the layout holds padded lengths "
                     f"{padded} for {len(lengths)} sequences"
                 )
-            multiple = math.gcd(*padded) or 1  # the alignment unit each sequence was rounded up to
+            # SkyRL's packed routes already are the model's layout when no sequence is aligned further
+            # (TP = CP = 1, no FP8): the hook takes them as they are, checked, without a second collation.
+            batch = packed_view(fields) if padded == lengths else None
+            if batch is None:
+                multiple = math.gcd(*padded) or 1  # the alignment unit each sequence was rounded up to
+                batch = microbatch(fields, layout=Packed(pad_to_multiple_of=multiple))
         else:
             multiple = int(layout.aligned_sequence_length)  # the longest, rounded up: one multiple of itself
-        batch = microbatch(
-            {
-                "sequences": torch.zeros_like(attention, dtype=torch.long),
-                ATTENTION_MASK: attention,
-                ROUTES: routes,
-                ROUTER_MASK: router_mask,
-            },
-            layout=Packed(pad_to_multiple_of=multiple) if packed else Padded(side="right", pad_to_multiple_of=multiple),
-        )
+            batch = microbatch(fields, layout=Padded(side="right", pad_to_multiple_of=multiple))
         _check_layout(batch, layout, packed)
         batch.pop("input_ids")  # the model's own ids come from SkyRL's remove_left_padding/preprocess_packed_seqs
         return batch

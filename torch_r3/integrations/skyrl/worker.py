@@ -37,12 +37,10 @@ from typing import Any
 
 import torch
 
-from torch_r3._checks import check_bool
-from torch_r3._deprecation import warn_renamed
 from torch_r3.collate.collator import R3Collator
-from torch_r3.collate.layout import Memory, Packed, Padded, check_layout, from_keywords
+from torch_r3.collate.layout import Memory, Packed, Padded, from_keywords
 from torch_r3.integrations.skyrl.controller import left_padded_lengths
-from torch_r3.keys import ATTENTION_MASK, INPUT_IDS, ROUTER_MASK, ROUTES, SAMPLE_ROUTES
+from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS, INPUT_IDS, ROUTER_MASK, ROUTES, SAMPLE_ROUTES
 
 __all__ = ["SEQUENCES", "microbatch", "microbatches"]
 
@@ -60,13 +58,28 @@ def _field(batch: Any, key: str) -> Any:
     return value
 
 
-def _captured_rows(mask_row: torch.Tensor, i: int) -> int:
-    """The captured prefix of one trajectory's real tokens in its router mask (False, then True)."""
-    captured = int((~mask_row).sum())
-    if captured and bool(mask_row[:captured].any()):
+def _check_router_mask(mask: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Each row of SkyRL's left-padded router mask: True on the padding, then captured (False), then True.
+
+    Returns:
+        Each trajectory's captured rows, `[B]` (a prefix of its real tokens).
+    """
+    b, t = mask.shape
+    positions = torch.arange(t, device=mask.device)
+    start = (t - lengths).unsqueeze(1)
+    real = positions >= start
+    bad = (~(mask | real)).any(1)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise ValueError(f"{ROUTER_MASK}[{i}]: expected True on the left padding, got {mask[i].int().tolist()}")
+    captured = (~mask).sum(1)
+    prefix = real & (positions < start + captured.unsqueeze(1))
+    bad = (prefix != ~mask).any(1)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
         raise ValueError(
             f"{ROUTER_MASK}[{i}]: its captured tokens are not a prefix of the trajectory "
-            f"(False then True over the real tokens), got {mask_row.int().tolist()}"
+            f"(False then True over the real tokens), got {mask[i, t - int(lengths[i]) :].int().tolist()}"
         )
     return captured
 
@@ -96,19 +109,10 @@ SKYRL_PADDED = Padded(side="right")
 
 def _layout(layout: Any, memory: Any, deprecated: dict[str, Any]) -> tuple[Padded | Packed, Memory]:
     """`microbatch`'s layout and memory, its old `packed=` / `pad_to_multiple_of=` / `buffers=` folded in (warned)."""
-    packed = deprecated.pop("packed", None)
-    multiple = deprecated.pop("pad_to_multiple_of", None)
-    _, memory = from_keywords("microbatch", "padded", memory, deprecated, memory_keywords=("buffers",), stacklevel=5)
-    if packed is not None or multiple is not None:
-        if layout is not SKYRL_PADDED:
-            raise TypeError("microbatch: pass packed= and pad_to_multiple_of= inside layout= only, not both")
-        base = Packed() if check_bool(packed if packed is not None else False, "packed") else SKYRL_PADDED
-        layout = dataclasses.replace(base, pad_to_multiple_of=multiple)
-        old = ", ".join(
-            f"{k}={v!r}" for k, v in (("packed", packed), ("pad_to_multiple_of", multiple)) if v is not None
-        )
-        warn_renamed(f"microbatch({old})", f"layout=torch_r3.{layout!r}", stacklevel=4)
-    value = check_layout(layout, "microbatch", (Padded, Packed))
+    keywords = ("packed", "pad_to_multiple_of", "buffers")
+    value, memory = from_keywords(
+        "microbatch", layout, memory, deprecated, keywords=keywords, allowed=(Padded, Packed), default=SKYRL_PADDED
+    )
     assert isinstance(value, (Padded, Packed))  # allowed= above
     return value, memory.with_defaults(pin_memory=False)
 
@@ -156,6 +160,35 @@ def microbatch(
             trajectory's tokens (naming the trajectory).
     """
     layout, memory = _layout(layout, memory, deprecated)
+    fields = _checked_fields(batch)
+    samples = []
+    t = fields.attention.shape[1]
+    starts = fields.cu_seqlens.tolist()
+    host = fields.values.cpu()
+    for i, (n, captured) in enumerate(zip(fields.lengths.tolist(), fields.captured.tolist())):
+        samples.append(
+            {
+                INPUT_IDS: fields.sequences[i, t - n :],
+                SAMPLE_ROUTES: host[starts[i] : starts[i] + captured].numpy(),
+            }
+        )
+    collator = R3Collator(layout=layout, pad_token_id=pad_token_id, filler="arange", memory=memory)
+    return collator(samples)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fields:
+    sequences: torch.Tensor
+    attention: torch.Tensor
+    values: torch.Tensor  # the PackedTensor's
+    cu_seqlens: torch.Tensor
+    mask: torch.Tensor  # router_padding_mask, [B, T]
+    lengths: torch.Tensor  # real tokens per trajectory, [B]
+    captured: torch.Tensor  # captured rows per trajectory (a prefix), [B]
+
+
+def _checked_fields(batch: Any) -> _Fields:
+    """A SkyRL micro-batch's fields, each checked against the others (what `microbatch` documents it raises)."""
     sequences = _field(batch, SEQUENCES)
     attention = _field(batch, ATTENTION_MASK)
     routes = _field(batch, ROUTES)
@@ -177,22 +210,44 @@ def microbatch(
         raise ValueError(
             f"{ROUTES}: its segments hold {segments} rows, the trajectories have {lengths.tolist()} tokens"
         )
-    samples = []
-    starts = cu_seqlens.tolist()
-    host = values.cpu()
-    for i in range(b):
-        real = slice(t - int(lengths[i]), t)
-        if not bool(mask[i, : real.start].all()):
-            raise ValueError(f"{ROUTER_MASK}[{i}]: expected True on the left padding, got {mask[i].int().tolist()}")
-        captured = _captured_rows(mask[i, real], i)
-        samples.append(
-            {
-                INPUT_IDS: sequences[i, real],
-                SAMPLE_ROUTES: host[starts[i] : starts[i] + captured].numpy(),
-            }
-        )
-    collator = R3Collator(layout=layout, pad_token_id=pad_token_id, filler="arange", memory=memory)
-    return collator(samples)
+    captured = _check_router_mask(mask, lengths)
+    return _Fields(sequences, attention, values, cu_seqlens, mask, lengths, captured)
+
+
+def packed_view(batch: Any) -> dict[str, torch.Tensor] | None:
+    """`microbatch(batch, layout=Packed())` without a copy, where SkyRL's batch already holds that layout.
+
+    SkyRL's packed routes are one segment of `n_i` rows per trajectory, the
+    trajectories' real tokens back to back: the packed layout itself. When the
+    uncaptured rows of every segment already hold the filler `microbatch`
+    writes (experts `0..K-1`, as SkyRL's and `torch_r3`'s controller collation
+    leave them), the routes are SkyRL's own tensor and `cu_seqlens` its own
+    (`int32`); the router mask is cut from the `[B, T]` one (a view for one
+    trajectory). Every check of `microbatch` runs first.
+
+    Returns:
+        `rollout_expert_indices`, `router_padding_mask`, `cu_seqlens`, and
+        `input_ids` (`[N]`), equal to `microbatch(batch, layout=Packed())`'s;
+        `None` when an uncaptured row holds anything else (`microbatch` then
+        writes the filler in a copy).
+
+    Raises:
+        TypeError, ValueError: as `microbatch`.
+    """
+    fields = _checked_fields(batch)
+    b, t = fields.attention.shape
+    if b == 1:
+        real = slice(t - int(fields.lengths[0]), t)
+        mask, ids = fields.mask[0, real], fields.sequences[0, real]
+    else:
+        keep = fields.attention != 0
+        mask, ids = fields.mask[keep], fields.sequences[keep]
+    values = fields.values
+    uncaptured = values[mask]
+    filler = torch.arange(values.shape[-1], device=values.device).to(values.dtype)
+    if uncaptured.numel() and not bool((uncaptured == filler).all()):
+        return None
+    return {ROUTES: values, ROUTER_MASK: mask, CU_SEQLENS: fields.cu_seqlens.to(torch.int32), INPUT_IDS: ids}
 
 
 def microbatches(batches: Iterable[Any], **options: Any) -> Iterator[dict[str, torch.Tensor]]:

@@ -170,8 +170,8 @@ def padded_routed_experts(
         "prompt_response" if layout is None else layout,
         memory,
         deprecated,
+        keywords=("prompt_width", "response_width", "workers"),
         allowed=(PromptResponse,),
-        memory_keywords=("workers",),
     )
     totals = _totals(prompt_lengths, response_lengths)
     return collate_routes(
@@ -209,7 +209,7 @@ def nested_routed_experts(
         `(routed_experts, router_padding_mask)`: both jagged nested tensors over
         one packed buffer each, sharing the offsets.
     """
-    _, memory = from_keywords("nested_routed_experts", "packed", memory, deprecated, memory_keywords=("workers",))
+    _, memory = from_keywords("nested_routed_experts", "packed", memory, deprecated, keywords=("workers",))
     batch = collate_routes(
         list(routes),
         list(token_counts),

@@ -112,7 +112,7 @@ def microbatch(
             than verl allows (`n` or `n - 1` rows), or a bad `captured`.
     """
     packed, memory = from_keywords(
-        "microbatch", layout, memory, deprecated, allowed=(Packed,), memory_keywords=("buffers",)
+        "microbatch", layout, memory, deprecated, keywords=("pad_to_multiple_of", "buffers"), allowed=(Packed,)
     )
     routes = _components(routed_experts, "routed_experts")
     ids = _components(input_ids, "input_ids")

@@ -28,7 +28,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from torch_r3.integrations.verl._swap import Swaps
+from torch_r3.integrations.swap import Swaps
 from torch_r3.integrations.verl.agent_loop import ROUTES_FIELD, driver_routed_experts, keep_compact
 from torch_r3.integrations.verl.schedule import EngineReplay
 from torch_r3.replay.modes import check_uncaptured
@@ -70,11 +70,10 @@ def _keep_megatron_router(original: Callable) -> Callable:
 class Installed:
     """What `install()` swapped; `uninstall()` (or leaving the `with` block) puts verl's own back."""
 
-    def __init__(self, swaps: Swaps, engine: EngineReplay | None, markers: list[Any]) -> None:
+    def __init__(self, swaps: Swaps, engine: EngineReplay | None) -> None:
         self._swaps: Swaps | None = swaps
         self.engine = engine
-        self.names = tuple(swaps.names)
-        self._markers = markers
+        self.names = tuple(name for name in swaps.swapped if not name.endswith(_MARKER))
 
     def __repr__(self) -> str:
         state = "installed" if self._swaps is not None else "uninstalled"
@@ -93,9 +92,6 @@ class Installed:
         swaps.undo()
         if self.engine is not None:
             self.engine.close()
-        for module in self._markers:
-            if _MARKER in module.__dict__:
-                delattr(module, _MARKER)
 
     def __enter__(self) -> Installed:
         return self
@@ -175,20 +171,19 @@ def install(
     if not isinstance(expert_load, bool):
         raise TypeError(f"expert_load must be True or False, got {type(expert_load).__name__}")
     swaps = Swaps()
-    markers: list[Any] = []
     replay: EngineReplay | None = None
     try:
         if agent_loop:
             loop = importlib.import_module(AGENT_LOOP)
             padding = importlib.import_module(PADDING)
-            _claim(padding, markers)
+            _claim(padding, swaps)
             worker = loop.AgentLoopWorker
             swaps.owned(worker, "_agent_loop_postprocess", _compacting(worker._agent_loop_postprocess, num_experts))
             swaps.everywhere(padding, "left_right_2_no_padding", _nested_from_compact(padding.left_right_2_no_padding))
         if engine:
             patch = importlib.import_module(ROUTER_PATCH)
             impl = importlib.import_module(ENGINE)
-            _claim(impl, markers)
+            _claim(impl, swaps)
             if getattr(patch.TopKRouter, "_router_replay_patched", False):
                 raise RuntimeError(
                     "verl's router patch (apply_router_replay_patch) already replaced Megatron's TopKRouter in this "
@@ -206,16 +201,14 @@ def install(
                 "forward_backward_batch",
                 replay.forward_backward_batch(engine_class.forward_backward_batch),
             )
-    except BaseException:
+    except BaseException:  # KeyboardInterrupt too: every module as it was
         swaps.undo()
-        for module in markers:
-            delattr(module, _MARKER)
         raise
-    return Installed(swaps, replay, markers)
+    return Installed(swaps, replay)
 
 
-def _claim(module: Any, markers: list[Any]) -> None:
+def _claim(module: Any, swaps: Swaps) -> None:
+    """Mark `module` as installed (a second `install()` is refused), as one more swap that `undo()` removes."""
     if getattr(module, _MARKER, False):
         raise RuntimeError(f"torch_r3 is already installed in {module.__name__}; uninstall() the first handle")
-    setattr(module, _MARKER, True)
-    markers.append(module)
+    swaps.owned(module, _MARKER, True)

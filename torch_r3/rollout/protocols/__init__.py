@@ -22,8 +22,9 @@ here imports aiohttp.
 from __future__ import annotations
 
 from torch_r3.rollout.protocols import megatron, native, sglang, sglang_openai, skyrl, vllm, vllm_openai
-from torch_r3.rollout.protocols.base import GenerateCall, ParsedResponse, RouteLimits, ServerProtocol, WeightVersionSpan
+from torch_r3.rollout.protocols.base import GenerateCall, ParsedResponse, RouteLimits, ServerProtocol
 from torch_r3.rollout.protocols.chat import ChatProtocol
+from torch_r3.rollout.protocols.fields import WeightVersionSpan
 
 # The registry (`PROTOCOLS`, `SERVERS`) serves the client, which users reach by
 # `server=` name; the public part is the contract each protocol implements.

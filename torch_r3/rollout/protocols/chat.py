@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from torch_r3.rollout.protocols.base import ParsedResponse, RouteLimits
+from torch_r3.rollout.protocols.fields import check_cache_salt
 
 # Serves the client's chat(); users reach a chat protocol by server= name.
 __all__ = ["ChatProtocol", "check_messages"]
@@ -34,7 +35,15 @@ class ChatProtocol(abc.ABC):
     route_payload_paths: ClassVar[tuple[tuple[str, ...], ...]] = ()
     route_text_paths: ClassVar[tuple[tuple[str, ...], ...]] = ()
 
+    @staticmethod
     @abc.abstractmethod
+    def top_level(params: Mapping[str, Any], want_routes: bool, start: int, model: str | None) -> dict[str, Any]:
+        """The body's fields besides `messages`, `logprobs` and `cache_salt`: the caller's and the server's own.
+
+        Raises:
+            ValueError: `sampling_params` holds a field the protocol sets itself.
+        """
+
     def request_body(
         self,
         messages: list[dict[str, Any]],
@@ -45,11 +54,19 @@ class ChatProtocol(abc.ABC):
         cache_salt: str | None,
         model: str | None,
     ) -> dict[str, Any]:
-        """The JSON body; `messages` as given (checked by `check_messages`).
+        """The JSON body: `top_level`'s fields, `messages` as given (checked by `check_messages`),
+        `logprobs: true` unless the caller set it, and the checked `cache_salt`.
 
         Raises:
-            ValueError: `sampling_params` holds a field the protocol sets itself.
+            ValueError: `sampling_params` holds a field the protocol sets
+                itself, or the salt breaks `check_cache_salt`'s rules.
         """
+        body = self.top_level(sampling_params, return_routed_experts, start, model)
+        body["messages"] = messages
+        body.setdefault("logprobs", True)
+        if cache_salt is not None:
+            body["cache_salt"] = check_cache_salt(cache_salt)
+        return body
 
     @abc.abstractmethod
     def parse_response(

@@ -32,8 +32,9 @@ from typing import Any
 import numpy as np
 
 from torch_r3.rollout.codec import WireFormatError
-from torch_r3.rollout.protocols import base
-from torch_r3.rollout.protocols.base import GenerateCall, ParsedResponse, RouteLimits, ServerProtocol, WeightVersionSpan
+from torch_r3.rollout.protocols import fields
+from torch_r3.rollout.protocols.base import GenerateCall, ParsedResponse, RouteLimits, ServerProtocol
+from torch_r3.rollout.protocols.fields import WeightVersionSpan
 from torch_r3.rollout.protocols.switches import missing_routes_hint
 from torch_r3.routes import compact_routes
 
@@ -54,7 +55,7 @@ class MegatronProtocol(ServerProtocol):
     route_payload_paths = (("choices", "*", "moe_topk_indices"), ("choices", "*", "prompt_moe_topk_indices"))
 
     def request_body(self, call: GenerateCall) -> dict[str, Any]:
-        for key in (*_OWN_FIELDS, base.PROMPT_START_PARAM):
+        for key in (*_OWN_FIELDS, fields.PROMPT_START_PARAM):
             if key in call.sampling_params:
                 raise ValueError(f"sampling_params must not hold {key!r}: the client sets it")
         if call.cache_salt is not None:
@@ -70,24 +71,24 @@ class MegatronProtocol(ServerProtocol):
         return body
 
     def parse_response(self, raw: Any, call: GenerateCall, limits: RouteLimits) -> ParsedResponse:
-        choice = base.first_choice(raw)
-        ids = base.token_ids(
-            base.get_field(choice, "generation_token_ids", "choices[0]", list), "choices[0].generation_token_ids"
+        choice = fields.first_choice(raw)
+        ids = fields.token_ids(
+            fields.get_field(choice, "generation_token_ids", "choices[0]", list), "choices[0].generation_token_ids"
         )
-        sent = base.get_field(choice, "prompt_token_ids", "choices[0]", list, required=False)
-        if sent is not None and list(base.token_ids(sent, "choices[0].prompt_token_ids")) != call.prompt:
+        sent = fields.get_field(choice, "prompt_token_ids", "choices[0]", list, required=False)
+        if sent is not None and list(fields.token_ids(sent, "choices[0].prompt_token_ids")) != call.prompt:
             raise WireFormatError("choices[0].prompt_token_ids is not the prompt that was sent")
-        reason = base.finish_reason(
-            base.get_field(choice, "finish_reason", "choices[0]", str, required=False), "choices[0].finish_reason"
+        reason = fields.finish_reason(
+            fields.get_field(choice, "finish_reason", "choices[0]", str, required=False), "choices[0].finish_reason"
         )
         logprobs = None
-        values = base.get_field(choice, "generation_log_probs", "choices[0]", list, required=False)
+        values = fields.get_field(choice, "generation_log_probs", "choices[0]", list, required=False)
         if values:
             if len(values) != len(ids):
                 raise WireFormatError(
                     f"choices[0].generation_log_probs has {len(values)} entries for {len(ids)} tokens"
                 )
-            logprobs = tuple(base.logprob(v, f"choices[0].generation_log_probs[{i}]") for i, v in enumerate(values))
+            logprobs = tuple(fields.logprob(v, f"choices[0].generation_log_probs[{i}]") for i, v in enumerate(values))
         rows = len(call.prompt) + len(ids) - 1
         policy = _epochs(choice.get("policy_epoch"), "choices[0].policy_epoch", rows)
         kv = _epochs(choice.get("kv_cache_epoch"), "choices[0].kv_cache_epoch", rows)
@@ -104,7 +105,7 @@ class MegatronProtocol(ServerProtocol):
                 )
         if payload is not None and call.return_routed_experts:
             full = _routes(payload, limits, "choices[0].moe_topk_indices")
-            want = base.expected_rows(len(call.prompt), len(ids), 0)
+            want = fields.expected_rows(len(call.prompt), len(ids), 0)
             if full.shape[0] != want:
                 raise WireFormatError(
                     f"choices[0].moe_topk_indices has {full.shape[0]} rows; positions 0 .. {rows - 1} "
@@ -122,8 +123,8 @@ def _routes(payload: Any, limits: RouteLimits, where: str) -> np.ndarray:
     dtype = None
     if isinstance(payload, list) and len(payload) == 2 and payload[0] == "ndarray":
         wrapper = payload[1]
-        data = base.get_field(wrapper, "data", f"{where}[1]", list)
-        dtype = base.get_field(wrapper, "dtype", f"{where}[1]", str)
+        data = fields.get_field(wrapper, "data", f"{where}[1]", list)
+        dtype = fields.get_field(wrapper, "dtype", f"{where}[1]", str)
         if dtype not in _ROUTE_DTYPES:
             raise WireFormatError(f"{where}[1].dtype: expected an integer dtype, got {dtype!r:.40}")
     elif not isinstance(payload, list):

@@ -19,8 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from torch_r3.rollout.codec import WireFormatError, decode_routes
-from torch_r3.rollout.protocols import base
+from torch_r3.rollout.codec import WireFormatError
+from torch_r3.rollout.protocols import fields
+from torch_r3.rollout.protocols._choices import envelope_routes
 from torch_r3.rollout.protocols.base import ChoicesProtocol, GenerateCall, RouteLimits
 
 # Reached by `RemoteGenerateClient(server="torch_r3")`: the docstring above is this
@@ -43,25 +44,18 @@ class TorchR3Protocol(ChoicesProtocol):
         return {"return_routed_experts": call.return_routed_experts}
 
     def read_logprobs(self, choice: Mapping[str, Any], ids: tuple[int, ...]) -> tuple[float, ...] | None:
-        logprobs = base.get_field(choice, "logprobs", "choices[0]", list, required=False)
+        logprobs = fields.get_field(choice, "logprobs", "choices[0]", list, required=False)
         if logprobs is None:
             return None
         if len(logprobs) != len(ids):
             raise WireFormatError(f"choices[0].logprobs has {len(logprobs)} entries for {len(ids)} tokens")
-        return tuple(base.logprob(x, f"choices[0].logprobs[{i}]") for i, x in enumerate(logprobs))
+        return tuple(fields.logprob(x, f"choices[0].logprobs[{i}]") for i, x in enumerate(logprobs))
 
     def decode(self, payload: Any, limits: RouteLimits) -> np.ndarray:
-        return decode_routes(
-            payload,
-            name="choices[0].routed_experts",
-            max_bytes=limits.max_bytes,
-            num_layers=limits.num_layers,
-            topk=limits.topk,
-            num_experts=limits.num_experts,
-        )
+        return envelope_routes(payload, limits)
 
     def read_weight_version(self, raw: Mapping[str, Any]) -> str | None:
-        return base.weight_version(raw.get("weight_version"), "response.weight_version")
+        return fields.weight_version(raw.get("weight_version"), "response.weight_version")
 
 
 PROTOCOL = TorchR3Protocol()

@@ -36,7 +36,7 @@ from __future__ import annotations
 from typing import Any
 
 from torch_r3.rollout.codec import WireFormatError, decode_sglang_routes
-from torch_r3.rollout.protocols import base
+from torch_r3.rollout.protocols import fields
 from torch_r3.rollout.protocols._lists import sglang_logprobs
 from torch_r3.rollout.protocols.base import GenerateCall, ParsedResponse, RouteLimits, ServerProtocol
 from torch_r3.rollout.protocols.switches import missing_routes_hint
@@ -95,10 +95,10 @@ class SGLangProtocol(ServerProtocol):
                 f"response: SGLang answered a JSON list of {len(raw)} outputs, its answer to sampling_params.n > 1; "
                 "the client asks for one sample per call (send n=1, call once per sample)"
             )
-        ids = base.token_ids(base.get_field(raw, "output_ids", "response", list), "response.output_ids")
-        meta = base.get_field(raw, "meta_info", "response", dict)
-        reason = base.finish_reason(
-            base.get_field(meta, "finish_reason", "meta_info", (dict, str), required=False), "meta_info.finish_reason"
+        ids = fields.token_ids(fields.get_field(raw, "output_ids", "response", list), "response.output_ids")
+        meta = fields.get_field(raw, "meta_info", "response", dict)
+        reason = fields.finish_reason(
+            fields.get_field(meta, "finish_reason", "meta_info", (dict, str), required=False), "meta_info.finish_reason"
         )
         logprobs = _logprobs(meta, ids)
         routes = None
@@ -120,7 +120,7 @@ class SGLangProtocol(ServerProtocol):
                     max_bytes=limits.max_bytes,
                     name="meta_info.routed_experts",
                 )
-                routes = base.slice_to_start(
+                routes = fields.slice_to_start(
                     routes,
                     call,
                     len(ids),
@@ -128,8 +128,8 @@ class SGLangProtocol(ServerProtocol):
                     start_may_be_ignored=True,
                     start_field="routed_experts_start_len",
                 )
-        version = base.weight_version(meta.get("weight_version"), "meta_info.weight_version")
-        spans = base.weight_spans(meta.get("weight_versions"), "meta_info.weight_versions", len(ids))
+        version = fields.weight_version(meta.get("weight_version"), "meta_info.weight_version")
+        spans = fields.weight_spans(meta.get("weight_versions"), "meta_info.weight_versions", len(ids))
         selections = None
         if call.return_indexer_topk and not (meta.get("indexer_topk") is None and reason == "abort"):
             if limits.indexer_layers is None or limits.index_topk is None:  # the client checks this before sending
@@ -142,13 +142,13 @@ class SGLangProtocol(ServerProtocol):
                 max_bytes=limits.max_indexer_bytes,
             )
         return ParsedResponse(
-            ids, logprobs, reason, routes, base.newest_version(version, spans), spans, indexer_topk=selections
+            ids, logprobs, reason, routes, fields.newest_version(version, spans), spans, indexer_topk=selections
         )
 
 
 def _logprobs(meta: Any, ids: tuple[int, ...]) -> tuple[float, ...] | None:
     """`meta_info.output_token_logprobs`, one `[logprob, token_id, text]` per generated token, or `None`."""
-    entries = base.get_field(meta, "output_token_logprobs", "meta_info", list, required=False)
+    entries = fields.get_field(meta, "output_token_logprobs", "meta_info", list, required=False)
     if entries is None:
         return None
     if len(entries) != len(ids):
@@ -163,7 +163,7 @@ def _logprobs(meta: Any, ids: tuple[int, ...]) -> tuple[float, ...] | None:
             raise WireFormatError(f"{where}: expected [logprob, token_id, text], got {entry!r:.80}")
         if isinstance(entry[1], bool) or not isinstance(entry[1], int) or entry[1] != ids[i]:
             raise WireFormatError(f"{where}: token id {entry[1]!r} is not output_ids[{i}] = {ids[i]}")
-        values.append(base.logprob(entry[0], f"{where}[0]", null_is_nan=True))
+        values.append(fields.logprob(entry[0], f"{where}[0]", null_is_nan=True))
     return tuple(values)
 
 

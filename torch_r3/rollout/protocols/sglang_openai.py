@@ -37,16 +37,18 @@ from typing import Any
 import numpy as np
 
 from torch_r3.rollout.codec import WireFormatError, decode_sglang_routes
-from torch_r3.rollout.protocols import base
-from torch_r3.rollout.protocols.base import GenerateCall, ParsedResponse, RouteLimits, ServerProtocol
+from torch_r3.rollout.protocols import _openai, fields
+from torch_r3.rollout.protocols._openai import CompletionsProtocol, generated_ids, rendered_prompt
+from torch_r3.rollout.protocols.base import GenerateCall, ParsedResponse, RouteLimits
 from torch_r3.rollout.protocols.chat import ChatProtocol
 from torch_r3.rollout.protocols.switches import missing_routes_hint
 
 # Reached by `RemoteGenerateClient(server="sglang-openai")`.
 __all__: list[str] = []
 
-COMPLETIONS_PATH = "/v1/completions"
-CHAT_PATH = "/v1/chat/completions"
+# This server's endpoints, under the names the module has always had.
+COMPLETIONS_PATH, CHAT_PATH = _openai.COMPLETIONS_PATH, _openai.CHAT_PATH
+
 _ROUTES = ("sglext", "routed_experts")
 # The fields the client sets itself (return_meta_info would move the routes out of sglext).
 _OWN_FIELDS = (
@@ -65,99 +67,13 @@ _OWN_FIELDS = (
 _TOO_OLD = "an SGLang too old for return_token_ids on its OpenAI endpoints? use server='sglang' (/generate) instead"
 
 
-class SGLangCompletionsProtocol(ServerProtocol):
-    """SGLang's `/v1/completions` with a token-id prompt (see the module docstring)."""
-
-    name = "sglang-openai"
-    generate_path = COMPLETIONS_PATH
-    salt_field = "cache_salt"
-    needs_route_shape = True
-    route_payload_paths = (_ROUTES,)
-    route_text_paths = (_ROUTES,)
-
-    def request_body(self, call: GenerateCall) -> dict[str, Any]:
-        body = _body(call.sampling_params, call.return_routed_experts, call.start, call.model)
-        body["prompt"] = call.prompt
-        body.setdefault("logprobs", 0)  # the sampled token's logprob, which RL needs
-        return self.salted(body, call)
-
-    def parse_response(self, raw: Any, call: GenerateCall, limits: RouteLimits) -> ParsedResponse:
-        choice = base.first_choice(raw)
-        ids = _ids(choice, "token_ids")
-        sent_back = base.get_field(choice, "prompt_token_ids", "choices[0]", list, required=False)
-        if sent_back is not None and list(base.token_ids(sent_back, "choices[0].prompt_token_ids")) != call.prompt:
-            raise WireFormatError("choices[0].prompt_token_ids is not the prompt that was sent")
-        logprobs = base.completion_logprobs(choice, len(ids))
-        return _parsed(raw, choice, ids, logprobs, call, limits)
-
-
-class SGLangChatProtocol(ChatProtocol):
-    """SGLang's `/v1/chat/completions` (see the module docstring); used by `RemoteGenerateClient.chat`."""
-
-    name = "sglang-openai"
-    path = CHAT_PATH
-    route_payload_paths = (_ROUTES,)
-    route_text_paths = (_ROUTES,)
-
-    def request_body(
-        self,
-        messages: list[dict[str, Any]],
-        sampling_params: Mapping[str, Any],
-        *,
-        return_routed_experts: bool,
-        start: int,
-        cache_salt: str | None,
-        model: str | None,
-    ) -> dict[str, Any]:
-        body = _body(sampling_params, return_routed_experts, start, model)
-        body["messages"] = messages
-        body.setdefault("logprobs", True)
-        if cache_salt is not None:
-            body["cache_salt"] = base.check_cache_salt(cache_salt)
-        return body
-
-    def parse_response(
-        self, raw: Any, *, return_routed_experts: bool, start: int, limits: RouteLimits
-    ) -> tuple[tuple[int, ...], ParsedResponse]:
-        choice = base.first_choice(raw)
-        prompt_ids = base.get_field(choice, "prompt_token_ids", "choices[0]", list, required=False)
-        if prompt_ids is None:
-            raise WireFormatError(
-                "choices[0].prompt_token_ids is missing: the server rendered the messages with its chat template and "
-                "did not say into which tokens, so routes cannot be matched to positions (the client sends "
-                f"return_token_ids: true; {_TOO_OLD})"
-            )
-        prompt = base.token_ids(prompt_ids, "choices[0].prompt_token_ids")
-        if start > len(prompt):
-            raise WireFormatError(
-                f"routed_experts_start_len {start} is past the {len(prompt)}-token prompt the server rendered"
-            )
-        ids = _ids(choice, "response_token_ids")
-        logprobs = base.chat_logprobs(choice, len(ids), null_is_nan=True)
-        call = GenerateCall(list(prompt), {}, return_routed_experts, start)
-        return prompt, _parsed(raw, choice, ids, logprobs, call, limits)
-
-
 def _body(params: Mapping[str, Any], want_routes: bool, start: int, model: str | None) -> dict[str, Any]:
-    for key in _OWN_FIELDS:
-        if key in params:
-            raise ValueError(f"sampling_params must not hold {key!r}: the client sets it")
-    body: dict[str, Any] = dict(params)
-    body["return_token_ids"] = True
+    body = _openai.top_level(params, _OWN_FIELDS, model)
     if want_routes:
         body["return_routed_experts"] = True
         if start:
             body["routed_experts_start_len"] = start
-    if model is not None:
-        body["model"] = model
     return body
-
-
-def _ids(choice: Mapping[str, Any], key: str) -> tuple[int, ...]:
-    value = base.get_field(choice, key, "choices[0]", list, required=False)
-    if value is None:
-        raise WireFormatError(f"choices[0].{key} is missing: the server ignored return_token_ids ({_TOO_OLD})")
-    return base.token_ids(value, f"choices[0].{key}")
 
 
 def _parsed(
@@ -168,12 +84,12 @@ def _parsed(
     call: GenerateCall,
     limits: RouteLimits,
 ) -> ParsedResponse:
-    reason = base.finish_reason(
-        base.get_field(choice, "finish_reason", "choices[0]", str, required=False), "choices[0].finish_reason"
+    reason = fields.finish_reason(
+        fields.get_field(choice, "finish_reason", "choices[0]", str, required=False), "choices[0].finish_reason"
     )
     routes = None
     if call.return_routed_experts:
-        ext = base.get_field(raw, "sglext", "response", dict, required=False)
+        ext = fields.get_field(raw, "sglext", "response", dict, required=False)
         payload = None if ext is None else ext.get("routed_experts")
         if payload is None and (reason == "abort" or not ids):
             reason = "abort"  # aborted: SGLang sends no routes
@@ -193,7 +109,7 @@ def _parsed(
                 max_bytes=limits.max_bytes,
                 name="sglext.routed_experts",
             )
-            routes = base.slice_to_start(
+            routes = fields.slice_to_start(
                 decoded,
                 call,
                 len(ids),
@@ -201,10 +117,49 @@ def _parsed(
                 start_may_be_ignored=True,
                 start_field="routed_experts_start_len",
             )
-    meta = base.get_field(raw, "metadata", "response", dict, required=False) or {}
-    version = base.weight_version(meta.get("weight_version"), "metadata.weight_version")
-    spans = base.weight_spans(meta.get("weight_versions"), "metadata.weight_versions", len(ids))
-    return ParsedResponse(ids, logprobs, reason, routes, base.newest_version(version, spans), spans)
+    meta = fields.get_field(raw, "metadata", "response", dict, required=False) or {}
+    version = fields.weight_version(meta.get("weight_version"), "metadata.weight_version")
+    spans = fields.weight_spans(meta.get("weight_versions"), "metadata.weight_versions", len(ids))
+    return ParsedResponse(ids, logprobs, reason, routes, fields.newest_version(version, spans), spans)
+
+
+class SGLangCompletionsProtocol(CompletionsProtocol):
+    """SGLang's `/v1/completions` with a token-id prompt (see the module docstring)."""
+
+    name = "sglang-openai"
+    needs_route_shape = True
+    route_payload_paths = (_ROUTES,)
+    route_text_paths = (_ROUTES,)
+    sampled_logprobs = 0
+    top_level = staticmethod(_body)
+    parsed = staticmethod(_parsed)
+    too_old = _TOO_OLD
+
+
+class SGLangChatProtocol(ChatProtocol):
+    """SGLang's `/v1/chat/completions` (see the module docstring); used by `RemoteGenerateClient.chat`."""
+
+    name = "sglang-openai"
+    path = CHAT_PATH
+    route_payload_paths = (_ROUTES,)
+    route_text_paths = (_ROUTES,)
+    top_level = staticmethod(_body)
+
+    def parse_response(
+        self, raw: Any, *, return_routed_experts: bool, start: int, limits: RouteLimits
+    ) -> tuple[tuple[int, ...], ParsedResponse]:
+        choice = fields.first_choice(raw)
+        prompt = rendered_prompt(
+            fields.get_field(choice, "prompt_token_ids", "choices[0]", list, required=False),
+            "choices[0].prompt_token_ids",
+            start,
+            "routed_experts_start_len",
+            _TOO_OLD,
+        )
+        ids = generated_ids(choice, "response_token_ids", _TOO_OLD)
+        logprobs = fields.chat_logprobs(choice, len(ids), null_is_nan=True)
+        call = GenerateCall(list(prompt), {}, return_routed_experts, start)
+        return prompt, _parsed(raw, choice, ids, logprobs, call, limits)
 
 
 PROTOCOL = SGLangCompletionsProtocol()

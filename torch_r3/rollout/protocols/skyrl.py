@@ -20,8 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from torch_r3.rollout.codec import WireFormatError, decode_routes
-from torch_r3.rollout.protocols import base
+from torch_r3.rollout.protocols._choices import content_logprobs, envelope_routes, params_with_logprobs
 from torch_r3.rollout.protocols.base import ChoicesProtocol, GenerateCall, RouteLimits
 from torch_r3.rollout.protocols.switches import missing_routes_hint
 
@@ -45,34 +44,13 @@ class SkyRLProtocol(ChoicesProtocol):
         return {}  # no per-request switch: a server with routes on returns them for every request
 
     def sampling_params(self, call: GenerateCall) -> dict[str, Any]:
-        params = base.params_with_start(call)
-        params.setdefault("logprobs", 1)
-        return params
+        return params_with_logprobs(call)
 
     def read_logprobs(self, choice: Mapping[str, Any], ids: tuple[int, ...]) -> tuple[float, ...] | None:
-        block = base.get_field(choice, "logprobs", "choices[0]", dict, required=False)
-        if block is None:
-            return None
-        content = base.get_field(block, "content", "choices[0].logprobs", list)
-        if len(content) != len(ids):
-            raise WireFormatError(f"choices[0].logprobs.content has {len(content)} entries for {len(ids)} tokens")
-        return tuple(
-            base.logprob(
-                base.get_field(entry, "logprob", f"choices[0].logprobs.content[{i}]", (int, float)),
-                f"choices[0].logprobs.content[{i}].logprob",
-            )
-            for i, entry in enumerate(content)
-        )
+        return content_logprobs(choice, ids, check_ids=False)
 
     def decode(self, payload: Any, limits: RouteLimits) -> np.ndarray:
-        return decode_routes(
-            payload,
-            name="choices[0].routed_experts",
-            max_bytes=limits.max_bytes,
-            num_layers=limits.num_layers,
-            topk=limits.topk,
-            num_experts=limits.num_experts,
-        )
+        return envelope_routes(payload, limits)
 
 
 PROTOCOL = SkyRLProtocol()

@@ -7,15 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch_r3._deprecation import warn_renamed
-from torch_r3.rollout.protocols import native
+from torch_r3._deprecation import renamed_name
+from torch_r3.rollout.protocols import native  # noqa: F401  (loaded: the renamed names' home)
 
 __all__: list[str] = []
 
 
 def __getattr__(name: str) -> Any:
-    if name.startswith("__"):
-        raise AttributeError(name)
-    value = getattr(native, name)  # an AttributeError names the attribute, as a module's would
-    warn_renamed(f"torch_r3.rollout.protocols.torch_r3.{name}", f"torch_r3.rollout.protocols.native.{name}")
-    return value
+    return renamed_name(__name__, name)  # an AttributeError names the attribute, as a module's would

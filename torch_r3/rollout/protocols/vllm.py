@@ -31,9 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from torch_r3.rollout.codec import WireFormatError, decode_vllm_routes
-from torch_r3.rollout.protocols import base
-from torch_r3.rollout.protocols._lists import entry_logprobs
+from torch_r3.rollout.protocols._choices import content_logprobs, npy_routes, params_with_logprobs
 from torch_r3.rollout.protocols.base import ChoicesProtocol, GenerateCall, RouteLimits
 from torch_r3.rollout.protocols.switches import missing_routes_hint
 
@@ -59,38 +57,13 @@ class VLLMProtocol(ChoicesProtocol):
         return {"return_token_ids": True}
 
     def sampling_params(self, call: GenerateCall) -> dict[str, Any]:
-        params = base.params_with_start(call)
-        params.setdefault("logprobs", 1)  # the sampled token's logprob, which RL needs
-        return params
+        return params_with_logprobs(call)
 
     def read_logprobs(self, choice: Mapping[str, Any], ids: tuple[int, ...]) -> tuple[float, ...] | None:
-        block = base.get_field(choice, "logprobs", "choices[0]", dict, required=False)
-        if block is None:
-            return None
-        content = base.get_field(block, "content", "choices[0].logprobs", list)
-        if len(content) != len(ids):
-            raise WireFormatError(f"choices[0].logprobs.content has {len(content)} entries for {len(ids)} tokens")
-        fast = entry_logprobs(content, ids, null_is_nan=False)  # a few C-level passes; else the loop names the entry
-        if fast is not None:
-            return fast
-        values = []
-        for i, entry in enumerate(content):
-            where = f"choices[0].logprobs.content[{i}]"
-            if base.get_field(entry, "token_id", where, int) != ids[i]:
-                raise WireFormatError(f"{where}.token_id {entry['token_id']!r} is not token_ids[{i}] = {ids[i]}")
-            values.append(base.logprob(base.get_field(entry, "logprob", where, (int, float)), f"{where}.logprob"))
-        return tuple(values)
+        return content_logprobs(choice, ids, check_ids=True)
 
     def decode(self, payload: Any, limits: RouteLimits) -> np.ndarray:
-        known = limits.num_layers is not None and limits.topk is not None
-        return decode_vllm_routes(
-            payload,
-            num_layers=limits.num_layers if known else None,
-            topk=limits.topk if known else None,
-            num_experts=limits.num_experts,
-            max_bytes=limits.max_bytes,
-            name="choices[0].routed_experts",
-        )
+        return npy_routes(payload, limits)
 
 
 PROTOCOL = VLLMProtocol()

@@ -34,19 +34,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
-from torch_r3.rollout.codec import WireFormatError, decode_vllm_routes
-from torch_r3.rollout.protocols import base
-from torch_r3.rollout.protocols.base import GenerateCall, ParsedResponse, RouteLimits, ServerProtocol
+from torch_r3.rollout.codec import WireFormatError
+from torch_r3.rollout.protocols import _openai, fields
+from torch_r3.rollout.protocols._choices import npy_routes
+from torch_r3.rollout.protocols._openai import CompletionsProtocol, generated_ids, rendered_prompt
+from torch_r3.rollout.protocols.base import GenerateCall, ParsedResponse, RouteLimits
 from torch_r3.rollout.protocols.chat import ChatProtocol
 from torch_r3.rollout.protocols.switches import missing_routes_hint
 
 # Reached by `RemoteGenerateClient(server="vllm-openai")`.
 __all__: list[str] = []
 
-COMPLETIONS_PATH = "/v1/completions"
-CHAT_PATH = "/v1/chat/completions"
+# This server's endpoints, under the names the module has always had.
+COMPLETIONS_PATH, CHAT_PATH = _openai.COMPLETIONS_PATH, _openai.CHAT_PATH
+
 # The fields the client sets itself: the caller's sampling parameters must not hold them.
 _OWN_FIELDS = (
     "prompt",
@@ -56,123 +57,28 @@ _OWN_FIELDS = (
     "return_token_ids",
     "return_weight_versions",
     "cache_salt",
-    base.PROMPT_START_PARAM,
+    fields.PROMPT_START_PARAM,
 )
 
 
-class VLLMCompletionsProtocol(ServerProtocol):
-    """vLLM's `/v1/completions` with a token-id prompt (see the module docstring)."""
-
-    name = "vllm-openai"
-    generate_path = COMPLETIONS_PATH
-    salt_field = "cache_salt"
-    route_payload_paths = (("choices", "*", "routed_experts"),)
-    route_text_paths = (("choices", "*", "routed_experts"),)
-
-    def request_body(self, call: GenerateCall) -> dict[str, Any]:
-        body = _body(call.sampling_params, call.return_routed_experts, call.start, call.model)
-        body["prompt"] = call.prompt
-        body.setdefault("logprobs", 1)  # the sampled token's logprob, which RL needs
-        return self.salted(body, call)
-
-    def parse_response(self, raw: Any, call: GenerateCall, limits: RouteLimits) -> ParsedResponse:
-        choice = base.first_choice(raw)
-        ids = _generated_ids(choice)
-        sent_back = base.get_field(choice, "prompt_token_ids", "choices[0]", list, required=False)
-        if sent_back is not None and list(base.token_ids(sent_back, "choices[0].prompt_token_ids")) != call.prompt:
-            raise WireFormatError("choices[0].prompt_token_ids is not the prompt that was sent")
-        logprobs = base.completion_logprobs(choice, len(ids))
-        return _parsed(choice, ids, logprobs, call, limits)
-
-
-class VLLMChatProtocol(ChatProtocol):
-    """vLLM's `/v1/chat/completions` (see the module docstring); used by `RemoteGenerateClient.chat`."""
-
-    name = "vllm-openai"
-    path = CHAT_PATH
-    route_payload_paths = VLLMCompletionsProtocol.route_payload_paths
-    route_text_paths = VLLMCompletionsProtocol.route_text_paths
-
-    def request_body(
-        self,
-        messages: list[dict[str, Any]],
-        sampling_params: Mapping[str, Any],
-        *,
-        return_routed_experts: bool,
-        start: int,
-        cache_salt: str | None,
-        model: str | None,
-    ) -> dict[str, Any]:
-        """The JSON body; `messages` as given (checked by the client to be a list of objects)."""
-        body = _body(sampling_params, return_routed_experts, start, model)
-        body["messages"] = messages
-        body.setdefault("logprobs", True)
-        if cache_salt is not None:
-            body["cache_salt"] = base.check_cache_salt(cache_salt)
-        return body
-
-    def parse_response(
-        self, raw: Any, *, return_routed_experts: bool, start: int, limits: RouteLimits
-    ) -> tuple[tuple[int, ...], ParsedResponse]:
-        """The server's rendered prompt ids and the parsed first choice.
-
-        Raises:
-            WireFormatError: The answer lacks `prompt_token_ids` (without them
-                the rows cannot be matched to tokens), breaks the format, or
-                `start` is past the rendered prompt.
-        """
-        prompt_ids = base.get_field(raw, "prompt_token_ids", "response", list, required=False)
-        if prompt_ids is None:
-            raise WireFormatError(
-                "response.prompt_token_ids is missing: the server rendered the messages with its chat template and "
-                "did not say into which tokens, so routes cannot be matched to positions (the client sends "
-                "return_token_ids: true; a server that ignores it is too old: send token ids to /v1/completions, "
-                "server='vllm-openai', instead)"
-            )
-        prompt = base.token_ids(prompt_ids, "response.prompt_token_ids")
-        if start > len(prompt):
-            raise WireFormatError(
-                f"routed_experts_prompt_start {start} is past the {len(prompt)}-token prompt the server rendered"
-            )
-        choice = base.first_choice(raw)
-        ids = _generated_ids(choice)
-        logprobs = base.chat_logprobs(choice, len(ids), null_is_nan=False)
-        call = GenerateCall(list(prompt), {}, return_routed_experts, start)
-        return prompt, _parsed(choice, ids, logprobs, call, limits)
-
-
 def _body(params: Mapping[str, Any], want_routes: bool, start: int, model: str | None) -> dict[str, Any]:
-    for key in _OWN_FIELDS:
-        if key in params:
-            raise ValueError(f"sampling_params must not hold {key!r}: the client sets it")
-    body: dict[str, Any] = dict(params)
-    body["return_token_ids"] = True
+    body = _openai.top_level(params, _OWN_FIELDS, model)
     body["return_weight_versions"] = True
     if want_routes and start:
-        body[base.PROMPT_START_PARAM] = start
-    if model is not None:
-        body["model"] = model
+        body[fields.PROMPT_START_PARAM] = start
     return body
 
 
-def _generated_ids(choice: Mapping[str, Any]) -> tuple[int, ...]:
-    value = base.get_field(choice, "token_ids", "choices[0]", list, required=False)
-    if value is None:
-        raise WireFormatError(
-            "choices[0].token_ids is missing: the server ignored return_token_ids (a vLLM too old for this endpoint?)"
-        )
-    return base.token_ids(value, "choices[0].token_ids")
-
-
 def _parsed(
+    raw: Any,
     choice: Mapping[str, Any],
     ids: tuple[int, ...],
     logprobs: tuple[float, ...] | None,
     call: GenerateCall,
     limits: RouteLimits,
 ) -> ParsedResponse:
-    reason = base.finish_reason(
-        base.get_field(choice, "finish_reason", "choices[0]", str, required=False), "choices[0].finish_reason"
+    reason = fields.finish_reason(
+        fields.get_field(choice, "finish_reason", "choices[0]", str, required=False), "choices[0].finish_reason"
     )
     routes = None
     if call.return_routed_experts:
@@ -190,20 +96,65 @@ def _parsed(
                 f"routes were requested but choices[0].routed_experts is null or missing ({missing_routes_hint('vllm')})"
             )
         else:
-            known = limits.num_layers is not None and limits.topk is not None
-            decoded: np.ndarray = decode_vllm_routes(
-                payload,
-                num_layers=limits.num_layers if known else None,
-                topk=limits.topk if known else None,
-                num_experts=limits.num_experts,
-                max_bytes=limits.max_bytes,
-                name="choices[0].routed_experts",
-            )
-            routes = base.slice_to_start(
+            decoded = npy_routes(payload, limits)
+            routes = fields.slice_to_start(
                 decoded, call, len(ids), "choices[0].routed_experts", start_may_be_ignored=True
             )
-    spans = base.weight_spans(choice.get("weight_versions"), "choices[0].weight_versions", len(ids))
-    return ParsedResponse(ids, logprobs, reason, routes, base.newest_version(None, spans), spans)
+    spans = fields.weight_spans(choice.get("weight_versions"), "choices[0].weight_versions", len(ids))
+    return ParsedResponse(ids, logprobs, reason, routes, fields.newest_version(None, spans), spans)
+
+
+class VLLMCompletionsProtocol(CompletionsProtocol):
+    """vLLM's `/v1/completions` with a token-id prompt (see the module docstring)."""
+
+    name = "vllm-openai"
+    route_payload_paths = (("choices", "*", "routed_experts"),)
+    route_text_paths = (("choices", "*", "routed_experts"),)
+    sampled_logprobs = 1
+    top_level = staticmethod(_body)
+    parsed = staticmethod(_parsed)
+    too_old = "a vLLM too old for this endpoint?"
+
+    def request_body(self, call: GenerateCall) -> dict[str, Any]:
+        body = super().request_body(call)
+        # The log-prob block names each token: as text, vLLM needs a tokenizer, and a server
+        # started with --skip-tokenizer-init refuses the request (HTTP 400). By id it needs
+        # none; the client reads only the numbers.
+        body.setdefault("return_tokens_as_token_ids", True)
+        return body
+
+
+class VLLMChatProtocol(ChatProtocol):
+    """vLLM's `/v1/chat/completions` (see the module docstring); used by `RemoteGenerateClient.chat`."""
+
+    name = "vllm-openai"
+    path = CHAT_PATH
+    route_payload_paths = VLLMCompletionsProtocol.route_payload_paths
+    route_text_paths = VLLMCompletionsProtocol.route_text_paths
+    top_level = staticmethod(_body)
+
+    def parse_response(
+        self, raw: Any, *, return_routed_experts: bool, start: int, limits: RouteLimits
+    ) -> tuple[tuple[int, ...], ParsedResponse]:
+        """The server's rendered prompt ids and the parsed first choice.
+
+        Raises:
+            WireFormatError: The answer lacks `prompt_token_ids` (without them
+                the rows cannot be matched to tokens), breaks the format, or
+                `start` is past the rendered prompt.
+        """
+        prompt = rendered_prompt(
+            fields.get_field(raw, "prompt_token_ids", "response", list, required=False),
+            "response.prompt_token_ids",
+            start,
+            fields.PROMPT_START_PARAM,
+            "a server that ignores it is too old: send token ids to /v1/completions, server='vllm-openai', instead",
+        )
+        choice = fields.first_choice(raw)
+        ids = generated_ids(choice, "token_ids", VLLMCompletionsProtocol.too_old)
+        logprobs = fields.chat_logprobs(choice, len(ids), null_is_nan=False)
+        call = GenerateCall(list(prompt), {}, return_routed_experts, start)
+        return prompt, _parsed(raw, choice, ids, logprobs, call, limits)
 
 
 PROTOCOL = VLLMCompletionsProtocol()

@@ -16,12 +16,15 @@ import numpy as np
 
 # Aliased: this module's own check_bool checks JSON request fields (no NumPy bools on the wire).
 from torch_r3._checks import check_bool as check_flag
-from torch_r3.rollout.protocols.base import MAX_SALT_CHARS, SALT_FORBIDDEN
+from torch_r3.rollout.codec import encode_routes
+from torch_r3.rollout.protocols.fields import MAX_SALT_CHARS, SALT_FORBIDDEN
+from torch_r3.routes import compact_routes
 from torch_r3.testing._engine import GenerateRequest, Generation
 from torch_r3.testing._wire.chat import render_messages
 from torch_r3.testing.model import ServedModel
 
 __all__ = [
+    "VLLM_SAMPLING",
     "WireProtocol",
     "check_body",
     "check_bool",
@@ -31,7 +34,11 @@ __all__ = [
     "check_salt",
     "chat_prompt",
     "check_token_ids",
+    "completions_prompt",
     "max_tokens",
+    "routes_envelope",
+    "vllm_request",
+    "vllm_sampling",
     "weight_spans",
 ]
 
@@ -192,3 +199,64 @@ def max_tokens(body: Mapping[str, Any]) -> dict[str, Any]:
 def weight_spans(generation: Generation) -> list[dict[str, Any]]:
     """The `weight_versions` spans of a generation: one version generated every token here."""
     return [{"version": generation.weight_version, "start": 0, "end": len(generation.token_ids)}]
+
+
+VLLM_SAMPLING: dict[str, str] = {
+    "max_tokens": "max_new_tokens",
+    "temperature": "temperature",
+    "seed": "seed",
+    "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+}
+"""vLLM's sampling parameters -> the model's, as vLLM's endpoints (and SkyRL's, vLLM underneath) name them."""
+
+
+def completions_prompt(body: Any) -> tuple[list[int], bool]:
+    """An OpenAI-style completions body's token-id `prompt`, and whether it asks for `logprobs` (an int in [0, 20])."""
+    prompt = check_body(body, "prompt", None)
+    logprobs = body.get("logprobs")
+    if logprobs is not None:
+        check_int(logprobs, "logprobs", 0, 20)
+    return prompt, logprobs is not None
+
+
+def vllm_sampling(
+    body: Mapping[str, Any], prompt: list[int], table: Mapping[str, str | None]
+) -> tuple[Mapping[str, Any], dict[str, Any], int]:
+    """A vLLM-style body's `sampling_params`: the object itself (only `table`'s keys), the model's
+    sampling parameters (`table` maps each name to the model's; `None`: read by the caller, not
+    passed on) and the routes' `routed_experts_prompt_start` in `[0, P]`."""
+    raw = body.get("sampling_params") or {}
+    check_known(check_object(raw, "sampling_params"), table, "unsupported sampling_params")
+    start = check_int(raw.get("routed_experts_prompt_start", 0), "routed_experts_prompt_start", 0, len(prompt))
+    params = {name: v for k, v in raw.items() if (name := table[k]) is not None and v is not None}
+    return raw, params, start
+
+
+def vllm_request(
+    body: Mapping[str, Any], prompt: list[int], params: dict[str, Any], start: int, options: dict[str, Any]
+) -> GenerateRequest:
+    """A request to a vLLM server: routes come back always (a server-wide flag in vLLM, not a
+    request field), and the `cache_salt` follows vLLM's rules."""
+    return GenerateRequest(
+        prompt=prompt,
+        sampling_params=params,
+        return_routes=True,
+        start=start,
+        salt=check_salt(body.get("cache_salt"), "cache_salt", vllm_rules=True),
+        options=options,
+    )
+
+
+def routes_envelope(
+    wire: WireProtocol, request: GenerateRequest, generation: Generation, malformed: bool
+) -> tuple[np.ndarray | None, dict[str, Any] | None]:
+    """The rows from the request's start, compacted, and their torch_r3 envelope (`None`, `None`
+    when no routes go out); `malformed` claims one row more than the data holds."""
+    if not (request.return_routes and wire.routes_enabled and generation.routes is not None):
+        return None, None
+    rows = compact_routes(generation.routes[request.start :], health=None)
+    envelope = encode_routes(rows)
+    if malformed:
+        envelope["shape"][0] += 1
+    return rows, envelope

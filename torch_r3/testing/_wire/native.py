@@ -18,11 +18,17 @@ from typing import Any
 
 import numpy as np
 
-from torch_r3.rollout.codec import encode_routes
 from torch_r3.rollout.protocols.native import GENERATE_PATH
-from torch_r3.routes import compact_routes
 from torch_r3.testing._engine import GenerateRequest, Generation
-from torch_r3.testing._wire.base import WireProtocol, check_body, check_bool, check_int, check_object, check_salt
+from torch_r3.testing._wire.base import (
+    WireProtocol,
+    check_body,
+    check_bool,
+    check_int,
+    check_object,
+    check_salt,
+    routes_envelope,
+)
 from torch_r3.testing.model import ServedModel
 
 __all__ = ["TorchR3Wire"]
@@ -55,13 +61,7 @@ class TorchR3Wire(WireProtocol):
     def render(
         self, request: GenerateRequest, generation: Generation, model: ServedModel, *, malformed: bool = False
     ) -> tuple[dict[str, Any], np.ndarray | None]:
-        rows = None
-        envelope = None
-        if request.return_routes and self.routes_enabled and generation.routes is not None:
-            rows = compact_routes(generation.routes[request.start :], health=None)
-            envelope = encode_routes(rows)
-            if malformed:
-                envelope["shape"][0] += 1
+        rows, envelope = routes_envelope(self, request, generation, malformed)
         choice = {
             "token_ids": generation.token_ids,
             "finish_reason": generation.finish_reason,

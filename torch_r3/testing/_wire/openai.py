@@ -33,13 +33,14 @@ from torch_r3.rollout.protocols.vllm import RESET_PREFIX_CACHE_PATH
 from torch_r3.rollout.protocols.vllm_openai import CHAT_PATH, COMPLETIONS_PATH
 from torch_r3.testing._engine import GenerateRequest, Generation
 from torch_r3.testing._wire.base import (
+    VLLM_SAMPLING,
     WireProtocol,
     chat_prompt,
-    check_body,
     check_bool,
     check_int,
-    check_salt,
+    completions_prompt,
     max_tokens,
+    vllm_request,
     weight_spans,
 )
 from torch_r3.testing._wire.chat import tokens_as_text
@@ -48,13 +49,7 @@ from torch_r3.testing.model import ServedModel
 
 __all__ = ["VLLMCompletionsWire"]
 
-_SAMPLING = {
-    "max_tokens": "max_new_tokens",
-    "temperature": "temperature",
-    "seed": "seed",
-    "stop_token_ids": "stop_token_ids",
-    "ignore_eos": "ignore_eos",
-}
+_SAMPLING = VLLM_SAMPLING  # the same names as vLLM's native endpoint
 
 
 class VLLMCompletionsWire(WireProtocol):
@@ -66,12 +61,9 @@ class VLLMCompletionsWire(WireProtocol):
     flush_cache_path = RESET_PREFIX_CACHE_PATH
 
     def parse(self, body: Any, model: ServedModel) -> GenerateRequest:
-        prompt = check_body(body, "prompt", None)
-        logprobs = body.get("logprobs")
-        if logprobs is not None:
-            check_int(logprobs, "logprobs", 0, 20)
+        prompt, logprobs = completions_prompt(body)
         params = {name: body[k] for k, name in _SAMPLING.items() if body.get(k) is not None}
-        return self._request(body, prompt, params, logprobs is not None)
+        return self._request(body, prompt, params, logprobs)
 
     def parse_chat(self, body: Any, model: ServedModel) -> GenerateRequest:
         prompt = chat_prompt(body, model)
@@ -85,79 +77,44 @@ class VLLMCompletionsWire(WireProtocol):
     ) -> GenerateRequest:
         check_int(body.get("n", 1), "n", 1, 1)
         start = check_int(body.get("routed_experts_prompt_start", 0), "routed_experts_prompt_start", 0, len(prompt))
-        return GenerateRequest(
-            prompt=prompt,
-            sampling_params=params,
-            return_routes=True,
-            start=start,
-            salt=check_salt(body.get("cache_salt"), "cache_salt", vllm_rules=True),
-            options={
-                "logprobs": logprobs,
-                "token_ids": check_bool(body.get("return_token_ids", False), "return_token_ids"),
-                "spans": check_bool(body.get("return_weight_versions", False), "return_weight_versions"),
-                "model": body.get("model") or "loopback",
-            },
-        )
+        options = {
+            "logprobs": logprobs,
+            "token_ids": check_bool(body.get("return_token_ids", False), "return_token_ids"),
+            "spans": check_bool(body.get("return_weight_versions", False), "return_weight_versions"),
+            "model": body.get("model") or "loopback",
+        }
+        return vllm_request(body, prompt, params, start, options)
 
     def render(
         self, request: GenerateRequest, generation: Generation, model: ServedModel, *, malformed: bool = False
     ) -> tuple[dict[str, Any], np.ndarray | None]:
-        out = generation.token_ids
-        choice, rows = self._choice(request, generation, model, malformed)
-        logprobs = None
-        if request.options["logprobs"]:
-            logprobs = {
-                "text_offset": list(range(len(out))),
-                "token_logprobs": list(generation.logprobs),
-                "tokens": [f"token_id:{t}" for t in out],
-                "top_logprobs": [None] * len(out),
-            }
-        choice = {
-            "index": 0,
-            "text": tokens_as_text(out),
-            "logprobs": logprobs,
-            **choice,
-            "prompt_token_ids": request.prompt if request.options["token_ids"] else None,
-        }
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "model": request.options["model"],
-            "choices": [choice],
-            "usage": _usage(request, generation),
-        }, rows
+        text = {"text": tokens_as_text(generation.token_ids)}
+        logprobs = _completion_logprobs(generation) if request.options["logprobs"] else None
+        choice, rows = self._choice(request, generation, model, malformed, text, logprobs)
+        choice["prompt_token_ids"] = request.prompt if request.options["token_ids"] else None
+        return _response("cmpl", "text_completion", request, generation, choice), rows
 
     def render_chat(
         self, request: GenerateRequest, generation: Generation, model: ServedModel, *, malformed: bool = False
     ) -> tuple[dict[str, Any], np.ndarray | None]:
-        out = generation.token_ids
-        choice, rows = self._choice(request, generation, model, malformed)
-        logprobs: dict[str, Any] | None = None
-        if request.options["logprobs"]:
-            logprobs = {
-                "content": [
-                    {"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
-                    for t, lp in zip(out, generation.logprobs)
-                ]
-            }
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": tokens_as_text(out)},
-            "logprobs": logprobs,
-            **choice,
-        }
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "model": request.options["model"],
-            "choices": [choice],
-            "usage": _usage(request, generation),
-            "prompt_token_ids": request.prompt if request.options["token_ids"] else None,
-        }, rows
+        message = {"message": {"role": "assistant", "content": tokens_as_text(generation.token_ids)}}
+        logprobs = _chat_logprobs(generation) if request.options["logprobs"] else None
+        choice, rows = self._choice(request, generation, model, malformed, message, logprobs)
+        body = _response("chatcmpl", "chat.completion", request, generation, choice)
+        body["prompt_token_ids"] = request.prompt if request.options["token_ids"] else None  # top level in chat
+        return body, rows
 
     def _choice(
-        self, request: GenerateRequest, generation: Generation, model: ServedModel, malformed: bool
+        self,
+        request: GenerateRequest,
+        generation: Generation,
+        model: ServedModel,
+        malformed: bool,
+        content: dict[str, Any],
+        logprobs: dict[str, Any] | None,
     ) -> tuple[dict[str, Any], np.ndarray | None]:
+        """One choice: its `content` (the text or the message), `logprobs`, the finish reason, the
+        token ids, the routes as base64 `.npy` and the weight spans (the last three when asked for)."""
         rows = payload = None
         if self.routes_enabled and generation.routes is not None:
             dtype = np.dtype("<u1") if model.num_experts <= 256 else np.dtype("<u2")
@@ -165,11 +122,45 @@ class VLLMCompletionsWire(WireProtocol):
             claim = rows.shape[0] + 1 if malformed else None
             payload = base64.b64encode(npy_bytes(rows, claim_rows=claim)).decode("ascii")
         return {
+            "index": 0,
+            **content,
+            "logprobs": logprobs,
             "finish_reason": generation.finish_reason,
             "token_ids": generation.token_ids if request.options["token_ids"] else None,
             "routed_experts": payload,
             "weight_versions": weight_spans(generation) if request.options["spans"] else None,
         }, rows
+
+
+def _completion_logprobs(generation: Generation) -> dict[str, Any]:
+    out = generation.token_ids
+    return {
+        "text_offset": list(range(len(out))),
+        "token_logprobs": list(generation.logprobs),
+        "tokens": [f"token_id:{t}" for t in out],
+        "top_logprobs": [None] * len(out),
+    }
+
+
+def _chat_logprobs(generation: Generation) -> dict[str, Any]:
+    return {
+        "content": [
+            {"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
+            for t, lp in zip(generation.token_ids, generation.logprobs)
+        ]
+    }
+
+
+def _response(
+    prefix: str, kind: str, request: GenerateRequest, generation: Generation, choice: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "id": f"{prefix}-{uuid.uuid4().hex}",
+        "object": kind,
+        "model": request.options["model"],
+        "choices": [choice],
+        "usage": _usage(request, generation),
+    }
 
 
 def _usage(request: GenerateRequest, generation: Generation) -> dict[str, int]:

@@ -40,10 +40,10 @@ from torch_r3.testing._engine import GenerateRequest, Generation
 from torch_r3.testing._wire.base import (
     WireProtocol,
     chat_prompt,
-    check_body,
     check_bool,
     check_int,
     check_salt,
+    completions_prompt,
     max_tokens,
     weight_spans,
 )
@@ -70,12 +70,9 @@ class SGLangCompletionsWire(WireProtocol):
     default_block_size = 1  # a radix tree with page size 1 matches any prefix length
 
     def parse(self, body: Any, model: ServedModel) -> GenerateRequest:
-        prompt = check_body(body, "prompt", None)
-        logprobs = body.get("logprobs")
-        if logprobs is not None:
-            check_int(logprobs, "logprobs", 0, 20)
+        prompt, logprobs = completions_prompt(body)
         params = {"max_new_tokens": body.get("max_tokens", 16), **_sampling(body)}
-        return self._request(body, prompt, params, logprobs is not None)
+        return self._request(body, prompt, params, logprobs)
 
     def parse_chat(self, body: Any, model: ServedModel) -> GenerateRequest:
         prompt = chat_prompt(body, model)
@@ -107,54 +104,40 @@ class SGLangCompletionsWire(WireProtocol):
         self, request: GenerateRequest, generation: Generation, model: ServedModel, *, malformed: bool = False
     ) -> tuple[dict[str, Any], np.ndarray | None]:
         out = generation.token_ids
-        logprobs = None
-        if request.options["logprobs"]:
-            logprobs = {
-                "text_offset": [-1] * len(out),
-                "token_logprobs": _logprobs(generation),
-                "tokens": [tokens_as_text([t]) for t in out],
-                "top_logprobs": [],
-            }
-        ids = request.options["token_ids"]
-        choice = {
-            "index": 0,
-            "text": tokens_as_text(out),
-            "logprobs": logprobs,
-            **_finish(generation),
-            **({"token_ids": out, "prompt_token_ids": request.prompt} if ids else {}),
-        }
-        return self._response("text_completion", choice, request, generation, malformed)
+        logprobs = _completion_logprobs(generation) if request.options["logprobs"] else None
+        ids = {"token_ids": out, "prompt_token_ids": request.prompt}
+        return self._response(
+            "text_completion", {"text": tokens_as_text(out)}, logprobs, ids, request, generation, malformed
+        )
 
     def render_chat(
         self, request: GenerateRequest, generation: Generation, model: ServedModel, *, malformed: bool = False
     ) -> tuple[dict[str, Any], np.ndarray | None]:
         out = generation.token_ids
-        logprobs = None
-        if request.options["logprobs"]:
-            logprobs = {
-                "content": [
-                    {
-                        "token": tokens_as_text([t]),
-                        "bytes": list(tokens_as_text([t]).encode()),
-                        "logprob": lp,
-                        "top_logprobs": [],
-                    }
-                    for t, lp in zip(out, _logprobs(generation))
-                ]
-            }
-        ids = request.options["token_ids"]
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": tokens_as_text(out), "reasoning_content": None},
-            "logprobs": logprobs,
-            **_finish(generation),
-            **({"prompt_token_ids": request.prompt, "response_token_ids": out} if ids else {}),
-        }
-        return self._response("chat.completion", choice, request, generation, malformed)
+        message = {"role": "assistant", "content": tokens_as_text(out), "reasoning_content": None}
+        logprobs = _chat_logprobs(generation) if request.options["logprobs"] else None
+        ids = {"prompt_token_ids": request.prompt, "response_token_ids": out}
+        return self._response("chat.completion", {"message": message}, logprobs, ids, request, generation, malformed)
 
     def _response(
-        self, kind: str, choice: dict[str, Any], request: GenerateRequest, generation: Generation, malformed: bool
+        self,
+        kind: str,
+        content: dict[str, Any],
+        logprobs: dict[str, Any] | None,
+        ids: dict[str, Any],
+        request: GenerateRequest,
+        generation: Generation,
+        malformed: bool,
     ) -> tuple[dict[str, Any], np.ndarray | None]:
+        """The response around one choice: its `content` (the text or the message), `logprobs`,
+        the finish reason, and the token `ids` when the request asked for them."""
+        choice = {
+            "index": 0,
+            **content,
+            "logprobs": logprobs,
+            **_finish(generation),
+            **(ids if request.options["token_ids"] else {}),
+        }
         p, o = len(request.prompt), len(generation.token_ids)
         body: dict[str, Any] = {
             "id": uuid.uuid4().hex,
@@ -177,6 +160,30 @@ class SGLangCompletionsWire(WireProtocol):
 
 def _sampling(body: Mapping[str, Any]) -> dict[str, Any]:
     return {name: body[k] for k, name in _SAMPLING.items() if body.get(k) is not None}
+
+
+def _completion_logprobs(generation: Generation) -> dict[str, Any]:
+    out = generation.token_ids
+    return {
+        "text_offset": [-1] * len(out),
+        "token_logprobs": _logprobs(generation),
+        "tokens": [tokens_as_text([t]) for t in out],
+        "top_logprobs": [],
+    }
+
+
+def _chat_logprobs(generation: Generation) -> dict[str, Any]:
+    return {
+        "content": [
+            {
+                "token": tokens_as_text([t]),
+                "bytes": list(tokens_as_text([t]).encode()),
+                "logprob": lp,
+                "top_logprobs": [],
+            }
+            for t, lp in zip(generation.token_ids, _logprobs(generation))
+        ]
+    }
 
 
 def _logprobs(generation: Generation) -> list[float | None]:

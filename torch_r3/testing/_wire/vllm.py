@@ -35,13 +35,13 @@ import numpy as np
 from torch_r3.rollout.protocols.vllm import GENERATE_PATH, RESET_PREFIX_CACHE_PATH
 from torch_r3.testing._engine import GenerateRequest, Generation
 from torch_r3.testing._wire.base import (
+    VLLM_SAMPLING,
     WireProtocol,
     check_body,
     check_bool,
     check_int,
-    check_known,
-    check_object,
-    check_salt,
+    vllm_request,
+    vllm_sampling,
     weight_spans,
 )
 from torch_r3.testing.model import ServedModel
@@ -50,16 +50,7 @@ __all__ = ["VLLMWire", "npy_bytes"]
 
 
 # vLLM's sampling parameter -> the model's (None: read here, not passed on).
-_SAMPLING: dict[str, str | None] = {
-    "max_tokens": "max_new_tokens",
-    "temperature": "temperature",
-    "seed": "seed",
-    "stop_token_ids": "stop_token_ids",
-    "ignore_eos": "ignore_eos",
-    "logprobs": None,
-    "n": None,
-    "routed_experts_prompt_start": None,
-}
+_SAMPLING: dict[str, str | None] = {**VLLM_SAMPLING, "logprobs": None, "n": None, "routed_experts_prompt_start": None}
 
 
 class VLLMWire(WireProtocol):
@@ -72,29 +63,20 @@ class VLLMWire(WireProtocol):
 
     def parse(self, body: Any, model: ServedModel) -> GenerateRequest:
         prompt = check_body(body, "token_ids", None)  # vLLM ignores unknown top-level fields
-        raw = body.get("sampling_params") or {}
-        check_known(check_object(raw, "sampling_params"), _SAMPLING, "unsupported sampling_params")
+        raw, params, start = vllm_sampling(body, prompt, _SAMPLING)
         check_int(raw.get("n", 1), "n", 1, 1)
         logprobs = raw.get("logprobs")
         if logprobs is not None:
             check_int(logprobs, "logprobs", 0, 20)
-        start = check_int(raw.get("routed_experts_prompt_start", 0), "routed_experts_prompt_start", 0, len(prompt))
-        params = {name: v for k, v in raw.items() if (name := _SAMPLING[k]) is not None and v is not None}
         request_id = body.get("request_id")
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
-        return GenerateRequest(
-            prompt=prompt,
-            sampling_params=params,
-            return_routes=True,  # a server-wide flag in vLLM, not a request field
-            start=start,
-            salt=check_salt(body.get("cache_salt"), "cache_salt", vllm_rules=True),
-            options={
-                "logprobs": logprobs is not None,
-                "return_token_ids": check_bool(body.get("return_token_ids", False), "return_token_ids"),
-                "request_id": request_id or uuid.uuid4().hex,
-            },
-        )
+        options = {
+            "logprobs": logprobs is not None,
+            "return_token_ids": check_bool(body.get("return_token_ids", False), "return_token_ids"),
+            "request_id": request_id or uuid.uuid4().hex,
+        }
+        return vllm_request(body, prompt, params, start, options)
 
     def render(
         self, request: GenerateRequest, generation: Generation, model: ServedModel, *, malformed: bool = False
