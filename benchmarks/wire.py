@@ -15,6 +15,14 @@ DeepSeek-V3-shaped (61 layers, 256 experts, top-8) and Kimi-K2-shaped (61 layers
 - new: `parse_body(body)` then the codec's kernel (pybase64);
 - fallback: the same, with the strict binascii decoder (`TORCH_R3_BASE64=binascii`).
 
+Small bodies, the answers of short turns (64 prompt + 32 generated tokens of a
+4-layer, top-4 of 16 experts model, as `engine_bench.py` serves it: a 5.9 kB
+vLLM-OpenAI completions body with log-probs, and SGLang's `/generate` body of
+the same turn), are timed apart: the client's whole read of one (`parse_body`
+and the protocol's `parse_response`: ids, log-probs, routes checked and
+compacted) against `json.loads` of the same body, interleaved, many calls per
+sample, with the ratio of each pair.
+
 Every path's routes are checked bit-identical to today's before any timing
 counts. Then 1, 2 and 4 responses in flight (separate bodies, decoded through
 the client's decode pool) for the largest SGLang body, and the peak memory each
@@ -47,7 +55,7 @@ import pybase64
 from torch_r3.bench.trust import BUSY_LOAD_PER_CPU, SPREAD_LIMIT
 from torch_r3.cpu import loadavg_1min, usable_cpus
 from torch_r3.rollout import _base64, _offload, codec
-from torch_r3.rollout.protocols import PROTOCOLS
+from torch_r3.rollout.protocols import PROTOCOLS, GenerateCall, ParsedResponse, RouteLimits
 from torch_r3.rollout.protocols.spans import parse_body
 
 MODELS = {"DeepSeek-V3": (61, 256, 8), "Kimi-K2": (61, 384, 8)}
@@ -66,6 +74,116 @@ class Case:
     layers: int
     topk: int
     routes: np.ndarray  # the canonical routes, from today's path
+
+
+@dataclass
+class SmallCase:
+    """One short turn's answer and what the client must read from it."""
+
+    label: str
+    server: str
+    body: bytearray
+    call: GenerateCall
+    limits: RouteLimits
+    routes: np.ndarray
+
+
+# The turn `engine_bench.py` serves: 64 prompt + 32 generated tokens of a 4-layer, top-4 of 16 experts model.
+SMALL_TURN = {"prompt": 64, "generated": 32, "layers": 4, "topk": 4, "experts": 16}
+SMALL_CALLS = 200  # calls per timed sample: a sample of one call would be mostly the clock
+
+
+def _openai_body(routes: np.ndarray, prompt: list[int], ids: list[int], rng: np.random.Generator) -> bytes:
+    """A vLLM `/v1/completions` answer with `logprobs=1`, as vLLM 0.33 writes it."""
+    pieces = [f" tok{t:03d}" for t in ids]
+    logprobs = [round(-float(x), 6) for x in rng.random(len(ids))]
+    # With sampling, the most likely token is often another one: vLLM then lists both.
+    tops = [{p: lp, f" tok{(t + 1) % 158:03d}": round(lp / 2, 6)} for p, lp, t in zip(pieces, logprobs, ids)]
+    offsets = np.cumsum([0] + [len(p) for p in pieces[:-1]]).tolist()
+    choice = {
+        "index": 0,
+        "text": "".join(pieces),
+        "logprobs": {
+            "text_offset": offsets,
+            "token_logprobs": logprobs,
+            "tokens": pieces,
+            "top_logprobs": tops,
+        },
+        "finish_reason": "length",
+        "stop_reason": None,
+        "token_ids": ids,
+        "prompt_logprobs": None,
+        "prompt_token_ids": prompt,
+        "routed_experts": base64.b64encode(_npy_bytes(routes.astype(np.uint8))).decode(),
+        "weight_versions": [{"version": "policy-7", "start": 0, "end": len(ids)}],
+    }
+    usage = {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + len(ids), "completion_tokens": len(ids)}
+    return json.dumps(
+        {
+            "id": "cmpl-969c4a5724dad818",
+            "object": "text_completion",
+            "created": 1796159342,
+            "model": "tiny-qwen3-moe",
+            "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": None,
+            "usage": usage | {"prompt_tokens_details": None, "completion_tokens_details": None},
+            "kv_transfer_params": None,
+        }
+    ).encode()
+
+
+def _npy_bytes(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    return buf.getvalue()
+
+
+def small_cases(seed: int) -> list[SmallCase]:
+    """The short turn's answer as vLLM-OpenAI and as SGLang send it."""
+    rng = np.random.default_rng(seed)
+    turn = SMALL_TURN
+    prompt, generated = turn["prompt"], turn["generated"]
+    rows = prompt + generated - 1
+    routes = np.argsort(rng.random((rows, turn["layers"], turn["experts"])), axis=-1)[..., : turn["topk"]]
+    routes = routes.astype(np.uint8)
+    prompt_ids = rng.integers(0, 158, prompt).tolist()
+    limits = RouteLimits(1 << 30, turn["layers"], turn["topk"], turn["experts"])
+    cases = []
+    for server in ("vllm-openai", "sglang"):
+        if server == "sglang":
+            body = _sglang_body(routes, prompt, rng)
+            ids = json.loads(body)["output_ids"]
+        else:
+            ids = rng.integers(0, 158, generated).tolist()
+            body = _openai_body(routes, prompt_ids, ids, rng)
+        call = GenerateCall(prompt_ids, {}, True)
+        label = f"{server} {prompt}+{generated} tokens"
+        cases.append(SmallCase(label, server, bytearray(body), call, limits, routes))
+    return cases
+
+
+def client_read(case: SmallCase) -> ParsedResponse:
+    """The client's whole read of a body: `parse_body`, then the protocol's `parse_response`."""
+    protocol = PROTOCOLS[case.server]
+    return protocol.parse_response(parse_body(case.body, protocol.route_text_paths), case.call, case.limits)
+
+
+def time_small(cases: list[SmallCase], rounds: int) -> dict[str, dict[str, list[float]]]:
+    """Seconds per body of `json.loads` and of the client's read, `SMALL_CALLS` calls per sample, interleaved."""
+    times: dict[str, dict[str, list[float]]] = {c.label: {"json.loads": [], "client": []} for c in cases}
+    for case in cases:  # the check: the client reads the routes the body carries
+        got = client_read(case).routed_experts
+        assert got is not None and got.dtype == case.routes.dtype and np.array_equal(got, case.routes), case.label
+    runs = {"json.loads": lambda c: json.loads(c.body), "client": client_read}
+    for _ in range(rounds * 5):
+        for case in cases:
+            for name, fn in runs.items():
+                start = time.perf_counter()
+                for _ in range(SMALL_CALLS):
+                    fn(case)
+                times[case.label][name].append((time.perf_counter() - start) / SMALL_CALLS)
+    return times
 
 
 def _sglang_body(routes: np.ndarray, prompt: int, rng: np.random.Generator) -> bytes:
@@ -247,7 +365,28 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}"
 
 
-def report(cases: list[Case], times, flight, flight_case: Case, peaks, load_before, load_after, rounds) -> str:
+def small_report(cases: list[SmallCase], times: dict[str, dict[str, list[float]]]) -> list[str]:
+    """The small-body table: us per body, and the client's read as a multiple of `json.loads`."""
+    lines = [
+        "",
+        f"small bodies -> ids, log-probs and compact routes, us per body (median of samples of {SMALL_CALLS} calls, "
+        "interleaved; client/json.loads: the median of each pair's ratio, and its range)",
+        f"{'body':<30} {'kB':>6} {'json.loads':>11} {'client':>11} {'client/json.loads':>18} {'range':>13}",
+    ]
+    for case in cases:
+        t = times[case.label]
+        ratios = [c / j for c, j in zip(t["client"], t["json.loads"])]
+        cells = f"{statistics.median(t['json.loads']) * 1e6:>11.1f} {statistics.median(t['client']) * 1e6:>11.1f}"
+        spread = f"{min(ratios):.2f}-{max(ratios):.2f}"
+        lines.append(
+            f"{case.label:<30} {len(case.body) / 1e3:>6.1f} {cells} {statistics.median(ratios):>17.2f}x {spread:>13}"
+        )
+    return lines
+
+
+def report(
+    cases: list[Case], times, small, small_times, flight, flight_case: Case, peaks, load_before, load_after, rounds
+) -> str:
     usable = usable_cpus()
     lines = [
         f"wire bench  ({rounds} interleaved rounds, medians; pybase64 {pybase64.__version__} ({_base64.describe_decoder()}))",
@@ -276,6 +415,7 @@ def report(cases: list[Case], times, flight, flight_case: Case, peaks, load_befo
         t = {p: statistics.median(v) for p, v in times[case.label].items()}
         row = f"{case.label:<30} {len(case.body) / 1e6:>6.1f} " + " ".join(f"{_ms(t[p]):>13}" for p in PATHS)
         lines.append(row + f" {t['today'] / t['new']:>8.1f}x {t['new'] / t['simd + narrow']:>8.2f}x")
+    lines += small_report(small, small_times)
     lines += ["", f"per round, {flight_case.label}: today/new and new/floor in each round"]
     one = times[flight_case.label]
     for i in range(rounds):
@@ -322,16 +462,20 @@ def main(argv: list[str] | None = None) -> int:
     cases = make_cases(args.tokens, args.seed)
     print("wire bench: timing ...", file=sys.stderr)
     times = time_rounds(cases, args.rounds)
+    small = small_cases(args.seed)
+    small_times = time_small(small, args.rounds)
     flight_case = max((c for c in cases if c.server == "sglang"), key=lambda c: len(c.body))
     flight = in_flight(flight_case, tuple(args.in_flight), args.rounds)
     peaks = peak_above_body(flight_case)
-    print(report(cases, times, flight, flight_case, peaks, load_before, loadavg_1min() or 0.0, args.rounds))
+    load_after = loadavg_1min() or 0.0
+    print(report(cases, times, small, small_times, flight, flight_case, peaks, load_before, load_after, args.rounds))
     sys.stdout.flush()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
                 {
                     "times_s": times,
+                    "small_s": small_times,
                     "in_flight_s": {k: {str(n): v for n, v in d.items()} for k, d in flight.items()},
                     "peak_bytes": peaks,
                 },

@@ -15,12 +15,20 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from torch_r3.rollout.codec import WireFormatError, decode_sglang_routes
-from torch_r3.rollout.protocols import PROTOCOLS
+from torch_r3.rollout.protocols import PROTOCOLS, spans
 from torch_r3.rollout.protocols.spans import MAX_SPANS, parse_body, route_text_bytes
 
 SGLANG = (("meta_info", "routed_experts"),)
 CHOICES = (("choices", "*", "routed_experts"),)
 ENVELOPE = (("choices", "*", "routed_experts", "data"),)
+
+
+@pytest.fixture(autouse=True, params=[3, spans.SCAN_BYTES], ids=["3-byte scans", "default scans"])
+def every_body_is_read_in_place(monkeypatch, request):
+    """These bodies are tiny: read them as large ones are, views and all (below the size, it is json.loads),
+    and scan them in pieces of a few bytes too, so that a piece ends everywhere: in the text, on its quote."""
+    monkeypatch.setattr(spans, "SMALL_BODY_BYTES", 0)
+    monkeypatch.setattr(spans, "SCAN_BYTES", request.param)
 
 
 def with_text(tree):
@@ -135,14 +143,18 @@ def test_a_raw_control_character_in_a_string_is_refused_as_json_loads_refuses_it
         assert with_text(parse_body(bytearray(body), paths)) == expected
 
 
-@pytest.mark.parametrize("text", ["AA\xffAA".encode("latin-1"), "AAé=".encode()])
-def test_non_ascii_route_text_is_left_to_the_decoder_which_refuses_it(text):
-    # The view's bytes are not checked to be UTF-8 (that would be a pass over all of them):
-    # base64 is ASCII, and the decoder refuses anything else.
-    tree = parse_body(b'{"meta_info": {"routed_experts": "' + text + b'"}}', SGLANG)
-    assert bytes(tree["meta_info"]["routed_experts"]) == text
-    with pytest.raises(WireFormatError, match="routed_experts: invalid base64"):
-        decode_sglang_routes(tree["meta_info"], num_layers=1, topk=1)
+@pytest.mark.parametrize("text", ["AA\xffAA".encode("latin-1"), "AAé=".encode(), "AAAA\x80".encode("latin-1")])
+def test_non_ascii_route_text_is_left_to_json_loads_so_every_view_is_ascii(text):
+    # Invalid UTF-8 is json.loads's own error; valid UTF-8 is a str, which the decoder refuses
+    # as it refuses the same text from json.loads: no view ever holds a byte from 0x80.
+    body = b'{"meta_info": {"routed_experts": "' + text + b'"}}'
+    assert same_as_json_loads(body, SGLANG) == 0
+    try:
+        meta = json.loads(body)["meta_info"]
+    except UnicodeDecodeError:
+        return
+    with pytest.raises(WireFormatError, match="routed_experts: invalid base64 .non-ASCII characters."):
+        decode_sglang_routes(meta, num_layers=1, topk=1)
 
 
 def test_only_the_route_string_at_the_path_becomes_a_view():

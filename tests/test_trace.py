@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 
 import numpy as np
 import pytest
@@ -325,3 +326,26 @@ def test_bad_prompt_ids_are_refused(kwargs, error, words):
     with pytest.raises(error, match=words):
         trace.record(prompt_len=3, generated_len=2, routes=_rows(4), **kwargs)
     assert trace.turns == 0
+
+
+@pytest.mark.parametrize(
+    ("ids", "expected"),
+    [
+        ([1, 2, 3], (1, 2, 3)),  # plain ints: taken whole
+        ((1, 2, 3), (1, 2, 3)),
+        ([1, np.int64(2), 3], (1, 2, 3)),  # NumPy ints: each read by check_int
+        ([1, True, 3], TypeError("prompt_ids[1] must be an int, got bool")),
+        ([1, 2.0, 3], TypeError("prompt_ids[1] must be an int, got float")),
+        ([np.bool_(True)], TypeError("prompt_ids[0] must be an int, got bool")),
+    ],
+)
+def test_prompt_ids_are_plain_ints_or_named_by_the_first_that_is_not(ids, expected):
+    trace = RoutedExpertTrace(num_layers=2, topk=2)
+    if isinstance(expected, Exception):
+        with pytest.raises(type(expected), match=re.escape(f"turn 0: {expected}")):
+            trace.record(prompt_len=3, generated_len=2, routes=_rows(4), prompt_ids=ids, response_ids=[4, 5])
+        return
+    trace.record(prompt_len=3, generated_len=2, routes=_rows(4), prompt_ids=ids, response_ids=[4, 5])
+    # The next turn's prompt must start with the ids the first kept: these do, and others do not.
+    trace.record(prompt_len=6, generated_len=1, routes=_rows(2), prompt_ids=[*expected, 4, 5, 9])
+    assert trace.finalize(7).shape == (6, 2, 2)

@@ -38,7 +38,15 @@ try:
 except ImportError:  # pragma: no cover - exercised by forcing the fallback, not by uninstalling
     pybase64 = None  # type: ignore[assignment]  # the decoder then is binascii
 
-__all__ = ["CHUNK_CHARS", "ENV_DECODER", "decode_bytes", "decode_compact", "decoder", "describe_decoder"]
+__all__ = [
+    "CHUNK_CHARS",
+    "ENV_DECODER",
+    "compact_decoded",
+    "decode_bytes",
+    "decode_compact",
+    "decoder",
+    "describe_decoder",
+]
 
 #: The environment variable that forces a decoder: `binascii` (the fallback) or `reference`.
 ENV_DECODER = "TORCH_R3_BASE64"
@@ -49,6 +57,8 @@ CHUNK_CHARS = 256 << 10
 # The canonical dtypes, narrowest first, with the exclusive bound of the ids each holds.
 _LADDER = ((np.dtype(np.uint8), 1 << 8), (np.dtype(np.int16), 1 << 15), (np.dtype(np.int32), 1 << 31))
 _STRICT = sys.version_info >= (3, 11)  # binascii strict_mode
+_UNSIGNED = {size: np.dtype(f"<u{size}") for size in (1, 2, 4, 8)}
+_MAX = np.maximum.reduce  # `ndarray.max` without its Python wrapper: a small payload pays for every call
 
 
 def decoder() -> str:
@@ -109,13 +119,14 @@ def decode_bytes(text: Any) -> bytes | None:
     A text whose padding sits inside it, not at its end, is not valid.
     """
     decode = _chunk_decoder()
-    if decode is None:
-        return None
+    return None if decode is None else _decoded(decode, text)
+
+
+def _decoded(decode: Callable[[Any], bytes], text: Any) -> bytes | None:
     try:
-        raw = decode(_as_text(text))
+        return decode(_as_text(text))
     except ValueError:  # binascii.Error, and pybase64's refusal of non-ASCII text
         return None
-    return raw
 
 
 def decode_compact(
@@ -153,11 +164,12 @@ def decode_compact(
     if decode is None or sys.byteorder != "little" or (size > 1 and wire.byteorder == ">"):
         return None  # forced, a big-endian wire or host, or Python 3.10 without pybase64
     count = math.prod(shape)
-    signed_end = 1 << (8 * size - 1) if wire.kind == "i" else 1 << (8 * size)
-    # Ids at or past `bound` are refused; the unsigned view turns a negative id into a huge one.
-    bound = signed_end if keep else min(signed_end, _LADDER[-1][1])
-    if num_experts is not None:
-        bound = min(bound, num_experts)
+    if len(text) <= CHUNK_CHARS:  # one chunk: decoded whole, then checked and narrowed in one pass each
+        raw = _decoded(decode, text)
+        if raw is None or len(raw) != start + count * size:  # not base64, or padding inside the text
+            return None
+        return compact_decoded(raw, shape=shape, wire=wire, start=start, keep=keep, num_experts=num_experts)
+    bound = _bound(wire, keep, num_experts)
     level = 0
     while True:
         dtype = wire.newbyteorder("=") if keep else _LADDER[level][0]
@@ -174,6 +186,39 @@ def decode_compact(
         # the text (not copying what was written) keeps the peak at one result.
         del out
         level = widen
+
+
+def compact_decoded(
+    raw: bytes,
+    *,
+    shape: tuple[int, ...],
+    wire: np.dtype,
+    start: int = 0,
+    keep: bool = False,
+    num_experts: int | None = None,
+) -> np.ndarray | None:
+    """`decode_compact` of text already decoded to `raw`: the same array, or `None` in the same cases.
+
+    The caller has checked that `raw` holds exactly `start + prod(shape) * wire.itemsize` bytes.
+    """
+    size = wire.itemsize
+    if sys.byteorder != "little" or (size > 1 and wire.byteorder == ">"):
+        return None  # a big-endian wire or host: the reference decoder swaps the bytes
+    bound = _bound(wire, keep, num_experts)
+    ids = np.frombuffer(raw, dtype=_UNSIGNED[size], offset=start)
+    # The same test as the chunked path's: a scan only where the first dtype might not hold every id.
+    high = int(_MAX(ids)) if ids.size and min(bound, _LADDER[0][1]) < (1 << (8 * size)) else 0
+    if high >= bound:
+        return None  # the unsigned view turns a negative id into a huge one
+    dtype = wire.newbyteorder("=") if keep else next(d for d, end in _LADDER if high < end)
+    return ids.reshape(shape).astype(dtype)
+
+
+def _bound(wire: np.dtype, keep: bool, num_experts: int | None) -> int:
+    """The exclusive bound of the ids a result of `wire` accepts."""
+    signed_end = 1 << (8 * wire.itemsize - 1) if wire.kind == "i" else 1 << (8 * wire.itemsize)
+    bound = signed_end if keep else min(signed_end, _LADDER[-1][1])
+    return bound if num_experts is None else min(bound, num_experts)
 
 
 def _fill(

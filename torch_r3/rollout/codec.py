@@ -382,9 +382,10 @@ def _decode_npy_routes(
     dtype, fortran, shape, offset = npy_layout(memoryview(head), nbytes, max_bytes, name)
     if fortran and sum(d > 1 for d in shape) > 1:
         return None  # a Fortran-order array: the reference path transposes it
-    return _base64.decode_compact(
-        value, shape=_vllm_shape(shape, num_layers, topk, name), wire=dtype, start=offset, num_experts=num_experts
-    )
+    rows = _vllm_shape(shape, num_layers, topk, name)
+    if head_chars == len(value) <= _base64.CHUNK_CHARS:  # the head is the whole file, one chunk: read in place
+        return _base64.compact_decoded(head, shape=rows, wire=dtype, start=offset, num_experts=num_experts)
+    return _base64.decode_compact(value, shape=rows, wire=dtype, start=offset, num_experts=num_experts)
 
 
 def _vllm_shape(shape: tuple[int, ...], num_layers: int | None, topk: int | None, name: str) -> tuple[int, int, int]:
@@ -443,8 +444,10 @@ def _check_cap(max_bytes: Any, name: str) -> None:
 
 
 def _check_int_arg(value: Any, what: str, name: str, *, minimum: int) -> None:
-    # Caller arguments, not wire data: the plain TypeError/ValueError.
-    check_at_least(value, f"{name}: {what}", minimum)
+    # Caller arguments, not wire data: the plain TypeError/ValueError. A plain int in range
+    # (every call the client makes) is let through before the message is even formatted.
+    if type(value) is not int or value < minimum:
+        check_at_least(value, f"{name}: {what}", minimum)
 
 
 def _check_model_counts(num_layers: Any, topk: Any, name: str) -> None:

@@ -50,6 +50,8 @@ def _id_tuple(ids: Any, what: str) -> tuple[int, ...]:
         return tuple(ids.tolist())
     if not isinstance(ids, (list, tuple)):
         raise TypeError(f"{what}: expected a list of token ids, got {type(ids).__name__}")
+    if set(map(type, ids)) <= {int}:  # plain ints (what the client hands over): one C-level pass, no call per id
+        return tuple(ids)
     return tuple(check_int(t, f"{what}[{i}]") for i, t in enumerate(ids))
 
 

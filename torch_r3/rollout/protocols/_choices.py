@@ -16,6 +16,7 @@ import numpy as np
 
 from torch_r3.rollout.codec import WireFormatError, decode_routes, decode_vllm_routes
 from torch_r3.rollout.protocols import fields
+from torch_r3.rollout.protocols._lists import entry_logprobs
 
 if TYPE_CHECKING:
     from torch_r3.rollout.protocols.base import GenerateCall, RouteLimits
@@ -73,6 +74,9 @@ def content_logprobs(choice: Mapping[str, Any], ids: tuple[int, ...], *, check_i
     content = fields.get_field(block, "content", "choices[0].logprobs", list)
     if len(content) != len(ids):
         raise WireFormatError(f"choices[0].logprobs.content has {len(content)} entries for {len(ids)} tokens")
+    fast = entry_logprobs(content, ids if check_ids else None, null_is_nan=False)  # a few C passes; else the loop
+    if fast is not None:
+        return fast
     values = []
     for i, entry in enumerate(content):
         where = f"choices[0].logprobs.content[{i}]"

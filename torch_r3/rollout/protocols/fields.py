@@ -23,6 +23,7 @@ import numpy as np
 
 from torch_r3._checks import check_str
 from torch_r3.rollout.codec import WireFormatError
+from torch_r3.rollout.protocols._lists import TOKEN_ID_END, all_token_ids, entry_logprobs, plain_logprobs
 
 # The call and span values are public (the client builds one, results carry the other); the
 # readers serve the protocol modules.
@@ -35,8 +36,6 @@ PROMPT_START_PARAM = "routed_experts_prompt_start"
 #: vLLM 0.30+ refuses (HTTP 400) a `cache_salt` longer than this or holding one of `SALT_FORBIDDEN`.
 MAX_SALT_CHARS = 128
 SALT_FORBIDDEN = ("@", "/", "\\", "\x00")
-# Token ids travel as int64 (torch.long) from here on.
-_TOKEN_ID_END = 1 << 63
 
 
 @dataclass(frozen=True)
@@ -118,13 +117,13 @@ def get_field(container: Any, key: str, where: str, kind: type | tuple[type, ...
         WireFormatError: `container` is not an object, or the field is missing
             (when required) or of another type.
     """
-    if not isinstance(container, Mapping):
+    if type(container) is not dict and not isinstance(container, Mapping):  # a JSON object is a dict: no ABC check
         raise WireFormatError(f"{where}: expected a JSON object, got {type(container).__name__}")
-    if key not in container or container[key] is None:
+    value = container.get(key)
+    if value is None:
         if required:
             raise WireFormatError(f"{where}.{key} is missing")
         return None
-    value = container[key]
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         raise WireFormatError(f"{where}.{key}: expected {_kind_name(kind)}, got {type(value).__name__}")
@@ -175,8 +174,10 @@ def token_ids(value: Any, where: str) -> tuple[int, ...]:
     """
     if not isinstance(value, list):
         raise WireFormatError(f"{where}: expected a list of token ids, got {type(value).__name__}")
+    if all_token_ids(value, TOKEN_ID_END):  # a few C-level passes; else the loop names the bad id
+        return tuple(value)
     for i, t in enumerate(value):
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < _TOKEN_ID_END:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < TOKEN_ID_END:
             raise WireFormatError(f"{where}[{i}]: expected an int token id in [0, 2**63), got {t!r:.40}")
     return tuple(value)
 
@@ -216,6 +217,8 @@ def completion_logprobs(choice: Mapping[str, Any], generated: int) -> tuple[floa
     values = get_field(block, "token_logprobs", "choices[0].logprobs", list)
     if len(values) != generated:
         raise WireFormatError(f"choices[0].logprobs.token_logprobs has {len(values)} entries for {generated} tokens")
+    if (fast := plain_logprobs(values, null_is_nan=True)) is not None:  # a few C-level passes; else the loop
+        return fast
     return tuple(logprob(v, f"choices[0].logprobs.token_logprobs[{i}]", null_is_nan=True) for i, v in enumerate(values))
 
 
@@ -239,6 +242,8 @@ def chat_logprobs(choice: Mapping[str, Any], generated: int, *, null_is_nan: boo
     content = get_field(block, "content", "choices[0].logprobs", list)
     if len(content) != generated:
         raise WireFormatError(f"choices[0].logprobs.content has {len(content)} entries for {generated} tokens")
+    if (fast := entry_logprobs(content, None, null_is_nan=null_is_nan)) is not None:  # a few C passes; else the loop
+        return fast
     values = []
     for i, entry in enumerate(content):
         where = f"choices[0].logprobs.content[{i}]"

@@ -37,6 +37,7 @@ from typing import Any
 
 from torch_r3.rollout.codec import WireFormatError, decode_sglang_routes
 from torch_r3.rollout.protocols import fields
+from torch_r3.rollout.protocols._lists import sglang_logprobs
 from torch_r3.rollout.protocols.base import GenerateCall, ParsedResponse, RouteLimits, ServerProtocol
 from torch_r3.rollout.protocols.switches import missing_routes_hint
 from torch_r3.rollout.selections_wire import decode_sglang_indexer_topk
@@ -99,22 +100,7 @@ class SGLangProtocol(ServerProtocol):
         reason = fields.finish_reason(
             fields.get_field(meta, "finish_reason", "meta_info", (dict, str), required=False), "meta_info.finish_reason"
         )
-        logprobs = None
-        entries = fields.get_field(meta, "output_token_logprobs", "meta_info", list, required=False)
-        if entries is not None:
-            if len(entries) != len(ids):
-                raise WireFormatError(
-                    f"meta_info.output_token_logprobs has {len(entries)} entries for {len(ids)} tokens"
-                )
-            values = []
-            for i, entry in enumerate(entries):
-                where = f"meta_info.output_token_logprobs[{i}]"
-                if not isinstance(entry, list) or len(entry) < 2:
-                    raise WireFormatError(f"{where}: expected [logprob, token_id, text], got {entry!r:.80}")
-                if isinstance(entry[1], bool) or not isinstance(entry[1], int) or entry[1] != ids[i]:
-                    raise WireFormatError(f"{where}: token id {entry[1]!r} is not output_ids[{i}] = {ids[i]}")
-                values.append(fields.logprob(entry[0], f"{where}[0]", null_is_nan=True))
-            logprobs = tuple(values)
+        logprobs = _logprobs(meta, ids)
         routes = None
         if call.return_routed_experts:
             if meta.get("routed_experts") is None and reason == "abort":
@@ -158,6 +144,27 @@ class SGLangProtocol(ServerProtocol):
         return ParsedResponse(
             ids, logprobs, reason, routes, fields.newest_version(version, spans), spans, indexer_topk=selections
         )
+
+
+def _logprobs(meta: Any, ids: tuple[int, ...]) -> tuple[float, ...] | None:
+    """`meta_info.output_token_logprobs`, one `[logprob, token_id, text]` per generated token, or `None`."""
+    entries = fields.get_field(meta, "output_token_logprobs", "meta_info", list, required=False)
+    if entries is None:
+        return None
+    if len(entries) != len(ids):
+        raise WireFormatError(f"meta_info.output_token_logprobs has {len(entries)} entries for {len(ids)} tokens")
+    fast = sglang_logprobs(entries, ids)  # a few C-level passes over the whole list; else the loop names the entry
+    if fast is not None:
+        return fast
+    values = []
+    for i, entry in enumerate(entries):
+        where = f"meta_info.output_token_logprobs[{i}]"
+        if not isinstance(entry, list) or len(entry) < 2:
+            raise WireFormatError(f"{where}: expected [logprob, token_id, text], got {entry!r:.80}")
+        if isinstance(entry[1], bool) or not isinstance(entry[1], int) or entry[1] != ids[i]:
+            raise WireFormatError(f"{where}: token id {entry[1]!r} is not output_ids[{i}] = {ids[i]}")
+        values.append(fields.logprob(entry[0], f"{where}[0]", null_is_nan=True))
+    return tuple(values)
 
 
 PROTOCOL = SGLangProtocol()
