@@ -28,7 +28,9 @@ def test_property_geometry_arguments_match_the_reference(data):
     rng = np.random.default_rng(seed)
     counts = [int(rng.integers(1, 12)) for _ in range(B)]
     dtypes = [data.draw(st.sampled_from([np.uint8, np.int16])) for _ in range(B)]
-    samples = route_samples(rng, counts, num_layers=L, topk=K, num_experts=200, dtypes=dtypes, token_ids=None)
+    # ids below num_experts where the filler takes it (the collator checks them against it)
+    below = min(experts, 200) if experts else 200
+    samples = route_samples(rng, counts, num_layers=L, topk=K, num_experts=below, dtypes=dtypes, token_ids=None)
     routes = [sample["routes"] for sample in samples]
     layers = data.draw(st.none() | st.permutations(range(L)).flatmap(lambda p: st.just(p[: max(1, len(p) // 2)])))
     ids = data.draw(st.none() | st.lists(st.integers(0, 2**40), min_size=B, max_size=B, unique=True))
@@ -51,7 +53,7 @@ def test_property_geometry_arguments_match_the_reference(data):
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 def test_layers_hold_exactly_the_chosen_layers_in_order(layers, layout):
     rng = np.random.default_rng(3)
-    routes = [router_routes(rng, r, 4, 3, num_experts=50) for r in (3, 0, 7)]
+    routes = [router_routes(rng, r, 4, 3, num_experts=9) for r in (3, 0, 7)]
     counts = [4, 2, 7]
     got = collate_routes(routes, counts, layout=layout, keep_layers=layers, filler="balanced", num_experts=9)
     want = reference_collate_routes(
@@ -172,7 +174,7 @@ def test_global_geometry_refuses_bad_metadata(args, kwargs, exc, match):
 def test_every_output_byte_is_written_with_seq_len_dtype_and_layers(layers, layout):
     # Caller-owned buffers full of garbage: nothing of it may survive the single write.
     rng = np.random.default_rng(12)
-    routes = [router_routes(rng, r, 4, 2, num_experts=30) for r in (2, 0, 5)]
+    routes = [router_routes(rng, r, 4, 2, num_experts=5) for r in (2, 0, 5)]
     counts, ids = [3, 4, 6], [7, 2, 40]
     kw = {"layout": layout, "keep_layers": layers, "dtype": np.int16, "filler": "balanced", "num_experts": 5}
     if layout == "padded":

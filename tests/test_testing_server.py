@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from torch_r3.rollout.client import RemoteGenerateClient, RemoteGenerateError
+from torch_r3.rollout.transport import TransportConfig
 from torch_r3.testing import GenerateOutput, LoopbackServer, ServedModel, TinyMoELM
 from torch_r3.testing._engine import PrefixCache
 
-FAST = {"retries": 3, "backoff": 0.01, "max_backoff": 0.05, "timeout": 20.0}
+FAST = {"transport_config": TransportConfig(retries=3, backoff=0.01, max_backoff=0.05, timeout=20.0)}
 
 
 class CountingModel(ServedModel):
