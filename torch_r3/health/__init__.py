@@ -12,24 +12,19 @@ run the same check.
 
 from __future__ import annotations
 
+from torch_r3.health import check
+
+# Redundant aliases mark these as re-exports: `__all__` is `check.__all__`, the one list of the
+# public names, which static tools cannot expand.
 from torch_r3.health.check import (
-    HEALTH_MODES,
-    RouteHealthCheck,
-    RouteHealthError,
-    RouteHealthFinding,
-    RouteHealthStats,
-    RouteHealthWarning,
-    ZeroRoutesWarning,
-    check_route_health,
+    HEALTH_MODES as HEALTH_MODES,
+    RouteHealthCheck as RouteHealthCheck,
+    RouteHealthError as RouteHealthError,
+    RouteHealthFinding as RouteHealthFinding,
+    RouteHealthStats as RouteHealthStats,
+    RouteHealthWarning as RouteHealthWarning,
+    ZeroRoutesWarning as ZeroRoutesWarning,
+    check_route_health as check_route_health,
 )
 
-__all__ = [
-    "HEALTH_MODES",
-    "RouteHealthCheck",
-    "RouteHealthError",
-    "RouteHealthFinding",
-    "RouteHealthStats",
-    "RouteHealthWarning",
-    "ZeroRoutesWarning",
-    "check_route_health",
-]
+__all__ = [*check.__all__]

@@ -51,6 +51,7 @@ from torch_r3._checks import check_at_least
 from torch_r3.errors import WireFormatError
 from torch_r3.rollout import _base64
 from torch_r3.rollout._npy import DEFAULT_MAX_ROUTE_BYTES, MAX_HEADER, check_size, decode_npy, npy_layout
+from torch_r3.rollout._sglang_payload import meta_info, whole_rows
 from torch_r3.routes import CANONICAL_DTYPES, check_expert_ids, compact_routes
 
 # `decode_npy` (the `.npy` reader of `torch_r3.rollout._npy`, re-exported here) and
@@ -247,12 +248,8 @@ def decode_sglang_routes(
     _check_num_experts(num_experts, name)
     if num_tokens is not None:
         _check_int_arg(num_tokens, "num_tokens", name, minimum=0)
-    data = value
+    data = meta_info(value, name)
     if isinstance(data, Mapping):
-        if "meta_info" in data:
-            data = data["meta_info"]
-            if not isinstance(data, Mapping):
-                raise WireFormatError(f"{name}: expected meta_info to be a mapping, got {type(data).__name__}")
         if "routed_experts" not in data:
             raise WireFormatError(
                 f"{name}: no 'routed_experts' key in meta_info (was the request sent with return_routed_experts=True?)"
@@ -275,14 +272,7 @@ def decode_sglang_routes(
     row_bytes = int(num_layers) * int(topk) * wire_dtype.itemsize
     nbytes = base64_decoded_length(data, name=name)
     check_size(nbytes, max_bytes, name, f"{dtype} routes")
-    if nbytes % row_bytes:
-        raise WireFormatError(
-            f"{name}: {nbytes} decoded bytes is not a whole number of {dtype} rows of "
-            f"[num_layers={num_layers}, topk={topk}] ({row_bytes} bytes each)"
-        )
-    rows = nbytes // row_bytes
-    if num_tokens is not None and rows != num_tokens:
-        raise WireFormatError(f"{name}: expected {num_tokens} rows of [{num_layers}, {topk}], got {rows}")
+    rows = whole_rows(nbytes, row_bytes, {"num_layers": num_layers, "topk": topk}, num_tokens, name, dtype)
     shape = (rows, int(num_layers), int(topk))
     fast = _base64.decode_compact(data, shape=shape, wire=wire_dtype, num_experts=num_experts)
     if fast is not None:

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from torch_r3._checks import check_non_negative, check_positive
+from torch_r3.rollout._sglang_payload import meta_info, whole_rows
 from torch_r3.rollout.codec import WireFormatError, base64_decoded_length
 from torch_r3.selections import IndexerSelections, SelectionEncoder
 
@@ -100,14 +101,7 @@ def decode_sglang_indexer_topk(
     nbytes = base64_decoded_length(text, name=name)
     if nbytes > cap:
         raise WireFormatError(f"{name}: int32 selections of {nbytes} bytes, over the cap max_bytes={cap}")
-    if nbytes % row_bytes:
-        raise WireFormatError(
-            f"{name}: {nbytes} decoded bytes is not a whole number of int32 rows of "
-            f"[num_layers={L}, index_topk={K}] ({row_bytes} bytes each)"
-        )
-    rows = nbytes // row_bytes
-    if num_tokens is not None and rows != num_tokens:
-        raise WireFormatError(f"{name}: expected {num_tokens} rows of [{L}, {K}], got {rows}")
+    rows = whole_rows(nbytes, row_bytes, {"num_layers": L, "index_topk": K}, num_tokens, name, "int32")
     encoder = SelectionEncoder(rows=rows, num_layers=L, index_topk=K, name=name)
     pending = b""
     done = 0
@@ -134,12 +128,8 @@ def decode_sglang_indexer_topk(
 
 
 def _field(value: Any, name: str) -> Any:
-    data = value
+    data = meta_info(value, name)
     if isinstance(data, Mapping):
-        if "meta_info" in data:
-            data = data["meta_info"]
-            if not isinstance(data, Mapping):
-                raise WireFormatError(f"{name}: expected meta_info to be a mapping, got {type(data).__name__}")
         if data.get(FIELD) is None:
             raise WireFormatError(
                 f"{name}: no {FIELD!r} in meta_info (was the server started with --enable-return-indexer-topk "
