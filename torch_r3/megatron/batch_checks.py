@@ -23,6 +23,7 @@ import torch
 
 from torch_r3.keys import ATTENTION_MASK, CU_SEQLENS, CU_SEQLENS_PADDED, INPUT_IDS
 from torch_r3.replay.checks import check_input_shape, check_replayed_ids, check_router_tokens
+from torch_r3.replay.padding import alignment_padding, checked_attention_mask
 
 # The other checks are the hook's internals, shared with `hook.py` under plain names.
 __all__ = ["check_route_values"]
@@ -100,18 +101,10 @@ def model_padding_mask(
             routes do not cover the tokens), naming the first token without a route.
     """
     if cu_seqlens is not None:
-        if cu_seqlens_padded is None:
-            return torch.zeros_like(uncaptured)
-        pad = torch.ones_like(uncaptured)
-        for start, n in zip(cu_seqlens_padded.tolist(), cu_seqlens.diff().tolist()):
-            pad[start : start + n] = False
-        return pad
-    attention = batch.get(ATTENTION_MASK)
+        return alignment_padding(uncaptured, cu_seqlens, cu_seqlens_padded)
+    attention = checked_attention_mask(batch)
     if attention is None:
         return (~uncaptured).cumsum(1) == 0
-    if not isinstance(attention, torch.Tensor) or attention.dtype.is_floating_point or attention.is_complex():
-        what = attention.dtype if isinstance(attention, torch.Tensor) else type(attention).__name__
-        raise TypeError(f"{ATTENTION_MASK}: expected an integer or bool torch.Tensor, got {what}")
     check_model_input(uncaptured.shape, attention.shape, microbatch=microbatch, layer=layer, name=ATTENTION_MASK)
     return attention.to(uncaptured.device, non_blocking=True) == 0
 

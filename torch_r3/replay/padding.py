@@ -37,21 +37,43 @@ def padding_positions(
     """
     if cu_seqlens is not None:
         aligned = batch.get(CU_SEQLENS_PADDED)
-        if aligned is None:
-            return torch.zeros_like(mask)
-        pad = torch.ones_like(mask)
-        for start, n in zip(torch.as_tensor(aligned).tolist(), cu_seqlens.diff().tolist()):
-            pad[0, start : start + n] = False
-        return pad
-    attention = batch.get(ATTENTION_MASK)
+        return alignment_padding(mask, cu_seqlens, None if aligned is None else torch.as_tensor(aligned))
+    attention = checked_attention_mask(batch)
     if attention is None:
         return (~mask).cumsum(1) == 0
-    if not isinstance(attention, torch.Tensor) or attention.dtype.is_floating_point or attention.is_complex():
-        what = attention.dtype if isinstance(attention, torch.Tensor) else type(attention).__name__
-        raise TypeError(f"{ATTENTION_MASK}: expected an integer or bool torch.Tensor, got {what}")
     if tuple(attention.shape) != tuple(mask.shape):
         raise ValueError(
             f"{ATTENTION_MASK}: shape {list(attention.shape)} differs from {mask_key}'s {list(mask.shape)}: "
             f"the {payload} do not cover the tokens"
         )
     return attention.to(mask.device) == 0
+
+
+def alignment_padding(like: torch.Tensor, cu_seqlens: torch.Tensor, aligned: torch.Tensor | None) -> torch.Tensor:
+    """The packed layout's padding, shaped like `like` (`[T]` or `[1, T]`): none, or the alignment rows.
+
+    `True` between the sequences of `cu_seqlens` laid out at the offsets `aligned`
+    (`cu_seqlens_padded`); all `False` without `aligned`.
+    """
+    if aligned is None:
+        return torch.zeros_like(like)
+    pad = torch.ones_like(like)
+    row = pad if pad.dim() == 1 else pad[0]
+    for start, n in zip(aligned.tolist(), cu_seqlens.diff().tolist()):
+        row[start : start + n] = False
+    return pad
+
+
+def checked_attention_mask(batch: Mapping[str, Any]) -> torch.Tensor | None:
+    """The batch's `attention_mask`, or `None` without one.
+
+    Raises:
+        TypeError: When it is not an integer or bool tensor.
+    """
+    attention = batch.get(ATTENTION_MASK)
+    if attention is None:
+        return None
+    if not isinstance(attention, torch.Tensor) or attention.dtype.is_floating_point or attention.is_complex():
+        what = attention.dtype if isinstance(attention, torch.Tensor) else type(attention).__name__
+        raise TypeError(f"{ATTENTION_MASK}: expected an integer or bool torch.Tensor, got {what}")
+    return attention
