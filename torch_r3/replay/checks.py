@@ -44,12 +44,15 @@ ROUTE_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)
 
 def check_route_tensors(routes: Any, mask: Any) -> None:
     """`routes` a tensor of a route dtype and `mask` a bool tensor; a `TypeError` naming the key otherwise."""
-    if not isinstance(routes, torch.Tensor) or routes.dtype not in ROUTE_DTYPES:
-        what = routes.dtype if isinstance(routes, torch.Tensor) else type(routes).__name__
-        raise TypeError(f"{ROUTES}: expected a uint8/int16/int32/int64 torch.Tensor, got {what}")
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-        what = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise TypeError(f"{ROUTER_MASK}: expected a torch.bool tensor, got {what}")
+    check_tensor_dtype(routes, ROUTES, ROUTE_DTYPES, "a uint8/int16/int32/int64 torch.Tensor")
+    check_tensor_dtype(mask, ROUTER_MASK, (torch.bool,), "a torch.bool tensor")
+
+
+def check_tensor_dtype(value: Any, key: str, dtypes: tuple[torch.dtype, ...], expected: str) -> None:
+    """`value` a tensor of one of `dtypes`; a `TypeError` naming `key` and what was `expected` otherwise."""
+    if not isinstance(value, torch.Tensor) or value.dtype not in dtypes:
+        what = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+        raise TypeError(f"{key}: expected {expected}, got {what}")
 
 
 def _fits(view: torch.Tensor, num_experts: int) -> bool:

@@ -27,6 +27,7 @@ import torch
 
 from torch_r3.collate.selections import SELECTION_MASK, SELECTIONS
 from torch_r3.keys import CU_SEQLENS
+from torch_r3.replay.checks import check_tensor_dtype
 from torch_r3.selections import FILL
 
 __all__ = [
@@ -58,12 +59,8 @@ def check_selection_batch(batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch
             "batch: packed selections ([N, L, K] with cu_seqlens) need a packed forward; use the padded layout"
         )
     sel, mask = batch[SELECTIONS], batch[SELECTION_MASK]
-    if not isinstance(sel, torch.Tensor) or sel.dtype not in SELECTION_TENSOR_DTYPES:
-        what = sel.dtype if isinstance(sel, torch.Tensor) else type(sel).__name__
-        raise TypeError(f"{SELECTIONS}: expected an int16/int32/int64 torch.Tensor, got {what}")
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-        what = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise TypeError(f"{SELECTION_MASK}: expected a torch.bool tensor, got {what}")
+    check_tensor_dtype(sel, SELECTIONS, SELECTION_TENSOR_DTYPES, "an int16/int32/int64 torch.Tensor")
+    check_tensor_dtype(mask, SELECTION_MASK, (torch.bool,), "a torch.bool tensor")
     if sel.ndim != 4 or mask.shape != sel.shape[:2]:
         raise ValueError(
             f"{SELECTIONS} {list(sel.shape)} and {SELECTION_MASK} {list(mask.shape)}: expected [B, T, L, K] and [B, T]"
