@@ -35,6 +35,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from torch_r3.rollout.codec import WireFormatError, decode_sglang_routes
 from torch_r3.rollout.protocols import fields
 from torch_r3.rollout.protocols._lists import sglang_logprobs
@@ -112,21 +114,8 @@ class SGLangProtocol(ServerProtocol):
                     raise WireFormatError(
                         f"routes were requested but meta_info.routed_experts is missing ({missing_routes_hint('sglang')})"
                     )
-                routes = decode_sglang_routes(
-                    meta,
-                    num_layers=limits.num_layers,
-                    topk=limits.topk,
-                    num_experts=limits.num_experts,
-                    max_bytes=limits.max_bytes,
-                    name="meta_info.routed_experts",
-                )
-                routes = fields.slice_to_start(
-                    routes,
-                    call,
-                    len(ids),
-                    "meta_info.routed_experts",
-                    start_may_be_ignored=True,
-                    start_field="routed_experts_start_len",
+                routes = sliced_routes(
+                    meta, call, len(ids), limits, (limits.num_layers, limits.topk), "meta_info.routed_experts"
                 )
         version = fields.weight_version(meta.get("weight_version"), "meta_info.weight_version")
         spans = fields.weight_spans(meta.get("weight_versions"), "meta_info.weight_versions", len(ids))
@@ -144,6 +133,34 @@ class SGLangProtocol(ServerProtocol):
         return ParsedResponse(
             ids, logprobs, reason, routes, fields.newest_version(version, spans), spans, indexer_topk=selections
         )
+
+
+def sliced_routes(
+    value: Any,
+    call: GenerateCall,
+    num_generated: int,
+    limits: RouteLimits,
+    shape: tuple[int, int],
+    name: str,
+    dtype: str | None = None,
+) -> np.ndarray:
+    """SGLang's routes `value` (`decode_sglang_routes`, rows of `shape` = layers x top-k) from the call's start.
+
+    SGLang may ignore `routed_experts_start_len` and send every row from position 0;
+    that answer is recognised by its row count and sliced (`fields.slice_to_start`).
+    """
+    decoded = decode_sglang_routes(
+        value,
+        num_layers=shape[0],
+        topk=shape[1],
+        dtype=dtype,
+        num_experts=limits.num_experts,
+        max_bytes=limits.max_bytes,
+        name=name,
+    )
+    return fields.slice_to_start(
+        decoded, call, num_generated, name, start_may_be_ignored=True, start_field="routed_experts_start_len"
+    )
 
 
 def _logprobs(meta: Any, ids: tuple[int, ...]) -> tuple[float, ...] | None:

@@ -34,13 +34,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
-from torch_r3.rollout.codec import WireFormatError, decode_sglang_routes
+from torch_r3.rollout.codec import WireFormatError
 from torch_r3.rollout.protocols import _openai, fields
 from torch_r3.rollout.protocols._openai import CompletionsProtocol, generated_ids, rendered_prompt
 from torch_r3.rollout.protocols.base import GenerateCall, ParsedResponse, RouteLimits
 from torch_r3.rollout.protocols.chat import ChatProtocol
+from torch_r3.rollout.protocols.sglang import sliced_routes
 from torch_r3.rollout.protocols.switches import missing_routes_hint
 
 # Reached by `RemoteGenerateClient(server="sglang-openai")`.
@@ -100,22 +99,8 @@ def _parsed(
         else:
             if limits.num_layers is None or limits.topk is None:  # the client checks this before sending
                 raise ValueError("server='sglang-openai' needs num_layers= and topk= to read routes")
-            decoded: np.ndarray = decode_sglang_routes(
-                payload,
-                num_layers=limits.num_layers,
-                topk=limits.topk,
-                dtype="int32",
-                num_experts=limits.num_experts,
-                max_bytes=limits.max_bytes,
-                name="sglext.routed_experts",
-            )
-            routes = fields.slice_to_start(
-                decoded,
-                call,
-                len(ids),
-                "sglext.routed_experts",
-                start_may_be_ignored=True,
-                start_field="routed_experts_start_len",
+            routes = sliced_routes(
+                payload, call, len(ids), limits, (limits.num_layers, limits.topk), "sglext.routed_experts", "int32"
             )
     meta = fields.get_field(raw, "metadata", "response", dict, required=False) or {}
     version = fields.weight_version(meta.get("weight_version"), "metadata.weight_version")
