@@ -10,13 +10,14 @@ is its own.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from torch_r3.rollout.codec import WireFormatError, decode_routes, decode_vllm_routes
 from torch_r3.rollout.protocols import fields
 from torch_r3.rollout.protocols._lists import entry_logprobs
+from torch_r3.rollout.protocols.base import ChoicesProtocol
 
 if TYPE_CHECKING:
     from torch_r3.rollout.protocols.base import GenerateCall, RouteLimits
@@ -84,3 +85,25 @@ def content_logprobs(choice: Mapping[str, Any], ids: tuple[int, ...], *, check_i
             raise WireFormatError(f"{where}.token_id {entry['token_id']!r} is not token_ids[{i}] = {ids[i]}")
         values.append(fields.logprob(fields.get_field(entry, "logprob", where, (int, float)), f"{where}.logprob"))
     return tuple(values)
+
+
+class ContentLogprobsProtocol(ChoicesProtocol):
+    """A vLLM-based `choices[0]` format (vLLM's native endpoint, SkyRL's) that reads the log-probs' content list.
+
+    It asks for the sampled token's log-prob with `logprobs: 1` (`params_with_logprobs`),
+    reads `choices[0].logprobs.content` (`content_logprobs`), keys the prefix cache
+    with `cache_salt`, and may get every row back from position 0 (the start ignored).
+
+    Attributes:
+        check_logprob_ids: Whether each content entry names its token id, checked against the generated ids.
+    """
+
+    salt_field = "cache_salt"
+    start_may_be_ignored = True
+    check_logprob_ids: ClassVar[bool]
+
+    def sampling_params(self, call: GenerateCall) -> dict[str, Any]:
+        return params_with_logprobs(call)
+
+    def read_logprobs(self, choice: Mapping[str, Any], ids: tuple[int, ...]) -> tuple[float, ...] | None:
+        return content_logprobs(choice, ids, check_ids=self.check_logprob_ids)

@@ -15,13 +15,12 @@ and vLLM's `--enable-return-routed-experts`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from torch_r3.rollout.protocols._choices import content_logprobs, envelope_routes, params_with_logprobs
-from torch_r3.rollout.protocols.base import ChoicesProtocol, GenerateCall, RouteLimits
+from torch_r3.rollout.protocols._choices import ContentLogprobsProtocol, envelope_routes
+from torch_r3.rollout.protocols.base import GenerateCall, RouteLimits
 from torch_r3.rollout.protocols.switches import missing_routes_hint
 
 # Reached by `RemoteGenerateClient(server="skyrl")`.
@@ -30,24 +29,17 @@ __all__: list[str] = []
 GENERATE_PATH = "/skyrl/v1/generate"
 
 
-class SkyRLProtocol(ChoicesProtocol):
+class SkyRLProtocol(ContentLogprobsProtocol):
     """SkyRL's `/skyrl/v1/generate` (see the module docstring)."""
 
     name = "skyrl"
     generate_path = GENERATE_PATH
-    salt_field = "cache_salt"
-    start_may_be_ignored = True
     null_routes_hint = f" ({missing_routes_hint('skyrl')})"
+    check_logprob_ids = False
     route_text_paths = (("choices", "*", "routed_experts", "data"),)  # inside the envelope
 
     def flags(self, call: GenerateCall) -> dict[str, Any]:
         return {}  # no per-request switch: a server with routes on returns them for every request
-
-    def sampling_params(self, call: GenerateCall) -> dict[str, Any]:
-        return params_with_logprobs(call)
-
-    def read_logprobs(self, choice: Mapping[str, Any], ids: tuple[int, ...]) -> tuple[float, ...] | None:
-        return content_logprobs(choice, ids, check_ids=False)
 
     def decode(self, payload: Any, limits: RouteLimits) -> np.ndarray:
         return envelope_routes(payload, limits)

@@ -26,13 +26,12 @@ every row from position 0 all the same is recognised by its row count and sliced
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from torch_r3.rollout.protocols._choices import content_logprobs, npy_routes, params_with_logprobs
-from torch_r3.rollout.protocols.base import ChoicesProtocol, GenerateCall, RouteLimits
+from torch_r3.rollout.protocols._choices import ContentLogprobsProtocol, npy_routes
+from torch_r3.rollout.protocols.base import GenerateCall, RouteLimits
 from torch_r3.rollout.protocols.switches import missing_routes_hint
 
 # Reached by `RemoteGenerateClient(server="vllm")`: the docstring above is this
@@ -44,23 +43,16 @@ GENERATE_PATH = "/inference/v1/generate"
 RESET_PREFIX_CACHE_PATH = "/reset_prefix_cache"
 
 
-class VLLMProtocol(ChoicesProtocol):
+class VLLMProtocol(ContentLogprobsProtocol):
     """vLLM's native `/inference/v1/generate` (see the module docstring)."""
 
     name = "vllm"
     generate_path = GENERATE_PATH
-    salt_field = "cache_salt"
-    start_may_be_ignored = True
     null_routes_hint = f" ({missing_routes_hint('vllm')})"
+    check_logprob_ids = True
 
     def flags(self, call: GenerateCall) -> dict[str, Any]:
         return {"return_token_ids": True}
-
-    def sampling_params(self, call: GenerateCall) -> dict[str, Any]:
-        return params_with_logprobs(call)
-
-    def read_logprobs(self, choice: Mapping[str, Any], ids: tuple[int, ...]) -> tuple[float, ...] | None:
-        return content_logprobs(choice, ids, check_ids=True)
 
     def decode(self, payload: Any, limits: RouteLimits) -> np.ndarray:
         return npy_routes(payload, limits)
