@@ -10,7 +10,7 @@ where the routes and the rendered chat prompt sit) stays in each server's module
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from torch_r3.rollout.codec import WireFormatError
 from torch_r3.rollout.protocols import fields
@@ -18,6 +18,31 @@ from torch_r3.rollout.protocols.base import GenerateCall, ParsedResponse, RouteL
 
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_PATH = "/v1/chat/completions"
+
+# The fields the caller may not set on either server: what the shared requests set (the prompt or
+# messages, `model`, `return_token_ids`) and `stream` (the client reads one whole answer).
+# Each server's module adds its own fields after these.
+OWN_FIELDS = ("prompt", "messages", "model", "stream", "return_token_ids")
+
+
+class ReadChoice(NamedTuple):
+    """An answer's `choices[0]` as both servers read it alike; a server's `parsed` reads the rest."""
+
+    raw: Any
+    choice: Mapping[str, Any]
+    ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None
+    reason: str | None
+
+
+def read_choice(
+    raw: Any, choice: Mapping[str, Any], ids: tuple[int, ...], logprobs: tuple[float, ...] | None
+) -> ReadChoice:
+    """The answer `raw`, its first `choice`, the generated `ids` and `logprobs`, with `choices[0].finish_reason`."""
+    reason = fields.finish_reason(
+        fields.get_field(choice, "finish_reason", "choices[0]", str, required=False), "choices[0].finish_reason"
+    )
+    return ReadChoice(raw, choice, ids, logprobs, reason)
 
 
 class CompletionsProtocol(ServerProtocol):
@@ -35,9 +60,7 @@ class CompletionsProtocol(ServerProtocol):
 
     # A server's own functions: the body without prompt, logprobs and salt; the answer once its ids are read.
     top_level: ClassVar[staticmethod[[Mapping[str, Any], bool, int, str | None], dict[str, Any]]]
-    parsed: ClassVar[
-        staticmethod[[Any, Mapping[str, Any], tuple[int, ...], Any, GenerateCall, RouteLimits], ParsedResponse]
-    ]
+    parsed: ClassVar[staticmethod[[ReadChoice, GenerateCall, RouteLimits], ParsedResponse]]
 
     def request_body(self, call: GenerateCall) -> dict[str, Any]:
         body = self.top_level(call.sampling_params, call.return_routed_experts, call.start, call.model)
@@ -52,7 +75,7 @@ class CompletionsProtocol(ServerProtocol):
         if sent_back is not None and list(fields.token_ids(sent_back, "choices[0].prompt_token_ids")) != call.prompt:
             raise WireFormatError("choices[0].prompt_token_ids is not the prompt that was sent")
         logprobs = fields.completion_logprobs(choice, len(ids))
-        return self.parsed(raw, choice, ids, logprobs, call, limits)
+        return self.parsed(read_choice(raw, choice, ids, logprobs), call, limits)
 
 
 def top_level(params: Mapping[str, Any], own: Sequence[str], model: str | None) -> dict[str, Any]:

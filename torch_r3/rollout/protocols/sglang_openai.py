@@ -51,11 +51,7 @@ COMPLETIONS_PATH, CHAT_PATH = _openai.COMPLETIONS_PATH, _openai.CHAT_PATH
 _ROUTES = ("sglext", "routed_experts")
 # The fields the client sets itself (return_meta_info would move the routes out of sglext).
 _OWN_FIELDS = (
-    "prompt",
-    "messages",
-    "model",
-    "stream",
-    "return_token_ids",
+    *_openai.OWN_FIELDS,
     "return_prompt_token_ids",
     "return_routed_experts",
     "routed_experts_start_len",
@@ -75,17 +71,8 @@ def _body(params: Mapping[str, Any], want_routes: bool, start: int, model: str |
     return body
 
 
-def _parsed(
-    raw: Mapping[str, Any],
-    choice: Mapping[str, Any],
-    ids: tuple[int, ...],
-    logprobs: tuple[float, ...] | None,
-    call: GenerateCall,
-    limits: RouteLimits,
-) -> ParsedResponse:
-    reason = fields.finish_reason(
-        fields.get_field(choice, "finish_reason", "choices[0]", str, required=False), "choices[0].finish_reason"
-    )
+def _parsed(read: _openai.ReadChoice, call: GenerateCall, limits: RouteLimits) -> ParsedResponse:
+    raw, _, ids, logprobs, reason = read
     routes = None
     if call.return_routed_experts:
         ext = fields.get_field(raw, "sglext", "response", dict, required=False)
@@ -144,7 +131,7 @@ class SGLangChatProtocol(ChatProtocol):
         ids = generated_ids(choice, "response_token_ids", _TOO_OLD)
         logprobs = fields.chat_logprobs(choice, len(ids), null_is_nan=True)
         call = GenerateCall(list(prompt), {}, return_routed_experts, start)
-        return prompt, _parsed(raw, choice, ids, logprobs, call, limits)
+        return prompt, _parsed(_openai.read_choice(raw, choice, ids, logprobs), call, limits)
 
 
 PROTOCOL = SGLangCompletionsProtocol()

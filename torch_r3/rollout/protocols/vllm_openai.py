@@ -50,11 +50,7 @@ COMPLETIONS_PATH, CHAT_PATH = _openai.COMPLETIONS_PATH, _openai.CHAT_PATH
 
 # The fields the client sets itself: the caller's sampling parameters must not hold them.
 _OWN_FIELDS = (
-    "prompt",
-    "messages",
-    "model",
-    "stream",
-    "return_token_ids",
+    *_openai.OWN_FIELDS,
     "return_weight_versions",
     "cache_salt",
     fields.PROMPT_START_PARAM,
@@ -69,17 +65,8 @@ def _body(params: Mapping[str, Any], want_routes: bool, start: int, model: str |
     return body
 
 
-def _parsed(
-    raw: Any,
-    choice: Mapping[str, Any],
-    ids: tuple[int, ...],
-    logprobs: tuple[float, ...] | None,
-    call: GenerateCall,
-    limits: RouteLimits,
-) -> ParsedResponse:
-    reason = fields.finish_reason(
-        fields.get_field(choice, "finish_reason", "choices[0]", str, required=False), "choices[0].finish_reason"
-    )
+def _parsed(read: _openai.ReadChoice, call: GenerateCall, limits: RouteLimits) -> ParsedResponse:
+    _, choice, ids, logprobs, reason = read
     routes = None
     if call.return_routed_experts:
         payload = choice.get("routed_experts")
@@ -154,7 +141,7 @@ class VLLMChatProtocol(ChatProtocol):
         ids = generated_ids(choice, "token_ids", VLLMCompletionsProtocol.too_old)
         logprobs = fields.chat_logprobs(choice, len(ids), null_is_nan=False)
         call = GenerateCall(list(prompt), {}, return_routed_experts, start)
-        return prompt, _parsed(raw, choice, ids, logprobs, call, limits)
+        return prompt, _parsed(_openai.read_choice(raw, choice, ids, logprobs), call, limits)
 
 
 PROTOCOL = VLLMCompletionsProtocol()
