@@ -154,9 +154,14 @@ def parse_body(body: bytearray | bytes, paths: tuple[tuple[str, ...], ...]) -> A
         RecursionError: The JSON is nested too deeply for `json.loads`.
 
     Examples:
-        >>> tree = parse_body(b'{"meta_info": {"routed_experts": "AAAA"}}', (("meta_info", "routed_experts"),))
-        >>> bytes(tree["meta_info"]["routed_experts"])
-        b'AAAA'
+        >>> paths = (("meta_info", "routed_experts"),)
+        >>> parse_body(b'{"meta_info": {"routed_experts": "AAAA"}}', paths)  # small: json.loads itself
+        {'meta_info': {'routed_experts': 'AAAA'}}
+        >>> text = "A" * SMALL_BODY_BYTES
+        >>> tree = parse_body(('{"meta_info": {"routed_experts": "' + text + '"}}').encode(), paths)
+        >>> view = tree["meta_info"]["routed_experts"]
+        >>> type(view).__name__, bytes(view) == text.encode()
+        ('memoryview', True)
     """
     pattern = _locator(paths)
     if len(body) < SMALL_BODY_BYTES:
