@@ -30,6 +30,7 @@ __all__ = [
     "check_dtype",
     "check_finite_float",
     "check_indices",
+    "check_instance",
     "check_int",
     "check_integer_dtype",
     "check_non_negative",
@@ -200,11 +201,23 @@ def check_choice(value: Any, name: str, choices: Iterable[Any]) -> Any:
     return value
 
 
+def check_instance(value: Any, name: str, kind: type | tuple[type, ...], what: str) -> Any:
+    """`value` if it is an instance of `kind`, else `TypeError`: `name` must be `what`, got its type.
+
+    Examples:
+        >>> check_instance(b"x", "model", str, "a str")
+        Traceback (most recent call last):
+            ...
+        TypeError: model must be a str, got bytes
+    """
+    if not isinstance(value, kind):
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__}")
+    return value
+
+
 def check_str(value: Any, name: str) -> str:
     """A `str` (text such as a URL, a model name or a version; bytes are refused)."""
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
-    return value
+    return check_instance(value, name, str, "a str")
 
 
 def _dtype_names(allowed: tuple[np.dtype, ...]) -> str:

@@ -246,15 +246,7 @@ def _options(
     filler = renamed_argument(padding, filler, old="padding", new="filler", where=where, default="arange")
     keep_layers = renamed_argument(layers, keep_layers, old="layers", new="keep_layers", where=where)
     layout, memory = from_keywords(where, layout, memory, deprecated, keywords=keywords)
-    return _Options(
-        layout=layout,
-        memory=memory,
-        filler=filler,
-        num_experts=num_experts,
-        dtype=dtype,
-        keep_layers=keep_layers,
-        compact=compact,
-    )
+    return _Options(layout, memory, filler, num_experts, dtype, keep_layers, compact)  # the fields' order
 
 
 def collate_routes(

@@ -152,29 +152,20 @@ class TinyMoELM(ServedModel):
         eos_token_id: int | None = None,
         first_k_dense: int = 0,
     ) -> None:
-        vocab_size = check_positive(vocab_size, "vocab_size")
-        hidden_size = check_positive(hidden_size, "hidden_size")
-        num_layers = check_positive(num_layers, "num_layers")
-        num_experts = check_positive(num_experts, "num_experts")
-        topk = check_positive(topk, "topk")
-        if topk > num_experts:
-            raise ValueError(f"topk must be in [1, num_experts={num_experts}], got {topk}")
-        first_k_dense = check_int(first_k_dense, "first_k_dense")
-        if not 0 <= first_k_dense < num_layers:
-            raise ValueError(f"first_k_dense must be in [0, num_layers={num_layers}), got {first_k_dense}")
-        seed = check_int(seed, "seed")
-        if eos_token_id is not None:
-            eos_token_id = check_int(eos_token_id, "eos_token_id")
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.num_layers = num_layers
-        self.num_experts = num_experts
-        self.topk = topk
-        self.eos_token_id = eos_token_id
-        self.first_k_dense = first_k_dense
-        self.seed = seed
+        self.vocab_size = check_positive(vocab_size, "vocab_size")
+        self.hidden_size = check_positive(hidden_size, "hidden_size")
+        self.num_layers = check_positive(num_layers, "num_layers")
+        self.num_experts = check_positive(num_experts, "num_experts")
+        self.topk = check_positive(topk, "topk")
+        if self.topk > self.num_experts:
+            raise ValueError(f"topk must be in [1, num_experts={self.num_experts}], got {self.topk}")
+        self.first_k_dense = check_int(first_k_dense, "first_k_dense")
+        if not 0 <= self.first_k_dense < self.num_layers:
+            raise ValueError(f"first_k_dense must be in [0, num_layers={self.num_layers}), got {self.first_k_dense}")
+        self.seed = check_int(seed, "seed")
+        self.eos_token_id = None if eos_token_id is None else check_int(eos_token_id, "eos_token_id")
         self._lock = threading.Lock()
-        self._init_weights(seed)
+        self._init_weights(self.seed)
 
     @property
     def moe_layer_pattern(self) -> tuple[bool, ...]:

@@ -222,14 +222,21 @@ class ReplayHook(HookLifecycle):
         per_router = [wide[:, :, j].reshape(rows * positions, self._topk) for j in range(len(self._routers))]
         padding = padding_positions(batch, mask, cu_seqlens)
         self._active = _Replay(rows, positions, per_router, mask.to(device).reshape(-1), padding.to(device).reshape(-1))
-        if not self._in_step:
-            self._stats.reset()
         try:
-            yield self
-            if not self._in_step:
-                self._last_stats = self._stats.finish(self.router_layers)
+            with self._counting():
+                yield self
         finally:
             self._active = None
+
+    @contextlib.contextmanager
+    def _counting(self) -> Iterator[None]:
+        """Count the block's forwards into `last_stats` if it exits cleanly; inside a step, the step counts."""
+        if self._in_step:
+            yield
+            return
+        self._stats.reset()
+        yield
+        self._last_stats = self._stats.finish(self.router_layers)
 
     @contextlib.contextmanager
     def step(self) -> Iterator[ReplayHook]:
@@ -249,13 +256,12 @@ class ReplayHook(HookLifecycle):
         """
         if self._in_step:
             raise RuntimeError("ReplayHook.step() is already active; steps do not nest")
-        self._in_step = True
-        self._stats.reset()
-        try:
-            yield self
-            self._last_stats = self._stats.finish(self.router_layers)
-        finally:
-            self._in_step = False
+        with self._counting():
+            self._in_step = True
+            try:
+                yield self
+            finally:
+                self._in_step = False
 
     @contextlib.contextmanager
     def record(self) -> Iterator[Recording]:

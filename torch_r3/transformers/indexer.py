@@ -287,7 +287,7 @@ class IndexerReplayHook(HookLifecycle):
         return {SELECTIONS: out, SELECTION_MASK: mask}
 
 
-class DSAReplayHook:
+class DSAReplayHook(contextlib.AbstractContextManager["DSAReplayHook"]):
     """One hook for both choices of a DSA MoE model: routes in its routers, selections in its indexers.
 
     ```python
@@ -328,9 +328,6 @@ class DSAReplayHook:
         self.indexers.close()
         if self.routes is not None:
             self.routes.close()
-
-    def __enter__(self) -> DSAReplayHook:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()

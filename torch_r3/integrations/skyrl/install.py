@@ -18,6 +18,7 @@ was (`torch_r3.integrations.swap.Swaps`).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections.abc import Mapping, Sequence
 from types import ModuleType
@@ -95,7 +96,7 @@ class Swap(Swaps):
         self.undo()
 
 
-class Installed:
+class Installed(contextlib.AbstractContextManager["Installed"]):
     """The swaps `install()` made: `uninstall()` (or leaving the `with` block) puts SkyRL's functions back.
 
     Attributes:
@@ -139,9 +140,6 @@ class Installed:
             swap.restore()
         if self.worker is not None:
             self.worker.close()
-
-    def __enter__(self) -> Installed:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.uninstall()

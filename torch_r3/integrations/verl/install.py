@@ -23,6 +23,7 @@ What is replaced (verl 0.9.1), and where each call lands:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 from collections.abc import Callable
@@ -67,7 +68,7 @@ def _keep_megatron_router(original: Callable) -> Callable:
     return apply_router_replay_patch
 
 
-class Installed:
+class Installed(contextlib.AbstractContextManager["Installed"]):
     """What `install()` swapped; `uninstall()` (or leaving the `with` block) puts verl's own back."""
 
     def __init__(self, swaps: Swaps, engine: EngineReplay | None) -> None:
@@ -92,9 +93,6 @@ class Installed:
         swaps.undo()
         if self.engine is not None:
             self.engine.close()
-
-    def __enter__(self) -> Installed:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.uninstall()

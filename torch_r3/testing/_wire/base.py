@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 # Aliased: this module's own check_bool checks JSON request fields (no NumPy bools on the wire).
-from torch_r3._checks import check_bool as check_flag
+from torch_r3._checks import check_bool as check_flag, check_instance
 from torch_r3.rollout.codec import encode_routes
 from torch_r3.rollout.protocols.fields import MAX_SALT_CHARS, SALT_FORBIDDEN
 from torch_r3.routes import compact_routes
@@ -134,9 +134,7 @@ def check_known(mapping: Mapping[str, Any], known: Any, what: str) -> None:
 
 def check_object(value: Any, name: str) -> Mapping[str, Any]:
     """`value` if it is a JSON object, else `TypeError` naming `name`."""
-    if not isinstance(value, Mapping):
-        raise TypeError(f"{name} must be a JSON object, got {type(value).__name__}")
-    return value
+    return check_instance(value, name, Mapping, "a JSON object")
 
 
 def check_bool(value: Any, name: str) -> bool:
