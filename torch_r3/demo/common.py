@@ -59,22 +59,28 @@ class DemoError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class DemoConfig:
-    """Model and rollout sizes. The defaults flip ~2% of top-2 choices between bf16 and fp32."""
+class RolloutSizes:
+    """What every demo sizes: its tiny MoE model and its multi-turn rollouts (each demo sets its defaults)."""
 
     num_layers: int = 4
     hidden_size: int = 64
-    num_attention_heads: int = 4
     num_experts: int = 8
     topk: int = 2
     vocab_size: int = 128
-    init_method_std: float = 0.1  # a larger std and more depth raise the flip rate
     seed: int = 0
     trajectories: int = 8
     turns: int = 3
     prompt_len: int = 16
     generate_len: int = 8
     observation_len: int = 6
+
+
+@dataclass(frozen=True)
+class DemoConfig(RolloutSizes):
+    """Model and rollout sizes. The defaults flip ~2% of top-2 choices between bf16 and fp32."""
+
+    num_attention_heads: int = 4
+    init_method_std: float = 0.1  # a larger std and more depth raise the flip rate
     micro_batch_size: int = 4
     eos_token_id: int = 1
     # Trajectories that get a synthetic EOS (loss weight 1) after generation: the

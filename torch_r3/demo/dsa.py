@@ -40,7 +40,7 @@ import torch
 
 from torch_r3 import R3Collator, RoutedExpertTrace
 from torch_r3.collate.layout import Padded
-from torch_r3.demo.common import DemoConfig, DemoError, SampledServedModel, progress
+from torch_r3.demo.common import DemoConfig, DemoError, RolloutSizes, SampledServedModel, progress
 from torch_r3.indexer import SELECTION_MASK, SELECTIONS, collate_selections
 from torch_r3.keys import ATTENTION_MASK, ROUTES
 
@@ -55,21 +55,14 @@ DSA_RUNS = {
 
 
 @dataclass(frozen=True)
-class DSAConfig:
+class DSAConfig(RolloutSizes):
     """Model and rollout sizes: seconds on a CPU; `index_topk` well below the trajectories' length."""
 
     num_layers: int = 2
-    hidden_size: int = 64
-    num_experts: int = 8
-    topk: int = 2
-    vocab_size: int = 128
-    index_topk: int = 8
-    seed: int = 0
     trajectories: int = 4
-    turns: int = 3
-    prompt_len: int = 16
     generate_len: int = 6
     observation_len: int = 4
+    index_topk: int = 8
 
     @property
     def seq_len(self) -> int:
