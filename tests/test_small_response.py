@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import json
 import math
 from pathlib import Path
@@ -28,6 +29,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from torch_r3.errors import WireFormatError
 from torch_r3.rollout import _base64, _npy
 from torch_r3.rollout.protocols import PROTOCOLS, GenerateCall, RouteLimits, _choices, fields, sglang, spans
 
@@ -80,6 +82,7 @@ def _ways():
         (sglang, "sglang_logprobs", lambda *a: None),
         (_choices, "entry_logprobs", lambda *a, **kw: None),
         (_npy, "_as_written", lambda text: None),
+        (_npy, "_parse_header", _npy._parse_header.__wrapped__),  # no header cache: every header parsed anew
         (_base64, "CHUNK_CHARS", 32),
     )
     return {
@@ -238,6 +241,30 @@ def test_npy_headers_as_numpy_writes_them_are_read_as_ast_reads_them():
                 assert _npy._as_written(text) == eval(text)  # the test's own literal
     for odd in ["{'descr': '|u1', 'fortran_order': False, 'shape': (3), }", "{'descr': '|u1', 'shape': (3,), }"]:
         assert _npy._as_written(odd) is None  # not as NumPy writes it: left to ast
+
+
+def test_a_cached_npy_header_still_has_every_size_checked_and_a_refused_one_is_refused_again():
+    def npy(array):
+        buf = io.BytesIO()
+        np.save(buf, array, allow_pickle=False)
+        return buf.getvalue()
+
+    _npy._parse_header.cache_clear()
+    array = np.arange(24, dtype=np.uint16).reshape(2, 3, 4)
+    for _ in range(2):  # the second read is served by the cache
+        np.testing.assert_array_equal(_npy.decode_npy(npy(array)), np.load(io.BytesIO(npy(array))))
+    assert _npy._parse_header.cache_info().hits >= 1
+    short = npy(array)[:-2]  # the cached header, two data bytes short
+    for _ in range(2):
+        with pytest.raises(WireFormatError, match="declares 48 data bytes"):
+            _npy.decode_npy(short)
+    with pytest.raises(WireFormatError, match="over the cap"):
+        _npy.decode_npy(npy(array), max_bytes=47)
+    bad = npy(array).replace(b"'<u2'", b"'<f2'")  # a float dtype: refused each time, never cached
+    for _ in range(2):
+        with pytest.raises(WireFormatError, match="integer dtype"):
+            _npy.decode_npy(bad)
+    assert _npy._parse_header.cache_info().currsize == 1
 
 
 @pytest.mark.parametrize("tokens", [1, 40, 400])

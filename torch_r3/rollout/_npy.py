@@ -13,6 +13,7 @@ Everything malformed raises `WireFormatError`. This module needs NumPy only.
 from __future__ import annotations
 
 import ast
+import functools
 import math
 import re
 from typing import Any
@@ -131,6 +132,9 @@ def check_size(nbytes: int, max_bytes: int, name: str, described: str) -> None:
         raise WireFormatError(f"{name}: {described} is {nbytes} bytes, over the cap max_bytes={max_bytes}")
 
 
+# Keyed by the header's bytes: a client reads the same few headers (one per row count) again and again, and a
+# short body pays the parse on every call. Only headers that pass are kept (a refusal raises, and is not cached).
+@functools.lru_cache(maxsize=256)
 def _parse_header(header: bytes, major: int, name: str) -> tuple[np.dtype, bool, tuple[int, ...]]:
     try:
         text = header.decode("utf-8" if major == 3 else "latin1")
