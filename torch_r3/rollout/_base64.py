@@ -56,7 +56,6 @@ ENV_DECODER = "TORCH_R3_BASE64"
 CHUNK_CHARS = 256 << 10
 # The canonical dtypes, narrowest first, with the exclusive bound of the ids each holds.
 _LADDER = ((np.dtype(np.uint8), 1 << 8), (np.dtype(np.int16), 1 << 15), (np.dtype(np.int32), 1 << 31))
-_NARROWEST, _NARROWEST_END = _LADDER[0]
 _STRICT = sys.version_info >= (3, 11)  # binascii strict_mode
 _UNSIGNED = {size: np.dtype(f"<u{size}") for size in (1, 2, 4, 8)}
 _MAX = np.maximum.reduce  # `ndarray.max` without its Python wrapper: a small payload pays for every call
@@ -211,12 +210,7 @@ def compact_decoded(
     high = int(_MAX(ids)) if ids.size and min(bound, _LADDER[0][1]) < (1 << (8 * size)) else 0
     if high >= bound:
         return None  # the unsigned view turns a negative id into a huge one
-    if keep:
-        dtype = wire.newbyteorder("=")
-    elif high < _NARROWEST_END:
-        dtype = _NARROWEST
-    else:
-        dtype = next(d for d, end in _LADDER if high < end)
+    dtype = wire.newbyteorder("=") if keep else next(d for d, end in _LADDER if high < end)
     return ids.reshape(shape).astype(dtype)
 
 
