@@ -526,7 +526,8 @@ def test_the_whole_tensor_route_check_finds_what_a_python_scan_of_every_route_fi
     """Range and repeats in a few whole-tensor passes (issue 44): every K, dtype and chunk boundary, against a scan."""
     from torch_r3.replay import checks
 
-    monkeypatch.setattr(checks, "CHUNK_IDS", chunk)  # small chunks: repeats across a chunk boundary
+    monkeypatch.setattr(checks, "CHUNK_IDS", chunk)
+    monkeypatch.setattr(checks, "TAGGED_CHUNK_IDS", chunk)  # small chunks: repeats across a chunk boundary
     rng = np.random.default_rng(7)
     experts = 40
     for k in (1, 2, 3, 5, 8, 9):
@@ -546,3 +547,46 @@ def test_the_whole_tensor_route_check_finds_what_a_python_scan_of_every_route_fi
                     want = None if not bad else (0, bad[0], 0, rows[bad[0]])
                     got = first_bad_route(routes.view(1, m, 1, k), torch.ones(1, m, dtype=torch.bool), experts)
                     assert got == want, (k, dtype, m, fault)
+
+
+@pytest.mark.parametrize("chunk", [1 << 18, 48, 16])
+@pytest.mark.parametrize(
+    "dtype, experts",
+    [(torch.uint8, 128), (torch.uint8, 200), (torch.uint8, 256), (torch.int16, 32767), (torch.int32, 1 << 20)],
+)
+def test_the_route_check_holds_at_the_top_of_the_id_range(monkeypatch, chunk, dtype, experts):
+    """Ids near the dtype's top bit (which the check's fast path uses to tell neighbouring routes apart).
+
+    Neighbouring routes share ids that differ only in the top bit, every fault sits
+    at a route's edge (first or last id, first or last route), and an id one past
+    the range sits next to a route holding the same low bits: the result is the
+    first bad route of a plain scan, and a clean batch is clean.
+    """
+    from torch_r3.replay import checks
+
+    monkeypatch.setattr(checks, "CHUNK_IDS", chunk)
+    monkeypatch.setattr(checks, "TAGGED_CHUNK_IDS", chunk)
+    rng = np.random.default_rng(11)
+    k, m = 8, 13
+    top = 1 << (torch.iinfo(dtype).bits - (2 if dtype.is_signed else 1))  # the highest bit below the sign
+    for trial in range(24):
+        base = rng.permutation(min(top, experts))[:k]
+        rows = []
+        for r in range(m):  # alternate routes: ids x and x + top (where the range has them), distinct per route
+            ids = [int(x) for x in base]
+            if r % 2 and experts > top:
+                ids = [x + top if x + top < experts else x for x in ids]
+            rows.append(ids)
+        fault, r, j = trial % 4, int(rng.choice([0, m - 1, int(rng.integers(0, m))])), int(rng.choice([0, k - 1]))
+        if fault == 1:  # a repeat at the route's edge
+            rows[r][j] = rows[r][k - 1 - j]
+        elif fault == 2:  # one past the range, next to a route with the same low bits
+            rows[r][j] = experts if experts < torch.iinfo(dtype).max + 1 else rows[r][j]
+        elif fault == 3 and dtype.is_signed:
+            rows[r][j] = -1 - rows[r][j]
+        routes = torch.tensor(rows, dtype=torch.int64).to(dtype)
+        rows = routes.tolist()
+        bad = [b for b, x in enumerate(rows) if len(set(x)) < k or min(x) < 0 or max(x) >= experts]
+        want = None if not bad else (0, bad[0], 0, rows[bad[0]])
+        got = first_bad_route(routes.view(1, m, 1, k), torch.ones(1, m, dtype=torch.bool), experts)
+        assert got == want, (trial, rows)

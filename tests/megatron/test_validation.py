@@ -159,3 +159,49 @@ def test_a_forward_step_that_reads_two_microbatches_raises_runtimeerror(make_mod
 
     with pytest.raises(RuntimeError, match="called next.. on the data iterator more than once"):
         run_step(hook, model, _two_microbatches(), step=greedy)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16])
+@pytest.mark.parametrize(
+    "token, layer, fault",
+    [
+        (0, 0, "range"),  # the first route of the batch
+        (15, 1, "range"),  # the last route: last token, last layer
+        (15, 1, "repeat"),
+        (8, 0, "repeat"),
+        (6, 1, "tagbit"),  # an id that differs from the next route's only in bit 7 (uint8) or the sign (int16)
+        (15, 1, "tagbit"),
+    ],
+)
+def test_the_packed_check_names_the_first_bad_route_at_the_batch_edges(make_model, dtype, token, layer, fault):
+    """The whole-tensor check tells neighbouring routes apart by their top bit: faults next to that bit, at the edges."""
+    model = make_model()
+    padded = make_batch(batch=1, real=(16,), captured=(16,), dtype=dtype)
+    routes = padded["rollout_expert_indices"][0].clone()  # [16, 2 layers, K=2]
+    batch = {
+        "rollout_expert_indices": routes,
+        "router_padding_mask": padded["router_padding_mask"][0],
+        "cu_seqlens": torch.tensor([0, 7, 16], dtype=torch.int32),
+        "input_ids": padded["input_ids"],
+        "attention_mask": padded["attention_mask"],
+    }
+    flat = routes.view(-1, routes.shape[-1])
+    row = token * routes.shape[1] + layer
+    if fault == "range":
+        value = EXPERTS
+        routes[token, layer, 1] = value
+    elif fault == "repeat":
+        value = int(routes[token, layer, 1])
+        routes[token, layer, 0] = value
+    else:  # the next route (or, for the last, the one before) holds this id's low bits
+        other = row + 1 if row + 1 < flat.shape[0] else row - 1
+        top = 0x80 if dtype == torch.uint8 else -0x8000
+        value = int(flat[other, 0]) ^ top
+        routes[token, layer, 1] = value
+    sequence, position = (0, token) if token < 7 else (1, token - 7)
+    what = rf"expert id {value} " + ("twice in one route" if fault == "repeat" else rf"outside \[0, {EXPERTS}\)")
+    with ReplayHook(model) as hook:
+        with pytest.raises(
+            ValueError, match=rf"microbatch 0, layer {layer}: sequence {sequence}, token {position}: {what}"
+        ):
+            run_step(hook, model, [batch])

@@ -413,9 +413,11 @@ class ReplayHook(MicrobatchSchedule):
         self._input_shape = share.input_shape
         uncaptured = share.uncaptured
         grad = torch.is_grad_enabled()
-        for j, r in enumerate(self._routers):
+        # Each router's view in one call (indexing `owned[j]` per router costs as much as a small copy).
+        per_router: Sequence[torch.Tensor | None] = [None] * len(self._routers) if owned is None else owned.unbind(0)
+        for r, indices in zip(self._routers, per_router, strict=True):
             target = RouterTarget(
-                indices=None if owned is None else owned[j],
+                indices=indices,
                 uncaptured=uncaptured,
                 live=live,
                 microbatch=microbatch,

@@ -28,6 +28,7 @@ the expert count.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -62,6 +63,9 @@ def _fits(view: torch.Tensor, num_experts: int) -> bool:
 
 CHUNK_IDS = 1 << 18
 """Route ids one duplicate pass compares at a time: its `K - 1` rows of flags stay in cache."""
+
+TAGGED_CHUNK_IDS = 1 << 19
+"""The same for the tagged pass (`_repeated_ids_tagged`), whose chunks carry fewer passes each."""
 
 
 @functools.lru_cache(maxsize=16)
@@ -117,6 +121,73 @@ def _repeated_ids(flat: torch.Tensor, k: int) -> torch.Tensor:
     return torch.stack(found).any()
 
 
+def _tag_bit(dtype: torch.dtype, num_experts: int) -> int | None:
+    """A bit no valid id of `dtype` sets, when there is one: the sign bit, or uint8's bit 7 below 129 experts.
+
+    An id with that bit set is out of range, so the range check refuses the batch
+    whatever the repeat check says of it.
+    """
+    if dtype.is_signed:
+        return torch.iinfo(dtype).min
+    if num_experts <= 128:
+        return 0x80
+    return None
+
+
+class _Scratch(threading.local):
+    """Per thread and device: the tag pattern, the tagged ids and the flag bytes, grown as batches grow."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple, torch.Tensor] = {}
+
+    def take(self, key: tuple, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(numel, dtype=dtype, device=device)
+            self.buffers[key] = buffer
+        return buffer[:numel]
+
+    def pattern(self, k: int, tag: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """`numel` entries of `0` for the ids of even routes and `tag` for odd ones (period `2 * K`)."""
+        key = ("pattern", k, tag, dtype, device)
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            period = torch.tensor([0] * k + [tag] * k, dtype=dtype, device=device)
+            buffer = period.repeat(-(-max(numel, 2 * k) // (2 * k)) * 2)  # room to grow: twice what is asked
+            self.buffers[key] = buffer
+        return buffer[:numel]
+
+
+_SCRATCH = _Scratch()
+
+
+def _repeated_ids_tagged(flat: torch.Tensor, k: int, tag: int) -> torch.Tensor:
+    """`_repeated_ids` for ids that never set `tag`'s bit when valid: one pass fewer, no mask.
+
+    Every odd route's ids get the bit (an `xor`, so ids equal within a route stay
+    equal and distinct ones distinct), and a `K`-id route of the other parity
+    follows the last: an id compared with the next route's can then never match,
+    and every id has `K - 1` ids after it. A match across routes needs an id with
+    the bit set, which the range check refuses (see `_tag_bit`). The flags are
+    reduced as bytes; scratch is kept per thread, so a steady stream of
+    microbatches allocates nothing.
+    """
+    n, device = flat.numel(), flat.device
+    pattern = _SCRATCH.pattern(k, tag, n + k, flat.dtype, device)
+    tagged = _SCRATCH.take(("tagged", flat.dtype, device), n + k, flat.dtype, device)
+    torch.bitwise_xor(flat, pattern[:n], out=tagged[:n])
+    tagged[n:] = pattern[k : 2 * k] if (n // k) % 2 == 0 else 0  # the parity after the last route's
+    chunk = max(TAGGED_CHUNK_IDS // 8 * 8, 8)
+    flags = _SCRATCH.take(("flags", device), (k - 1) * min(chunk, n), torch.bool, device)
+    found = []
+    for a in range(0, n, chunk):
+        width = min(a + chunk, n) - a
+        rows = flags[: (k - 1) * width].view(k - 1, width)
+        torch.eq(tagged.as_strided((k - 1, width), (1, 1), a + 1), tagged[a : a + width], out=rows)
+        found.append(rows.view(torch.uint8).max())
+    return (torch.stack(found).max() if len(found) > 1 else found[0]) > 0
+
+
 def _any_bad(view: torch.Tensor, num_experts: int) -> bool:
     """Fast path over the whole tensor: any id out of range or repeated in a route, anywhere?
 
@@ -136,8 +207,10 @@ def _any_bad(view: torch.Tensor, num_experts: int) -> bool:
         high = flat.max()
     if _fits(view, num_experts):
         flags.append(high >= num_experts)
-    if view.shape[-1] > 1:
-        flags.append(_repeated_ids(flat, view.shape[-1]))
+    k = view.shape[-1]
+    if k > 1:
+        tag = _tag_bit(view.dtype, num_experts)
+        flags.append(_repeated_ids(flat, k) if tag is None else _repeated_ids_tagged(flat, k, tag))
     return bool(torch.stack(flags).any()) if flags else False
 
 
