@@ -590,3 +590,30 @@ def test_the_route_check_holds_at_the_top_of_the_id_range(monkeypatch, chunk, dt
         want = None if not bad else (0, bad[0], 0, rows[bad[0]])
         got = first_bad_route(routes.view(1, m, 1, k), torch.ones(1, m, dtype=torch.bool), experts)
         assert got == want, (trial, rows)
+
+
+@pytest.mark.parametrize("chunk", [1 << 18, 48, 16])
+@pytest.mark.parametrize("dtype, experts", [(torch.uint8, 128), (torch.int16, 300), (torch.uint8, 256)])
+def test_a_clean_batch_passes_the_whole_tensor_check_without_the_per_route_scan(monkeypatch, chunk, dtype, experts):
+    """No clean batch takes the exact per-route path, whatever ids its last route holds, at any route count.
+
+    The filler compared after the last route, the tags of odd routes and the chunk
+    boundaries must never make a clean batch look bad (it would pay the per-route scan).
+    """
+    from torch_r3.replay import checks
+
+    def scan(*args):
+        raise AssertionError("a clean batch took the per-route scan")
+
+    monkeypatch.setattr(checks, "CHUNK_IDS", chunk)
+    monkeypatch.setattr(checks, "TAGGED_CHUNK_IDS", chunk)
+    monkeypatch.setattr(checks, "bad_rows", scan)
+    rng = np.random.default_rng(3)
+    for k in (2, 3, 8):
+        for m in (1, 2, 3, 4, 7, 8):
+            for lane in range(k):  # id 0, the tag's own low bits, at every lane of every route
+                rows = [rng.permutation(np.arange(1, experts))[: k - 1].tolist() for _ in range(m)]
+                for row in rows:
+                    row.insert(lane, 0)
+                routes = torch.tensor(rows, dtype=torch.int64).to(dtype).view(1, m, 1, k)
+                assert first_bad_route(routes, torch.ones(1, m, dtype=torch.bool), experts) is None, (k, m, lane)

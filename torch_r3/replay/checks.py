@@ -176,7 +176,8 @@ def _repeated_ids_tagged(flat: torch.Tensor, k: int, tag: int) -> torch.Tensor:
     pattern = _SCRATCH.pattern(k, tag, n + k, flat.dtype, device)
     tagged = _SCRATCH.take(("tagged", flat.dtype, device), n + k, flat.dtype, device)
     torch.bitwise_xor(flat, pattern[:n], out=tagged[:n])
-    tagged[n:] = pattern[k : 2 * k] if (n // k) % 2 == 0 else 0  # the parity after the last route's
+    # The route after the last takes the parity after the last route's: tagged after an untagged route.
+    tagged[n:] = pattern[k : 2 * k] if (n // k) % 2 else 0
     chunk = max(TAGGED_CHUNK_IDS // 8 * 8, 8)
     flags = _SCRATCH.take(("flags", device), (k - 1) * min(chunk, n), torch.bool, device)
     found = []
@@ -214,7 +215,7 @@ def _any_bad(view: torch.Tensor, num_experts: int) -> bool:
     return bool(torch.stack(flags).any()) if flags else False
 
 
-def _bad_rows(view: torch.Tensor, num_experts: int) -> torch.Tensor:
+def bad_rows(view: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Per route `[B, T, L]`: out of range or repeated (only run when `_any_bad` found something)."""
     bad = torch.zeros(view.shape[:-1], dtype=torch.bool, device=view.device)
     if _fits(view, num_experts):
@@ -246,7 +247,7 @@ def first_bad_route(
     """
     if not _any_bad(view, num_experts):  # the one host sync of a clean batch
         return None
-    bad_row = _bad_rows(view, num_experts) & checked.to(view.device).unsqueeze(-1)
+    bad_row = bad_rows(view, num_experts) & checked.to(view.device).unsqueeze(-1)
     if not bool(bad_row.any()):
         return None
     b, t, j = (int(x) for x in bad_row.nonzero()[0])
