@@ -295,7 +295,8 @@ def begin_microbatch_alone(repeat: int) -> None:
     the mask against `cu_seqlens`), layer mapping, one copy per router and the
     FIFO push, inside a forward-only step (the step's brackets are not counted).
     The references copy the same routes into tensors the routers could take,
-    already allocated: their compact bytes (`[L, N, K]` uint8, one copy), and
+    already allocated: their compact bytes (`[L, N, K]` uint8, one copy; then the
+    same copy moved as 8-byte words, as the hook moves them), and
     the int64 `[N, K]` each router's `RouterReplay` gathers with (one copy per
     router, what a plain installation such as SkyRL's or verl's writes).
     """
@@ -343,6 +344,12 @@ def begin_microbatch_alone(repeat: int) -> None:
     def copy_compact():
         compact.copy_(routes.permute(1, 0, 2))
 
+    words = routes.view(torch.int64).view(tokens, layers)  # K = 8 uint8: one route is one 8-byte word
+    compact_words = compact.view(torch.int64).view(layers, tokens)
+
+    def copy_words():
+        compact_words.copy_(words.t())
+
     def copy_widened():
         for j, out in enumerate(widened):
             out.copy_(routes[:, j])
@@ -357,7 +364,9 @@ def begin_microbatch_alone(repeat: int) -> None:
                 hook.end_microbatch()
             return seconds
 
-        t = _paired_medians({"hook": begin, "compact": copy_compact, "widened": copy_widened}, repeat)
+        t = _paired_medians(
+            {"hook": begin, "compact": copy_compact, "words": copy_words, "widened": copy_widened}, repeat
+        )
     if not initialised:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
@@ -369,6 +378,7 @@ def begin_microbatch_alone(repeat: int) -> None:
     rows = (
         ("ReplayHook.begin_microbatch (checks, layer map, copies, FIFO)", "hook"),
         ("plain copy into [L, N, K] uint8 (the compact bytes, once)", "compact"),
+        ("the same copy as 8-byte words (how the hook copies)", "words"),
         ("plain copy into each router's int64 [N, K] (one per router)", "widened"),
     )
     for label, name in rows:
