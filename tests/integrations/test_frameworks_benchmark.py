@@ -25,14 +25,15 @@ pytest.importorskip("megatron.core.transformer.moe.router_replay")
 def test_the_frameworks_benchmark_runs_with_torch_r3s_deprecations_as_errors(world_of_one, monkeypatch):
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    from benchmarks import frameworks as bench
+    from benchmarks import frameworks as bench, frameworks_common as common
 
     monkeypatch.setattr(RouterReplay, "global_router_replay_instances", [])  # the benchmark sets its own
-    monkeypatch.setattr(bench, "L", 2)
-    monkeypatch.setattr(bench, "K", 2)
-    monkeypatch.setattr(bench, "EXPERTS", 8)
-    lengths = bench.rl_lengths
-    monkeypatch.setattr(bench, "rl_lengths", lambda batch, prompt, response, seed=0: lengths(batch, 12, 20, seed))
+    # The case modules read the sizes from `frameworks_common` when they run: patched there, they shrink.
+    monkeypatch.setattr(common, "L", 2)
+    monkeypatch.setattr(common, "K", 2)
+    monkeypatch.setattr(common, "EXPERTS", 8)
+    lengths = common.rl_lengths
+    monkeypatch.setattr(common, "rl_lengths", lambda batch, prompt, response, seed=0: lengths(batch, 12, 20, seed))
     args = argparse.Namespace(batch=4, micro_batch=2, step_batch=3, verl_micro_batch=2, rounds=1, torch_threads=1)
     args.skyrl = version("skyrl")
     cases = [bench.skyrl, bench.skyrl_worker_step]

@@ -297,6 +297,21 @@ def test_begin_and_end_microbatch_replay_what_the_wrapped_forward_step_replays(d
 
 
 @needs_dsa
+def test_attention_outside_the_forward_step_with_nothing_to_recompute_is_refused(dsa_model):
+    """Inside a step but outside a forward step, a layer recomputes: with no microbatch queued it is refused."""
+    from torch_r3.megatron.indexer import IndexerReplayHook
+
+    message = (
+        "layer 0: DSAttention ran outside the forward step with no microbatch left to recompute "
+        "(0 installed, 0 recomputed); run the model only inside forward_step_func"
+    )
+    hook = IndexerReplayHook(dsa_model)
+    with torch.no_grad(), pytest.raises(RuntimeError, match=f"^{re.escape(message)}$"), hook.step(forward_only=True):
+        _forward_step(iter([_batch()]), dsa_model)
+    hook.close()
+
+
+@needs_dsa
 @pytest.mark.parametrize("uncaptured", ["replay", "live"])
 def test_the_selections_stay_compact_until_the_attention_needs_them(dsa_model, uncaptured):
     """The hook keeps one compact copy of the replayed layers; each layer widens only its own rows.

@@ -62,7 +62,7 @@ from torch_r3.megatron.dsa import (
     topk_sharing,
 )
 from torch_r3.megatron.model import as_chunks, first_device, model_config, stage_layers
-from torch_r3.megatron.schedule import MicrobatchSchedule
+from torch_r3.megatron.schedule import MicrobatchSchedule, next_recompute
 from torch_r3.megatron.setup_checks import check_pipeline
 from torch_r3.replay import marker
 from torch_r3.replay.modes import check_uncaptured
@@ -78,6 +78,13 @@ __all__ = [
     "dsa_module",
     "selections_for_rank",
 ]
+
+# The refusal of a recompute with nothing left to replay (`next_recompute` formats it).
+_NO_RECOMPUTE = (
+    "layer {layer}: DSAttention ran outside the forward step with no microbatch left to "
+    "recompute ({pushes} installed, {pops} recomputed); run the model only inside "
+    "forward_step_func"
+)
 
 
 @dataclass
@@ -388,13 +395,7 @@ class IndexerReplayHook(MicrobatchSchedule):
         entry.consults += 1
         mb = self._current
         if mb is None:  # in the step but outside a forward step: activation recompute
-            if not entry.queue:
-                raise RuntimeError(
-                    f"layer {entry.layer}: DSAttention ran outside the forward step with no microbatch left to "
-                    f"recompute ({entry.pushes} installed, {entry.pops} recomputed); run the model only inside "
-                    "forward_step_func"
-                )
-            chosen = entry.queue.pop(0)
+            chosen = next_recompute(entry.queue, _NO_RECOMPUTE, layer=entry.layer, pushes=entry.pushes, pops=entry.pops)
             entry.pops += 1
             if chosen.shape != own.shape:
                 raise RuntimeError(

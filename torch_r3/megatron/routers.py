@@ -43,12 +43,20 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 
 from torch_r3.keys import ROUTER_MASK, ROUTES
 from torch_r3.megatron.batch_checks import check_router_rows
+from torch_r3.megatron.schedule import next_recompute
 from torch_r3.replay import marker
 from torch_r3.replay.modes import recorded_route_dtype
 from torch_r3.replay.stats import StatsCollector
 
 # Internals of the hook, shared with `hook.py` under plain names: nothing here is public.
 __all__: list[str] = []
+
+# The refusal of a recompute with nothing left to replay (`next_recompute` formats it).
+_NO_RECOMPUTE = (
+    "layer {layer}: activation recompute ran the router more often than the "
+    "{pushes} microbatches installed; did forward_step_func run the model more "
+    "than once per microbatch?"
+)
 
 
 @dataclass(eq=False)
@@ -170,13 +178,7 @@ class ReplayedRouter:
                     "run the extra pass outside the step or without recompute"
                 )
         elif action == RouterReplayAction.REPLAY_BACKWARD and self.pushes:
-            if not self.queue:
-                raise RuntimeError(
-                    f"layer {self.layer}: activation recompute ran the router more often than the "
-                    f"{self.pushes} microbatches installed; did forward_step_func run the model more "
-                    "than once per microbatch?"
-                )
-            target = self.queue.pop(0)
+            target = next_recompute(self.queue, _NO_RECOMPUTE, layer=self.layer, pushes=self.pushes)
             self.replay.replay_backward_list.pop(0)  # keep Megatron's FIFO in step with ours
         else:  # not ours to replay (no step running, or someone else's action): Megatron's logic
             return RouterReplay.get_replay_topk(self.replay, scores, topk, num_groups, group_topk, default_compute_topk)

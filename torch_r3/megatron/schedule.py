@@ -15,7 +15,10 @@ contract around the payload is the same for both and is written here once:
   before the forward step and closed after it;
 * `begin_microbatch` / `end_microbatch`, for a trainer whose forward step
   cannot be wrapped;
-* `close()` refused during a step, and the context manager.
+* `close()` refused during a step, and the context manager;
+* `next_recompute`: activation recompute takes the payload it replays from the
+  hook's per-layer queue, oldest first, and a recompute past the last one is
+  refused with the hook's own message.
 
 A subclass calls `MicrobatchSchedule.__init__` and provides `_closed`,
 `_install(batch, index)` (check and install one microbatch, numbered from 0 in
@@ -33,6 +36,7 @@ from typing import Any, TypeVar
 __all__: list[str] = []  # the hooks' internals
 
 _Hook = TypeVar("_Hook", bound="MicrobatchSchedule")
+_Queued = TypeVar("_Queued")
 
 
 class MicrobatchSchedule:
@@ -220,3 +224,20 @@ class MicrobatchSchedule:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def next_recompute(queue: list[_Queued], refusal: str, **pieces: object) -> _Queued:
+    """Take the oldest entry of a layer's recompute `queue`, for activation recompute to replay.
+
+    Args:
+        queue: What the forwards of this step installed and recompute has not yet replayed, oldest first.
+        refusal: The message when `queue` is empty, a `str.format` template of `pieces`:
+            it is formatted only then, so that a recompute pays for no message.
+        **pieces: The template's fields (the layer, the hook's counts).
+
+    Raises:
+        RuntimeError: `queue` is empty: recompute ran more often than the step's forwards installed.
+    """
+    if not queue:
+        raise RuntimeError(refusal.format(**pieces))
+    return queue.pop(0)

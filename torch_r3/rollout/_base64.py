@@ -41,7 +41,6 @@ except ImportError:  # pragma: no cover - exercised by forcing the fallback, not
 __all__ = [
     "CHUNK_CHARS",
     "ENV_DECODER",
-    "compact_decoded",
     "decode_bytes",
     "decode_compact",
     "decoder",
@@ -114,7 +113,7 @@ def _as_text(text: Any) -> Any:
 
 
 def decode_bytes(text: Any) -> bytes | None:
-    """Strictly decode a short base64 text (a `.npy` header), or `None` when it is not valid.
+    """Strictly decode a short base64 text (a `.npy` header, a payload of one chunk), or `None` when it is not valid.
 
     A text whose padding sits inside it, not at its end, is not valid.
     """
@@ -137,6 +136,7 @@ def decode_compact(
     start: int = 0,
     keep: bool = False,
     num_experts: int | None = None,
+    raw: bytes | None = None,
 ) -> np.ndarray | None:
     """Decode the integers of `wire` dtype from byte `start` of base64 `text` into a canonical array.
 
@@ -152,6 +152,8 @@ def decode_compact(
             envelope does; else the narrowest canonical dtype of the values, as
             `compact_routes` picks it.
         num_experts: Every id must be below it, when given.
+        raw: `text` already decoded, when the caller has it: a text of one chunk
+            is then read from `raw` rather than decoded again.
 
     Returns:
         A new C-contiguous array, or `None` when this kernel does not decode the
@@ -159,17 +161,26 @@ def decode_compact(
         `>= num_experts`, or the wire is big-endian or the host is. The
         reference decoder then reads it and names what is wrong.
     """
-    decode = _chunk_decoder()
     size = wire.itemsize
-    if decode is None or sys.byteorder != "little" or (size > 1 and wire.byteorder == ">"):
-        return None  # forced, a big-endian wire or host, or Python 3.10 without pybase64
+    if sys.byteorder != "little" or (size > 1 and wire.byteorder == ">"):
+        return None  # a big-endian wire or host: the reference decoder swaps the bytes
     count = math.prod(shape)
+    bound = _bound(wire, keep, num_experts)
     if len(text) <= CHUNK_CHARS:  # one chunk: decoded whole, then checked and narrowed in one pass each
-        raw = _decoded(decode, text)
+        if raw is None:
+            raw = decode_bytes(text)  # `None` when no kernel decoder is in use, too
         if raw is None or len(raw) != start + count * size:  # not base64, or padding inside the text
             return None
-        return compact_decoded(raw, shape=shape, wire=wire, start=start, keep=keep, num_experts=num_experts)
-    bound = _bound(wire, keep, num_experts)
+        ids = np.frombuffer(raw, dtype=_UNSIGNED[size], offset=start)
+        # The same test as the chunked path's: a scan only where the first dtype might not hold every id.
+        high = int(_MAX(ids)) if ids.size and min(bound, _LADDER[0][1]) < (1 << (8 * size)) else 0
+        if high >= bound:
+            return None  # the unsigned view turns a negative id into a huge one
+        dtype = wire.newbyteorder("=") if keep else next(d for d, end in _LADDER if high < end)
+        return ids.reshape(shape).astype(dtype)
+    decode = _chunk_decoder()
+    if decode is None:
+        return None  # forced, or Python 3.10 without pybase64
     level = 0
     while True:
         dtype = wire.newbyteorder("=") if keep else _LADDER[level][0]
@@ -186,32 +197,6 @@ def decode_compact(
         # the text (not copying what was written) keeps the peak at one result.
         del out
         level = widen
-
-
-def compact_decoded(
-    raw: bytes,
-    *,
-    shape: tuple[int, ...],
-    wire: np.dtype,
-    start: int = 0,
-    keep: bool = False,
-    num_experts: int | None = None,
-) -> np.ndarray | None:
-    """`decode_compact` of text already decoded to `raw`: the same array, or `None` in the same cases.
-
-    The caller has checked that `raw` holds exactly `start + prod(shape) * wire.itemsize` bytes.
-    """
-    size = wire.itemsize
-    if sys.byteorder != "little" or (size > 1 and wire.byteorder == ">"):
-        return None  # a big-endian wire or host: the reference decoder swaps the bytes
-    bound = _bound(wire, keep, num_experts)
-    ids = np.frombuffer(raw, dtype=_UNSIGNED[size], offset=start)
-    # The same test as the chunked path's: a scan only where the first dtype might not hold every id.
-    high = int(_MAX(ids)) if ids.size and min(bound, _LADDER[0][1]) < (1 << (8 * size)) else 0
-    if high >= bound:
-        return None  # the unsigned view turns a negative id into a huge one
-    dtype = wire.newbyteorder("=") if keep else next(d for d, end in _LADDER if high < end)
-    return ids.reshape(shape).astype(dtype)
 
 
 def _bound(wire: np.dtype, keep: bool, num_experts: int | None) -> int:

@@ -373,9 +373,8 @@ def _decode_npy_routes(
     if fortran and sum(d > 1 for d in shape) > 1:
         return None  # a Fortran-order array: the reference path transposes it
     rows = _vllm_shape(shape, num_layers, topk, name)
-    if head_chars == len(value) <= _base64.CHUNK_CHARS:  # the head is the whole file, one chunk: read in place
-        return _base64.compact_decoded(head, shape=rows, wire=dtype, start=offset, num_experts=num_experts)
-    return _base64.decode_compact(value, shape=rows, wire=dtype, start=offset, num_experts=num_experts)
+    whole = head if head_chars == len(value) else None  # the head is the whole file: not decoded twice
+    return _base64.decode_compact(value, shape=rows, wire=dtype, start=offset, num_experts=num_experts, raw=whole)
 
 
 def _vllm_shape(shape: tuple[int, ...], num_layers: int | None, topk: int | None, name: str) -> tuple[int, int, int]:
