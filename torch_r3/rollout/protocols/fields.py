@@ -124,6 +124,8 @@ def get_field(container: Any, key: str, where: str, kind: type | tuple[type, ...
         if required:
             raise WireFormatError(f"{where}.{key} is missing")
         return None
+    if type(value) is kind:  # the one type asked for, exactly (a bool is never an int here): no further test
+        return value
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         raise WireFormatError(f"{where}.{key}: expected {_kind_name(kind)}, got {type(value).__name__}")
@@ -268,7 +270,7 @@ def finish_reason(value: Any, where: str) -> str | None:
         WireFormatError: `value` is neither a string, an object with a string
             `type`, nor `null`.
     """
-    if isinstance(value, Mapping):
+    if type(value) is dict or isinstance(value, Mapping):  # a JSON object is a dict: no ABC check
         value = value.get("type")
         where = f"{where}.type"
     if value is None:
