@@ -95,7 +95,9 @@ def decode_npy(data: Any, *, max_bytes: int = DEFAULT_MAX_ROUTE_BYTES, name: str
     return array.reshape(shape, order="F" if fortran else "C")
 
 
-def npy_layout(head: memoryview, total: int, max_bytes: int, name: str) -> tuple[np.dtype, bool, tuple[int, ...], int]:
+def npy_layout(
+    head: bytes | memoryview, total: int, max_bytes: int, name: str
+) -> tuple[np.dtype, bool, tuple[int, ...], int]:
     """The dtype, order, shape and data offset of a `.npy` file of `total` bytes, from its first bytes.
 
     `head` holds the whole file, or at least its first `12 + MAX_HEADER` bytes.

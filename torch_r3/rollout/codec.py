@@ -373,7 +373,7 @@ def _decode_npy_routes(
     head = _base64.decode_bytes(value[:head_chars])
     if head is None or len(head) != (head_chars // 4 * 3 if head_chars < len(value) else nbytes):
         return None  # not base64, or padding inside the text
-    dtype, fortran, shape, offset = npy_layout(memoryview(head), nbytes, max_bytes, name)
+    dtype, fortran, shape, offset = npy_layout(head, nbytes, max_bytes, name)
     if fortran and sum(d > 1 for d in shape) > 1:
         return None  # a Fortran-order array: the reference path transposes it
     rows = _vllm_shape(shape, num_layers, topk, name)
@@ -384,6 +384,8 @@ def _decode_npy_routes(
 
 def _vllm_shape(shape: tuple[int, ...], num_layers: int | None, topk: int | None, name: str) -> tuple[int, int, int]:
     """The `[tokens, layers, topk]` shape of a `.npy` array of `shape`, checked."""
+    if len(shape) == 3 and shape[1] == num_layers and shape[2] == topk:
+        return (shape[0], shape[1], shape[2])  # the rows the model has (counts the caller's checks passed): no more
     if len(shape) == 1 and num_layers is not None and topk is not None:
         row = int(num_layers) * int(topk)
         if shape[0] % row:
