@@ -36,7 +36,7 @@ def all_token_ids(values: list[Any], end: int) -> bool:
     return set(map(type, values)) == {int} and min(values) >= 0 and max(values) < end
 
 
-def plain_logprobs(values: list[Any] | tuple[Any, ...], *, null_is_nan: bool) -> tuple[float, ...] | None:
+def plain_logprobs(values: list[Any], *, null_is_nan: bool) -> tuple[float, ...] | None:
     """The log-probs of a list of floats `<= 0` (and `null`s read as NaN, when `null_is_nan`), else `None`."""
     types = set(map(type, values))
     if types <= _FLOAT:
@@ -51,15 +51,9 @@ def plain_logprobs(values: list[Any] | tuple[Any, ...], *, null_is_nan: bool) ->
 
 def sglang_logprobs(entries: list[Any], ids: tuple[int, ...]) -> tuple[float, ...] | None:
     """The log-probs of SGLang's `[logprob, token_id, ...]` entries whose ids are `ids`, else `None`."""
-    if not entries or set(map(type, entries)) != {list}:
+    if not entries or set(map(type, entries)) != {list} or min(map(len, entries)) < 2:
         return None
-    try:  # the columns in one C call: an entry shorter than 2 leaves fewer than two, and the unpacking fails
-        values, tokens, *_ = zip(*entries)
-    except ValueError:
-        return None
-    if tokens != ids or set(map(type, tokens)) != {int}:  # `==` alone would let True or 1.0 stand for an id
-        return None
-    return plain_logprobs(values, null_is_nan=True)
+    return _matched(list(map(itemgetter(1), entries)), ids, list(map(itemgetter(0), entries)), null_is_nan=True)
 
 
 def entry_logprobs(entries: list[Any], ids: tuple[int, ...] | None, *, null_is_nan: bool) -> tuple[float, ...] | None:
