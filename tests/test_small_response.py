@@ -78,6 +78,7 @@ def _ways():
     shortcuts_off = (
         (fields, "all_token_ids", lambda values, end: False),
         (_openai, "all_token_ids", lambda values, end: False),  # the prompt echo's shortcut
+        (fields, "_plain_span", lambda *a: False),  # a weight-version span taken without the per-field checks
         (fields, "plain_logprobs", lambda values, **kw: None),
         (fields, "entry_logprobs", lambda *a, **kw: None),
         (sglang, "sglang_logprobs", lambda *a: None),
@@ -358,4 +359,35 @@ def test_sglang_entries_read_by_columns_give_what_the_per_entry_loop_gives(entri
 
     fast = read()
     with _patched((sglang, "sglang_logprobs", lambda *a: None)):
+        assert read() == fast
+
+
+_SPAN_VALUES = st.sampled_from([0, 1, 2, 3, 5, -1, True, 1.0, None, "1"])
+
+
+@FUZZ
+@given(
+    items=st.lists(
+        st.fixed_dictionaries(
+            {},
+            optional={
+                "version": st.sampled_from(["v1", "", 7, None, True]),
+                "start": _SPAN_VALUES,
+                "end": _SPAN_VALUES,
+            },
+        )
+        | st.sampled_from([None, [], "span", 3]),
+        max_size=4,
+    ),
+    generated=st.integers(0, 4),
+)
+def test_weight_spans_take_or_refuse_what_the_per_field_checks_do(items, generated):
+    def read():
+        try:
+            return ("ok", fields.weight_spans(items, "w", generated))
+        except WireFormatError as exc:
+            return ("refused", str(exc))
+
+    fast = read()
+    with _patched((fields, "_plain_span", lambda *a: False)):
         assert read() == fast

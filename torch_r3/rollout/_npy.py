@@ -120,7 +120,8 @@ def npy_layout(
     if nbytes == 0:  # a zero dim: the others must still fit, or NumPy refuses the shape
         extent = math.prod(d for d in shape if d) * dtype.itemsize
         check_size(extent, max_bytes, name, f"the non-zero dims of .npy shape {list(shape)} {dtype.str}")
-    check_size(nbytes, max_bytes, name, f".npy data {dtype.str} {list(shape)}")
+    if nbytes > max_bytes:  # the message is built only for a refusal: a short body pays for every call
+        check_size(nbytes, max_bytes, name, f".npy data {dtype.str} {list(shape)}")
     offset = start + length
     if total - offset != nbytes:
         raise WireFormatError(

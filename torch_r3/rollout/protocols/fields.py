@@ -306,6 +306,9 @@ def weight_spans(value: Any, where: str, generated: int) -> tuple[WeightVersionS
         raise WireFormatError(f"{where}: expected a list of {{version, start, end}} spans, got {type(value).__name__}")
     spans: list[WeightVersionSpan] = []
     for i, item in enumerate(value):
+        if _plain_span(item, spans[-1].end if spans else 0, generated):  # what the checks below accept
+            spans.append(WeightVersionSpan(item["version"], item["start"], item["end"]))
+            continue
         at = f"{where}[{i}]"
         version = get_field(item, "version", at, str)
         start, end = get_field(item, "start", at, int), get_field(item, "end", at, int)
@@ -317,6 +320,19 @@ def weight_spans(value: Any, where: str, generated: int) -> tuple[WeightVersionS
             raise WireFormatError(f"{at}: spans must be in order without overlap; start={start} < {spans[-1].end}")
         spans.append(WeightVersionSpan(version, start, end))
     return tuple(spans)
+
+
+def _plain_span(item: Any, after: int, generated: int) -> bool:
+    """Whether `item` is a `{version: str, start: int, end: int}` object with `after <= start <= end <= generated`."""
+    if type(item) is not dict:
+        return False
+    start, end = item.get("start"), item.get("end")
+    return (
+        type(item.get("version")) is str
+        and type(start) is int
+        and type(end) is int
+        and after <= start <= end <= generated
+    )
 
 
 def newest_version(version: str | None, spans: tuple[WeightVersionSpan, ...]) -> str | None:
