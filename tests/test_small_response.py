@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from torch_r3.errors import WireFormatError
 from torch_r3.rollout import _base64, _npy
-from torch_r3.rollout.protocols import PROTOCOLS, GenerateCall, RouteLimits, _choices, fields, sglang, spans
+from torch_r3.rollout.protocols import PROTOCOLS, GenerateCall, RouteLimits, _choices, _openai, fields, sglang, spans
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FUZZ = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -77,6 +77,8 @@ def _ways():
     never = 1 << 40
     shortcuts_off = (
         (fields, "all_token_ids", lambda values, end: False),
+        (_openai, "all_token_ids", lambda values, end: False),  # the prompt echo's shortcut
+        (fields, "_plain_span", lambda *a: False),  # a weight-version span taken without the per-field checks
         (fields, "plain_logprobs", lambda values, **kw: None),
         (fields, "entry_logprobs", lambda *a, **kw: None),
         (sglang, "sglang_logprobs", lambda *a: None),
@@ -306,3 +308,86 @@ def _npy_file(array: np.ndarray) -> bytes:
     buf = io.BytesIO()
     np.save(buf, array, allow_pickle=False)
     return buf.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("value", "kind", "ok"),
+    [
+        ([1], list, True),
+        (True, int, False),
+        (True, bool, True),
+        (True, (int, float), False),
+        (3, (int, float), True),
+        ("stop", (dict, str), True),
+        (1.0, int, False),
+        ({"a": 1}, list, False),
+    ],
+)
+def test_a_field_of_the_one_type_asked_for_is_taken_as_isinstance_takes_it(value, kind, ok):
+    # The exact-type shortcut against the rule it stands in front of: isinstance, with a bool only where asked.
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    assert ok == (isinstance(value, kinds) and (not isinstance(value, bool) or bool in kinds))
+    if ok:
+        assert fields.get_field({"k": value}, "k", "x", kind) is value
+    else:
+        with pytest.raises(WireFormatError, match=r"^x\.k: expected "):
+            fields.get_field({"k": value}, "k", "x", kind)
+
+
+@pytest.mark.parametrize(
+    "entries",
+    [
+        [[-0.5, 7, None], [-1.0, 8]],
+        [[-0.5, 7, None], [-1.0]],
+        [[-0.5, True, None], [-1.0, 8, None]],
+        [[-0.5, 7.0, None], [-1.0, 8, None]],
+        [[-0.5, 7, None], [-1.0, 9, None]],
+        [[None, 7, "a"], [-1e-300, 8, "b"]],
+        [[0.5, 7, None], [-1.0, 8, None]],
+        [[-0.5, 7, None], (-1.0, 8, None)],
+    ],
+)
+def test_sglang_entries_read_by_columns_give_what_the_per_entry_loop_gives(entries):
+    meta = {"output_token_logprobs": entries}
+    ids = (7, 8)
+
+    def read():
+        try:
+            return ("ok", _exact(sglang._logprobs(meta, ids)))
+        except WireFormatError as exc:
+            return ("refused", str(exc))
+
+    fast = read()
+    with _patched((sglang, "sglang_logprobs", lambda *a: None)):
+        assert read() == fast
+
+
+_SPAN_VALUES = st.sampled_from([0, 1, 2, 3, 5, -1, True, 1.0, None, "1"])
+
+
+@FUZZ
+@given(
+    items=st.lists(
+        st.fixed_dictionaries(
+            {},
+            optional={
+                "version": st.sampled_from(["v1", "", 7, None, True]),
+                "start": _SPAN_VALUES,
+                "end": _SPAN_VALUES,
+            },
+        )
+        | st.sampled_from([None, [], "span", 3]),
+        max_size=4,
+    ),
+    generated=st.integers(0, 4),
+)
+def test_weight_spans_take_or_refuse_what_the_per_field_checks_do(items, generated):
+    def read():
+        try:
+            return ("ok", fields.weight_spans(items, "w", generated))
+        except WireFormatError as exc:
+            return ("refused", str(exc))
+
+    fast = read()
+    with _patched((fields, "_plain_span", lambda *a: False)):
+        assert read() == fast

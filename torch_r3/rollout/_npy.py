@@ -95,7 +95,9 @@ def decode_npy(data: Any, *, max_bytes: int = DEFAULT_MAX_ROUTE_BYTES, name: str
     return array.reshape(shape, order="F" if fortran else "C")
 
 
-def npy_layout(head: memoryview, total: int, max_bytes: int, name: str) -> tuple[np.dtype, bool, tuple[int, ...], int]:
+def npy_layout(
+    head: bytes | memoryview, total: int, max_bytes: int, name: str
+) -> tuple[np.dtype, bool, tuple[int, ...], int]:
     """The dtype, order, shape and data offset of a `.npy` file of `total` bytes, from its first bytes.
 
     `head` holds the whole file, or at least its first `12 + MAX_HEADER` bytes.
@@ -118,7 +120,8 @@ def npy_layout(head: memoryview, total: int, max_bytes: int, name: str) -> tuple
     if nbytes == 0:  # a zero dim: the others must still fit, or NumPy refuses the shape
         extent = math.prod(d for d in shape if d) * dtype.itemsize
         check_size(extent, max_bytes, name, f"the non-zero dims of .npy shape {list(shape)} {dtype.str}")
-    check_size(nbytes, max_bytes, name, f".npy data {dtype.str} {list(shape)}")
+    if nbytes > max_bytes:  # the message is built only for a refusal: a short body pays for every call
+        check_size(nbytes, max_bytes, name, f".npy data {dtype.str} {list(shape)}")
     offset = start + length
     if total - offset != nbytes:
         raise WireFormatError(

@@ -19,9 +19,9 @@ __all__ = ["meta_info", "whole_rows"]
 
 def meta_info(value: Any, name: str) -> Any:
     """`value["meta_info"]` when `value` is a whole answer (it must be a mapping), else `value` itself."""
-    if isinstance(value, Mapping) and "meta_info" in value:
+    if (type(value) is dict or isinstance(value, Mapping)) and "meta_info" in value:  # a dict: no ABC check
         value = value["meta_info"]
-        if not isinstance(value, Mapping):
+        if type(value) is not dict and not isinstance(value, Mapping):
             raise WireFormatError(f"{name}: expected meta_info to be a mapping, got {type(value).__name__}")
     return value
 

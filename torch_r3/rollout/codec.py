@@ -243,13 +243,14 @@ def decode_sglang_routes(
         >>> decode_sglang_routes({"meta_info": {"routed_experts": raw}}, num_layers=2, topk=2).shape
         (2, 2, 2)
     """
-    _check_model_counts(num_layers, topk, name)
-    _check_cap(max_bytes, name)
-    _check_num_experts(num_experts, name)
+    if not _plain_counts(max_bytes, num_experts, num_layers, topk):
+        _check_model_counts(num_layers, topk, name)
+        _check_cap(max_bytes, name)
+        _check_num_experts(num_experts, name)
     if num_tokens is not None:
         _check_int_arg(num_tokens, "num_tokens", name, minimum=0)
     data = meta_info(value, name)
-    if isinstance(data, Mapping):
+    if type(data) is dict or isinstance(data, Mapping):
         if "routed_experts" not in data:
             raise WireFormatError(
                 f"{name}: no 'routed_experts' key in meta_info (was the request sent with return_routed_experts=True?)"
@@ -271,9 +272,11 @@ def decode_sglang_routes(
         raise WireFormatError(f"{name}: list-form routes are not accepted; expected SGLang's base64 string")
     row_bytes = int(num_layers) * int(topk) * wire_dtype.itemsize
     nbytes = base64_decoded_length(data, name=name)
-    check_size(nbytes, max_bytes, name, f"{dtype} routes")
-    rows = whole_rows(nbytes, row_bytes, {"num_layers": num_layers, "topk": topk}, num_tokens, name, dtype)
-    shape = (rows, int(num_layers), int(topk))
+    if nbytes > max_bytes:
+        check_size(nbytes, max_bytes, name, f"{dtype} routes")
+    if nbytes % row_bytes or num_tokens is not None:  # the common case needs no names: the message is built only here
+        whole_rows(nbytes, row_bytes, {"num_layers": num_layers, "topk": topk}, num_tokens, name, dtype)
+    shape = (nbytes // row_bytes, int(num_layers), int(topk))
     fast = _base64.decode_compact(data, shape=shape, wire=wire_dtype, num_experts=num_experts)
     if fast is not None:
         return fast
@@ -333,10 +336,11 @@ def decode_vllm_routes(
     """
     if (num_layers is None) != (topk is None):
         raise ValueError(f"{name}: give both num_layers and topk, or neither")
-    if num_layers is not None:
-        _check_model_counts(num_layers, topk, name)
-    _check_cap(max_bytes, name)
-    _check_num_experts(num_experts, name)
+    if not _plain_counts(max_bytes, num_experts, *((1, 1) if num_layers is None else (num_layers, topk))):
+        if num_layers is not None:
+            _check_model_counts(num_layers, topk, name)
+        _check_cap(max_bytes, name)
+        _check_num_experts(num_experts, name)
     if value is None:
         raise WireFormatError(
             f"{name}: is null (server started without --enable-return-routed-experts, or the request was aborted)"
@@ -369,7 +373,7 @@ def _decode_npy_routes(
     head = _base64.decode_bytes(value[:head_chars])
     if head is None or len(head) != (head_chars // 4 * 3 if head_chars < len(value) else nbytes):
         return None  # not base64, or padding inside the text
-    dtype, fortran, shape, offset = npy_layout(memoryview(head), nbytes, max_bytes, name)
+    dtype, fortran, shape, offset = npy_layout(head, nbytes, max_bytes, name)
     if fortran and sum(d > 1 for d in shape) > 1:
         return None  # a Fortran-order array: the reference path transposes it
     rows = _vllm_shape(shape, num_layers, topk, name)
@@ -379,6 +383,8 @@ def _decode_npy_routes(
 
 def _vllm_shape(shape: tuple[int, ...], num_layers: int | None, topk: int | None, name: str) -> tuple[int, int, int]:
     """The `[tokens, layers, topk]` shape of a `.npy` array of `shape`, checked."""
+    if len(shape) == 3 and shape[1] == num_layers and shape[2] == topk:
+        return (shape[0], shape[1], shape[2])  # the rows the model has (counts the caller's checks passed): no more
     if len(shape) == 1 and num_layers is not None and topk is not None:
         row = int(num_layers) * int(topk)
         if shape[0] % row:
@@ -426,6 +432,19 @@ def base64_decoded_length(text: Any, *, name: str = "data") -> int:
     if len(text) % 4:
         raise WireFormatError(f"{name}: invalid base64 (length {len(text)} is not a multiple of 4)")
     return len(text) // 4 * 3 - pad
+
+
+def _plain_counts(max_bytes: Any, num_experts: Any, num_layers: Any, topk: Any) -> bool:
+    """Whether the caller's counts are the plain ints every client call passes (then the checks below pass)."""
+    return (
+        type(max_bytes) is int
+        and type(num_layers) is int
+        and type(topk) is int
+        and max_bytes >= 0
+        and num_layers >= 1
+        and topk >= 1
+        and (num_experts is None or (type(num_experts) is int and num_experts >= 1))
+    )
 
 
 def _check_cap(max_bytes: Any, name: str) -> None:

@@ -124,6 +124,8 @@ def get_field(container: Any, key: str, where: str, kind: type | tuple[type, ...
         if required:
             raise WireFormatError(f"{where}.{key} is missing")
         return None
+    if type(value) is kind:  # the one type asked for, exactly (a bool is never an int here): no further test
+        return value
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         raise WireFormatError(f"{where}.{key}: expected {_kind_name(kind)}, got {type(value).__name__}")
@@ -268,7 +270,7 @@ def finish_reason(value: Any, where: str) -> str | None:
         WireFormatError: `value` is neither a string, an object with a string
             `type`, nor `null`.
     """
-    if isinstance(value, Mapping):
+    if type(value) is dict or isinstance(value, Mapping):  # a JSON object is a dict: no ABC check
         value = value.get("type")
         where = f"{where}.type"
     if value is None:
@@ -304,6 +306,9 @@ def weight_spans(value: Any, where: str, generated: int) -> tuple[WeightVersionS
         raise WireFormatError(f"{where}: expected a list of {{version, start, end}} spans, got {type(value).__name__}")
     spans: list[WeightVersionSpan] = []
     for i, item in enumerate(value):
+        if _plain_span(item, spans[-1].end if spans else 0, generated):  # what the checks below accept
+            spans.append(WeightVersionSpan(item["version"], item["start"], item["end"]))
+            continue
         at = f"{where}[{i}]"
         version = get_field(item, "version", at, str)
         start, end = get_field(item, "start", at, int), get_field(item, "end", at, int)
@@ -315,6 +320,19 @@ def weight_spans(value: Any, where: str, generated: int) -> tuple[WeightVersionS
             raise WireFormatError(f"{at}: spans must be in order without overlap; start={start} < {spans[-1].end}")
         spans.append(WeightVersionSpan(version, start, end))
     return tuple(spans)
+
+
+def _plain_span(item: Any, after: int, generated: int) -> bool:
+    """Whether `item` is a `{version: str, start: int, end: int}` object with `after <= start <= end <= generated`."""
+    if type(item) is not dict:
+        return False
+    start, end = item.get("start"), item.get("end")
+    return (
+        type(item.get("version")) is str
+        and type(start) is int
+        and type(end) is int
+        and after <= start <= end <= generated
+    )
 
 
 def newest_version(version: str | None, spans: tuple[WeightVersionSpan, ...]) -> str | None:
