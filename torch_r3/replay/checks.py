@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -140,20 +140,11 @@ class _Scratch(threading.local):
     def __init__(self) -> None:
         self.buffers: dict[tuple, torch.Tensor] = {}
 
-    def take(self, key: tuple, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def take(self, key: tuple, numel: int, make: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        """The first `numel` entries of the buffer kept under `key`; `make(numel)` builds it when it is short."""
         buffer = self.buffers.get(key)
         if buffer is None or buffer.numel() < numel:
-            buffer = torch.empty(numel, dtype=dtype, device=device)
-            self.buffers[key] = buffer
-        return buffer[:numel]
-
-    def pattern(self, k: int, tag: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """`numel` entries of `0` for the ids of even routes and `tag` for odd ones (period `2 * K`)."""
-        key = ("pattern", k, tag, dtype, device)
-        buffer = self.buffers.get(key)
-        if buffer is None or buffer.numel() < numel:
-            period = torch.tensor([0] * k + [tag] * k, dtype=dtype, device=device)
-            buffer = period.repeat(-(-max(numel, 2 * k) // (2 * k)) * 2)  # room to grow: twice what is asked
+            buffer = make(numel)
             self.buffers[key] = buffer
         return buffer[:numel]
 
@@ -172,14 +163,21 @@ def _repeated_ids_tagged(flat: torch.Tensor, k: int, tag: int) -> torch.Tensor:
     reduced as bytes; scratch is kept per thread, so a steady stream of
     microbatches allocates nothing.
     """
-    n, device = flat.numel(), flat.device
-    pattern = _SCRATCH.pattern(k, tag, n + k, flat.dtype, device)
-    tagged = _SCRATCH.take(("tagged", flat.dtype, device), n + k, flat.dtype, device)
+    n, device, dtype = flat.numel(), flat.device, flat.dtype
+
+    def empty(of: torch.dtype) -> Callable[[int], torch.Tensor]:
+        return lambda size: torch.empty(size, dtype=of, device=device)
+
+    def tags(size: int) -> torch.Tensor:  # `0` for the ids of even routes, `tag` for odd ones: period `2 * K`
+        return torch.tensor([0] * k + [tag] * k, dtype=dtype, device=device).repeat(-(-size // (2 * k)))
+
+    pattern = _SCRATCH.take(("pattern", k, tag, dtype, device), n + k, tags)
+    tagged = _SCRATCH.take(("tagged", dtype, device), n + k, empty(dtype))
     torch.bitwise_xor(flat, pattern[:n], out=tagged[:n])
     # The route after the last takes the parity after the last route's: tagged after an untagged route.
     tagged[n:] = pattern[k : 2 * k] if (n // k) % 2 else 0
-    chunk = max(TAGGED_CHUNK_IDS // 8 * 8, 8)
-    flags = _SCRATCH.take(("flags", device), (k - 1) * min(chunk, n), torch.bool, device)
+    chunk = max(TAGGED_CHUNK_IDS, 1)
+    flags = _SCRATCH.take(("flags", device), (k - 1) * min(chunk, n), empty(torch.bool))
     found = []
     for a in range(0, n, chunk):
         width = min(a + chunk, n) - a
