@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integrations"))
 from frameworks import installed, load
@@ -31,7 +30,6 @@ __all__ = [
     "rl_lengths",
     "routes_for",
     "timed",
-    "worker_model",
 ]
 
 L, K, EXPERTS = 40, 8, 128
@@ -76,29 +74,6 @@ def report_step(medians: dict[str, float], tokens: int, width: int, baseline: st
     for name, t in medians.items():
         speedup = medians[first] / t
         print(f"{name:<{width}} {t * 1e3:>12.1f} {t / tokens * 1e9:>13.1f} {speedup:>{len(baseline) + 3}.2f}x")
-
-
-def worker_model(layers: int, experts: int, topk: int):
-    """A GPTModel with `layers` MoE routers (tiny widths: the set-up cost is the routes', not the model's)."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.transformer import TransformerConfig
-
-    config = TransformerConfig(
-        num_layers=layers,
-        hidden_size=16,
-        ffn_hidden_size=16,
-        num_attention_heads=2,
-        num_moe_experts=experts,
-        moe_router_topk=topk,
-        moe_token_dispatcher_type="allgather",
-        moe_enable_routing_replay=True,
-        use_cpu_initialization=True,
-        add_bias_linear=False,
-        pipeline_dtype=torch.float32,
-    )
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
-    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=64, max_sequence_length=8192)
 
 
 def megatron_world_of_one() -> None:

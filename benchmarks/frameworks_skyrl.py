@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from benchmarks import frameworks_common as common
+from benchmarks.megatron_model import worker_model
 from torch_r3 import BufferPool, Memory, Packed
 
 __all__ = ["skyrl", "skyrl_worker_step"]
@@ -158,7 +159,7 @@ def skyrl_worker_step(args) -> None:
     L, K, EXPERTS = common.L, common.K, common.EXPERTS  # read at call time: a test shrinks them
     micro, total = _worker_micro(args.step_batch, preprocess, training_batch)
     with megatron_on_cpu():
-        model = common.worker_model(L, EXPERTS, K)
+        model = worker_model(L, EXPERTS, K)
         RouterReplay.global_router_replay_instances = [
             m.router_replay for m in model.modules() if isinstance(m, TopKRouter)
         ]

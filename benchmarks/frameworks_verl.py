@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from benchmarks import frameworks_common as common
+from benchmarks.megatron_model import worker_model
 from torch_r3 import Packed, PromptResponse
 
 __all__ = ["verl", "verl_agent_loop_step", "verl_engine_step"]
@@ -272,8 +273,8 @@ def verl_engine_step(args) -> None:
     L, K, EXPERTS = common.L, common.K, common.EXPERTS  # read at call time: a test shrinks them
     micro, tokens = _engine_micro(args.step_batch, args.verl_micro_batch, padding)
     with megatron_on_cpu():
-        theirs_model = common.worker_model(L, EXPERTS, K)
-        ours_model = common.worker_model(L, EXPERTS, K)
+        theirs_model = worker_model(L, EXPERTS, K)
+        ours_model = worker_model(L, EXPERTS, K)
     verl_step, verl_clear = _verl_replay(micro, theirs_model, utils, patch)
     replay = EngineReplay()
     engine = SimpleNamespace(

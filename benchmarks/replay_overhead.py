@@ -302,10 +302,8 @@ def begin_microbatch_alone(repeat: int) -> None:
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.transformer import TransformerConfig
 
+    from benchmarks.megatron_model import worker_model
     from torch_r3.megatron import ReplayHook
     from torch_r3.megatron._cpu import megatron_on_cpu
 
@@ -315,21 +313,7 @@ def begin_microbatch_alone(repeat: int) -> None:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         parallel_state.initialize_model_parallel()
     with megatron_on_cpu():
-        config = TransformerConfig(
-            num_layers=layers,
-            hidden_size=16,
-            ffn_hidden_size=16,
-            num_attention_heads=2,
-            num_moe_experts=experts,
-            moe_router_topk=k,
-            moe_token_dispatcher_type="allgather",
-            moe_enable_routing_replay=True,
-            use_cpu_initialization=True,
-            add_bias_linear=False,
-            pipeline_dtype=torch.float32,
-        )
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
-        model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=64, max_sequence_length=tokens)
+        model = worker_model(layers, experts, k, max_tokens=tokens)
     g = torch.Generator().manual_seed(0)
     stride = torch.arange(k) * (experts // k)  # K distinct experts per route
     routes = ((torch.randint(0, experts, (tokens, layers, 1), generator=g) + stride) % experts).to(torch.uint8)
