@@ -119,9 +119,8 @@ def npy_layout(
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:  # a zero dim: the others must still fit, or NumPy refuses the shape
         extent = math.prod(d for d in shape if d) * dtype.itemsize
-        check_size(extent, max_bytes, name, f"the non-zero dims of .npy shape {list(shape)} {dtype.str}")
-    if nbytes > max_bytes:  # the message is built only for a refusal: a short body pays for every call
-        check_size(nbytes, max_bytes, name, f".npy data {dtype.str} {list(shape)}")
+        check_size(extent, max_bytes, name, "the non-zero dims of .npy shape", list(shape), dtype.str)
+    check_size(nbytes, max_bytes, name, ".npy data", dtype.str, list(shape))
     offset = start + length
     if total - offset != nbytes:
         raise WireFormatError(
@@ -130,9 +129,14 @@ def npy_layout(
     return dtype, fortran, shape, offset
 
 
-def check_size(nbytes: int, max_bytes: int, name: str, described: str) -> None:
+def check_size(nbytes: int, max_bytes: int, name: str, *described: object) -> None:
+    """`nbytes` within `max_bytes`, else a `WireFormatError` naming what: `described`, joined by spaces.
+
+    The description is built only for a refusal, so a short body pays nothing for it.
+    """
     if nbytes > max_bytes:
-        raise WireFormatError(f"{name}: {described} is {nbytes} bytes, over the cap max_bytes={max_bytes}")
+        what = " ".join(map(str, described))
+        raise WireFormatError(f"{name}: {what} is {nbytes} bytes, over the cap max_bytes={max_bytes}")
 
 
 # Keyed by the header's bytes: a client reads the same few headers (one per row count) again and again, and a

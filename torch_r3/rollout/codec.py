@@ -177,9 +177,7 @@ def decode_routes(
     if nbytes == 0:
         # Zero rows hold no data, but NumPy still refuses a shape whose other
         # dims overflow; a row larger than the cap cannot be valid anyway.
-        check_size(
-            shape[1] * shape[2] * dtype.itemsize, max_bytes, name, f"a row of shape {list(shape[1:])} {dtype.name}"
-        )
+        check_size(shape[1] * shape[2] * dtype.itemsize, max_bytes, name, "a row of shape", list(shape[1:]), dtype.name)
     check_size(nbytes, max_bytes, name, described)
     _check_b64_length(data, nbytes, f"{name}.data", described)
     fast = _base64.decode_compact(data, shape=shape, wire=dtype.newbyteorder("<"), keep=True, num_experts=num_experts)
@@ -272,11 +270,9 @@ def decode_sglang_routes(
         raise WireFormatError(f"{name}: list-form routes are not accepted; expected SGLang's base64 string")
     row_bytes = int(num_layers) * int(topk) * wire_dtype.itemsize
     nbytes = base64_decoded_length(data, name=name)
-    if nbytes > max_bytes:
-        check_size(nbytes, max_bytes, name, f"{dtype} routes")
-    if nbytes % row_bytes or num_tokens is not None:  # the common case needs no names: the message is built only here
-        whole_rows(nbytes, row_bytes, {"num_layers": num_layers, "topk": topk}, num_tokens, name, dtype)
-    shape = (nbytes // row_bytes, int(num_layers), int(topk))
+    check_size(nbytes, max_bytes, name, dtype, "routes")
+    rows = whole_rows(nbytes, row_bytes, {"num_layers": num_layers, "topk": topk}, num_tokens, name, dtype)
+    shape = (rows, int(num_layers), int(topk))
     fast = _base64.decode_compact(data, shape=shape, wire=wire_dtype, num_experts=num_experts)
     if fast is not None:
         return fast
