@@ -24,6 +24,7 @@ from tests.reference_collate import assert_batch_equal, reference_packed, refere
 from torch_r3 import bench, cli
 from torch_r3.bench import memory, report, strategies
 from torch_r3.bench.checkout import load_targets
+from torch_r3.bench.reference import Reference
 from torch_r3.cpu import cpu_topology
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -195,7 +196,7 @@ def test_a_bad_registration_or_name_is_refused_naming_it(call, error, message):
 
 def test_a_strategy_that_differs_from_the_first_is_refused():
     batch = bench.make_batch(bench.BenchConfig(**TINY))
-    reference = strategies.Reference(batch.token_counts)
+    reference = Reference(batch.token_counts)
     reference.check(strategies.get_strategy(bench.SERIAL), bench.run_strategy(bench.SERIAL, batch))
     out = bench.run_strategy(bench.FRESH, batch)
     out["rollout_expert_indices"].view(-1)[0] += 1
@@ -205,7 +206,7 @@ def test_a_strategy_that_differs_from_the_first_is_refused():
 
 def test_a_packed_strategy_run_first_is_checked_once_a_padded_one_runs():
     batch = bench.make_batch(bench.BenchConfig(**TINY))
-    reference = strategies.Reference(batch.token_counts)
+    reference = Reference(batch.token_counts)
     reference.check(strategies.get_strategy(bench.PACKED), bench.run_strategy(bench.PACKED, batch))
     assert reference.checked_against == {bench.PACKED: None}
     reference.check(strategies.get_strategy(bench.FRESH), bench.run_strategy(bench.FRESH, batch))

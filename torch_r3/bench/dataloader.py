@@ -38,8 +38,9 @@ from torch_r3 import R3Collator
 from torch_r3._checks import check_int
 from torch_r3.bench.config import Batch, BenchConfig, make_batch
 from torch_r3.bench.memory import collector_paused
+from torch_r3.bench.reference import check_identical
 from torch_r3.bench.results import DataLoaderResult, DataLoaderRow
-from torch_r3.bench.strategies import check_identical, parallel_copy
+from torch_r3.bench.strategies import parallel_copy
 from torch_r3.collate._memory import accelerator_available
 from torch_r3.collate.collator import collate_routes, padded_length
 from torch_r3.collate.layout import Memory

@@ -22,6 +22,7 @@ from torch_r3._checks import check_choice
 from torch_r3.bench.config import BenchConfig, make_batch
 from torch_r3.bench.dataloader import configurations, run_dataloader
 from torch_r3.bench.memory import PeakRss, check_memory, collector_paused, estimate_memory, process_peak_rss
+from torch_r3.bench.reference import Reference
 from torch_r3.bench.results import BenchResult, ShapeResult, StrategyResult
 from torch_r3.bench.strategies import (
     FRESH,
@@ -32,7 +33,6 @@ from torch_r3.bench.strategies import (
     SERIAL,
     STRATEGIES,
     Context,
-    Reference,
     get_strategy,
     registered,
 )
