@@ -78,6 +78,17 @@ def test_doctor_says_which_base64_decoder_the_wire_codec_uses(monkeypatch, tmp_p
         assert wire["note"].startswith(f"pybase64 {metadata.version('pybase64')} (SIMD path: ")
 
 
+def test_doctor_says_which_json_parser_reads_the_bodies(tmp_path, capsys):
+    from torch_r3.rollout import _json
+
+    path = tmp_path / "doctor.json"
+    assert cli.main(["doctor", "--json", str(path)]) == 0
+    note = json.loads(path.read_text())["wire"]["json"]
+    assert note == _json.describe_parser()
+    assert note.startswith(f"orjson {metadata.version('orjson')} " if _json.parser() == "orjson" else "json.loads (")
+    assert f"JSON parser          {note}" in capsys.readouterr().out
+
+
 def test_doctor_reports_accelerator_and_pinned_memory(tmp_path, capsys):
     import torch
 

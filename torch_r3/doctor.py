@@ -63,9 +63,9 @@ def _pinned_memory(accelerator: bool) -> tuple[bool, str]:
 
 
 def _wire() -> dict[str, Any]:
-    from torch_r3.rollout import _base64
+    from torch_r3.rollout import _base64, _json
 
-    return {"decoder": _base64.decoder(), "note": _base64.describe_decoder()}
+    return {"decoder": _base64.decoder(), "note": _base64.describe_decoder(), "json": _json.describe_parser()}
 
 
 def _cpu() -> dict[str, Any]:
@@ -164,7 +164,11 @@ def format_doctor(r: dict[str, Any]) -> str:
 
     acc, cpus = r["accelerator"], r["cpu"]
     lines = ["versions"] + [row(k, v or "not installed") for k, v in r["versions"].items()]
-    lines += ["wire codec (routes off the HTTP body)", row("base64 decoder", r["wire"]["note"])]
+    lines += [
+        "wire codec (routes off the HTTP body)",
+        row("base64 decoder", r["wire"]["note"]),
+        row("JSON parser", r["wire"]["json"]),
+    ]
     build = ", ".join(f"{k} {v}" for k, v in (("CUDA", acc["cuda_build"]), ("HIP", acc["hip_build"])) if v)
     lines += [
         "accelerator",

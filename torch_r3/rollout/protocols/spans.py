@@ -41,6 +41,10 @@ the same result, or the same error, for either.
 Memory: the views are not copies; the rest, with placeholders, is one copy
 of the non-route bytes, and its parsed objects.
 
+Every `json.loads` named here is `torch_r3.rollout._json.loads`: the same
+value or the same error, read by orjson where it is installed and can give
+exactly that value.
+
 This module needs the standard library and NumPy (for the printable-ASCII
 check: one vectorised minimum per route string); it never imports aiohttp.
 """
@@ -48,13 +52,14 @@ check: one vectorised minimum per route string); it never imports aiohttp.
 from __future__ import annotations
 
 import functools
-import json
 import re
 import secrets
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+
+from torch_r3.rollout import _json
 
 # The body parser and its spec serve the transport and the protocols.
 __all__ = ["parse_body", "route_text_bytes"]
@@ -165,14 +170,14 @@ def parse_body(body: bytearray | bytes, paths: tuple[tuple[str, ...], ...]) -> A
     """
     pattern = _locator(paths)
     if len(body) < SMALL_BODY_BYTES:
-        return json.loads(body)
+        return _json.loads(body)
     spans = []
     for span in _candidates(body, pattern) if pattern is not None else ():
         spans.append(span)
         if len(spans) == MAX_SPANS:
             break
     if not spans:
-        return json.loads(body)
+        return _json.loads(body)
     marker = _MARKER
     view = memoryview(body).toreadonly()
     pieces: list[bytes | memoryview] = []
@@ -182,9 +187,9 @@ def parse_body(body: bytearray | bytes, paths: tuple[tuple[str, ...], ...]) -> A
         at = end
     pieces.append(view[at:])
     try:
-        tree = json.loads(b"".join(pieces))
+        tree = _json.loads(b"".join(pieces))
     except ValueError:
-        return json.loads(body)  # not a string value, or not JSON at all: the body's own answer
+        return _json.loads(body)  # not a string value, or not JSON at all: the body's own answer
     views = [view[first:end] for first, end in spans]
     if _place(tree, paths, marker, views) != len(spans):
         _restore(tree, marker, views)  # a key sat elsewhere too: there, the text it held
