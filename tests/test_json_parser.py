@@ -96,6 +96,7 @@ def test_every_number_literal_reads_to_the_same_int_or_the_same_float_bits(numbe
     [
         b"[999999999999999999, -999999999999999999]",  # 18 digits: orjson reads them as ints
         b"[9223372036854775807, -9223372036854775808, 18446744073709551615]",  # 19-20 digits: json.loads
+        b"[-0.0012345678901234567, 0.00012345678901234567890123, 1.5e-7, 12.000000000000000000001]",
         b"[-9223372036854775809, 18446744073709551616, 123456789012345678901234567890]",  # past 64 bits
         b'{"id": "chatcmpl-12345678901234567890", "n": 1}',  # a long run inside a string: json.loads, same value
         b"[NaN, Infinity, -Infinity, 1e400, -1e400, 1e-400]",
@@ -150,9 +151,21 @@ def test_orjson_reads_a_plain_body_and_json_loads_one_with_a_long_digit_run(monk
     plain = b'{"ids": [' + b", ".join(b"9" * 18 for _ in range(3)) + b'], "logprob": -1.5}'
     assert same(_json.loads(plain), json.loads(plain))
     assert calls == [plain]
-    long_run = b'{"ids": [' + b"9" * (_json.MAX_PLAIN_DIGITS + 1) + b"]}"
-    assert same(_json.loads(long_run), json.loads(long_run))
+    long_ints = [
+        b'{"ids": [' + b"9" * (_json.MAX_PLAIN_DIGITS + 1) + b"]}",
+        b'{"ids": [-' + b"9" * (_json.MAX_PLAIN_DIGITS + 1) + b"]}",
+        b"1" * (_json.MAX_PLAIN_DIGITS + 1),  # at the body's start
+        b"[" + b"1" * 30 + b".5, 1" + b"2" * 25 + b"e3]",  # a float's long integer part: json.loads too
+        b"[-0.0012345678901234567, 0.1234567890123456789012, 12345678901234567890]",  # after fractions
+    ]
+    for body in long_ints:
+        assert same(_json.loads(body), json.loads(body))
     assert calls == [plain]  # not handed to orjson
+    # A fraction's digits follow the point: log-probs as Python and pydantic write them stay with orjson.
+    logprobs = json.dumps({"logprobs": [-0.0012345678901234567, -0.0009876543210987653, -0.5]}).encode()
+    assert b"0012345678901234567" in logprobs
+    assert same(_json.loads(logprobs), json.loads(logprobs))
+    assert calls == [plain, logprobs]
 
 
 @needs_orjson
