@@ -54,7 +54,7 @@ import pybase64
 
 from torch_r3.bench.trust import BUSY_LOAD_PER_CPU, SPREAD_LIMIT
 from torch_r3.cpu import loadavg_1min, usable_cpus
-from torch_r3.rollout import _base64, _offload, codec
+from torch_r3.rollout import _base64, _json, _offload, codec
 from torch_r3.rollout.protocols import PROTOCOLS, GenerateCall, ParsedResponse, RouteLimits
 from torch_r3.rollout.protocols.spans import parse_body
 
@@ -389,7 +389,8 @@ def report(
 ) -> str:
     usable = usable_cpus()
     lines = [
-        f"wire bench  ({rounds} interleaved rounds, medians; pybase64 {pybase64.__version__} ({_base64.describe_decoder()}))",
+        f"wire bench  ({rounds} interleaved rounds, medians; pybase64 {pybase64.__version__} ({_base64.describe_decoder()}); "
+        f"JSON: {_json.describe_parser()})",
         f"CPU: usable {usable:g}, decode pool {_offload.decode_workers()} threads, load average "
         f"{load_before:.2f} at the start, {load_after:.2f} at the end",
     ]
