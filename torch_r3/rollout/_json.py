@@ -41,7 +41,7 @@ ENV_JSON = "TORCH_R3_JSON"
 #: one may pass -2**63 and from 20 a positive one 2**64, which orjson would turn into a float.
 MAX_PLAIN_DIGITS = 18
 # Every digit byte to "1", the point to ".", every other byte to "0": a run of digits is then a
-# run of "1"s, and one that an integer literal could be starts after a "0" (or the body's start).
+# run of "1"s, and one right after a "." is a fraction's (see `_long_integer`).
 _DIGITS = bytes(0x31 if 0x30 <= b <= 0x39 else 0x2E if b == 0x2E else 0x30 for b in range(256))
 _LONG_RUN = b"1" * (MAX_PLAIN_DIGITS + 1)
 _POINT = ord(".")
@@ -88,9 +88,7 @@ def loads(body: bytes | bytearray) -> Any:
         [123456789012345678901234567890, nan]
     """
     fast = _FAST
-    if fast is None:
-        return json.loads(body)
-    if _long_integer(body.translate(_DIGITS)):
+    if fast is None or _long_integer(body.translate(_DIGITS)):
         return json.loads(body)
     try:
         return fast(body)
